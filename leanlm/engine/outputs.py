@@ -1,0 +1,95 @@
+"""Stage contracts: what the scheduler hands the model runner, what the runner hands back, and the
+public per-request results (vLLM-shaped `RequestOutput` / `CompletionOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from leanlm.engine.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Parallel lists, in batch order: the runner lays tokens out in this order."""
+
+    scheduled_requests: list[Request]  # running requests that compute tokens this step
+    num_scheduled_tokens: list[int]  # per request: tokens to compute, from request.num_computed_tokens on
+    block_ids: list[list[int]]  # per request: its KV block ids, covering num_computed + num_scheduled tokens
+    preempted_request_ids: list[str] = field(default_factory=list)  # preempted during this schedule()
+    finished_request_ids: list[str] = field(default_factory=list)  # finished since the last schedule()
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward produced, parallel to SchedulerOutput.scheduled_requests."""
+
+    # Per request: tokens sampled this step; empty when the chunk ended inside the prompt (partial prefill).
+    sampled_token_ids: list[list[int]]
+    # Per request: for each sampled token, {token id: logprob} with the top-k and the chosen token; or None.
+    logprobs: list[list[dict[int, float]] | None]
+    # Per request: for each prompt position computed this step, {token id: logprob} (None for position 0).
+    prompt_logprobs: list[list[dict[int, float] | None] | None]
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) and counts for one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_preemptions: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt."""
+
+    index: int  # which of the n completions
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per generated token, when SamplingParams.logprobs is set
+    finish_reason: str | None  # 'stop' | 'length' | 'abort' | 'error'; None while streaming
+    stop_reason: int | str | None = None  # the stop token id or string that matched
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for lp, t in zip(self.logprobs, self.token_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result (or, while streaming, the progress so far) of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,108 @@
+"""Request: one sequence's state in the engine. The scheduler's single rule reads two counts from it:
+`num_tokens` (prompt + generated) and `num_computed_tokens` (how many of those have KV in the cache)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from leanlm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after its blocks were freed; recomputes on resume
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"  # cancelled by the user, or failed on its own
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason ('stop', 'length', 'abort', 'error'), None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+class Request:
+    """Mutable per-request state. Token lists only grow; `num_computed_tokens` may drop to 0 on preemption."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, in order
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.error: str | None = None  # why it failed, when status is FINISHED_ERROR
+        # Logprobs: one dict per generated token / per prompt position (None at position 0).
+        self.output_logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] = []
+        # Seeded requests own a generator so their samples do not depend on what else is in the batch.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling_params.seed)
+        # Timing, filled by the engine (time.monotonic()).
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once every prompt token has KV; a chunk that ends here yields a sampled token."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,72 @@
+"""SamplingParams: what one request asks of the sampler and the stop conditions (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. Validated on construction; messages say how to fix the value."""
+
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int | None = None  # keep the k most likely tokens; None, 0 or -1 keep all (vLLM accepts -1)
+    min_p: float = 0.0  # drop tokens whose probability < min_p * max probability
+    presence_penalty: float = 0.0  # OpenAI: subtract once if the token appeared in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
+    repetition_penalty: float = 1.0  # CTRL: divide positive / multiply negative logits of seen tokens
+    seed: int | None = None  # makes this request's samples reproducible, whatever else is batched with it
+    max_tokens: int = 16  # most tokens to generate
+    min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens exist
+    stop: tuple[str, ...] = ()  # strings that end generation; not included in the text
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end generation, besides EOS
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt position (plus the actual token)
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # room for extensions
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k in (0, -1):
+            object.__setattr__(self, "top_k", None)
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < -1):
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
