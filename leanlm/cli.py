@@ -1,0 +1,180 @@
+"""The `leanlm` command: generate | chat | models. Engine flags come from EngineConfig's fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import types
+import typing
+
+from leanlm.config import EngineConfig
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One --flag per dataclass field, typed from its annotation, defaulting to the field's default."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(f"{cls.__name__} options")
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
+        flag = "--" + field.name.replace("_", "-")
+        if base is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            group.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper())
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    from leanlm.loading.registry import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    _add_dataclass_args(parser, EngineConfig)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from leanlm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+    )
+
+
+def _load_llm(args: argparse.Namespace):
+    from leanlm.llm import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, **_engine_options(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # validate flags before the (slow) model load
+    llm = _load_llm(args)
+    prompts = list(args.prompts)
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - start
+    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(f"{prompt}{completion.text}" if not args.chat else completion.text)
+            print()
+    print(f"[{num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} tokens/s, "
+          f"{llm.model_config.name or args.model}, {str(llm.dtype).removeprefix('torch.')}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load_llm(args)
+    engine, tokenizer = llm.llm_engine, llm.tokenizer
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    print("Chatting with {}. /reset clears the history, /exit or Ctrl-D quits.".format(args.model), file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        request_id = engine.add_request(prompt_ids, params)
+        shown, reply = 0, ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    reply = out.outputs[0].text
+                    print(reply[shown:], end="", flush=True)
+                    shown = len(reply)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from leanlm.loading import registry
+
+    if args.action == "pull":
+        if not args.name:
+            raise SystemExit("usage: leanlm models pull NAME")
+        path = registry.pull_model(args.name)
+        print(f"{args.name}: {path}")
+        return 0
+    for entry in registry.list_models():
+        print(registry.format_model_entry(entry))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts (batched)")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_model_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_model_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+
+    models = sub.add_parser("models", help="list bundled models, or `pull NAME` to install one")
+    models.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
+    models.add_argument("name", nargs="?")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as exc:
+        print(f"leanlm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""LLMEngine: one loop of schedule -> execute -> update over a paged KV cache (continuous batching).
+
+Requests enter through `add_request` (validated there, so a bad one never reaches a batch); `step()` runs one
+batch and returns the RequestOutputs that changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from leanlm.config import EngineConfig
+from leanlm.engine.block_pool import BlockPool
+from leanlm.engine.kv_cache import KVCacheManager
+from leanlm.engine.model_runner import ModelRunner
+from leanlm.engine.output_processor import OutputProcessor
+from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.request import Request
+from leanlm.engine.scheduler import Scheduler
+from leanlm.loading.tokenizer import Tokenizer
+from leanlm.model.llama import LlamaForCausalLM
+from leanlm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer,
+        engine_config: EngineConfig,
+        device: torch.device,
+        kv_cache_dtype: torch.dtype,
+    ) -> None:
+        self.model_config = model.config
+        self.engine_config = engine_config
+        self.tokenizer = tokenizer
+        self.device = device
+        context = self.model_config.max_position_embeddings
+        self.max_model_len = min(engine_config.max_model_len or context, context)
+        self.model_runner = ModelRunner(model, engine_config, device, kv_cache_dtype)
+        pool = BlockPool(self.model_runner.num_blocks, enable_prefix_caching=engine_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(pool, engine_config.block_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer.eos_token_ids))
+        self.eos_token_ids = eos_ids
+        self.scheduler = Scheduler(
+            engine_config, self.kv_cache_manager, self.max_model_len, eos_ids,
+            stop_checker=self.output_processor.check_stop,
+        )
+        self._ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """A text prompt is encoded with the tokenizer's defaults; a token list is checked against the vocab."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give some text or token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = [int(t) for t in prompt]
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        return None, token_ids
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty after tokenization; give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the context holds {self.max_model_len} "
+                f"(prompt + at least one generated token); shorten the prompt"
+            )
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id."""
+        prompt_text, token_ids = self.tokenize_prompt(prompt)
+        self.validate(token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.output_processor.child_ids(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = [
+            Request(f"{request_id}#{i}" if params.n > 1 else request_id, token_ids, _child_params(params, i),
+                    device=self.device)
+            for i in range(params.n)
+        ]
+        self.output_processor.add(request_id, prompt_text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request (all its completions) and free its KV blocks; returns its final output."""
+        children = self.output_processor.child_ids(request_id)
+        aborted = [r for r in (self.scheduler.abort_request(cid) for cid in children) if r is not None]
+        outputs = self.output_processor.make_outputs(aborted)
+        self.output_processor.forget(request_id)
+        return outputs[0] if outputs else None
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute(scheduler_output)
+        return self.output_processor.make_outputs(self.scheduler.update(scheduler_output, runner_output))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.model_runner.num_blocks
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.model_runner.num_blocks * self.engine_config.block_size
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion i of n: its own seed (seed + i) so seeded siblings differ but stay reproducible."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

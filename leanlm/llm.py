@@ -1,0 +1,148 @@
+"""LLM: the offline entry point, shaped like vLLM's (`LLM(model=...).generate(prompts, SamplingParams(...))`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from leanlm.config import EngineConfig, parse_dtype
+from leanlm.engine.engine import LLMEngine
+from leanlm.engine.outputs import RequestOutput
+from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.loading.registry import DEFAULT_MODEL
+from leanlm.model.llama import build_model
+from leanlm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matmuls run at full speed on this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' picks bfloat16 where the hardware runs it fast, else float32."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
+class LLM:
+    """Load a model (bundled name, GGUF file or HF directory) and generate with continuous batching."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        attention_backend: str = "torch",
+        progress: bool = True,
+        **engine_options,
+    ) -> None:
+        unknown = set(engine_options) - _ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(_ENGINE_FIELDS)}")
+        self.engine_config = EngineConfig(**engine_options)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = resolve_dtype(dtype, self.device)
+        checkpoint = load_checkpoint(model, progress=progress)
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, attention_backend)
+        self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched) and return their outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        engine = self.llm_engine
+        # Validate everything before queueing anything: a bad prompt fails fast and disturbs nothing.
+        for prompt, params in zip(prompt_list, params_list):
+            engine.validate(engine.tokenize_prompt(prompt)[1], params)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id not in finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in request_ids:  # never leave requests holding KV blocks behind
+                if request_id not in finished:
+                    engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+    return params

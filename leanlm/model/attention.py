@@ -1,0 +1,119 @@
+"""Paged attention backends behind a small registry.
+
+The reference backend ("torch") runs anywhere PyTorch does: it writes new K/V into the paged cache, then
+attends from it with scaled_dot_product_attention, one-token rows (decodes) batched, prompt chunks one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from leanlm.model.context import ForwardContext, PrefillSpan
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D] (rotary applied)
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        scale: float,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+    return _BACKENDS[name]()
+
+
+@register_backend("torch")
+class TorchAttentionBackend:
+    """Reference paged attention over PyTorch's SDPA (CPU and CUDA)."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, scale, ctx):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, ctx.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, ctx.slot_mapping, v.to(v_flat.dtype))
+        out = torch.empty_like(q)
+        if ctx.decode_max_seq_len:
+            out[ctx.decode_token_idx] = _decode(q[ctx.decode_token_idx], k_flat, v_flat, scale, ctx)
+        for span in ctx.prefills:
+            out[span.token_start : span.token_end] = _prefill(q, k, v, k_flat, v_flat, scale, span, ctx.block_size)
+        return out
+
+
+def _gather_slots(block_ids: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Cache slot ids of the first `length` tokens: block_ids [..., nb] -> [..., length]."""
+    offsets = torch.arange(block_size, device=block_ids.device)
+    slots = (block_ids.unsqueeze(-1) * block_size + offsets).flatten(-2)
+    return slots[..., :length]
+
+
+def _decode(q, k_flat, v_flat, scale, ctx: ForwardContext) -> torch.Tensor:
+    """One query per request: q [Bd, H, D] -> [Bd, H, D], all requests in one SDPA call."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_flat.shape[1]
+    group = num_heads // num_kv_heads
+    max_len = ctx.decode_max_seq_len
+    slots = _gather_slots(ctx.decode_block_tables, ctx.block_size, max_len)  # [Bd, L]
+    keys = k_flat[slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+    values = v_flat[slots].transpose(1, 2)
+    valid = torch.arange(max_len, device=q.device) < ctx.decode_seq_lens.unsqueeze(1)  # [Bd, L]
+    # The `group` query heads sharing a KV head ride as that head's query rows: no K/V repetition.
+    queries = q.view(num_reqs, num_kv_heads, group, head_dim).to(keys.dtype)  # [Bd, Hkv, G, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
+
+
+def _prefill(q, k, v, k_flat, v_flat, scale, span: PrefillSpan, block_size: int) -> torch.Tensor:
+    """A chunk of n new tokens at the end of a seq_len-token sequence, causal: -> [n, H, D]."""
+    n = span.token_end - span.token_start
+    num_heads = q.shape[1]
+    queries = q[span.token_start : span.token_end].transpose(0, 1)  # [H, n, D]
+    if span.seq_len == n:  # nothing cached before this chunk: use the fresh K/V directly
+        keys = k[span.token_start : span.token_end]
+        values = v[span.token_start : span.token_end]
+    else:
+        slots = _gather_slots(span.block_ids, block_size, span.seq_len)  # [S]
+        keys, values = k_flat[slots], v_flat[slots]  # [S, Hkv, D]
+    group = num_heads // keys.shape[1]
+    keys = keys.transpose(0, 1).repeat_interleave(group, dim=0).to(queries.dtype)  # [H, S, D]
+    values = values.transpose(0, 1).repeat_interleave(group, dim=0).to(queries.dtype)
+    if span.seq_len == n:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    else:
+        # query j sits at absolute position seq_len - n + j and sees keys 0 .. seq_len - n + j
+        q_pos = torch.arange(span.seq_len - n, span.seq_len, device=q.device)
+        mask = torch.arange(span.seq_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, S]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)  # [n, H, D]

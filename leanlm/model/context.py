@@ -1,0 +1,105 @@
+"""ForwardContext: the flat batch metadata attention layers read during one forward.
+
+Set by the model runner through `forward_context(ctx)`, which refuses nesting; the model never sees a Request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One request with several new tokens (a prompt chunk): attention runs on it alone."""
+
+    token_start: int  # its tokens are rows [token_start, token_end) of the batch
+    token_end: int
+    seq_len: int  # tokens with KV after this step; the new ones are the last (token_end - token_start)
+    block_ids: torch.Tensor  # [num_blocks] long, covering seq_len tokens
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Batch layout of one forward over B requests and T = sum of their scheduled tokens."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) for each new token
+    block_tables: torch.Tensor  # [B, max_blocks] long: each request's KV block ids, padded with 0
+    query_start_loc: torch.Tensor  # [B+1] long: request i's tokens are rows [qsl[i], qsl[i+1]) of the batch
+    seq_lens: torch.Tensor  # [B] long: tokens with KV after this step (computed before + scheduled now)
+    block_size: int
+    # The batch split for attention: one-token requests (decodes) run batched, the rest one by one.
+    decode_token_idx: torch.Tensor  # [Bd] long: batch rows of the one-token requests
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] long
+    decode_seq_lens: torch.Tensor  # [Bd] long
+    decode_max_seq_len: int  # 0 when there is no decode
+    prefills: tuple[PrefillSpan, ...]
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` visible to attention layers for the duration of one forward (per thread, not nestable)."""
+    if getattr(_state, "ctx", None) is not None:
+        raise RuntimeError("forward_context is already set: one forward at a time per thread")
+    _state.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _state.ctx = None
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = getattr(_state, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("no forward context: run the model through ModelRunner (or inside forward_context)")
+    return ctx
+
+
+def build_forward_context(
+    query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]], block_size: int, device: torch.device
+) -> ForwardContext:
+    """Lay out B requests' metadata: query_lens[i] new tokens ending at seq_lens[i], KV in block_ids[i]."""
+    num_reqs = len(query_lens)
+    max_blocks = max(len(b) for b in block_ids)
+    table = [b + [0] * (max_blocks - len(b)) for b in block_ids]
+    qsl = [0]
+    slots: list[int] = []
+    for q_len, s_len, blocks in zip(query_lens, seq_lens, block_ids):
+        qsl.append(qsl[-1] + q_len)
+        for pos in range(s_len - q_len, s_len):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    decode_rows = [i for i in range(num_reqs) if query_lens[i] == 1]
+    decode_seq = [seq_lens[i] for i in decode_rows]
+    prefills = tuple(
+        PrefillSpan(qsl[i], qsl[i + 1], seq_lens[i], torch.tensor(block_ids[i], dtype=torch.long, device=device))
+        for i in range(num_reqs)
+        if query_lens[i] > 1
+    )
+
+    def as_tensor(x: list) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    decode_table = [table[i] for i in decode_rows]
+    return ForwardContext(
+        slot_mapping=as_tensor(slots),
+        block_tables=as_tensor(table),
+        query_start_loc=as_tensor(qsl),
+        seq_lens=as_tensor(seq_lens),
+        block_size=block_size,
+        decode_token_idx=as_tensor([qsl[i] for i in decode_rows]),
+        decode_block_tables=as_tensor(decode_table) if decode_table else torch.zeros(0, max_blocks, dtype=torch.long, device=device),
+        decode_seq_lens=as_tensor(decode_seq),
+        decode_max_seq_len=max(decode_seq, default=0),
+        prefills=prefills,
+    )

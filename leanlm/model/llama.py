@@ -1,0 +1,136 @@
+"""One Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 via `attention_bias`) over flat token batches.
+
+Module and weight names follow HF's LlamaForCausalLM, so HF state dicts load as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leanlm.config import ModelConfig
+from leanlm.model.attention import AttentionBackend, get_backend
+from leanlm.model.context import get_forward_context
+from leanlm.model.layers import RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.backend = backend
+        # Bound by the model runner: this layer's slice of the paged cache, [num_blocks, block_size, Hkv, D].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache is not bound: the model runs through leanlm's ModelRunner")
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale, get_forward_context())
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, rotary)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T]) -> hidden [T, hidden]; compute_logits(hidden [N, .]) -> [N, V]."""
+
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, get_backend(attention_backend))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb: RotaryEmbedding | None = None  # built on the real device by build_model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.rotary_emb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give each attention layer its (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+
+
+def build_model(
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    attention_backend: str = "torch",
+) -> LlamaForCausalLM:
+    """Instantiate without random init (meta device), then adopt `state_dict` (HF names) in `dtype`."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attention_backend)
+    weights = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
+    if config.tie_word_embeddings:
+        if "lm_head.weight" in weights:
+            raise ValueError("tied-embedding model has an lm_head.weight tensor; set tie_word_embeddings=False")
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(weights), set(weights) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the {config.architecture} architecture: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.rotary_emb = RotaryEmbedding(
+        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+    ).to(device)
+    return model.eval().requires_grad_(False)
