@@ -108,7 +108,9 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_scaling = None
-        raw_scaling = cfg.get("rope_scaling")
+        # transformers >= 5 writes `rope_parameters` (rope_theta inside); older configs `rope_scaling`.
+        rope_params = cfg.get("rope_parameters") or {}
+        raw_scaling = cfg.get("rope_scaling") or rope_params
         if raw_scaling:
             rope_type = raw_scaling.get("rope_type", raw_scaling.get("type"))
             if rope_type not in (None, "default"):
@@ -132,7 +134,7 @@ class ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),

@@ -1,0 +1,96 @@
+"""What the machine gives a benchmark: memory bandwidth, and how much CPU other processes took meanwhile.
+
+Timed repetitions record the share of CPU that *other* processes used (from /proc/stat and /proc/self/stat),
+so a repetition slowed by a neighbour can be discarded instead of averaged in.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def _system_busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies over all CPUs since boot, from the first line of /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+    return total - idle, total
+
+
+def _own_jiffies() -> int:
+    """utime + stime of this process and its threads (and waited-for children)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU use during one timed interval."""
+
+    seconds: float
+    own_share: float  # this process, as a fraction of all CPUs
+    other_share: float  # everything else, as a fraction of all CPUs
+
+    def is_contaminated(self, threshold: float = 0.10) -> bool:
+        return self.other_share > threshold
+
+
+class CpuMonitor:
+    """`with CpuMonitor() as m: ...` then `m.sample` says how busy the others were."""
+
+    def __enter__(self) -> "CpuMonitor":
+        self._busy0, self._total0 = _system_busy_jiffies()
+        self._own0 = _own_jiffies()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy1, total1 = _system_busy_jiffies()
+        own = _own_jiffies() - self._own0
+        total = max(total1 - self._total0, 1)
+        busy = busy1 - self._busy0
+        self.sample = CpuSample(
+            seconds=time.perf_counter() - self._t0,
+            own_share=min(own / total, 1.0),
+            other_share=max(busy - own, 0) / total,
+        )
+
+
+def measure_memory_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Sustained read bandwidth in bytes/s: best of `repeats` full reductions over a buffer bigger than caches."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is in KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def describe_machine() -> str:
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
