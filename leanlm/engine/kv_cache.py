@@ -35,8 +35,8 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         # Hashes of each request's full blocks, computed once; survive preemption (tokens never change).
         self._req_to_hashes: dict[str, list[int]] = {}
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens served from the cache
+        self.prefix_cache_queries = 0  # tokens of admitted requests that were looked up
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -79,10 +79,7 @@ class KVCacheManager:
             if block is None:
                 break
             hit_blocks.append(block)
-        num_hit_tokens = len(hit_blocks) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hit_blocks, num_hit_tokens
+        return hit_blocks, len(hit_blocks) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
@@ -101,6 +98,8 @@ class KVCacheManager:
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_revived:
             return None
+        if not blocks:
+            self._record_lookup(request, len(new_computed_blocks))
         self.block_pool.touch(new_computed_blocks)  # before get_new_blocks, which could evict them
         blocks = blocks + list(new_computed_blocks) + self.block_pool.get_new_blocks(num_new_blocks)
         self._req_to_blocks[request_id] = blocks
@@ -124,6 +123,13 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         return self.block_pool.reset_prefix_cache()
+
+    def _record_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Hit-rate counters, in tokens. Counted when a request is admitted, not per lookup, so a queue head
+        that waits for blocks over many steps is counted once."""
+        if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_blocks * self.block_size
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_known_tokens: int) -> None:
         """Register blocks full of known tokens by the end of this step. Safe to share at once: the runner

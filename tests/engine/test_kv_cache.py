@@ -128,6 +128,7 @@ def test_allocation_failure_changes_nothing():
     assert num_hit == 8
     assert kv.allocate_slots(b, 12, hit_blocks) is None
     assert kv.num_free_blocks == 4 and [blk.ref_cnt for blk in hit_blocks] == [0, 0]
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (8, 0)  # a failed admission is not counted
     assert kv.get_block_ids("b") == []
     # 4 blocks do fit, counting the two revived hits out of the free ones.
     c = make_request("c", list(range(8)) + list(range(50, 58)))
@@ -150,6 +151,7 @@ def test_prompt_logprobs_requests_skip_the_lookup():
     admit(kv, make_request("a", list(range(10))))
     b = make_request("b", list(range(10)), prompt_logprobs=0)
     assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.allocate_slots(b, 10) == [3, 4, 5]
     assert kv.prefix_cache_queries == 10  # only a's lookup counted
 
 

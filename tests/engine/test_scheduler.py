@@ -230,6 +230,7 @@ def test_preempt_newest_running_then_resume_and_finish():
     assert b.num_cached_tokens == 0  # set when first scheduled, not on resume
     stats = sched.stats()
     assert stats.num_preemptions == 2 and stats.num_finished == {"length": 3}
+    assert stats.prefix_cache_hit_rate == 4 / 23  # admissions: a 8, b 3, c 3, then b 5 (4 hit), c 4
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert_all_blocks_free(sched)
 
