@@ -1,0 +1,157 @@
+"""KVCacheManager: which blocks each request holds, and automatic prefix caching over chained block hashes
+(PagedAttention, Kwon et al. 2023; the hash-chain prefix cache of vLLM v1)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from leanlm.engine.block_pool import BlockPool, KVBlock
+from leanlm.engine.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of one full block: chains the previous block's hash, so equal hashes mean equal prefixes
+    (up to 64-bit collisions). Python's hash of ints and tuples is not salted, so it is stable."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-request block lists over one BlockPool.
+
+    Invariant: request r holds blocks covering its first `r.num_computed_tokens` tokens (plus whatever was
+    allocated for the step being run); `_num_cached_blocks[r]` leading blocks are registered in the cache.
+    """
+
+    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        # Hashes of each request's full blocks, computed once; survive preemption (tokens never change).
+        self._req_to_hashes: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0  # tokens of admitted requests that were looked up
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.block_pool.enable_prefix_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return cdiv(num_tokens, self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks matching the request's tokens, and the tokens they cover.
+
+        At least the last token is left uncomputed: the model must run on >= 1 token to give logits.
+        Requests asking for prompt logprobs skip the lookup: they need every prompt position computed.
+        """
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        if self._req_to_blocks.get(request.request_id):
+            raise RuntimeError(f"request {request.request_id!r} already holds blocks; look up only before allocating")
+        hashes = self._block_hashes(request, request.num_tokens // self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks: list[KVBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit_blocks.append(block)
+        return hit_blocks, len(hit_blocks) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[int] | None:
+        """Make the request hold blocks for num_computed + len(new_computed_blocks) * block_size +
+        num_new_tokens tokens. Takes a reference on the prefix-hit blocks. Returns all its block ids, or
+        None (changing nothing) when the pool cannot provide the blocks."""
+        request_id = request.request_id
+        blocks = self._req_to_blocks.get(request_id, [])
+        if new_computed_blocks and blocks:
+            raise RuntimeError(f"request {request_id!r}: prefix-hit blocks are only accepted before allocation")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = max(0, self.num_blocks_for(num_total) - len(blocks) - len(new_computed_blocks))
+        # Free prefix-hit blocks leave the free queue when touched, so they cannot also be handed out new.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_revived:
+            return None
+        if not blocks:
+            self._record_lookup(request, len(new_computed_blocks))
+        self.block_pool.touch(new_computed_blocks)  # before get_new_blocks, which could evict them
+        blocks = blocks + list(new_computed_blocks) + self.block_pool.get_new_blocks(num_new_blocks)
+        self._req_to_blocks[request_id] = blocks
+        if new_computed_blocks:
+            self._num_cached_blocks[request_id] = len(new_computed_blocks)
+        self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
+        return [block.block_id for block in blocks]
+
+    def free(self, request: Request, *, keep_hashes: bool = False) -> None:
+        """Release the request's blocks tail-first (its tail is evicted before its shareable head) and
+        forget it. `keep_hashes` keeps its block hashes for a preempted request that will resume."""
+        request_id = request.request_id
+        blocks = self._req_to_blocks.pop(request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self._num_cached_blocks.pop(request_id, None)
+        if not keep_hashes:
+            self._req_to_hashes.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached hash and the hit-rate counters; returns how many hashes were dropped."""
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        return self.block_pool.reset_prefix_cache()
+
+    def _record_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Hit-rate counters, in tokens. Counted when a request is admitted, not per lookup, so a queue head
+        that waits for blocks over many steps is counted once."""
+        if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_blocks * self.block_size
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_known_tokens: int) -> None:
+        """Register blocks full of known tokens by the end of this step. Safe to share at once: the runner
+        writes every scheduled token's KV (per layer, for the whole batch) before attention reads it."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_known_tokens // self.block_size
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= num_cached:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for block_idx in range(num_cached, num_full):
+            self.block_pool.cache_full_block(blocks[block_idx], hashes[block_idx])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Hashes of the request's first `num_full_blocks` blocks, extending the memoized list as needed."""
+        hashes = self._req_to_hashes.setdefault(request.request_id, [])
+        token_ids = request.all_token_ids
+        size = self.block_size
+        while len(hashes) < num_full_blocks:
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, token_ids[start:start + size]))
+        return hashes[:num_full_blocks] if len(hashes) > num_full_blocks else hashes

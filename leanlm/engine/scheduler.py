@@ -1,0 +1,288 @@
+"""Scheduler: vLLM v1's single rule. Each step hands a token budget to running requests first, then to
+waiting ones after a prefix-cache lookup; chunked prefill and decode are the same case with different
+counts. When blocks run out, the newest running request is preempted and later recomputed."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from leanlm.config import EngineConfig
+from leanlm.engine.kv_cache import KVCacheManager
+from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from leanlm.engine.request import Request, RequestStatus
+
+# Returns the stop string the request's text now ends with (e.g. via the detokenizer), or None.
+StopChecker = Callable[[Request], str | None]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    prefix_cache_hit_rate: float  # hit tokens / looked-up tokens, since start or the last reset
+    num_preemptions: int  # total since start
+    num_finished: dict[str, int] = field(default_factory=dict)  # finish reason ('stop', ...) -> count
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list. Invariants: every unfinished request is in exactly one
+    of them; only running requests hold KV blocks; running keeps admission order (newest last)."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        stop_checker: StopChecker | None = None,
+    ) -> None:
+        self.config = engine_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_checker = stop_checker
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []  # finished since the last schedule(), for the runner
+        self._finished_in_schedule: list[Request] = []  # failed inside schedule(); reported by update()
+        self.num_preemptions = 0
+        self.num_finished: Counter[str] = Counter()
+
+    # ---- queries -------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_hit_rate=self.kv_cache_manager.prefix_cache_hit_rate,
+            num_preemptions=self.num_preemptions,
+            num_finished=dict(self.num_finished),
+        )
+
+    # ---- requests in and out -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine; use a unique id")
+        if request.is_finished:
+            raise ValueError(f"request {request.request_id!r} is already finished ({request.status.name})")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Cancel a waiting or running request and free its blocks; None if it is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_with_error(self, request_id: str, message: str) -> Request | None:
+        """Fail one request alone (FINISHED_ERROR with `message`); None if it is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.error = message
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        return request
+
+    # ---- schedule ------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(scheduled_requests=[], num_scheduled_tokens=[], block_ids=[])
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # A step that preempted is short of blocks: admitting new work would only preempt again.
+        if not output.preempted_request_ids:
+            self._schedule_waiting(output, budget)
+        output.finished_request_ids = self._finished_ids
+        self._finished_ids = []
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Give each running request, oldest first, the tokens it still lacks, within the budget.
+        Returns the budget left."""
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while block_ids is None:
+                # The victim is the newest running request: never one already scheduled in this step,
+                # since those come before `idx`.
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is None:
+                break  # the request preempted itself; it was the last running one
+            self._add_to_output(output, request, num_new, block_ids)
+            budget -= num_new
+            idx += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests FIFO while the budget, max_num_seqs and the pool allow."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._fail_if_never_fits(request):
+                continue
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            if block_ids is None:
+                if not self.running:
+                    # Nothing will ever free a block for it: fail it rather than wait forever.
+                    self._fail_in_schedule(request, self._too_big_message(request, num_hit_tokens + num_new))
+                    continue
+                break  # FIFO: later requests wait behind the head
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_to_output(output, request, num_new, block_ids)
+            budget -= num_new
+
+    def _fail_if_never_fits(self, request: Request) -> bool:
+        """Fail the request when its tokens need more blocks than the whole pool (it would otherwise be
+        chunked in, run out of blocks, preempt itself and start over forever)."""
+        if self.kv_cache_manager.num_blocks_for(request.num_tokens) <= self.kv_cache_manager.block_pool.num_blocks:
+            return False
+        self._fail_in_schedule(request, self._too_big_message(request, request.num_tokens))
+        return True
+
+    def _too_big_message(self, request: Request, num_tokens: int) -> str:
+        kv = self.kv_cache_manager
+        return (
+            f"request {request.request_id!r} needs {kv.num_blocks_for(num_tokens)} KV blocks for {num_tokens} "
+            f"tokens but the pool has only {kv.block_pool.num_blocks} blocks of {kv.block_size} tokens; "
+            f"give the engine more KV cache memory (num_kv_blocks) or lower max_model_len / the prompt length"
+        )
+
+    def _fail_in_schedule(self, request: Request, message: str) -> None:
+        request.error = message
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._finished_in_schedule.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop its KV and put it at the front of the waiting queue."""
+        self.kv_cache_manager.free(request, keep_hashes=True)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    @staticmethod
+    def _add_to_output(output: SchedulerOutput, request: Request, num_new: int, block_ids: list[int]) -> None:
+        output.scheduled_requests.append(request)
+        output.num_scheduled_tokens.append(num_new)
+        output.block_ids.append(block_ids)
+
+    # ---- update --------------------------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance each scheduled request by what the runner computed and sampled; finish those that hit a
+        stop condition. Returns the requests that got tokens or finished (including any that failed inside
+        schedule()), each once, in batch order."""
+        changed = self._finished_in_schedule
+        self._finished_in_schedule = []
+        for idx, request in enumerate(scheduler_output.scheduled_requests):
+            if request.is_finished:
+                continue  # aborted between schedule() and update()
+            num_computed_before = request.num_computed_tokens
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx]
+            prompt_logprobs = runner_output.prompt_logprobs[idx] if runner_output.prompt_logprobs else None
+            if prompt_logprobs:
+                self._record_prompt_logprobs(request, num_computed_before, prompt_logprobs)
+            sampled = runner_output.sampled_token_ids[idx]
+            logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
+            finished = self._append_tokens(request, sampled, logprobs)
+            if sampled or finished:
+                changed.append(request)
+        return changed
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list | None) -> bool:
+        """Append sampled tokens one by one, stopping at the first stop condition. Returns True if the
+        request finished."""
+        for token_idx, token_id in enumerate(token_ids):
+            request.append_output_token_ids(token_id)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs[token_idx])
+            now = time.monotonic()
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                return True  # later tokens (speculative ones) are dropped
+        return False
+
+    @staticmethod
+    def _record_prompt_logprobs(request: Request, start: int, entries: list) -> None:
+        """Entries cover prompt positions start, start+1, ...; keep only positions not recorded yet (a
+        preempted request recomputes its prompt)."""
+        for offset, entry in enumerate(entries):
+            if start + offset == len(request.prompt_logprobs):
+                request.prompt_logprobs.append(entry)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Stop conditions in priority order; sets request.stop_reason. EOS, stop ids and stop strings
+        count only once min_tokens tokens exist."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if self.stop_checker is not None:
+                stop_str = self.stop_checker(request)
+                if stop_str is not None:
+                    request.stop_reason = stop_str
+                    return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Move an unfinished request out of the queues, free its blocks and record it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+        self.num_finished[status.value] += 1

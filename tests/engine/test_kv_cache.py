@@ -1,0 +1,194 @@
+"""KVCacheManager: allocation, chained block hashes, prefix-cache hits and the leave-the-last-token rule."""
+
+import pytest
+
+from leanlm.engine.block_pool import BlockPool
+from leanlm.engine.kv_cache import KVCacheManager, hash_block_tokens
+from leanlm.engine.request import Request
+from leanlm.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_manager(num_blocks=8, enable_prefix_caching=True):
+    return KVCacheManager(BlockPool(num_blocks, enable_prefix_caching), BLOCK_SIZE)
+
+
+def make_request(request_id, token_ids, **params):
+    return Request(request_id, token_ids, SamplingParams(**params))
+
+
+def admit(kv, request):
+    """What the scheduler does for a waiting request: look up, allocate the rest, count hits computed."""
+    hit_blocks, num_hit = kv.get_computed_blocks(request)
+    block_ids = kv.allocate_slots(request, request.num_tokens - num_hit, hit_blocks)
+    request.num_computed_tokens = num_hit
+    return block_ids, num_hit
+
+
+def test_allocate_whole_prompt_caches_full_blocks_only():
+    kv = make_manager()
+    req = make_request("a", list(range(10)))
+    assert kv.allocate_slots(req, 10) == [0, 1, 2]
+    assert kv.num_free_blocks == 5 and kv.usage == 3 / 8
+    blocks = kv.block_pool.blocks
+    h0 = hash_block_tokens(None, [0, 1, 2, 3])
+    h1 = hash_block_tokens(h0, [4, 5, 6, 7])
+    assert (blocks[0].block_hash, blocks[1].block_hash, blocks[2].block_hash) == (h0, h1, None)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+
+
+def test_chunked_allocation_grows_the_block_list():
+    kv = make_manager()
+    req = make_request("a", list(range(10)))
+    assert kv.allocate_slots(req, 3) == [0]
+    assert kv.block_pool.blocks[0].block_hash is None  # 3 of 4 slots known: not full yet
+    req.num_computed_tokens = 3
+    assert kv.allocate_slots(req, 3) == [0, 1]
+    assert kv.block_pool.blocks[0].block_hash is not None
+    req.num_computed_tokens = 6
+    assert kv.allocate_slots(req, 4) == [0, 1, 2]
+    assert kv.block_pool.blocks[1].block_hash is not None
+    assert kv.block_pool.blocks[2].block_hash is None
+
+
+def test_decode_token_fills_a_block_and_caches_it():
+    kv = make_manager()
+    req = make_request("a", [1, 2, 3])
+    kv.allocate_slots(req, 3)
+    req.num_computed_tokens = 3
+    req.append_output_token_ids(9)
+    assert kv.allocate_slots(req, 1) == [0]  # the 4th token fills block 0 this step
+    assert kv.block_pool.blocks[0].block_hash == hash_block_tokens(None, [1, 2, 3, 9])
+    req.num_computed_tokens = 4
+    req.append_output_token_ids(10)
+    assert kv.allocate_slots(req, 1) == [0, 1]
+
+
+def test_two_requests_share_a_prompt_prefix():
+    kv = make_manager()
+    a = make_request("a", list(range(10)))
+    b = make_request("b", list(range(10)))
+    assert admit(kv, a) == ([0, 1, 2], 0)
+    assert admit(kv, b) == ([0, 1, 3], 8)
+    assert b.num_computed_tokens == 8
+    shared = kv.block_pool.blocks[:2]
+    assert [blk.ref_cnt for blk in shared] == [2, 2]
+    assert all(kv.block_pool.is_shared(blk) for blk in shared)
+    assert kv.num_free_blocks == 4
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)
+    assert kv.prefix_cache_hit_rate == 0.4
+    kv.free(a)
+    assert [blk.ref_cnt for blk in shared] == [1, 1] and kv.num_free_blocks == 5
+
+
+def test_full_hit_leaves_the_last_token_to_compute():
+    kv = make_manager()
+    a = make_request("a", list(range(8)))  # exactly two full blocks
+    admit(kv, a)
+    b = make_request("b", list(range(8)))
+    hit_blocks, num_hit = kv.get_computed_blocks(b)
+    assert [blk.block_id for blk in hit_blocks] == [0] and num_hit == 4
+    assert kv.allocate_slots(b, 4, hit_blocks) == [0, 2]
+
+
+def test_diverging_prompts_share_only_the_common_blocks():
+    kv = make_manager()
+    admit(kv, make_request("a", list(range(12))))
+    b = make_request("b", [0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11, 12])
+    assert admit(kv, b) == ([0, 3, 4, 5], 4)
+
+
+def test_hit_on_freed_block_then_eviction_tail_first():
+    kv = make_manager(num_blocks=8)
+    a = make_request("a", list(range(10)))
+    admit(kv, a)
+    kv.free(a)  # queue: 3 4 5 6 7 then a's blocks tail-first: 2 1 0
+    assert kv.num_free_blocks == 8 and kv.get_block_ids("a") == []
+    other = make_request("other", list(range(100, 121)))  # 21 tokens: 6 blocks
+    assert admit(kv, other) == ([3, 4, 5, 6, 7, 2], 0)
+    b = make_request("b", list(range(10)))
+    hit_blocks, num_hit = kv.get_computed_blocks(b)  # 0 and 1 are free yet still cached
+    assert [blk.block_id for blk in hit_blocks] == [0, 1] and num_hit == 8
+    # Reusing block 1 for something else evicts its hash: the chain now stops after block 0.
+    other.num_computed_tokens = 21
+    other.append_output_token_ids([121, 122, 123, 124])
+    assert kv.allocate_slots(other, 4) == [3, 4, 5, 6, 7, 2, 1]
+    hit_blocks, num_hit = kv.get_computed_blocks(b)
+    assert [blk.block_id for blk in hit_blocks] == [0] and num_hit == 4
+
+
+def test_allocation_failure_changes_nothing():
+    kv = make_manager(num_blocks=4)
+    a = make_request("a", list(range(8)))
+    admit(kv, a)
+    kv.free(a)  # free queue: 2 3 1 0, with 0 and 1 cached
+    b = make_request("b", list(range(8)) + list(range(50, 62)))  # 20 tokens: 5 blocks > 4
+    hit_blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    assert kv.allocate_slots(b, 12, hit_blocks) is None
+    assert kv.num_free_blocks == 4 and [blk.ref_cnt for blk in hit_blocks] == [0, 0]
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (8, 0)  # a failed admission is not counted
+    assert kv.get_block_ids("b") == []
+    # 4 blocks do fit, counting the two revived hits out of the free ones.
+    c = make_request("c", list(range(8)) + list(range(50, 58)))
+    assert admit(kv, c) == ([0, 1, 2, 3], 8)
+    assert kv.num_free_blocks == 0
+
+
+def test_running_request_cannot_grow_past_the_pool():
+    kv = make_manager(num_blocks=2)
+    req = make_request("a", list(range(8)))
+    assert kv.allocate_slots(req, 8) == [0, 1]
+    req.num_computed_tokens = 8
+    req.append_output_token_ids(8)
+    assert kv.allocate_slots(req, 1) is None
+    assert kv.get_block_ids("a") == [0, 1]
+
+
+def test_prompt_logprobs_requests_skip_the_lookup():
+    kv = make_manager()
+    admit(kv, make_request("a", list(range(10))))
+    b = make_request("b", list(range(10)), prompt_logprobs=0)
+    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.allocate_slots(b, 10) == [3, 4, 5]
+    assert kv.prefix_cache_queries == 10  # only a's lookup counted
+
+
+def test_prefix_caching_disabled_never_hits():
+    kv = make_manager(enable_prefix_caching=False)
+    admit(kv, make_request("a", list(range(10))))
+    b = make_request("b", list(range(10)))
+    assert admit(kv, b) == ([3, 4, 5], 0)
+    assert all(blk.block_hash is None for blk in kv.block_pool.blocks)
+
+
+def test_reset_prefix_cache():
+    kv = make_manager()
+    a = make_request("a", list(range(10)))
+    admit(kv, a)
+    kv.free(a)
+    assert kv.reset_prefix_cache() == 2
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(10)))) == ([], 0)
+
+
+def test_hashes_are_computed_once_and_kept_across_preemption():
+    kv = make_manager()
+    req = make_request("a", list(range(10)))
+    admit(kv, req)
+    hashes = kv._req_to_hashes["a"]
+    kv.free(req, keep_hashes=True)
+    assert kv._req_to_hashes["a"] is hashes
+    req.num_computed_tokens = 0
+    assert admit(kv, req) == ([0, 1, 3], 8)  # resumes on its own cached head; the tail comes from the queue front
+    kv.free(req)
+    assert "a" not in kv._req_to_hashes
+
+
+def test_lookup_after_allocation_is_refused():
+    kv = make_manager()
+    req = make_request("a", list(range(10)))
+    admit(kv, req)
+    with pytest.raises(RuntimeError, match="already holds blocks"):
+        kv.get_computed_blocks(req)
