@@ -249,11 +249,9 @@ class Scheduler:
 
     @staticmethod
     def _record_prompt_logprobs(request: Request, start: int, entries: list) -> None:
-        """Entries cover prompt positions start, start+1, ...; keep only positions not recorded yet (a
-        preempted request recomputes its prompt)."""
-        for offset, entry in enumerate(entries):
-            if start + offset == len(request.prompt_logprobs):
-                request.prompt_logprobs.append(entry)
+        """The runner emits only entries not recorded yet (a preempted request recomputes its prompt),
+        contiguous from len(request.prompt_logprobs); `start` is kept for the call site's symmetry."""
+        request.prompt_logprobs.extend(entries)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """Stop conditions in priority order; sets request.stop_reason. EOS, stop ids and stop strings

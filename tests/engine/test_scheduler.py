@@ -50,8 +50,12 @@ class FakeRunner:
     def _prompt_logprobs(req, start, end):
         if req.sampling_params.prompt_logprobs is None:
             return None
-        positions = range(start, min(end, req.num_prompt_tokens))
-        return [None if pos == 0 else {req.prompt_token_ids[pos]: -float(pos)} for pos in positions]
+        # The real runner's contract: entry j scores prompt token j from position j-1 (entry 0 is None),
+        # and only entries not recorded yet are emitted, contiguous from len(req.prompt_logprobs).
+        indices = ([0] if start == 0 else []) + list(range(start + 1, min(end, req.num_prompt_tokens - 1) + 1))
+        entries = [None if j == 0 else {req.prompt_token_ids[j]: -float(j)} for j in indices
+                   if j >= len(req.prompt_logprobs)]
+        return entries or None
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1000,
