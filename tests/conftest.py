@@ -1,0 +1,89 @@
+"""Shared fixtures: the bundled SmolLM2 checkpoint, its HF reference, and tiny random engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanlm.config import EngineConfig, ModelConfig
+from leanlm.engine.engine import LLMEngine
+from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
+from leanlm.model.llama import build_model
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    """The bundled default model's GGUF file (installed by `make install`)."""
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm_checkpoint():
+    return load_checkpoint(DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm_checkpoint):
+    return smollm_checkpoint.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """HF transformers' float32 model from the same GGUF: the logits reference."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm_path.parent, gguf_file=smollm_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def tiny_config(vocab_size: int, architecture: str = "llama") -> ModelConfig:
+    return ModelConfig(
+        architecture=architecture, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
+        attention_bias=architecture == "qwen2", eos_token_ids=(2,),
+    )
+
+
+def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights with HF names, scaled so logits are spread (no greedy near-ties)."""
+    with torch.device("meta"):
+        from leanlm.model.llama import LlamaForCausalLM
+
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items() if k != "lm_head.weight"}
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            sd[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            sd[name] = torch.randn(shape, generator=gen) * (0.5 if "embed" in name else shape[-1] ** -0.5)
+    return sd
+
+
+@pytest.fixture
+def make_tiny_engine(tokenizer):
+    """Factory: an LLMEngine over a tiny random float64 llama that shares the real tokenizer's vocab."""
+
+    def make(seed: int = 0, dtype: torch.dtype = torch.float64, **engine_options) -> LLMEngine:
+        config = tiny_config(tokenizer.vocab_size)
+        model = build_model(config, tiny_state_dict(config, seed), dtype)
+        return LLMEngine(model, tokenizer, EngineConfig(**engine_options), torch.device("cpu"), dtype)
+
+    return make
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
+    """Step until idle; the final RequestOutput of each request id."""
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError("engine did not finish")
