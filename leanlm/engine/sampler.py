@@ -53,7 +53,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before temperature edits logits
         logits.div_(metadata.temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
         probs = torch.softmax(logits, dim=-1)  # [B, V]
         if metadata.min_p is not None:
             probs = apply_min_p(probs, metadata.min_p)
@@ -83,27 +83,34 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf the tokens outside each row's top-k and top-p set. One sort, only when either is used.
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> torch.Tensor:
+    """Mask to -inf the tokens outside each row's top-k and top-p set. One sort, only when either is used;
+    when every row keeps at most max_top_k tokens, a top-k of that size replaces the full sort.
 
     Top-p keeps the smallest most-likely set whose mass is >= top_p (always at least the top token); its
     mass is measured after top-k, as in vLLM. Ties at the k-th value are broken by sort order: exactly k stay.
     """
     if top_k is None and top_p is None:
         return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V]
+    if max_top_k is None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V]
+    else:
+        sorted_logits, sorted_idx = logits.topk(max_top_k, dim=-1)  # [B, K], sorted descending
     if top_k is not None:
-        positions = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+        positions = torch.arange(sorted_logits.shape[-1], device=logits.device)  # [V] or [K]
         sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
     if top_p is not None:
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [B, V]
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V] mass of the more likely tokens
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # renormalized over the top-k survivors
+        # Mass of the strictly more likely tokens: exactly 0 for the top token, so it is always kept.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop = mass_before >= top_p.unsqueeze(1)
-        drop[:, 0] = False
         # top_p == 1 keeps everything; without this, a cumsum rounding past 1.0 could drop the tail.
         drop &= (top_p < 1.0).unsqueeze(1)
         sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    # Tokens the top-k path never looked at stay -inf; the full sort path overwrites every entry.
+    return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_idx, sorted_logits)
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

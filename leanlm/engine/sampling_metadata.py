@@ -23,6 +23,7 @@ class SamplingMetadata:
     all_greedy: bool  # every row is greedy: skip random sampling
     all_random: bool  # no row is greedy: skip the argmax
     top_k: torch.Tensor | None  # [B] long in [1, V]; V where disabled; None when no random row uses top-k
+    max_top_k: int | None  # max top_k when every random row has one < V: a top-k replaces the full sort
     top_p: torch.Tensor | None  # [B] float32 in (0, 1]; 1.0 where disabled; None when unused
     min_p: torch.Tensor | None  # [B] float32 in [0, 1]; 0.0 where disabled; None when unused
     no_penalties: bool  # no row uses any penalty: the four fields below are None
@@ -52,6 +53,8 @@ class SamplingMetadata:
         top_ks = [vocab_size if g or p.top_k is None else min(p.top_k, vocab_size) for p, g in zip(params, is_greedy)]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, is_greedy)]
         min_ps = [0.0 if g else p.min_p for p, g in zip(params, is_greedy)]
+        random_top_ks = [k for k, g in zip(top_ks, is_greedy) if not g]
+        max_top_k = max(random_top_ks) if random_top_ks and max(random_top_ks) < vocab_size else None
 
         def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -68,6 +71,7 @@ class SamplingMetadata:
             all_greedy=all(is_greedy),
             all_random=not any(is_greedy),
             top_k=row_tensor(top_ks, torch.long) if any(p.top_k is not None for p in random_params) else None,
+            max_top_k=max_top_k,
             top_p=row_tensor(top_ps, torch.float32) if any(p.top_p < 1.0 for p in random_params) else None,
             min_p=row_tensor(min_ps, torch.float32) if any(p.min_p > 0.0 for p in random_params) else None,
             no_penalties=not has_penalties,

@@ -37,11 +37,14 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
     return Sampler()(logits, metadata)
 
 
-def draw_counts(logits_row: torch.Tensor, params: SamplingParams, num_draws: int) -> torch.Tensor:
-    """Sample num_draws tokens for copies of one logits row; returns [V] counts."""
-    logits = logits_row.unsqueeze(0).expand(num_draws, -1).contiguous()
-    requests = [make_request(params) for _ in range(num_draws)]
-    tokens = sample(logits, requests).sampled_token_ids
+def draw_counts(logits_row: torch.Tensor, params: SamplingParams, num_draws: int, with_plain_row=False):
+    """Sample num_draws tokens for copies of one logits row; returns [V] counts. with_plain_row adds an
+    unfiltered row to the batch, which forces top-k through the full-sort path."""
+    logits = logits_row.unsqueeze(0).expand(num_draws + with_plain_row, -1).contiguous()
+    requests = [make_request(params) for _ in range(num_draws)] + [make_request(SamplingParams())] * with_plain_row
+    metadata = SamplingMetadata.from_requests(requests, logits.shape[-1], logits.device)
+    assert (metadata.max_top_k is None) == (with_plain_row or params.top_k is None)
+    tokens = Sampler()(logits, metadata).sampled_token_ids[:num_draws]
     return torch.bincount(tokens, minlength=logits.shape[-1])
 
 
@@ -100,9 +103,22 @@ def test_top_k_1_is_greedy():
         (SamplingParams(), set(range(8))),
     ],
 )
-def test_filters_sample_exactly_the_allowed_set(params, allowed):
-    counts = draw_counts(LOGITS_8, params, 4000)
+@pytest.mark.parametrize("with_plain_row", [False, True])
+def test_filters_sample_exactly_the_allowed_set(params, allowed, with_plain_row):
+    counts = draw_counts(LOGITS_8, params, 4000, with_plain_row)
     assert set(counts.nonzero().flatten().tolist()) == allowed
+
+
+def test_per_row_top_k_on_the_top_k_path():
+    requests = [make_request(SamplingParams(top_k=2 + 2 * (i % 2))) for i in range(4000)]
+    requests[0] = make_request(SamplingParams(temperature=0.0))  # greedy rows do not force the full sort
+    logits = LOGITS_8.unsqueeze(0).expand(4000, -1).contiguous()
+    metadata = SamplingMetadata.from_requests(requests, 8, "cpu")
+    assert metadata.max_top_k == 4
+    tokens = Sampler()(logits, metadata).sampled_token_ids
+    assert tokens[0].item() == 3
+    assert set(tokens[2::2].tolist()) == {3, 1}
+    assert set(tokens[1::2].tolist()) == {3, 1, 5, 7}
 
 
 def test_top_p_keeps_distribution_within_the_set():
@@ -209,7 +225,7 @@ def test_seeded_row_is_independent_of_the_batch():
 def test_same_seed_rows_sample_the_same_tokens():
     logits_row = torch.randn(1000) * 0.5
     logits = torch.stack([logits_row, torch.randn(1000), logits_row])
-    requests = [make_request(SamplingParams(seed=7)), make_request(SamplingParams()), make_request(SamplingParams(seed=7))]
+    requests = [make_request(SamplingParams(seed=s)) for s in (7, None, 7)]
     for _ in range(5):
         tokens = sample(logits, requests).sampled_token_ids
         assert tokens[0] == tokens[2]
@@ -298,7 +314,9 @@ def test_large_batch_runs(dtype):
         SamplingParams(temperature=0.7, min_p=0.05, logprobs=5),
         SamplingParams(seed=1, repetition_penalty=1.1, frequency_penalty=0.2),
     ]
-    requests = [make_request(kinds[i % 4], prompt=list(range(i, i + 100)), output=[i, i + 1]) for i in range(batch_size)]
+    requests = [
+        make_request(kinds[i % 4], prompt=list(range(i, i + 100)), output=[i, i + 1]) for i in range(batch_size)
+    ]
     out = sample(logits, requests, eos_token_ids=(2,))
     assert out.sampled_token_ids.shape == (batch_size,)
     assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < vocab_size)).all()
