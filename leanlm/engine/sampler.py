@@ -1,0 +1,161 @@
+"""Batched sampler: logits [B, V] + SamplingMetadata -> one token per row, plus logprobs of the raw model
+distribution. Min-tokens mask, penalties (CTRL repetition, OpenAI presence/frequency), greedy, temperature,
+top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by an exponential race
+(argmax p/q, q ~ Exp(1)), which draws exactly from p and lets seeded rows use their own generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leanlm.engine.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of N scored tokens. Column 0 is the scored (sampled or actual) token, then the top-K."""
+
+    token_ids: torch.Tensor  # [N, K+1] long
+    logprobs: torch.Tensor  # [N, K+1] float32
+    ranks: torch.Tensor  # [N] long: 1 + number of tokens strictly more likely than the scored one
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] long
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+class Sampler:
+    """Stateless; callable as `sampler(logits, metadata)`."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return self.sample(logits, metadata)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # Copy to float32: the steps below edit in place, and low precision would distort the softmax.
+        logits = logits.to(dtype=torch.float32, copy=True)  # [B, V]
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            # vLLM's default: logprobs of the raw model distribution, before any processing.
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        apply_min_tokens(logits, metadata)
+        logits = apply_penalties(logits, metadata)
+        sampled = self._sample_processed(logits, metadata)
+        if metadata.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample_processed(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before temperature edits logits
+        logits.div_(metadata.temperature.unsqueeze(1))
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        probs = torch.softmax(logits, dim=-1)  # [B, V]
+        if metadata.min_p is not None:
+            probs = apply_min_p(probs, metadata.min_p)
+        sampled = exponential_race(probs, metadata.generators)
+        return sampled if greedy is None else torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: rows still short of min_tokens cannot end, so their EOS / stop ids get -inf."""
+    if metadata.min_tokens_rows is not None:
+        logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens only), as vLLM."""
+    if metadata.no_penalties:
+        return logits
+    counts = metadata.output_token_counts  # [B, V] int32
+    in_output = counts > 0  # [B, V]
+    seen = in_output if metadata.prompt_token_mask is None else in_output | metadata.prompt_token_mask
+    rep = metadata.repetition_penalties.unsqueeze(1)  # [B, 1]
+    # CTRL: shrink a seen token's logit toward "less likely" whatever its sign.
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits -= metadata.frequency_penalties.unsqueeze(1) * counts
+    logits -= metadata.presence_penalties.unsqueeze(1) * in_output
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> torch.Tensor:
+    """Mask to -inf the tokens outside each row's top-k and top-p set. One sort, only when either is used;
+    when every row keeps at most max_top_k tokens, a top-k of that size replaces the full sort.
+
+    Top-p keeps the smallest most-likely set whose mass is >= top_p (always at least the top token); its
+    mass is measured after top-k, as in vLLM. Ties at the k-th value are broken by sort order: exactly k stay.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    if max_top_k is None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V]
+    else:
+        sorted_logits, sorted_idx = logits.topk(max_top_k, dim=-1)  # [B, K], sorted descending
+    if top_k is not None:
+        positions = torch.arange(sorted_logits.shape[-1], device=logits.device)  # [V] or [K]
+        sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # renormalized over the top-k survivors
+        # Mass of the strictly more likely tokens: exactly 0 for the top token, so it is always kept.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = mass_before >= top_p.unsqueeze(1)
+        # top_p == 1 keeps everything; without this, a cumsum rounding past 1.0 could drop the tail.
+        drop &= (top_p < 1.0).unsqueeze(1)
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    # Tokens the top-k path never looked at stay -inf; the full sort path overwrites every entry.
+    return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens whose probability is below min_p times the row's max. Unnormalized is fine: the
+    exponential race samples proportionally to whatever mass is left."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(p / q), q ~ Exp(1): token i wins with probability p_i / sum(p). Seeded rows draw their own q,
+    so their tokens do not depend on the rest of the batch; the loop runs over seeded rows only."""
+    q = torch.empty_like(probs).exponential_()  # [B, V]
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # Exp(1) can round to 0; a tiny floor keeps p / q finite (0 / tiny = 0, never NaN).
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """From normalized logprobs [N, V]: the scored tokens' logprobs and ranks, and the top num_logprobs."""
+    token_ids = token_ids.to(dtype=torch.long).unsqueeze(1)  # [N, 1]
+    token_logprobs = logprobs.gather(1, token_ids)  # [N, 1]
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # [N]
+    num_logprobs = min(num_logprobs, logprobs.shape[-1])
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [N, K]
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids, top_ids], dim=1),
+        logprobs=torch.cat([token_logprobs, top_logprobs], dim=1),
+        ranks=ranks,
+    )
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """Score token_ids [N] under logits [N, V] (any float dtype; computed in float32). For prompt
+    logprobs the caller passes the logits at positions i and the prompt tokens at i + 1."""
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, num_logprobs)
+
+
+def logprobs_to_dicts(lp: LogprobsTensors, num_logprobs_per_row: list[int]) -> list[dict[int, float]]:
+    """One {token id: logprob} per row: the scored token first (always present), then the row's top-k."""
+    token_ids = lp.token_ids.tolist()  # one device-to-host copy per tensor
+    logprobs = lp.logprobs.tolist()
+    dicts = []
+    for ids, values, k in zip(token_ids, logprobs, num_logprobs_per_row, strict=True):
+        dicts.append(dict(zip(ids[: k + 1], values[: k + 1])))
+    return dicts
