@@ -1,0 +1,44 @@
+"""`load_checkpoint`: any model we can run (bundled name, GGUF file, HF directory) -> config, weights, tokenizer.
+
+Dispatch is on what the path *is* (a directory with config.json, a file starting with b'GGUF'), never on
+its extension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from leanlm.config import ModelConfig
+from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.gguf import is_gguf_file, load_gguf
+from leanlm.loading.registry import resolve_model
+from leanlm.loading.safetensors import is_hf_dir, load_hf_dir
+from leanlm.loading.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded model, ready to build the network from."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # HF names, float `dtype` (float32 by default); no lm_head when tied
+    tokenizer: Tokenizer
+    source: Path  # the file or directory it was read from
+
+
+def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
+    """Resolve a bundled name or path and load it; every failure is a ModelLoadError saying what to do."""
+    path = resolve_model(name_or_path)
+    if is_hf_dir(path):
+        config, state_dict = load_hf_dir(path, dtype=dtype, progress=progress)
+        return Checkpoint(config, state_dict, Tokenizer.from_dir(path), path)
+    if is_gguf_file(path):
+        config, state_dict, meta = load_gguf(path, dtype=dtype, progress=progress)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        return Checkpoint(config, state_dict, tokenizer, path)
+    if path.is_dir():
+        raise ModelLoadError(f"directory {path} has no config.json; pass a Hugging Face model directory or a GGUF file")
+    raise ModelLoadError(f"{path} is neither a GGUF file (no 'GGUF' magic) nor a Hugging Face model directory")

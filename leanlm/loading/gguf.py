@@ -1,0 +1,314 @@
+"""Read a GGUF file (llama.cpp's format): metadata -> ModelConfig, tensors -> a float HF-named state dict.
+
+Every quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the Q/K rows of *llama*
+models permuted for its interleaved rotary layout; we undo that so weights match HF's rotate-half convention.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from tqdm.auto import tqdm
+
+from leanlm.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from leanlm.loading.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+# Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+
+# GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that carry no weights of their own (llama3 rope factors become RopeScaling instead).
+_SKIPPED_TENSORS = ("rope_freqs.weight",)
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerMetadata:
+    """The tokenizer a GGUF file describes, under llama.cpp's `tokenizer.ggml.*` keys."""
+
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) is the one we build
+    pre: str  # tokenizer.ggml.pre: which pre-tokenizer split the merges were learned with
+    tokens: tuple[str, ...]  # id -> token, spelled in the byte-level alphabet
+    token_types: tuple[int, ...]  # id -> llama.cpp type: 1 normal, 3 control, 4 user-defined, ...
+    merges: tuple[str, ...]  # "a b" pairs, best first
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+
+
+def is_gguf_file(path: Path) -> bool:
+    """True when `path` is a file starting with the GGUF magic (we never trust the extension)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata]:
+    """Read config, dequantized HF-named state dict and tokenizer metadata from one GGUF file."""
+    reader = open_gguf(path)
+    config = gguf_model_config(reader)
+    state_dict = gguf_state_dict(reader, config, dtype=dtype, progress=progress)
+    return config, state_dict, gguf_tokenizer_metadata(reader)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class _Truncated(Exception):
+    def __init__(self, expected: int, found: int) -> None:
+        super().__init__(expected, found)
+        self.expected, self.found = expected, found
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that checks the tensor data fits in the file before memory-mapping tensors.
+
+    Without this a short file fails deep in numpy with "cannot reshape array"; the tensor infos give the
+    exact byte count the file should hold, which makes a useful message.
+    """
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        end = start_offs
+        for field in fields:
+            _, _, _, dims, raw_dtype, offset = field.parts
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+            n_bytes = int(np.prod(dims)) * type_size // block_size
+            end = max(end, start_offs + int(offset[0]) + n_bytes)
+        if end > len(self.data):
+            raise _Truncated(end - start_offs, max(0, len(self.data) - start_offs))
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open and validate a GGUF file; any problem becomes a ModelLoadError that says what to do."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model file {path} does not exist; check the path, or use a bundled model name "
+                             "(see `leanlm models list`)")
+    if not is_gguf_file(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); pass a .gguf "
+                             "model file or a Hugging Face model directory with config.json")
+    try:
+        return _CheckedReader(path)
+    except _Truncated as e:
+        raise ModelLoadError(
+            f"GGUF file {path} is truncated: expected {e.expected} bytes of tensor data, found {e.found}; "
+            "re-download it, or re-assemble a bundled model with `leanlm models pull NAME`"
+        ) from None
+    except Exception as e:  # the reader raises ValueError/IndexError/KeyError on a damaged header
+        raise ModelLoadError(
+            f"GGUF file {path} has a corrupt or truncated header ({type(e).__name__}: {e}); re-download it, or "
+            "re-assemble a bundled model with `leanlm models pull NAME`"
+        ) from e
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        value = field.contents()
+    except Exception as e:
+        raise ModelLoadError(f"GGUF metadata key {key!r} is unreadable ({e}); the file is corrupt, re-download it")
+    return value
+
+
+def _required(reader: GGUFReader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata is missing {key!r}; the file is not a complete model, re-download it")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+    """Build the ModelConfig from `general.*`, `{arch}.*` and `tokenizer.ggml.*` metadata."""
+    arch = _required(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
+    num_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    head_dim = _field(reader, f"{arch}.rope.dimension_count") or _field(reader, f"{arch}.attention.key_length")
+    vocab_size = _field(reader, f"{arch}.vocab_size") or len(tokens)
+    if not vocab_size:
+        raise ModelLoadError("GGUF metadata has neither a vocab_size nor a token list; the file is corrupt")
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden,
+            intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
+            num_hidden_layers=int(_required(reader, f"{arch}.block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads),
+            head_dim=int(head_dim or hidden // num_heads),
+            max_position_embeddings=int(_required(reader, f"{arch}.context_length")),
+            rms_norm_eps=float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling(reader, arch),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_eos_token_ids(_field(reader, "tokenizer.ggml.eos_token_id"), tokens),
+            name=str(_field(reader, "general.name", "")),
+        )
+    except ValueError as e:  # ModelConfig validation
+        raise ModelLoadError(f"GGUF metadata describes an invalid model: {e}") from e
+
+
+def _eos_token_ids(eos_token_id: int | None, tokens: list[str]) -> tuple[int, ...]:
+    """The declared eos first, then every end-of-turn token the vocabulary has (deduplicated)."""
+    ids = [] if eos_token_id is None else [int(eos_token_id)]
+    index = {tok: i for i, tok in enumerate(tokens) if tok in END_OF_TURN_TOKENS}
+    ids += [index[tok] for tok in END_OF_TURN_TOKENS if tok in index]
+    return tuple(dict.fromkeys(ids))
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
+    """'linear' from `{arch}.rope.scaling.*`; llama3 scaling is recovered from the `rope_freqs` tensor."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    orig_ctx = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return _llama3_scaling(np.asarray(freqs.data, dtype=np.float64), reader, arch, orig_ctx)
+    if kind in (None, "none") or factor in (None, 1.0):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"GGUF rope scaling type {kind!r} is not supported (only 'linear' and llama3)")
+    return RopeScaling(rope_type="linear", factor=float(factor))
+
+
+def _llama3_scaling(stored: np.ndarray, reader: GGUFReader, arch: str, orig_ctx: int) -> RopeScaling:
+    """llama.cpp stores the per-frequency divisors; fit factor (its max) and check Llama 3's default shape."""
+    scaling = RopeScaling(rope_type="llama3", factor=float(stored.max()), original_max_position_embeddings=orig_ctx)
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    dim = 2 * stored.size
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_wl = orig_ctx / scaling.low_freq_factor
+    high_wl = orig_ctx / scaling.high_freq_factor
+    smooth = (orig_ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    expected = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, scaling.factor,
+                                                         1.0 / ((1 - smooth) / scaling.factor + smooth)))
+    if not np.allclose(expected, stored, rtol=1e-3):
+        raise ModelLoadError("GGUF rope_freqs tensor does not match Llama 3 scaling with low/high frequency "
+                             "factors 1/4; this rope scaling variant is not supported")
+    return scaling
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (ModelLoadError when unknown)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not part of a llama/qwen2 model; the file holds an "
+                             "architecture we do not support")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows [x0 y0 x1 y1 ...] -> [x0 x1 ... y0 y1 ...].
+
+    w: [H * D, in] weight or [H * D] bias. llama.cpp's converter did reshape(H, 2, D/2).swapaxes(1, 2);
+    this is its inverse, which gives the rotate-half layout HF's LlamaAttention expects.
+    """
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(
+    reader: GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to `dtype` under its HF name, in HF's [out, in] layout."""
+    state_dict: dict[str, torch.Tensor] = {}
+    tensors = [t for t in reader.tensors if t.name not in _SKIPPED_TENSORS]
+    for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
+        name = hf_tensor_name(tensor.name)
+        try:
+            # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: "
+                                 f"{e}") from e
+        weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
+        expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weight = weight.reshape(expected)
+        if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            weight = unpermute_rotary(weight, heads)
+        state_dict[name] = weight.to(dtype).contiguous()
+    return state_dict
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+
+def gguf_tokenizer_metadata(reader: GGUFReader) -> GGUFTokenizerMetadata:
+    """Collect the `tokenizer.*` keys the Tokenizer is built from."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens; it carries no tokenizer")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    def optional_id(key: str) -> int | None:
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        return None if value is None else int(value)
+
+    return GGUFTokenizerMetadata(
+        model=str(_required(reader, "tokenizer.ggml.model")),
+        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        tokens=tuple(tokens),
+        token_types=tuple(int(t) for t in types),
+        merges=tuple(_field(reader, "tokenizer.ggml.merges") or ()),
+        bos_token_id=optional_id("bos_token_id"),
+        eos_token_id=optional_id("eos_token_id"),
+        unk_token_id=optional_id("unknown_token_id"),
+        pad_token_id=optional_id("padding_token_id"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )

@@ -1,0 +1,130 @@
+"""Load a Hugging Face model directory: `config.json` + `model.safetensors` (or shards listed in the index).
+
+Tensor names are kept as stored (HF names); a tied model has no `lm_head.weight`. Every problem with the
+files becomes a ModelLoadError that names the file and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from leanlm.config import ModelConfig
+from leanlm.loading.errors import ModelLoadError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_hf_dir(path: Path) -> bool:
+    """True for a directory holding an HF `config.json`."""
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path} has no config.json; a Hugging Face model directory needs config.json next "
+                             "to its *.safetensors files")
+    try:
+        raw = json.loads(config_path.read_text())
+        return ModelConfig.from_hf_dict(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{config_path} is invalid ({type(e).__name__}: {e}); fix or re-download it") from e
+
+
+def expected_tensor_names(config: ModelConfig) -> list[str]:
+    """Every HF tensor name a dense model with `config` must have."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        names += [prefix + p + ".weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                  "post_attention_layernorm")]
+        if config.attention_bias:
+            names += [prefix + f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+    return names
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory, in index order (one file when unsharded)."""
+    if (path / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{path / INDEX_FILE} is corrupt ({e}); re-download the model") from e
+        shards = [path / name for name in dict.fromkeys(weight_map.values())]
+        for shard in shards:
+            if not shard.is_file():
+                raise ModelLoadError(f"shard {shard.name} listed in {INDEX_FILE} is missing from {path}; "
+                                     "re-download the model (all shards are needed)")
+        return shards
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise ModelLoadError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; it holds no weights we can load")
+
+
+def _read_shard(shard: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(shard), framework="pt") as f:
+            # Float tensors go to `dtype`; integer ones (packed quantized weights) are kept as stored.
+            return {name: _cast(f.get_tensor(name), dtype) for name in f.keys()}
+    except Exception as e:  # safetensors raises SafetensorError / OSError on a short or corrupt file
+        raise ModelLoadError(f"safetensors file {shard} is corrupt or truncated ({e}); re-download it") from e
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def load_hf_dir(
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config and every tensor of an HF directory; ModelLoadError when a required tensor is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist; check the path")
+    config = read_hf_config(path)
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in tqdm(shard_files(path), desc="loading safetensors", unit="shard", disable=not progress):
+        state_dict.update(_read_shard(shard, dtype))
+    if config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)  # the same tensor as the embedding; the model ties it
+    missing = [n for n in expected_tensor_names(config) if n not in state_dict]
+    if missing:
+        raise ModelLoadError(f"{path} lacks {len(missing)} tensors the config requires (first: "
+                             f"{', '.join(missing[:3])}); the checkpoint is incomplete or for another model")
+    return config, state_dict
+
+
+def save_hf_dir(path: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                max_shard_bytes: int = 2 << 30) -> None:
+    """Write `config.json` + safetensors shards (+ index when more than one) that `load_hf_dir` reads back."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

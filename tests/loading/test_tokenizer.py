@@ -1,0 +1,136 @@
+"""Tokenizer built from GGUF metadata: id parity with HF, decoding, chat template, incremental detokenizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from leanlm.loading.chat_template import ChatTemplateError
+from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog. It's 2024; we've got 3.14159 and 1,000,000 items.",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\nprint(fib(10))\n",
+    "naïve café résumé — “quotes” …",
+    "東京は日本の首都です。中文测试，韩国어 테스트",
+    "emoji 🤖🎉 family 👨‍👩‍👧 flags 🇫🇷 skin 👍🏽",
+    "   leading spaces\t\ttabs   trailing   \n\n\n  \r\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "I'm sure you'LL see they've DONE it",
+    "Ünïcödé ßtraße ελληνικά русский العربية हिन्दी",
+    "x=1;y=22;z=333;w=4444 version 12.0.1 ip 192.168.0.1",
+]
+
+MESSAGES = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_match_hf(smollm, hf_tokenizer, text):
+    assert smollm.tokenizer.encode(text) == hf_tokenizer.encode(text)
+
+
+def test_whitespace_before_digits_follows_llama_cpp(smollm, hf_tokenizer):
+    """SmolLM2 ('smollm' pre-tokenizer) isolates digits *before* GPT-2's regex, like llama.cpp and the model's own
+    tokenizer.json (Digits + ByteLevel). HF's GGUF conversion skips the digit split, so "a  1" differs there."""
+    tok = smollm.tokenizer
+    ids = tok.encode("a  1")
+    assert tok.convert_ids_to_tokens(ids) == ["a", "\u0120\u0120", "1"]
+    assert hf_tokenizer.convert_ids_to_tokens(hf_tokenizer.encode("a  1")) == ["a", "\u0120", "\u0120", "1"]
+    assert tok.encode("12345") == [tok.backend.token_to_id(d) for d in "12345"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trip(smollm, hf_tokenizer, text):
+    tok = smollm.tokenizer
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens(smollm, hf_tokenizer):
+    tok = smollm.tokenizer
+    assert tok.encode("<|im_start|>") == [1]  # whole, not split into pieces
+    assert (tok.bos_token_id, tok.eos_token_id, tok.eos_token_ids) == (1, 2, (2, 0))
+    assert tok.vocab_size == 49152 == len(hf_tokenizer)
+    assert set(tok.all_special_ids) == set(range(17))  # the 17 control tokens of the GGUF
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)  # add_bos=False
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_hf(smollm, hf_tokenizer, messages, add_generation_prompt):
+    ours = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ref = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert ours == ref
+    ids = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    assert ids == smollm.tokenizer.encode(ours, add_special_tokens=False)
+
+
+def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
+    return Tokenizer(tok.backend, tok.bos_token, tok.eos_token, template)
+
+
+def test_no_chat_template(smollm):
+    with pytest.raises(ValueError, match="no chat template"):
+        _with_template(smollm.tokenizer, None).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_template_features(smollm):
+    template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+                "{{ bos_token }}{{ m.content | tojson }}\n{% endfor %}{{ eos_token }}")
+    tok = _with_template(smollm.tokenizer, template)
+    assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>"é"\n<|im_end|>'
+    with pytest.raises(ChatTemplateError, match="no tools"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_template_is_sandboxed(smollm):
+    tok = _with_template(smollm.tokenizer, "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("text,splits_chars", [(TEXTS[4], True), (TEXTS[5], True), (TEXTS[2] + TEXTS[3], False)])
+def test_incremental_detokenizer_matches_full_decode(smollm, text, splits_chars):
+    tok = smollm.tokenizer
+    prompt = tok.encode("Answer: ")
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    deltas = [detok.step([i]) for i in ids]
+    assert "".join(deltas) == detok.text == tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)  # never half a character
+    assert ("" in deltas) == splits_chars  # emoji/CJK bytes really are split across tokens
+
+
+def test_incremental_detokenizer_skips_special_and_batches(smollm):
+    tok = smollm.tokenizer
+    ids = tok.encode("<|im_start|>assistant\nSure 👍<|im_end|>")
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    out = detok.step(ids[:3]) + "".join(detok.step([i]) for i in ids[3:])
+    assert out == tok.decode(ids) == "assistant\nSure 👍"
+    keep = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(keep.step([i]) for i in ids) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_incremental_detokenizer_decodes_a_small_window(smollm):
+    """O(1) per token: each step decodes only the few tokens since the last complete character."""
+    tok = smollm.tokenizer
+    lengths: list[int] = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            lengths.append(len(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    ids = tok.encode(" ".join(TEXTS) * 3)
+    detok = IncrementalDetokenizer(Counting(), tok.encode("prompt " * 50))
+    for i in ids:
+        detok.step([i])
+    assert detok.text == tok.decode(ids)
+    assert len(ids) > 500 and max(lengths) <= 12
