@@ -182,7 +182,6 @@ class EngineConfig:
     max_num_seqs: int = 128  # most requests running at once
     max_model_len: int | None = None  # context limit; defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    seed: int = 0  # seeds the engine-wide generator for unseeded requests
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

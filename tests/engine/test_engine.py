@@ -13,14 +13,19 @@ from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 transformers = pytest.importorskip("transformers")
 
 
-def dense_greedy(config, state_dict, prompt: list[int], num_tokens: int) -> list[int]:
-    """Reference: HF's LlamaForCausalLM, whole sequence recomputed each step, no cache, float64."""
+def dense_reference(config, state_dict):
+    """HF's LlamaForCausalLM over the same weights, float64."""
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_dict())).double().eval()
     hf.load_state_dict(state_dict | {"lm_head.weight": state_dict["model.embed_tokens.weight"]})
+    return hf
+
+
+def dense_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
+    """Reference greedy decoding: the whole sequence recomputed each step, no cache."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(num_tokens):
-            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            ids.append(int(hf(torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -40,9 +45,9 @@ def test_engine_matches_dense_forward_under_chunking_prefix_hits_and_preemption(
     outputs = run_to_completion(engine)
 
     config = tiny_config(tokenizer.vocab_size)
-    sd = {k: v.double() for k, v in tiny_state_dict(config).items()}
+    hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
     for request_id, prompt in zip(ids, prompts):
-        assert outputs[request_id].outputs[0].token_ids == dense_greedy(config, sd, prompt, 20), request_id
+        assert outputs[request_id].outputs[0].token_ids == dense_greedy(hf, prompt, 20), request_id
     stats = engine.scheduler.stats()
     assert stats.num_preemptions > 0, "the tiny pool must force preemption"
     assert engine.kv_cache_manager.prefix_cache_hits > 0, "the shared prefix must hit the cache"
@@ -94,8 +99,8 @@ def test_stop_string_spanning_tokens(make_tiny_engine, tokenizer):
     rid = engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     full = run_to_completion(engine)[rid].outputs[0]
     pieces = [tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
-    # a stop string made of the end of token 3's text and the start of token 4's
-    boundary = len(pieces[3])
+    # a stop string made of the end of token 0's text and the start of token 1's
+    boundary = len(pieces[0])
     stop = full.text[boundary - 2 : boundary + 2]
     assert len(stop) == 4 and full.text.find(stop) == boundary - 2
     engine = make_tiny_engine()
@@ -103,7 +108,7 @@ def test_stop_string_spanning_tokens(make_tiny_engine, tokenizer):
     out = run_to_completion(engine)[rid].outputs[0]
     assert out.text == full.text[: boundary - 2]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.token_ids == full.token_ids[:5]
+    assert out.token_ids == full.token_ids[:2]
 
 
 def test_logprobs_match_the_dense_reference(make_tiny_engine, tokenizer):
@@ -113,9 +118,7 @@ def test_logprobs_match_the_dense_reference(make_tiny_engine, tokenizer):
                                                     logprobs=4, prompt_logprobs=2))
     out = run_to_completion(engine)[rid]
     config = tiny_config(tokenizer.vocab_size)
-    sd = {k: v.double() for k, v in tiny_state_dict(config).items()}
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_dict())).double().eval()
-    hf.load_state_dict(sd | {"lm_head.weight": sd["model.embed_tokens.weight"]})
+    hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
     full = prompt + out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([full])).logits[0], -1)  # [len, V]
