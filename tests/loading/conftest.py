@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,13 +31,11 @@ def smollm_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm(smollm_dir):
-    """Our reading of the real GGUF: config, state dict, tokenizer metadata and Tokenizer."""
-    from leanlm.loading.gguf import load_gguf
-    from leanlm.loading.tokenizer import Tokenizer
+    """The default model through the public entry point, loaded once: a Checkpoint (config, state_dict, ...)."""
+    from leanlm.loading.checkpoint import load_checkpoint
+    from leanlm.loading.registry import DEFAULT_MODEL
 
-    config, state_dict, meta = load_gguf(smollm_dir / SMOLLM_FILE, progress=False)
-    return SimpleNamespace(path=smollm_dir / SMOLLM_FILE, config=config, state_dict=state_dict, meta=meta,
-                           tokenizer=Tokenizer.from_gguf_metadata(meta))
+    return load_checkpoint(DEFAULT_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")
