@@ -118,6 +118,18 @@ def test_unknown_name():
 
 def test_existing_paths_win(tmp_path):
     assert resolve_model(tmp_path) == tmp_path
+    with pytest.raises(ModelLoadError, match="model path .*missing.gguf does not exist"):
+        resolve_model(tmp_path / "missing.gguf")
+
+
+def test_assembled_model_needs_no_packages(fake, monkeypatch):
+    path = resolve_model("fake-model", models=fake.models, cache=fake.cache)
+    for part in fake.model.parts:
+        (fake.site / part.module / part.file).unlink()
+    monkeypatch.setattr(registry.subprocess, "run", None)  # pip must not run
+    assert pull_model("fake-model", models=fake.models, cache=fake.cache) == path
+    assert list_models(fake.models, cache=fake.cache)[0][:2] == ("fake-model", True)
+    assert resolve_model("fake-model", models=fake.models, cache=fake.cache) == path
 
 
 def test_list_models(fake):
