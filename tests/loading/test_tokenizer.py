@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from leanlm.loading import tokenizer as tokenizer_module
 from leanlm.loading.chat_template import ChatTemplateError
+from leanlm.loading.gguf import load_gguf
 from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
@@ -134,3 +136,14 @@ def test_incremental_detokenizer_decodes_a_small_window(smollm):
         detok.step([i])
     assert detok.text == tok.decode(ids)
     assert len(ids) > 500 and max(lengths) <= 12
+
+
+def test_qwen2_split_regex_is_hfs(tiny_gguf):
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2 import tokenization_qwen2
+
+    assert tokenizer_module._QWEN2_SPLIT == tokenization_qwen2.PRETOKENIZE_REGEX
+    _, _, meta = load_gguf(tiny_gguf("qwen2", True)[0], progress=False)
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert meta.pre == "qwen2"
+    assert tok.convert_ids_to_tokens(tok.encode("he said 42")) == ["he", "\u0120", "s", "a", "i", "d", "\u0120", "4", "2"]
