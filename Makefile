@@ -26,6 +26,8 @@ test: install
 	$(PY) -m pytest -q
 
 test-slow: install
+	$(VENV)/bin/leanlm models pull qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/leanlm models pull qwen2.5-coder-1.5b-instruct
 	$(PY) -m pytest -q -m slow
 
 bench: install

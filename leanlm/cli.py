@@ -137,8 +137,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         path = registry.pull_model(args.name)
         print(f"{args.name}: {path}")
         return 0
-    for entry in registry.list_models():
-        print(registry.format_model_entry(entry))
+    print(f"{'name':<30} {'installed':<10} {'size':>9}  description")
+    for name, installed, description, size in registry.list_models():
+        default = " (default)" if name == registry.DEFAULT_MODEL else ""
+        print(f"{name:<30} {'yes' if installed else 'no':<10} {size / 2**20:>6.0f} MB  {description}{default}")
+    print("\nInstall one with `leanlm models pull NAME`; use it with `--model NAME`.")
     return 0
 
 
