@@ -218,11 +218,12 @@ class Scheduler:
         for idx, request in enumerate(scheduler_output.scheduled_requests):
             if request.is_finished:
                 continue  # aborted between schedule() and update()
-            num_computed_before = request.num_computed_tokens
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx]
             prompt_logprobs = runner_output.prompt_logprobs[idx] if runner_output.prompt_logprobs else None
             if prompt_logprobs:
-                self._record_prompt_logprobs(request, num_computed_before, prompt_logprobs)
+                # The runner emits only entries not recorded yet (a preempted request recomputes its
+                # prompt), contiguous from len(request.prompt_logprobs).
+                request.prompt_logprobs.extend(prompt_logprobs)
             sampled = runner_output.sampled_token_ids[idx]
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
             finished = self._append_tokens(request, sampled, logprobs)
@@ -246,12 +247,6 @@ class Scheduler:
                 self._finish(request, status)
                 return True  # later tokens (speculative ones) are dropped
         return False
-
-    @staticmethod
-    def _record_prompt_logprobs(request: Request, start: int, entries: list) -> None:
-        """The runner emits only entries not recorded yet (a preempted request recomputes its prompt),
-        contiguous from len(request.prompt_logprobs); `start` is kept for the call site's symmetry."""
-        request.prompt_logprobs.extend(entries)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """Stop conditions in priority order; sets request.stop_reason. EOS, stop ids and stop strings
