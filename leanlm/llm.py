@@ -53,7 +53,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         progress: bool = True,
         **engine_options,
     ) -> None:

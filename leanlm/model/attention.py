@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from leanlm.kernels import paged_attention
 from leanlm.model.context import ForwardContext, PrefillSpan
 
 
@@ -46,7 +47,10 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
+def get_backend(name: str = "auto") -> AttentionBackend:
+    """'auto' = the native CPU kernels where they apply (falling back per call), the reference otherwise."""
+    if name == "auto":
+        name = "cpu"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
     return _BACKENDS[name]()
@@ -60,34 +64,55 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, scale, ctx):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, ctx.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, ctx.slot_mapping, v.to(v_flat.dtype))
+        # Store first: every new token's K/V is in the cache before any request of the batch reads it.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         if ctx.decode_max_seq_len:
-            out[ctx.decode_token_idx] = _decode(q[ctx.decode_token_idx], k_flat, v_flat, scale, ctx)
+            out[ctx.decode_token_idx] = self.decode(q[ctx.decode_token_idx], k_cache, v_cache, scale, ctx)
         for span in ctx.prefills:
-            out[span.token_start : span.token_end] = _prefill(q, k, v, k_flat, v_flat, scale, span, ctx.block_size)
+            out[span.token_start : span.token_end] = _prefill(q, k, v, k_cache, v_cache, scale, span)
         return out
 
-
-def _gather_slots(block_ids: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    """Cache slot ids of the first `length` tokens: block_ids [..., nb] -> [..., length]."""
-    offsets = torch.arange(block_size, device=block_ids.device)
-    slots = (block_ids.unsqueeze(-1) * block_size + offsets).flatten(-2)
-    return slots[..., :length]
+    def decode(self, q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
+        return _decode(q, k_cache, v_cache, scale, ctx)
 
 
-def _decode(q, k_flat, v_flat, scale, ctx: ForwardContext) -> torch.Tensor:
+@register_backend("cpu")
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The reference backend with decode rows on the native paged kernel (bf16, AVX512-BF16 CPUs)."""
+
+    name = "cpu"
+
+    def decode(self, q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
+        if paged_attention.should_use(q, k_cache):
+            return paged_attention.paged_decode_attention(
+                q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len, scale
+            )
+        return super().decode(q, k_cache, v_cache, scale, ctx)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of each block list: cache [N, bs, Hkv, D], block_ids [..., nb] -> [..., L, Hkv, D].
+
+    Whole blocks are copied (index_select: contiguous rows, far cheaper than per-slot indexing), then cut.
+    """
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    ids = block_ids[..., :num_blocks]
+    rows = cache.index_select(0, ids.reshape(-1))  # [prod(...) * nb, bs, Hkv, D]
+    rows = rows.view(*ids.shape[:-1], num_blocks * block_size, *cache.shape[2:])
+    return rows[..., :length, :, :]
+
+
+def _decode(q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
     """One query per request: q [Bd, H, D] -> [Bd, H, D], all requests in one SDPA call."""
     num_reqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_flat.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = ctx.decode_max_seq_len
-    slots = _gather_slots(ctx.decode_block_tables, ctx.block_size, max_len)  # [Bd, L]
-    keys = k_flat[slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-    values = v_flat[slots].transpose(1, 2)
+    keys = _gather(k_cache, ctx.decode_block_tables, max_len).transpose(1, 2)  # [Bd, Hkv, L, D]
+    values = _gather(v_cache, ctx.decode_block_tables, max_len).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device) < ctx.decode_seq_lens.unsqueeze(1)  # [Bd, L]
     # The `group` query heads sharing a KV head ride as that head's query rows: no K/V repetition.
     queries = q.view(num_reqs, num_kv_heads, group, head_dim).to(keys.dtype)  # [Bd, Hkv, G, D]
@@ -95,7 +120,7 @@ def _decode(q, k_flat, v_flat, scale, ctx: ForwardContext) -> torch.Tensor:
     return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 
-def _prefill(q, k, v, k_flat, v_flat, scale, span: PrefillSpan, block_size: int) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, scale, span: PrefillSpan) -> torch.Tensor:
     """A chunk of n new tokens at the end of a seq_len-token sequence, causal: -> [n, H, D]."""
     n = span.token_end - span.token_start
     num_heads = q.shape[1]
@@ -104,8 +129,8 @@ def _prefill(q, k, v, k_flat, v_flat, scale, span: PrefillSpan, block_size: int)
         keys = k[span.token_start : span.token_end]
         values = v[span.token_start : span.token_end]
     else:
-        slots = _gather_slots(span.block_ids, block_size, span.seq_len)  # [S]
-        keys, values = k_flat[slots], v_flat[slots]  # [S, Hkv, D]
+        keys = _gather(k_cache, span.block_ids, span.seq_len)  # [S, Hkv, D]
+        values = _gather(v_cache, span.block_ids, span.seq_len)
     group = num_heads // keys.shape[1]
     keys = keys.transpose(0, 1).repeat_interleave(group, dim=0).to(queries.dtype)  # [H, S, D]
     values = values.transpose(0, 1).repeat_interleave(group, dim=0).to(queries.dtype)

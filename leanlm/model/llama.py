@@ -85,7 +85,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> hidden [T, hidden]; compute_logits(hidden [N, .]) -> [N, V]."""
 
-    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+    def __init__(self, config: ModelConfig, attention_backend: str = "auto") -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, get_backend(attention_backend))
@@ -111,7 +111,7 @@ def build_model(
     state_dict: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
 ) -> LlamaForCausalLM:
     """Instantiate without random init (meta device), then adopt `state_dict` (HF names) in `dtype`."""
     device = torch.device(device)

@@ -1,0 +1,129 @@
+"""Native CPU kernels: compile a C source on first use, cache the library, load it with ctypes.
+
+The cache (`$LEANLM_CACHE/kernels` or `~/.cache/leanlm/kernels`) is keyed by a hash of the source and the
+build command. Libraries link against torch's own libgomp, so the process keeps a single OpenMP runtime.
+Any failure (no compiler, no AVX512-BF16, a compile error) makes the kernel unavailable, never an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Explicit ISA flags (not -march=native): a cached library must need only what cpu_supports_bf16() checks.
+COMPILE_FLAGS = (
+    "-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+    "-fopenmp", "-fPIC", "-shared",
+)  # fmt: skip
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LEANLM_CACHE") or Path.home() / ".cache" / "leanlm"
+    return Path(root) / "kernels"
+
+
+def torch_lib_dir() -> Path:
+    return Path(torch.__file__).resolve().parent / "lib"
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def build_command(compiler: str, source: Path, output: Path) -> list[str]:
+    lib_dir = torch_lib_dir()
+    # -l:libgomp.so.1 from torch/lib (and an rpath to it): GOMP_* symbols resolve to the runtime torch
+    # already loaded, instead of a second libgomp whose threads would spin against torch's.
+    return [compiler, *COMPILE_FLAGS, str(source), "-o", str(output),
+            f"-L{lib_dir}", "-l:libgomp.so.1", f"-Wl,-rpath,{lib_dir}"]  # fmt: skip
+
+
+def build_library(source: Path) -> Path:
+    """Path of the compiled library for `source`, compiling it if the cache lacks this source + command."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    if not (torch_lib_dir() / "libgomp.so.1").exists():
+        raise RuntimeError(f"torch ships no libgomp.so.1 in {torch_lib_dir()}")
+    key_material = source.read_bytes() + "\0".join(build_command(compiler, source, Path("out"))).encode()
+    key = hashlib.sha256(key_material).hexdigest()
+    directory = cache_dir()
+    target = directory / f"{source.stem}-{key[:16]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent builders never see a half-written library.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        result = subprocess.run(build_command(compiler, source, tmp), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {source.name} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+class NativeKernel:
+    """One C function from one source file, built and bound on first use (thread-safe), or unavailable."""
+
+    def __init__(self, source: Path, symbol: str, argtypes: list, restype) -> None:
+        self.source, self.symbol, self.argtypes, self.restype = source, symbol, argtypes, restype
+        self._fn = None
+        self._reason: str | None = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+            raise RuntimeError(f"needs x86-64 Linux, not {sys.platform}/{platform.machine()}")
+        if "avx512_bf16" not in cpu_flags():
+            raise RuntimeError("the CPU lacks avx512_bf16")
+        if os.environ.get("LEANLM_DISABLE_KERNELS"):
+            raise RuntimeError("disabled by LEANLM_DISABLE_KERNELS")
+        fn = getattr(ctypes.CDLL(str(build_library(self.source))), self.symbol)
+        fn.argtypes, fn.restype = self.argtypes, self.restype
+        return fn
+
+    def fn(self):
+        """The bound C function, or None. Failures are logged once and remembered."""
+        if self._fn is None and self._reason is None:
+            with self._lock:
+                if self._fn is None and self._reason is None:
+                    try:
+                        self._fn = self._load()
+                    except Exception as exc:  # any failure means "use the torch path", never a crash
+                        self._reason = str(exc)
+                        logger.info("native kernel %s unavailable: %s", self.symbol, exc)
+        return self._fn
+
+    def is_available(self) -> bool:
+        return self.fn() is not None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        self.fn()
+        return self._reason
