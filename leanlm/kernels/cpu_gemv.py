@@ -32,8 +32,8 @@ COMPILE_FLAGS = (
 )  # fmt: skip
 MAX_ROWS = 8  # should_use() accepts up to this many rows of x (one pass over W)
 # Below this many weight bytes one thread does the whole matrix: waking the OpenMP pool costs a few
-# microseconds, about what a second core saves on a 192x576 matrix.
-MIN_PARALLEL_BYTES = 128 * 1024
+# microseconds; a second core still saves ~20% on a 192x576 (221 KB) matrix.
+MIN_PARALLEL_BYTES = 64 * 1024
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "fn": the bound C function, or "reason": why it is unavailable

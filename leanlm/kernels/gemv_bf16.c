@@ -7,11 +7,15 @@
  */
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MAX_ROWS 8     /* rows of x handled per pass over W; larger M loops over passes */
 #define BLOCK_N 32     /* weight rows per unit of work handed to a thread; a multiple of every NB below */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192 /* best of 1-32 KiB on the 210-matrix SmolLM2 chain, M = 1 and 4 */
+#endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
@@ -43,11 +47,19 @@ ALWAYS_INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bi
 #pragma GCC unroll 8
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
 
+    /* Software prefetch PREFETCH_BYTES ahead, walking the tile's memory linearly at the rate the loads
+     * consume it (NB lines per step): rows are contiguous, so this runs on into the next tile. It may
+     * point past W near the end, which is harmless (prefetches never fault). Measured on Zen 4: 1.1-1.8x
+     * over the hardware prefetcher alone, whose NB interleaved row streams keep too few lines in flight. */
+    const char *ahead = (const char *)(w + n0 * K) + PREFETCH_BYTES;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
+    for (; k + 32 <= K; k += 32, ahead += 64 * NB) {
         __m512bh wv[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(wr[j] + k));
+        for (int j = 0; j < NB; j++) {
+            _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+            wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(wr[j] + k));
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k));
@@ -79,6 +91,12 @@ ALWAYS_INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bi
 /* Weight rows [n_begin, n_end) for M rows of x: tiles of NB rows, then single rows for the remainder. */
 ALWAYS_INLINE void rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t K,
                         int64_t N, int64_t n_begin, int64_t n_end, const int M, const int NB) {
+    /* Nothing is in flight yet at the start of the range: request its first PREFETCH_BYTES at once. */
+    const char *start = (const char *)(w + n_begin * K);
+    const int64_t range_bytes = (n_end - n_begin) * K * (int64_t)sizeof(uint16_t);
+    const int64_t warm = range_bytes < PREFETCH_BYTES ? range_bytes : PREFETCH_BYTES;
+    for (int64_t off = 0; off < warm; off += 64) _mm_prefetch(start + off, _MM_HINT_T0);
+
     int64_t n = n_begin;
     for (; n + NB <= n_end; n += NB) tile(x, w, bias, y, K, N, n, M, NB);
     for (; n < n_end; n++) tile(x, w, bias, y, K, N, n, M, 1);
@@ -122,12 +140,14 @@ int leanlm_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
         const rows_fn fn = ROWS_FOR_M[m];
         const uint16_t *xm = x + m0 * K;
         uint16_t *ym = y + m0 * N;
-        /* schedule(static) without a chunk: each thread streams one contiguous range of W. */
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const int64_t n_begin = b * BLOCK_N;
-            const int64_t n_end = n_begin + BLOCK_N < N ? n_begin + BLOCK_N : N;
-            fn(xm, w, bias, ym, K, N, n_begin, n_end);
+        /* Each thread streams one contiguous range of whole blocks of W. */
+#pragma omp parallel num_threads(threads) if (parallel)
+        {
+            const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
+            const int64_t n_begin = num_blocks * tid / nthr * BLOCK_N;
+            int64_t n_end = num_blocks * (tid + 1) / nthr * BLOCK_N;
+            if (n_end > N) n_end = N;
+            if (n_begin < n_end) fn(xm, w, bias, ym, K, N, n_begin, n_end);
         }
     }
     return 0;
