@@ -146,6 +146,20 @@ def should_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The slow path of linear_bf16's argument check: say what is wrong."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match: want [..., K], [N, K]")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor, not {t.dtype} on {t.device}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+
+
+_BF16 = torch.bfloat16
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for bf16 CPU tensors: x [..., K] @ weight[N, K]^T + bias[N] -> [..., N], fp32 accumulation.
 
@@ -153,23 +167,26 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Any number of rows works, but W is re-read every MAX_ROWS rows, so it only pays for small M.
     Runs on torch.get_num_threads() threads.
     """
-    fn = _kernel()
+    fn = _state.get("fn") or _kernel()
     if fn is None:
         raise RuntimeError(f"CPU bf16 GEMV kernel unavailable: {_state.get('reason')}")
+    # The fast check (one expression: this runs ~200 times per decoded token); _check_args explains.
+    if not (
+        weight.dim() == 2
+        and x.dtype is _BF16 and weight.dtype is _BF16
+        and x.is_cpu and weight.is_cpu
+        and x.is_contiguous() and weight.is_contiguous()
+        and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
+        and (bias is None or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous()
+                              and bias.shape == weight.shape[:1]))
+    ):  # fmt: skip
+        _check_args(x, weight, bias)
     N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {K}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({N},)")
-    M = x.numel() // K if K else 0
-    y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
+    y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
     if K == 0:  # an empty sum: the bias alone
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    rc = fn(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-            M, N, K, torch.get_num_threads(), MIN_PARALLEL_BYTES)  # fmt: skip
+    rc = fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            x.numel() // K, N, K, torch.get_num_threads(), MIN_PARALLEL_BYTES)  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_bf16 failed (code {rc})")
     return y
