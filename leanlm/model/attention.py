@@ -114,31 +114,36 @@ def _decode(q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
     keys = _gather(k_cache, ctx.decode_block_tables, max_len).transpose(1, 2)  # [Bd, Hkv, L, D]
     values = _gather(v_cache, ctx.decode_block_tables, max_len).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device) < ctx.decode_seq_lens.unsqueeze(1)  # [Bd, L]
+    mask = torch.zeros(valid.shape, dtype=keys.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
     # The `group` query heads sharing a KV head ride as that head's query rows: no K/V repetition.
     queries = q.view(num_reqs, num_kv_heads, group, head_dim).to(keys.dtype)  # [Bd, Hkv, G, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 
 def _prefill(q, k, v, k_cache, v_cache, scale, span: PrefillSpan) -> torch.Tensor:
-    """A chunk of n new tokens at the end of a seq_len-token sequence, causal: -> [n, H, D]."""
+    """A chunk of n new tokens at the end of a seq_len-token sequence, causal: -> [n, H, D].
+
+    4-D SDPA with GQA and, past a cached prefix, an additive float mask: the shapes that keep PyTorch's CPU
+    flash kernel (a boolean or 3-D mask falls back to the math path, 3-4x slower).
+    """
     n = span.token_end - span.token_start
-    num_heads = q.shape[1]
-    queries = q[span.token_start : span.token_end].transpose(0, 1)  # [H, n, D]
-    if span.seq_len == n:  # nothing cached before this chunk: use the fresh K/V directly
-        keys = k[span.token_start : span.token_end]
+    queries = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if span.seq_len == n:  # nothing cached before this chunk: the fresh K/V, plain causal
+        keys = k[span.token_start : span.token_end]  # [n, Hkv, D]
         values = v[span.token_start : span.token_end]
+        mask = None
     else:
         keys = _gather(k_cache, span.block_ids, span.seq_len)  # [S, Hkv, D]
         values = _gather(v_cache, span.block_ids, span.seq_len)
-    group = num_heads // keys.shape[1]
-    keys = keys.transpose(0, 1).repeat_interleave(group, dim=0).to(queries.dtype)  # [H, S, D]
-    values = values.transpose(0, 1).repeat_interleave(group, dim=0).to(queries.dtype)
-    if span.seq_len == n:
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
-    else:
         # query j sits at absolute position seq_len - n + j and sees keys 0 .. seq_len - n + j
         q_pos = torch.arange(span.seq_len - n, span.seq_len, device=q.device)
-        mask = torch.arange(span.seq_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, S]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)  # [n, H, D]
+        allowed = torch.arange(span.seq_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, S]
+        mask = torch.zeros(allowed.shape, dtype=queries.dtype, device=q.device)
+        mask = mask.masked_fill_(~allowed, float("-inf"))[None, None]  # [1, 1, n, S]
+    keys = keys.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, Hkv, S, D]
+    values = values.transpose(0, 1).unsqueeze(0).to(queries.dtype)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)  # [n, H, D]

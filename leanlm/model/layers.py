@@ -5,9 +5,32 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
+from leanlm.kernels import cpu_gemv
+
+
+class Linear(nn.Linear):
+    """nn.Linear (HF weight names) that runs few-row bf16 CPU products on the native GEMV kernel.
+
+    Batch-1..8 decode reads every weight once per token; torch's bf16 GEMV leaves half the memory bandwidth
+    unused on CPU, the kernel does not. Everything else goes to F.linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        w = self.weight
+        if (
+            x.shape[0] <= cpu_gemv.MAX_ROWS
+            and w.dtype is torch.bfloat16
+            and x.dtype is torch.bfloat16
+            and w.is_cpu
+            and x.is_contiguous()
+            and cpu_gemv.is_available()
+        ):
+            return cpu_gemv.linear_bf16(x, w, self.bias)
+        return F.linear(x, w, self.bias)
 
 
 class RMSNorm(nn.Module):

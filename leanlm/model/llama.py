@@ -12,7 +12,7 @@ from torch import nn
 from leanlm.config import ModelConfig
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
-from leanlm.model.layers import RMSNorm, RotaryEmbedding
+from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -23,10 +23,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.backend = backend
         # Bound by the model runner: this layer's slice of the paged cache, [num_blocks, block_size, Hkv, D].
         self.k_cache: torch.Tensor | None = None
@@ -47,9 +47,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -89,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, get_backend(attention_backend))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb: RotaryEmbedding | None = None  # built on the real device by build_model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""The native paged decode attention kernel against a float64 reference and the torch backend."""
+
+import math
+
+import pytest
+import torch
+
+from leanlm.kernels import paged_attention
+from leanlm.model.attention import get_backend
+from leanlm.model.context import build_forward_context
+
+pytestmark = pytest.mark.skipif(not paged_attention.is_available(),
+                                reason=f"{paged_attention._KERNEL.unavailable_reason}")
+
+
+def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Dense float64 attention of each request's single query over its first seq_len cached tokens."""
+    num_reqs, num_heads, head_dim = q.shape
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(num_reqs, num_heads, head_dim, dtype=torch.float64)
+    for b in range(num_reqs):
+        slots = (block_tables[b][:, None] * block_size + torch.arange(block_size)).reshape(-1)[: seq_lens[b]]
+        keys = k_cache.view(-1, num_kv, head_dim)[slots].double().repeat_interleave(num_heads // num_kv, 1)
+        values = v_cache.view(-1, num_kv, head_dim)[slots].double().repeat_interleave(num_heads // num_kv, 1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), keys) * scale, -1)
+        out[b] = torch.einsum("ht,thd->hd", probs, values)
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (8, 1, 32)])
+@pytest.mark.parametrize("lengths", [[1], [5, 17, 33], [200, 3, 64, 129]])
+def test_matches_float64_reference(num_heads, num_kv, head_dim, lengths):
+    gen = torch.Generator().manual_seed(len(lengths) * head_dim)
+    num_blocks, block_size = 64, 16
+    k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).bfloat16()
+    max_blocks = math.ceil(max(lengths) / block_size)
+    block_tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:max_blocks] for _ in lengths])
+    seq_lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    got = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max(lengths), scale)
+    ref = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    # bf16 output rounding (values are O(1)): 2^-8 relative, plus fp32 accumulation
+    torch.testing.assert_close(got.double(), ref, atol=1e-2, rtol=8e-3)
+
+
+def test_cpu_backend_agrees_with_the_torch_backend():
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(32, 16, 3, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(32, 16, 3, 64, generator=gen).bfloat16()
+    lengths = [40, 7, 90]
+    blocks = [[3, 9, 12], [5], [0, 1, 2, 4, 6, 8]]
+    ctx = build_forward_context([1, 1, 1], lengths, blocks, 16, torch.device("cpu"))
+    q = torch.randn(3, 9, 64, generator=gen).bfloat16()
+    k_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
+    v_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
+    outs = []
+    for name in ("torch", "cpu"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(get_backend(name).forward(q, k_new, v_new, kc, vc, 0.125, ctx).double())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=1e-2)
+
+
+def test_unsupported_shapes_fall_back():
+    q = torch.zeros(1, 9, 48, dtype=torch.bfloat16)  # head dim not a multiple of 32
+    assert not paged_attention.should_use(q, torch.zeros(4, 16, 3, 48, dtype=torch.bfloat16))
+    assert not paged_attention.should_use(q.float(), torch.zeros(4, 16, 3, 48))
