@@ -63,10 +63,10 @@ class ModelRunner:
         self.device = device
         self.num_blocks = num_kv_blocks_for(self.config, engine_config, kv_cache_dtype)
         shape = (
-            self.config.num_hidden_layers, 2, self.num_blocks, self.block_size,
-            self.config.num_key_value_heads, self.config.head_dim,
+            self.config.num_hidden_layers, 2, self.num_blocks, self.config.num_key_value_heads,
+            self.block_size, self.config.head_dim,
         )
-        self.kv_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)  # [L, 2, N, bs, Hkv, D]
+        self.kv_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)  # [L, 2, N, Hkv, bs, D]
         model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])])
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.sampler = Sampler()

@@ -29,7 +29,7 @@ def is_available() -> bool:
 def should_use(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """bf16 CPU tensors with a head dim the kernel handles (a multiple of 32, at most 256)."""
     head_dim = k_cache.shape[-1]
-    group = q.shape[1] // k_cache.shape[2]
+    group = q.shape[1] // k_cache.shape[1]
     return (
         q.dtype == torch.bfloat16
         and k_cache.dtype == torch.bfloat16
@@ -44,7 +44,7 @@ def should_use(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D] bf16, one query token per request
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D] bf16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int64
     seq_lens: torch.Tensor,  # [B] int64
@@ -57,10 +57,10 @@ def paged_decode_attention(
     num_reqs, num_heads, head_dim = q.shape
     status = _KERNEL.fn()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], block_tables.shape[1],
+        out.data_ptr(), num_reqs, num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], block_tables.shape[1],
         max_seq_len, scale, torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"paged decode attention does not support heads={num_heads}, kv_heads={k_cache.shape[2]}, "
+        raise ValueError(f"paged decode attention does not support heads={num_heads}, kv_heads={k_cache.shape[1]}, "
                          f"head_dim={head_dim}; check should_use() first")
     return out

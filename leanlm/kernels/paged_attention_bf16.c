@@ -30,12 +30,6 @@ static inline __m512 exp512_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);  // p * 2^n
 }
 
-static inline const uint16_t* token_row(const uint16_t* cache, const int64_t* blocks, int64_t t, int block_size,
-                                        int num_kv_heads, int kv_head, int head_dim) {
-    int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    return cache + (slot * num_kv_heads + kv_head) * head_dim;
-}
-
 // Scores of the G query heads against one key row: D/32 dot-product steps of 32 bf16 pairs each.
 static inline void score_row(const __m512bh* q, int group, int chunks, const uint16_t* k, float* out) {
     __m512bh kv[MAX_HEAD_DIM / 32];
@@ -47,7 +41,7 @@ static inline void score_row(const __m512bh* q, int group, int chunks, const uin
     }
 }
 
-static void attend_one(const uint16_t* q_heads, const uint16_t* k_cache, const uint16_t* v_cache,
+static inline __attribute__((always_inline)) void attend_one(const uint16_t* q_heads, const uint16_t* k_cache, const uint16_t* v_cache,
                        const int64_t* blocks, int64_t seq_len, uint16_t* out_heads, int group, int num_kv_heads,
                        int kv_head, int head_dim, int block_size, float scale, float* scores /* [G, seq_len] */) {
     const int chunks = head_dim / 32;
@@ -56,10 +50,18 @@ static void attend_one(const uint16_t* q_heads, const uint16_t* k_cache, const u
         for (int c = 0; c < chunks; c++)
             q[g * chunks + c] = (__m512bh)_mm512_loadu_si512((const void*)(q_heads + g * head_dim + 32 * c));
 
+    // Blocks are [Hkv, block_size, D]: this head's rows of a block are one contiguous run of block_size * D.
+    const int64_t row_stride = head_dim;
+    const int64_t head_stride = (int64_t)block_size * head_dim;
+    const int64_t block_stride = head_stride * num_kv_heads;
     float row[MAX_GROUP];
-    for (int64_t t = 0; t < seq_len; t++) {
-        score_row(q, group, chunks, token_row(k_cache, blocks, t, block_size, num_kv_heads, kv_head, head_dim), row);
-        for (int g = 0; g < group; g++) scores[g * seq_len + t] = row[g] * scale;
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const uint16_t* k = k_cache + blocks[start / block_size] * block_stride + kv_head * head_stride;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t i = 0; i < n; i++, k += row_stride) {
+            score_row(q, group, chunks, k, row);
+            for (int g = 0; g < group; g++) scores[g * seq_len + start + i] = row[g] * scale;
+        }
     }
     for (int g = 0; g < group; g++) {
         float* s = scores + g * seq_len;
@@ -86,12 +88,16 @@ static void attend_one(const uint16_t* q_heads, const uint16_t* k_cache, const u
     const int lanes = head_dim / 16;
     for (int g = 0; g < group; g++)
         for (int l = 0; l < lanes; l++) acc[g][l] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < seq_len; t++) {
-        const uint16_t* v = token_row(v_cache, blocks, t, block_size, num_kv_heads, kv_head, head_dim);
-        for (int l = 0; l < lanes; l++) {
-            __m512 vf = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * l)));
-            for (int g = 0; g < group; g++)
-                acc[g][l] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * seq_len + t]), vf, acc[g][l]);
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const uint16_t* v = v_cache + blocks[start / block_size] * block_stride + kv_head * head_stride;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t i = 0; i < n; i++, v += row_stride) {
+            const int64_t t = start + i;
+            for (int l = 0; l < lanes; l++) {
+                __m512 vf = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * l)));
+                for (int g = 0; g < group; g++)
+                    acc[g][l] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * seq_len + t]), vf, acc[g][l]);
+            }
         }
     }
     for (int g = 0; g < group; g++)
@@ -99,7 +105,7 @@ static void attend_one(const uint16_t* q_heads, const uint16_t* k_cache, const u
             _mm256_storeu_si256((__m256i*)(out_heads + g * head_dim + 16 * l), (__m256i)_mm512_cvtneps_pbh(acc[g][l]));
 }
 
-// q, out: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks].
+// q, out: [B, H, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [B, max_blocks].
 // Returns 0, or -1 when the shape is outside what the kernel supports (the caller falls back).
 int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                 const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_reqs,
@@ -111,12 +117,23 @@ int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, cons
 #pragma omp parallel num_threads(num_threads)
     {
         float* scores = (float*)malloc(sizeof(float) * (size_t)group * (size_t)(max_seq_len > 0 ? max_seq_len : 1));
-#pragma omp for schedule(dynamic, 1)
+        // A request's KV heads go to one thread in a row: its K/V rows (all heads interleaved) come from
+        // DRAM once, then from L2 for the other heads.
+#pragma omp for schedule(dynamic, num_kv_heads)
         for (int item = 0; item < num_items; item++) {
             const int b = item / num_kv_heads, h = item % num_kv_heads;
             const int64_t offset = ((int64_t)b * num_heads + (int64_t)h * group) * head_dim;
-            attend_one(q + offset, k_cache, v_cache, block_tables + (int64_t)b * max_blocks, seq_lens[b], out + offset,
-                       group, num_kv_heads, h, head_dim, block_size, scale, scores);
+            const int64_t* blocks = block_tables + (int64_t)b * max_blocks;
+            // Literal head dims let the compiler unroll the D loops and keep accumulators in registers.
+            if (head_dim == 64)
+                attend_one(q + offset, k_cache, v_cache, blocks, seq_lens[b], out + offset, group, num_kv_heads, h,
+                           64, block_size, scale, scores);
+            else if (head_dim == 128)
+                attend_one(q + offset, k_cache, v_cache, blocks, seq_lens[b], out + offset, group, num_kv_heads, h,
+                           128, block_size, scale, scores);
+            else
+                attend_one(q + offset, k_cache, v_cache, blocks, seq_lens[b], out + offset, group, num_kv_heads, h,
+                           head_dim, block_size, scale, scores);
         }
         free(scores);
     }

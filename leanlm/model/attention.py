@@ -24,8 +24,8 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D] (rotary applied)
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]: one head's block is contiguous
+        v_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
         scale: float,
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, H, D]
@@ -63,10 +63,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, scale, ctx):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         # Store first: every new token's K/V is in the cache before any request of the batch reads it.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+        k_cache[ctx.slot_block, :, ctx.slot_offset] = k.to(k_cache.dtype)  # [T, Hkv, D] into [N, Hkv, bs, D]
+        v_cache[ctx.slot_block, :, ctx.slot_offset] = v.to(v_cache.dtype)
         out = torch.empty_like(q)
         if ctx.decode_max_seq_len:
             out[ctx.decode_token_idx] = self.decode(q[ctx.decode_token_idx], k_cache, v_cache, scale, ctx)
@@ -93,22 +92,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of each block list: cache [N, bs, Hkv, D], block_ids [..., nb] -> [..., L, Hkv, D].
+    """The first `length` tokens of each block list: cache [N, Hkv, bs, D], block_ids [..., nb] -> [..., L, Hkv, D].
 
     Whole blocks are copied (index_select: contiguous rows, far cheaper than per-slot indexing), then cut.
     """
-    block_size = cache.shape[1]
+    num_kv_heads, block_size, head_dim = cache.shape[1:]
     num_blocks = -(-length // block_size)
     ids = block_ids[..., :num_blocks]
-    rows = cache.index_select(0, ids.reshape(-1))  # [prod(...) * nb, bs, Hkv, D]
-    rows = rows.view(*ids.shape[:-1], num_blocks * block_size, *cache.shape[2:])
+    rows = cache.index_select(0, ids.reshape(-1)).transpose(1, 2)  # [prod(...) * nb, bs, Hkv, D]
+    rows = rows.reshape(*ids.shape[:-1], num_blocks * block_size, num_kv_heads, head_dim)
     return rows[..., :length, :, :]
 
 
 def _decode(q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
     """One query per request: q [Bd, H, D] -> [Bd, H, D], all requests in one SDPA call."""
     num_reqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     max_len = ctx.decode_max_seq_len
     keys = _gather(k_cache, ctx.decode_block_tables, max_len).transpose(1, 2)  # [Bd, Hkv, L, D]

@@ -28,6 +28,8 @@ class ForwardContext:
     """Batch layout of one forward over B requests and T = sum of their scheduled tokens."""
 
     slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) for each new token
+    slot_block: torch.Tensor  # [T] long: slot_mapping // block_size
+    slot_offset: torch.Tensor  # [T] long: slot_mapping % block_size
     block_tables: torch.Tensor  # [B, max_blocks] long: each request's KV block ids, padded with 0
     query_start_loc: torch.Tensor  # [B+1] long: request i's tokens are rows [qsl[i], qsl[i+1]) of the batch
     seq_lens: torch.Tensor  # [B] long: tokens with KV after this step (computed before + scheduled now)
@@ -91,8 +93,11 @@ def build_forward_context(
         return torch.tensor(x, dtype=torch.long, device=device)
 
     decode_table = [table[i] for i in decode_rows]
+    slot_mapping = as_tensor(slots)
     return ForwardContext(
-        slot_mapping=as_tensor(slots),
+        slot_mapping=slot_mapping,
+        slot_block=slot_mapping // block_size,
+        slot_offset=slot_mapping % block_size,
         block_tables=as_tensor(table),
         query_start_loc=as_tensor(qsl),
         seq_lens=as_tensor(seq_lens),

@@ -28,7 +28,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.backend = backend
-        # Bound by the model runner: this layer's slice of the paged cache, [num_blocks, block_size, Hkv, D].
+        # Bound by the model runner: this layer's slice of the paged cache, [num_blocks, Hkv, block_size, D].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give each attention layer its (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]."""
+        """Give each attention layer its (k_cache, v_cache), each [num_blocks, Hkv, block_size, D]."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not paged_attention.is_available(),
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """Dense float64 attention of each request's single query over its first seq_len cached tokens."""
     num_reqs, num_heads, head_dim = q.shape
-    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    num_kv, block_size = k_cache.shape[1], k_cache.shape[2]
+    k_cache, v_cache = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()  # [N, bs, Hkv, D]
     out = torch.empty(num_reqs, num_heads, head_dim, dtype=torch.float64)
     for b in range(num_reqs):
         slots = (block_tables[b][:, None] * block_size + torch.arange(block_size)).reshape(-1)[: seq_lens[b]]
@@ -32,8 +33,8 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
 def test_matches_float64_reference(num_heads, num_kv, head_dim, lengths):
     gen = torch.Generator().manual_seed(len(lengths) * head_dim)
     num_blocks, block_size = 64, 16
-    k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).bfloat16()
-    v_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).bfloat16()
+    k_cache = torch.randn(num_blocks, num_kv, block_size, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, num_kv, block_size, head_dim, generator=gen).bfloat16()
     max_blocks = math.ceil(max(lengths) / block_size)
     block_tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:max_blocks] for _ in lengths])
     seq_lens = torch.tensor(lengths)
@@ -47,8 +48,8 @@ def test_matches_float64_reference(num_heads, num_kv, head_dim, lengths):
 
 def test_cpu_backend_agrees_with_the_torch_backend():
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(32, 16, 3, 64, generator=gen).bfloat16()
-    v_cache = torch.randn(32, 16, 3, 64, generator=gen).bfloat16()
+    k_cache = torch.randn(32, 3, 16, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(32, 3, 16, 64, generator=gen).bfloat16()
     lengths = [40, 7, 90]
     blocks = [[3, 9, 12], [5], [0, 1, 2, 4, 6, 8]]
     ctx = build_forward_context([1, 1, 1], lengths, blocks, 16, torch.device("cpu"))
@@ -64,5 +65,5 @@ def test_cpu_backend_agrees_with_the_torch_backend():
 
 def test_unsupported_shapes_fall_back():
     q = torch.zeros(1, 9, 48, dtype=torch.bfloat16)  # head dim not a multiple of 32
-    assert not paged_attention.should_use(q, torch.zeros(4, 16, 3, 48, dtype=torch.bfloat16))
-    assert not paged_attention.should_use(q.float(), torch.zeros(4, 16, 3, 48))
+    assert not paged_attention.should_use(q, torch.zeros(4, 3, 16, 48, dtype=torch.bfloat16))
+    assert not paged_attention.should_use(q.float(), torch.zeros(4, 3, 16, 48))

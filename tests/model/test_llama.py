@@ -33,8 +33,8 @@ def _hf_pair(arch: str, tie: bool, rope_scaling: dict | None = None):
 # float64 everywhere but the float32 rotary table (HF rounds its own table differently): ~1e-7 apart.
 def _paged_logits(model, ids: torch.Tensor, chunks: list[int], block_ids: list[int], block_size: int = 4):
     cfg = model.config
-    caches = [(torch.zeros(16, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float64),
-               torch.zeros(16, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float64))
+    caches = [(torch.zeros(16, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype=torch.float64),
+               torch.zeros(16, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype=torch.float64))
               for _ in range(cfg.num_hidden_layers)]
     model.bind_kv_cache(caches)
     done, outs = 0, []
@@ -63,7 +63,7 @@ def test_batched_decode_and_prefill_in_one_forward():
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, 101, (9,), generator=gen), torch.randint(0, 101, (6,), generator=gen)
     cfg = ours.config
-    caches = [(torch.zeros(16, 4, 2, 16, dtype=torch.float64), torch.zeros(16, 4, 2, 16, dtype=torch.float64))
+    caches = [(torch.zeros(16, 2, 4, 16, dtype=torch.float64), torch.zeros(16, 2, 4, 16, dtype=torch.float64))
               for _ in range(cfg.num_hidden_layers)]
     ours.bind_kv_cache(caches)
     blocks_a, blocks_b = [0, 1, 2], [5, 6]
