@@ -12,7 +12,7 @@ from torch import nn
 from leanlm.config import ModelConfig
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
-from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding
+from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -32,14 +32,14 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache is not bound: the model runs through leanlm's ModelRunner")
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale, get_forward_context())
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -63,8 +63,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -77,8 +77,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = rotary(positions, x.dtype)  # cos, sin [T, 1, D/2], shared by every layer
         for layer in self.layers:
-            x = layer(positions, x, rotary)
+            x = layer(x, rope)
         return self.norm(x)
 
 
