@@ -21,13 +21,14 @@ def smollm_path():
 
 
 @pytest.fixture(scope="session")
-def smollm_checkpoint():
+def smollm():
+    """The default model through the public entry point, loaded once: a Checkpoint."""
     return load_checkpoint(DEFAULT_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm_checkpoint):
-    return smollm_checkpoint.tokenizer
+def tokenizer(smollm):
+    return smollm.tokenizer
 
 
 @pytest.fixture(scope="session")

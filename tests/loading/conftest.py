@@ -29,19 +29,7 @@ def smollm_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-@pytest.fixture(scope="session")
-def smollm(smollm_dir):
-    """The default model through the public entry point, loaded once: a Checkpoint (config, state_dict, ...)."""
-    from leanlm.loading.checkpoint import load_checkpoint
-    from leanlm.loading.registry import DEFAULT_MODEL
-
-    return load_checkpoint(DEFAULT_MODEL, progress=False)
-
-
-@pytest.fixture(scope="session")
-def hf_model(smollm_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, gguf_file=SMOLLM_FILE, dtype=torch.float32)
+# `smollm` (the loaded Checkpoint) and `hf_smollm` (HF's model) are session fixtures of tests/conftest.py.
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,9 @@ def test_smollm_config(smollm):
     assert c.eos_token_ids == (2, 0)  # eos = <|im_end|>, then <|endoftext|>
 
 
-def test_smollm_state_dict_matches_hf(smollm, hf_model):
+def test_smollm_state_dict_matches_hf(smollm, hf_smollm):
     ours = smollm.state_dict
-    ref = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}  # tied: HF's is the embedding
+    ref = {k: v for k, v in hf_smollm.state_dict().items() if k != "lm_head.weight"}  # tied: HF's is the embedding
     assert set(ours) == set(ref)
     assert len(ours) == 30 * 9 + 2
     for name, tensor in ours.items():
@@ -36,8 +36,8 @@ def test_smollm_state_dict_matches_hf(smollm, hf_model):
         assert torch.equal(tensor, ref[name]) or (tensor - ref[name]).abs().max().item() <= 1e-6, name
 
 
-def test_smollm_config_matches_hf(smollm, hf_model):
-    hf = hf_model.config
+def test_smollm_config_matches_hf(smollm, hf_smollm):
+    hf = hf_smollm.config
     c = smollm.config
     assert (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads, c.vocab_size) == (
         hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.vocab_size)
