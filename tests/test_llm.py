@@ -148,3 +148,12 @@ def test_qwen2_real_model_matches_hf():
     ours = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))], dtype=torch.float64)
     assert (ours - ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).abs().max() <= 1e-3
     assert out.outputs[0].token_ids == _hf_greedy(hf.eval(), ids, 16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_answer_sensibly(dtype):
+    llm = LLM(dtype=dtype, progress=False)
+    assert llm.dtype == getattr(torch, dtype)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
