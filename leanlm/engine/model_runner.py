@@ -78,7 +78,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         layout = self._layout(scheduler_output)
         ctx = build_forward_context(
-            layout.query_lens, layout.seq_lens, scheduler_output.block_ids, self.block_size, self.device
+            layout.query_lens, layout.seq_lens, scheduler_output.block_ids, self.block_size,
+            self.config.num_key_value_heads, self.device,
         )
         with forward_context(ctx):
             hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]

@@ -64,8 +64,11 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, scale, ctx):
         # Store first: every new token's K/V is in the cache before any request of the batch reads it.
-        k_cache[ctx.slot_block, :, ctx.slot_offset] = k.to(k_cache.dtype)  # [T, Hkv, D] into [N, Hkv, bs, D]
-        v_cache[ctx.slot_block, :, ctx.slot_offset] = v.to(v_cache.dtype)
+        head_dim = k_cache.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, ctx.kv_write_index, k.reshape(-1, head_dim).to(k_cache.dtype))
+        v_cache.view(-1, head_dim).index_copy_(0, ctx.kv_write_index, v.reshape(-1, head_dim).to(v_cache.dtype))
+        if ctx.is_all_decode:  # rows are the decode rows, in order
+            return self.decode(q, k_cache, v_cache, scale, ctx)
         out = torch.empty_like(q)
         if ctx.decode_max_seq_len:
             out[ctx.decode_token_idx] = self.decode(q[ctx.decode_token_idx], k_cache, v_cache, scale, ctx)

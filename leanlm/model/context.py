@@ -28,12 +28,13 @@ class ForwardContext:
     """Batch layout of one forward over B requests and T = sum of their scheduled tokens."""
 
     slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) for each new token
-    slot_block: torch.Tensor  # [T] long: slot_mapping // block_size
-    slot_offset: torch.Tensor  # [T] long: slot_mapping % block_size
+    # [T * Hkv] long: row of token t, head h in a cache viewed as [N * Hkv * bs, D] (blocks are [Hkv, bs, D])
+    kv_write_index: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] long: each request's KV block ids, padded with 0
     query_start_loc: torch.Tensor  # [B+1] long: request i's tokens are rows [qsl[i], qsl[i+1]) of the batch
     seq_lens: torch.Tensor  # [B] long: tokens with KV after this step (computed before + scheduled now)
     block_size: int
+    is_all_decode: bool  # every request has one new token: attention needs no row gather/scatter
     # The batch split for attention: one-token requests (decodes) run batched, the rest one by one.
     decode_token_idx: torch.Tensor  # [Bd] long: batch rows of the one-token requests
     decode_block_tables: torch.Tensor  # [Bd, max_blocks] long
@@ -69,7 +70,8 @@ def get_forward_context() -> ForwardContext:
 
 
 def build_forward_context(
-    query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]], block_size: int, device: torch.device
+    query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]], block_size: int, num_kv_heads: int,
+    device: torch.device,
 ) -> ForwardContext:
     """Lay out B requests' metadata: query_lens[i] new tokens ending at seq_lens[i], KV in block_ids[i]."""
     num_reqs = len(query_lens)
@@ -94,10 +96,13 @@ def build_forward_context(
 
     decode_table = [table[i] for i in decode_rows]
     slot_mapping = as_tensor(slots)
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    heads = torch.arange(num_kv_heads, device=device)
+    kv_write_index = ((block[:, None] * num_kv_heads + heads) * block_size + offset[:, None]).reshape(-1)
     return ForwardContext(
         slot_mapping=slot_mapping,
-        slot_block=slot_mapping // block_size,
-        slot_offset=slot_mapping % block_size,
+        kv_write_index=kv_write_index,
+        is_all_decode=len(decode_rows) == num_reqs,
         block_tables=as_tensor(table),
         query_start_loc=as_tensor(qsl),
         seq_lens=as_tensor(seq_lens),

@@ -52,7 +52,7 @@ def test_cpu_backend_agrees_with_the_torch_backend():
     v_cache = torch.randn(32, 3, 16, 64, generator=gen).bfloat16()
     lengths = [40, 7, 90]
     blocks = [[3, 9, 12], [5], [0, 1, 2, 4, 6, 8]]
-    ctx = build_forward_context([1, 1, 1], lengths, blocks, 16, torch.device("cpu"))
+    ctx = build_forward_context([1, 1, 1], lengths, blocks, 16, 3, torch.device("cpu"))
     q = torch.randn(3, 9, 64, generator=gen).bfloat16()
     k_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
     v_new = torch.randn(3, 3, 64, generator=gen).bfloat16()

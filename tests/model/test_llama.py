@@ -40,7 +40,7 @@ def _paged_logits(model, ids: torch.Tensor, chunks: list[int], block_ids: list[i
     done, outs = 0, []
     for n in chunks:
         blocks = block_ids[: math.ceil((done + n) / block_size)]
-        ctx = build_forward_context([n], [done + n], [blocks], block_size, torch.device("cpu"))
+        ctx = build_forward_context([n], [done + n], [blocks], block_size, cfg.num_key_value_heads, torch.device("cpu"))
         with forward_context(ctx):
             hidden = model(ids[done : done + n], torch.arange(done, done + n))
         outs.append(model.compute_logits(hidden))
@@ -68,10 +68,10 @@ def test_batched_decode_and_prefill_in_one_forward():
     ours.bind_kv_cache(caches)
     blocks_a, blocks_b = [0, 1, 2], [5, 6]
     # step 1: a's first 8 tokens; step 2: a decodes its 9th token while b prefills all 6 in the same batch
-    ctx = build_forward_context([8], [8], [blocks_a[:2]], 4, torch.device("cpu"))
+    ctx = build_forward_context([8], [8], [blocks_a[:2]], 4, 2, torch.device("cpu"))
     with forward_context(ctx):
         ours(a[:8], torch.arange(8))
-    ctx = build_forward_context([1, 6], [9, 6], [blocks_a, blocks_b], 4, torch.device("cpu"))
+    ctx = build_forward_context([1, 6], [9, 6], [blocks_a, blocks_b], 4, 2, torch.device("cpu"))
     with forward_context(ctx):
         hidden = ours(torch.cat([a[8:], b]), torch.cat([torch.tensor([8]), torch.arange(6)]))
     logits = ours.compute_logits(hidden)
@@ -94,7 +94,7 @@ def test_llama3_rope_scaling_matches_hf():
 
 
 def test_forward_context_refuses_nesting_and_absence():
-    ctx = build_forward_context([1], [1], [[0]], 4, torch.device("cpu"))
+    ctx = build_forward_context([1], [1], [[0]], 4, 1, torch.device("cpu"))
     with forward_context(ctx):
         with pytest.raises(RuntimeError, match="already set"):
             with forward_context(ctx):
