@@ -82,10 +82,14 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         engine = self.llm_engine
-        # Validate everything before queueing anything: a bad prompt fails fast and disturbs nothing.
-        for prompt, params in zip(prompt_list, params_list):
-            engine.validate(engine.tokenize_prompt(prompt)[1], params)
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        # Tokenize and validate everything before queueing anything: a bad prompt fails fast, disturbs nothing.
+        tokenized = [engine.tokenize_prompt(p) for p in prompt_list]
+        for (_, token_ids), params in zip(tokenized, params_list):
+            engine.validate(token_ids, params)
+        ids = [
+            engine.add_request(token_ids, sp, prompt_text=text)
+            for (text, token_ids), sp in zip(tokenized, params_list)
+        ]
         return self._run(ids, use_tqdm)
 
     def chat(

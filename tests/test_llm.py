@@ -114,6 +114,7 @@ def test_bad_input_is_rejected_and_disturbs_nothing(llm):
     assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued by the failed calls
     out = llm.generate(["fine prompt"], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+    assert out.prompt == "fine prompt" and out.prompt_token_ids == llm.get_tokenizer().encode("fine prompt")
 
 
 def test_unknown_model_and_option():

@@ -77,10 +77,15 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        prompt_text: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id."""
-        prompt_text, token_ids = self.tokenize_prompt(prompt)
+        """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id.
+
+        `prompt_text` names the text of a prompt given as token ids (it is reported back, not re-tokenized).
+        """
+        text, token_ids = self.tokenize_prompt(prompt)
+        prompt_text = text if text is not None else prompt_text
         self.validate(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.child_ids(request_id):

@@ -44,6 +44,7 @@ class _BatchLayout:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     query_lens: list[int]  # per request
+    row_starts: list[int]  # per request: its first row in the batch
     seq_lens: list[int]  # per request: tokens with KV after this step
     sample_rows: list[int]  # requests whose chunk ends at their last token
     sample_token_idx: list[int]  # batch row of each sampling request's last token
@@ -103,14 +104,15 @@ class ModelRunner:
                 if lp_dicts is not None and sample_reqs[j].sampling_params.logprobs is not None:
                     logprobs[row] = [lp_dicts[j]]
         prompt_logprobs = [self._prompt_logprobs(r, n, hidden, start) for r, n, start in zip(
-            requests, layout.query_lens, _starts(layout.query_lens))]
+            requests, layout.query_lens, layout.row_starts)]
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []
         positions: list[int] = []
-        seq_lens, sample_rows, sample_idx = [], [], []
+        seq_lens, sample_rows, sample_idx, row_starts = [], [], [], []
         for i, (req, n) in enumerate(zip(so.scheduled_requests, so.num_scheduled_tokens)):
+            row_starts.append(len(ids))
             start = req.num_computed_tokens
             ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
@@ -123,6 +125,7 @@ class ModelRunner:
             input_ids=torch.tensor(ids, **as_long),
             positions=torch.tensor(positions, **as_long),
             query_lens=list(so.num_scheduled_tokens),
+            row_starts=row_starts,
             seq_lens=seq_lens,
             sample_rows=sample_rows,
             sample_token_idx=sample_idx,
@@ -156,10 +159,3 @@ class ModelRunner:
             entries.extend(logprobs_to_dicts(lp, [k] * len(targets)))
         return entries or None
 
-
-def _starts(query_lens: list[int]) -> list[int]:
-    starts, total = [], 0
-    for n in query_lens:
-        starts.append(total)
-        total += n
-    return starts
