@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from leanlm.config import EngineConfig, parse_dtype
 from leanlm.engine.engine import LLMEngine
 from leanlm.engine.outputs import RequestOutput
+from leanlm.kernels.build import cpu_flags
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.llama import build_model
@@ -28,12 +29,7 @@ def default_device() -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bfloat16 matmuls run at full speed on this CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

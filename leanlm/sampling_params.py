@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+# Temperatures below this sample greedily (dividing logits by ~0 would overflow); vLLM uses the same cut.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,6 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt position (plus the actual token)
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, hash=False)  # room for extensions
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,4 +71,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS

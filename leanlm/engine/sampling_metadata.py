@@ -10,9 +10,6 @@ import torch
 
 from leanlm.engine.request import Request
 
-# Temperatures below this are treated as greedy: dividing by them would only amplify float noise.
-GREEDY_TEMPERATURE_EPS = 1e-5
-
 
 @dataclass
 class SamplingMetadata:
@@ -48,7 +45,7 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Batch the rows' settings. Python work is O(B + tokens); nothing loops over the vocabulary."""
         params = [r.sampling_params for r in requests]
-        is_greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
+        is_greedy = [p.is_greedy for p in params]
         random_params = [p for p, g in zip(params, is_greedy) if not g]
         top_ks = [vocab_size if g or p.top_k is None else min(p.top_k, vocab_size) for p, g in zip(params, is_greedy)]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, is_greedy)]
