@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Temperatures below this sample greedily (dividing logits by ~0 would overflow); vLLM uses the same cut.
@@ -30,6 +31,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt position (plus the actual token)
     skip_special_tokens: bool = True
+    # OpenAI logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling; a
+    # mapping is accepted and stored sorted (a tuple keeps the dataclass hashable).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +41,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.top_k in (0, -1):
             object.__setattr__(self, "top_k", None)
         self._validate()
@@ -64,6 +70,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

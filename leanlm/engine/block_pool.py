@@ -94,6 +94,11 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget these blocks' hashes (their contents cannot be trusted); they stay allocated."""
+        for block in blocks:
+            self._evict_hash(block)
+
     def is_shared(self, block: KVBlock) -> bool:
         """True when several requests hold the block: it must be copied before anyone writes into it."""
         return block.ref_cnt > 1

@@ -13,6 +13,7 @@ import torch
 
 from leanlm.config import EngineConfig
 from leanlm.engine.block_pool import BlockPool
+from leanlm.engine.executor import IsolatingExecutor
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
@@ -49,6 +50,7 @@ class LLMEngine:
             engine_config, self.kv_cache_manager, self.max_model_len, eos_ids,
             stop_checker=self.output_processor.check_stop,
         )
+        self.executor = IsolatingExecutor(self.model_runner, self.scheduler)
         self._ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------------
@@ -75,6 +77,10 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -112,7 +118,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         return self.output_processor.make_outputs(self.scheduler.update(scheduler_output, runner_output))
 
     def has_unfinished_requests(self) -> bool:

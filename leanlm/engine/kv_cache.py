@@ -118,6 +118,17 @@ class KVCacheManager:
         if not keep_hashes:
             self._req_to_hashes.pop(request_id, None)
 
+    def uncache_uncomputed(self, request: Request) -> list[int]:
+        """Drop the prefix-cache hashes of the request's blocks past its computed tokens (registered when
+        allocated, for a step that then failed), so no later request reuses KV that was never written.
+        Returns the ids of those blocks."""
+        blocks = self._req_to_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        self.block_pool.uncache(blocks[first:])
+        if self._num_cached_blocks.get(request.request_id, 0) > first:
+            self._num_cached_blocks[request.request_id] = first
+        return [block.block_id for block in blocks[first:]]
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached hash and the hit-rate counters; returns how many hashes were dropped."""
         self.prefix_cache_queries = 0

@@ -117,6 +117,7 @@ class OutputProcessor:
                     logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
+                    error=req.error,
                 )
             )
         first = parent.children[0].request

@@ -70,6 +70,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per generated token, when SamplingParams.logprobs is set
     finish_reason: str | None  # 'stop' | 'length' | 'abort' | 'error'; None while streaming
     stop_reason: int | str | None = None  # the stop token id or string that matched
+    error: str | None = None  # why it failed, when finish_reason is 'error'
 
     @property
     def cumulative_logprob(self) -> float | None:

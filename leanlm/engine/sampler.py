@@ -1,5 +1,5 @@
 """Batched sampler: logits [B, V] + SamplingMetadata -> one token per row, plus logprobs of the raw model
-distribution. Min-tokens mask, penalties (CTRL repetition, OpenAI presence/frequency), greedy, temperature,
+distribution. Min-tokens mask, OpenAI logit bias, penalties (CTRL repetition, OpenAI presence/frequency), greedy, temperature,
 top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by an exponential race
 (argmax p/q, q ~ Exp(1)), which draws exactly from p and lets seeded rows use their own generator."""
 
@@ -41,6 +41,7 @@ class Sampler:
             # vLLM's default: logprobs of the raw model distribution, before any processing.
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
         apply_min_tokens(logits, metadata)
+        apply_logit_bias(logits, metadata)
         logits = apply_penalties(logits, metadata)
         sampled = self._sample_processed(logits, metadata)
         if metadata.max_num_logprobs is not None:
@@ -65,6 +66,14 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """In place: rows still short of min_tokens cannot end, so their EOS / stop ids get -inf."""
     if metadata.min_tokens_rows is not None:
         logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: OpenAI logit_bias, added to the raw logits (a bias of -100 effectively bans a token)."""
+    if metadata.logit_bias_rows is not None:
+        logits.index_put_(
+            (metadata.logit_bias_rows, metadata.logit_bias_token_ids), metadata.logit_bias_values, accumulate=True
+        )
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

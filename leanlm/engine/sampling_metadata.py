@@ -32,6 +32,10 @@ class SamplingMetadata:
     # min_tokens: (row, token id) pairs set to -inf: EOS and stop ids of rows still short of min_tokens.
     min_tokens_rows: torch.Tensor | None  # [M] long
     min_tokens_token_ids: torch.Tensor | None  # [M] long
+    # logit_bias: (row, token id, bias) triples added to the logits; None when no row has a bias.
+    logit_bias_rows: torch.Tensor | None  # [M] long
+    logit_bias_token_ids: torch.Tensor | None  # [M] long
+    logit_bias_values: torch.Tensor | None  # [M] float32
     generators: dict[int, torch.Generator]  # row -> generator, for seeded random rows only
     max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs; None when no row asks
 
@@ -62,6 +66,7 @@ class SamplingMetadata:
         penalties = _penalty_fields(requests, vocab_size, device) if has_penalties else dict.fromkeys(_PENALTY_FIELDS)
         min_rows, min_ids = _min_tokens_pairs(requests, vocab_size, eos_token_ids)
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab_size]
         return cls(
             temperature=row_tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)], torch.float32),
             is_greedy=row_tensor(is_greedy, torch.bool),
@@ -75,6 +80,9 @@ class SamplingMetadata:
             **penalties,
             min_tokens_rows=row_tensor(min_rows, torch.long) if min_rows else None,
             min_tokens_token_ids=row_tensor(min_ids, torch.long) if min_rows else None,
+            logit_bias_rows=row_tensor([i for i, _, _ in bias], torch.long) if bias else None,
+            logit_bias_token_ids=row_tensor([t for _, t, _ in bias], torch.long) if bias else None,
+            logit_bias_values=row_tensor([b for _, _, b in bias], torch.float32) if bias else None,
             generators={
                 i: r.generator for i, (r, g) in enumerate(zip(requests, is_greedy)) if r.generator is not None and not g
             },

@@ -51,7 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule(), for the runner
-        self._finished_in_schedule: list[Request] = []  # failed inside schedule(); reported by update()
+        self._finished_in_schedule: list[Request] = []  # failed outside update(); the next update() reports them
         self.num_preemptions = 0
         self.num_finished: Counter[str] = Counter()
 
@@ -99,11 +99,13 @@ class Scheduler:
         return request
 
     def finish_with_error(self, request_id: str, message: str) -> Request | None:
-        """Fail one request alone (FINISHED_ERROR with `message`); None if it is unknown or finished."""
+        """Fail one request alone (FINISHED_ERROR with `message`); the next update() reports it. Blocks it
+        allocated for tokens not yet computed leave the prefix cache: their KV may never have been written.
+        None if the request is unknown or finished."""
         request = self.requests.get(request_id)
         if request is not None:
-            request.error = message
-            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self.kv_cache_manager.uncache_uncomputed(request)
+            self._fail_in_schedule(request, message)
         return request
 
     # ---- schedule ------------------------------------------------------------------------------------
@@ -242,7 +244,12 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            status = self._check_stop(request, token_id)
+            try:
+                status = self._check_stop(request, token_id)
+            except Exception as exc:  # a stop check (detokenization) that fails fails its request alone
+                request.error = f"stop check failed: {type(exc).__name__}: {exc}"
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                return True
             if status is not None:
                 self._finish(request, status)
                 return True  # later tokens (speculative ones) are dropped

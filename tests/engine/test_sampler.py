@@ -330,3 +330,24 @@ def test_sampler_does_not_modify_input_logits():
     params = SamplingParams(temperature=0.5, top_k=3, min_tokens=2, repetition_penalty=2.0)
     sample(logits, [make_request(params, output=[1]), make_request(params)], eos_token_ids=(0,))
     assert torch.equal(logits, before)
+
+
+def test_logit_bias_moves_greedy_choice_and_bans_tokens_per_row():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(3, 1)
+    requests = [
+        make_request(SamplingParams(temperature=0, logit_bias={3: -100})),  # banned: next best is 2
+        make_request(SamplingParams(temperature=0, logit_bias={0: 5.0})),  # 0 + 5 beats 3
+        make_request(SamplingParams(temperature=0)),  # untouched row
+    ]
+    assert sample(logits, requests).sampled_token_ids.tolist() == [2, 0, 3]
+    # Logprobs stay those of the raw model distribution (vLLM's default), bias or not.
+    params = SamplingParams(temperature=1.0, seed=0, logit_bias={0: -100, 1: -100, 2: -100}, logprobs=1)
+    out = sample(logits[:1], [make_request(params)])
+    assert out.sampled_token_ids.tolist() == [3]
+    assert out.logprobs.logprobs[0, 0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[3].item())
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {5: 101.0}, {5: -100.5}])
+def test_logit_bias_validation(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
