@@ -10,7 +10,7 @@ import time
 import types
 import typing
 
-from leanlm.config import EngineConfig
+from leanlm.config import EngineConfig, ServeConfig
 
 
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -145,6 +145,22 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from leanlm.server.launcher import serve
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
+    if options["api_key"] is None:
+        options["api_key"] = os.environ.get("LEANLM_API_KEY") or None
+    config = ServeConfig(**options)  # validate before the (slow) model load
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = _load_llm(args)
+    serve(llm, config.served_model_name or args.model, config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    _add_model_args(srv)
+    _add_dataclass_args(srv, ServeConfig)
+    srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list bundled models, or `pull NAME` to install one")
     models.add_argument("action", nargs="?", choices=["list", "pull"], default="list")

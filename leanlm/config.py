@@ -196,3 +196,29 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server listens and what it accepts (the engine's own settings live in EngineConfig)."""
+
+    host: str = "127.0.0.1"  # loopback by default: exposing a model is the user's explicit choice
+    port: int = 8000
+    api_key: str | None = None  # required as a bearer token on /v1 routes when set
+    served_model_name: str | None = None  # the name clients send as `model`; default: the --model value
+    max_queue: int = 256  # sequences that may wait beyond max_num_seqs before requests get 429
+    max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take to finish
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty; give a real key or leave it unset")

@@ -77,6 +77,12 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        needed = self.kv_cache_manager.num_blocks_for(len(prompt_token_ids) + 1)
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"the prompt needs {needed} KV blocks but the cache has {self.num_kv_blocks} "
+                f"({self.kv_capacity_tokens} tokens); shorten the prompt or give the engine more KV cache memory"
+            )
         vocab_size = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab_size]
         if bad:

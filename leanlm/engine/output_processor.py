@@ -50,6 +50,10 @@ class OutputProcessor:
             self._children[req.request_id] = (state, child)
         self._prompts[parent_id] = state
 
+    def parent_ids(self) -> list[str]:
+        """Ids of the requests (prompts) not finished yet."""
+        return list(self._prompts)
+
     def child_ids(self, parent_id: str) -> list[str]:
         state = self._prompts.get(parent_id)
         return [c.request.request_id for c in state.children] if state else []

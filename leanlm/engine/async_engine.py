@@ -1,0 +1,265 @@
+"""AsyncLLMEngine: the bridge between asyncio (the HTTP server) and the synchronous LLMEngine.
+
+One background thread owns the LLMEngine and loops: apply queued commands (add, abort), run one step,
+hand the outputs back. Each request's outputs reach its coroutine through its own asyncio.Queue. The event
+loop never touches engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from leanlm.engine.engine import LLMEngine
+from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.scheduler import SchedulerStats
+from leanlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The engine already holds as many sequences as it may queue; the client should retry later."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop has stopped (shutdown); no new requests are accepted."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (and only it); the message says why."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """State published by the engine thread after every step, read by /metrics and /health."""
+
+    scheduler: SchedulerStats
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_steps: int  # steps run since start
+    last_step_time: float  # time.monotonic() of the latest step or idle wake-up
+
+
+# Called on the event loop with each output as it is delivered (metrics hook).
+OutputListener = Callable[[RequestOutput], None]
+
+
+class RequestStream:
+    """One request's outputs as an async iterator of cumulative RequestOutputs (the last has finished=True).
+    Closing it early (or calling abort) cancels the request in the engine and frees its KV blocks."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int) -> None:
+        self.request_id = request_id
+        self.num_seqs = num_seqs  # sequences it holds in the engine (its n)
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:  # the consumer went away (client disconnect, cancellation)
+                self.abort()
+
+    async def result(self) -> RequestOutput:
+        """Wait for the final output."""
+        final = None
+        async for output in self:
+            final = output
+        assert final is not None and final.finished
+        return final
+
+    def abort(self) -> None:
+        self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Serve an LLMEngine to coroutines. `max_queue` bounds the sequences waiting beyond max_num_seqs, so
+    the backlog (and the memory it takes) never grows without bound."""
+
+    def __init__(self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.max_in_flight = engine.engine_config.max_num_seqs + max_queue
+        self.idle_wait_s = idle_wait_s
+        self.output_listeners: list[OutputListener] = []
+        self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
+        self._num_seqs_in_flight = 0  # event-loop side: sum of num_seqs over _streams
+        self._commands: collections.deque[tuple] = collections.deque()  # ("add", ...) / ("abort", id)
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.snapshot = self._take_snapshot(num_steps=0)
+
+    # -- lifecycle (event loop) -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="leanlm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort whatever is left, stop the loop thread and fail the remaining streams."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        for stream in list(self._streams.values()):
+            stream._put(EngineStoppedError("the server is shutting down"))
+        self._streams.clear()
+        self._num_seqs_in_flight = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests (event loop) ------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        prompt_text: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; raises ValueError (bad input), QueueFullError or
+        EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
+        `prompt_text` names the text of a prompt given as token ids."""
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+        text, token_ids = self.engine.tokenize_prompt(prompt)
+        prompt_text = text if text is not None else prompt_text
+        self.engine.validate(token_ids, params)
+        if self._num_seqs_in_flight + params.n > self.max_in_flight:
+            raise QueueFullError(
+                f"the server is at capacity ({self._num_seqs_in_flight} sequences in flight, limit "
+                f"{self.max_in_flight} = max_num_seqs + max_queue); retry later",
+                retry_after_s=1,
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
+        stream = RequestStream(self, request_id, params.n)
+        self._streams[request_id] = stream
+        self._num_seqs_in_flight += params.n
+        self._send(("add", request_id, token_ids, params, prompt_text))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """On the event loop: route each output (or failure) to its stream."""
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # already finished or aborted and forgotten
+            if isinstance(item, RequestOutput):
+                for listener in self.output_listeners:
+                    listener(item)
+            stream._put(item)
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[request_id]
+                self._num_seqs_in_flight -= stream.num_seqs
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        num_steps = 0
+        while True:
+            with self._wakeup:
+                while not self._commands and not engine.has_unfinished_requests() and not self._stopping:
+                    self._wakeup.wait(self.idle_wait_s)
+                    self.snapshot = self._take_snapshot(num_steps)  # keeps /health's heartbeat fresh
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            items = self._apply(commands)
+            if stopping:
+                self._abort_all(items)
+                self._post(items)
+                return
+            if engine.has_unfinished_requests():
+                try:
+                    items.extend((out.request_id, out) for out in engine.step())
+                except Exception as exc:  # not one request's fault (those fail alone inside step)
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._abort_all(items, RequestFailedError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                num_steps += 1
+            self.snapshot = self._take_snapshot(num_steps)
+            self._post(items)
+
+    def _apply(self, commands: list[tuple]) -> list[tuple[str, RequestOutput | BaseException]]:
+        items: list[tuple[str, RequestOutput | BaseException]] = []
+        for command in commands:
+            if command[0] == "add":
+                _, request_id, token_ids, params, prompt_text = command
+                try:
+                    self.engine.add_request(token_ids, params, request_id=request_id, prompt_text=prompt_text)
+                except Exception as exc:
+                    items.append((request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")))
+            else:
+                output = self.engine.abort_request(command[1])
+                if output is not None:
+                    items.append((command[1], output))
+        return items
+
+    def _abort_all(self, items: list, error: BaseException | None = None) -> None:
+        for request_id in list(self.engine.output_processor.parent_ids()):
+            output = self.engine.abort_request(request_id)
+            if error is not None:
+                items.append((request_id, error))
+            elif output is not None:
+                items.append((request_id, output))
+
+    def _post(self, items: list) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+    def _take_snapshot(self, num_steps: int) -> EngineSnapshot:
+        kv = self.engine.kv_cache_manager
+        return EngineSnapshot(
+            scheduler=self.engine.scheduler.stats(),
+            num_kv_blocks=self.engine.num_kv_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            num_steps=num_steps,
+            last_step_time=time.monotonic(),
+        )

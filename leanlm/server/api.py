@@ -1,0 +1,196 @@
+"""The HTTP face of `leanlm serve`: a FastAPI app with OpenAI-compatible routes, bearer-key auth, a body
+size limit, OpenAI-style error bodies, and client-disconnect handling that frees a request's KV blocks.
+
+Every failure a client can cause ends in a 4xx with {"error": {"message", "type", "param", "code"}}; an
+exception inside the engine fails its own request only. Nothing a request does stops the engine loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
+from leanlm.server.metrics import ServerMetrics
+from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
+from leanlm.server.serving import ContextLengthError, Job, ModelNotFoundError, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+def error_response(status: int, message: str, err_type: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors(include_url=False)[0]
+    loc = ".".join(str(part) for part in first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('msg')})", None
+    if first.get("type") == "json_type":
+        return "the body must be a JSON object", None
+    return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), loc or None
+
+
+def _map_exception(exc: BaseException) -> JSONResponse:
+    """Errors raised while accepting a request -> their HTTP answer."""
+    if isinstance(exc, ValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+    if isinstance(exc, ModelNotFoundError):
+        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, ContextLengthError):
+        return error_response(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
+    if isinstance(exc, UnsupportedParameterError):
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, QueueFullError):
+        return error_response(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
+                              headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineStoppedError):
+        return error_response(503, str(exc), "server_error", None, "unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, (ValueError, TypeError)):
+        return error_response(400, str(exc), "invalid_request_error")
+    if isinstance(exc, RequestFailedError):
+        return error_response(500, str(exc), "server_error")
+    logger.exception("unexpected error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+class GuardMiddleware:
+    """Pure ASGI (it must not buffer streams): bearer-key check on /v1 routes, compared in constant time,
+    and a 413 for request bodies over `max_bytes`, whether announced by Content-Length or streamed."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                response = error_response(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                                          "invalid_request_error", None, "invalid_api_key")
+                return await response(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        response = error_response(413, f"the request body is larger than {self.max_bytes} bytes",
+                                  "invalid_request_error", None, "request_too_large")
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Wait for the client to go away, then call on_disconnect (which aborts the engine requests)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
+              max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
+    """The app; it starts the engine loop on startup and stops it on shutdown."""
+    serving = OpenAIServing(engine, model_names)
+    metrics = ServerMetrics(engine, model_names[0])
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="LeanLM", lifespan=lifespan)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_bytes=max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(503, "the engine loop is not running", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": name, "object": "model", "created": started, "owned_by": "leanlm",
+                 "max_model_len": serving.max_model_len} for name in model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def handle(request: Request, schema: type[BaseModel], start: Callable[[BaseModel], Job]) -> Response:
+        raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
+        try:
+            body = schema.model_validate_json(raw)
+            job = start(body)
+        except Exception as exc:  # everything here is the client's input or the server's capacity
+            return _map_exception(exc)
+        if body.stream:
+            return StreamingResponse(_streamed(request, job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job.abort))
+        try:
+            return JSONResponse(await serving.full_response(job))
+        except Exception as exc:
+            job.abort()
+            return _map_exception(exc)
+        finally:
+            watcher.cancel()
+
+    async def _streamed(request: Request, job: Job):
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job.abort))
+        try:
+            async for event in serving.sse_stream(job):
+                yield event
+        finally:
+            watcher.cancel()
+            job.abort()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, CompletionRequest, serving.start_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, ChatCompletionRequest, serving.start_chat)
+
+    return app

@@ -1,0 +1,175 @@
+"""The OpenAI wire format: request schemas (pydantic, strict types) and their mapping onto SamplingParams.
+
+Unknown fields are ignored, as vLLM does, so clients that send newer parameters keep working; fields we do
+not support but that change the result (suffix, tools, best_of > n, ...) are refused with a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from leanlm.sampling_params import SamplingParams
+
+MAX_N = 128  # completions per prompt
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
+
+
+class UnsupportedParameterError(ValueError):
+    """A known OpenAI parameter this server does not implement; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints: the OpenAI ones, then our (vLLM-named) extensions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Extensions.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stop) > 16:
+            raise UnsupportedParameterError("stop", "at most 16 stop sequences are allowed")
+        try:
+            logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise UnsupportedParameterError("logit_bias", "logit_bias keys must be token ids (integers as strings)")
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=logit_bias,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise UnsupportedParameterError("prompt", "prompt is an empty list; give a string or token ids")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise UnsupportedParameterError("suffix", "suffix (fill-in-the-middle) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameterError("best_of", "best_of other than n is not supported yet; leave it unset")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True  # extension, as vLLM
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # The system-like "developer" role of newer clients is what chat templates call "system".
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise UnsupportedParameterError("tools", "tool calling is not supported; send the request without tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedParameterError(
+                "response_format", f"response_format {self.response_format.type!r} is not supported; use 'text'"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs: true")

@@ -1,0 +1,273 @@
+"""OpenAIServing: turns validated /v1/completions and /v1/chat/completions requests into engine requests, and
+their outputs into whole responses or server-sent-event streams. Knows nothing of HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from leanlm.engine.async_engine import AsyncLLMEngine, RequestFailedError, RequestStream
+from leanlm.engine.outputs import CompletionOutput, RequestOutput
+from leanlm.server import responses
+from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
+
+
+class ModelNotFoundError(LookupError):
+    pass
+
+
+class ContextLengthError(ValueError):
+    """Prompt plus requested tokens exceed the context; `param` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Job:
+    """One HTTP request in flight: its prompts' streams, and how to render them."""
+
+    request_id: str  # "cmpl-..." / "chatcmpl-..."
+    is_chat: bool
+    model: str
+    streams: list[RequestStream]  # one per prompt, in prompt order
+    prompt_texts: list[str]  # for echo
+    n: int
+    num_top_logprobs: int | None  # None: no logprobs
+    echo: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            if not stream.finished:
+                stream.abort()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.llm_engine = engine.engine
+        self.tokenizer = self.llm_engine.tokenizer
+        self.max_model_len = self.llm_engine.max_model_len
+        self.texts = responses.TokenTexts(self.tokenizer)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model_names}")
+
+    # -- starting requests ----------------------------------------------------------------------------
+
+    def start_completion(self, request: CompletionRequest) -> Job:
+        self.check_model(request.model)
+        request.check_supported()
+        prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        jobs_params = [
+            request.sampling_params(self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
+                                    request.logprobs, prompt_logprobs)
+            for _, ids in prompts
+        ]
+        texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
+        return self._start("cmpl", False, request.model, prompts, jobs_params, texts, request.n,
+                           request.logprobs, request.echo, request.include_usage_in_stream)
+
+    def start_chat(self, request: ChatCompletionRequest) -> Job:
+        self.check_model(request.model)
+        request.check_supported()
+        text = self.tokenizer.apply_chat_template(
+            request.chat_messages(), add_generation_prompt=request.add_generation_prompt
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
+        params = request.sampling_params(max_tokens, num_top, None)
+        return self._start("chatcmpl", True, request.model, [(text, ids)], [params], [text], request.n,
+                           num_top, False, request.include_usage_in_stream)
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens; shorten the prompt", "messages" if param != "max_tokens" else "prompt"
+            )
+        if requested is None:
+            return room
+        if requested > room:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
+                f"completion); reduce the prompt or {param}", param
+            )
+        return requested
+
+    def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage) -> Job:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{idx}"
+                streams.append(self.engine.add_request(ids, p, request_id=sub_id, prompt_text=text))
+        except BaseException:
+            for stream in streams:  # all prompts of a request are queued, or none is
+                stream.abort()
+            raise
+        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage)
+
+    # -- whole responses ------------------------------------------------------------------------------
+
+    async def full_response(self, job: Job) -> dict:
+        finals = await asyncio.gather(*(stream.result() for stream in job.streams))
+        choices = []
+        for prompt_idx, final in enumerate(finals):
+            for completion in final.outputs:
+                _raise_if_failed(completion)
+                index = prompt_idx * job.n + completion.index
+                choices.append(self._choice(job, prompt_idx, final, completion, index))
+        body = responses.envelope(job.request_id, "chat.completion" if job.is_chat else "text_completion",
+                                  job.model, job.created)
+        body["choices"] = choices
+        body["usage"] = responses.usage(finals)
+        return body
+
+    def _choice(self, job: Job, prompt_idx: int, final: RequestOutput, c: CompletionOutput, index: int) -> dict:
+        if job.is_chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": None, "finish_reason": responses.finish_reason(c), "stop_reason": c.stop_reason}
+            if job.num_top_logprobs is not None:
+                choice["logprobs"] = responses.chat_logprobs(self.texts, c.token_ids, c.logprobs, job.num_top_logprobs)
+            return choice
+        prefix = job.prompt_texts[prompt_idx] if job.echo else ""
+        choice = {"index": index, "text": prefix + c.text, "logprobs": None,
+                  "finish_reason": responses.finish_reason(c), "stop_reason": c.stop_reason}
+        if job.num_top_logprobs is not None:
+            ids, lps = list(c.token_ids), list(c.logprobs)
+            if job.echo:
+                ids = final.prompt_token_ids + ids
+                lps = list(final.prompt_logprobs) + lps
+            choice["logprobs"] = responses.completion_logprobs(self.texts, ids, lps, job.num_top_logprobs)
+        return choice
+
+    # -- streams --------------------------------------------------------------------------------------
+
+    async def sse_stream(self, job: Job) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per new piece of each choice, the usage chunk if asked, then [DONE].
+        A failure after the stream started is sent as an `error` event (the HTTP status is already 200)."""
+        cursors: dict[int, responses.ChoiceCursor] = {}
+        finals: dict[int, RequestOutput] = {}
+        obj = "chat.completion.chunk" if job.is_chat else "text_completion"
+        try:
+            async for prompt_idx, output in _merged(job.streams):
+                chunk = responses.envelope(job.request_id, obj, job.model, job.created)
+                chunk["choices"] = self._delta_choices(job, prompt_idx, output, cursors)
+                if job.include_usage:
+                    chunk["usage"] = None
+                if output.finished:
+                    finals[prompt_idx] = output
+                if chunk["choices"]:
+                    yield _sse(chunk)
+            if job.include_usage:
+                chunk = responses.envelope(job.request_id, obj, job.model, job.created)
+                chunk["choices"] = []
+                chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)])
+                yield _sse(chunk)
+        except (RequestFailedError, UnsupportedParameterError) as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+        finally:
+            job.abort()  # no-op unless the client went away mid-stream
+        yield "data: [DONE]\n\n"
+
+    def _delta_choices(self, job: Job, prompt_idx: int, output: RequestOutput, cursors: dict) -> list[dict]:
+        choices = []
+        for c in output.outputs:
+            _raise_if_failed(c)
+            index = prompt_idx * job.n + c.index
+            cursor = cursors.get(index)
+            if cursor is None:
+                cursor = cursors[index] = responses.ChoiceCursor()
+                if job.is_chat:  # the first chunk of a chat choice carries the role
+                    choices.append({"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None})
+                elif job.echo:
+                    choices.append(self._echo_chunk(job, prompt_idx, output, index))
+            if cursor.finished:
+                continue
+            new_text = c.text[cursor.num_chars:]
+            new_ids = c.token_ids[cursor.num_tokens:]
+            reason = responses.finish_reason(c)
+            if not new_text and reason is None and (job.num_top_logprobs is None or not new_ids):
+                continue  # tokens whose text is still held back (a partial character or a stop prefix)
+            choice = self._delta(job, index, new_text, new_ids, c.logprobs[cursor.num_tokens:] if c.logprobs else [])
+            choice["finish_reason"] = reason
+            if reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            cursor.num_chars, cursor.num_tokens, cursor.finished = len(c.text), len(c.token_ids), c.finished
+            choices.append(choice)
+        return choices
+
+    def _delta(self, job: Job, index: int, text: str, ids: list[int], lps: list) -> dict:
+        if job.is_chat:
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None}
+            if job.num_top_logprobs is not None:
+                choice["logprobs"] = responses.chat_logprobs(self.texts, ids, lps, job.num_top_logprobs)
+            return choice
+        choice = {"index": index, "text": text, "logprobs": None}
+        if job.num_top_logprobs is not None:
+            choice["logprobs"] = responses.completion_logprobs(self.texts, ids, lps, job.num_top_logprobs)
+        return choice
+
+    def _echo_chunk(self, job: Job, prompt_idx: int, output: RequestOutput, index: int) -> dict:
+        choice = {"index": index, "text": job.prompt_texts[prompt_idx], "logprobs": None, "finish_reason": None}
+        if job.num_top_logprobs is not None and output.prompt_logprobs is not None:
+            choice["logprobs"] = responses.completion_logprobs(
+                self.texts, output.prompt_token_ids, output.prompt_logprobs, job.num_top_logprobs
+            )
+        return choice
+
+
+def _raise_if_failed(completion: CompletionOutput) -> None:
+    if completion.finish_reason == "error":
+        raise RequestFailedError(completion.error or "the request failed")
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams, in arrival order."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(idx: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((idx, output))
+        except BaseException as exc:
+            await queue.put((idx, exc))
+        await queue.put((idx, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            idx, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield idx, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
