@@ -4,6 +4,7 @@ accepting, let in-flight requests finish up to a timeout, then stop the engine a
 from __future__ import annotations
 
 import logging
+import signal
 import uvicorn
 
 from leanlm.engine.async_engine import AsyncLLMEngine
@@ -36,6 +37,18 @@ def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:
 
 
 def serve(llm: LLM, model_name: str, config: ServeConfig) -> None:
+    """Serve until SIGINT/SIGTERM. uvicorn handles the signal (stop listening, drain in-flight requests up to
+    the timeout, then the app's shutdown stops the engine) and re-raises it once done; the handlers set here
+    make that re-raise a clean exit (status 0) instead of a kill or a KeyboardInterrupt traceback."""
     server = build_server(llm, model_name, config)
     logger.info(describe(llm, model_name, config))
-    server.run()  # uvicorn handles SIGINT/SIGTERM: stop listening, drain, then the app's lifespan shutdown
+
+    def after_drain(signum: int, frame) -> None:
+        logger.info("stopped by %s after draining", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, after_drain) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
