@@ -159,8 +159,10 @@ def test_bad_requests_fail_alone(make_tiny_engine, tokenizer):
         engine.add_request(list(range(3, 67)), SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, tokenizer.vocab_size + 5], SamplingParams())
-    # fits the context, but needs more KV blocks than the whole pool: fails alone, the other finishes
-    too_big = engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="needs 11 KV blocks but the cache has 8"):
+        engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=4))  # fits the context, not the pool
+    # its prompt fits the pool, but it outgrows the pool while generating: fails alone, the other finishes
+    too_big = engine.add_request(list(range(3, 33)), SamplingParams(max_tokens=10, ignore_eos=True))
     outputs = run_to_completion(engine)
     assert outputs[too_big].outputs[0].finish_reason == "error"
     assert outputs[good].outputs[0].finish_reason in ("length", "stop")
