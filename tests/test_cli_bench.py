@@ -1,0 +1,32 @@
+"""`leanlm bench serve` end to end against the stub server: flags -> LoadConfig -> table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+from leanlm.cli import build_parser, main
+from leanlm.loading.registry import DEFAULT_MODEL
+from tests.analysis.stub_server import MODEL_ID, StubState, build_app, serve_in_thread
+
+
+def test_bench_serve_prints_table_and_writes_json(tmp_path, capsys):
+    data = tmp_path / "text.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    state = StubState()
+    with serve_in_thread(build_app(state)) as url:
+        code = main(["bench", "serve", "--url", url, "--num-requests", "4", "--max-concurrency", "2",
+                     "--input-len", "16", "--output-len", "5", "--data", str(data), "--tokenizer", DEFAULT_MODEL,
+                     "--json", str(tmp_path / "out.json"), "--no-progress"])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert f"| metric | {MODEL_ID} @ {url} |" in table and "| completed / failed | 4 / 0 |" in table
+    assert state.max_active <= 2 and len(state.payloads) == 4
+    assert state.payloads[0]["logit_bias"] == {"2": -100, "0": -100}  # SmolLM2's <|im_end|> and <|endoftext|>
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["summary"]["total_output_tokens"] == 20
+    assert out["config"]["max_concurrency"] == 2 and len(out["records"]) == 4
+
+
+def test_bench_is_a_group_of_subcommands():
+    args = build_parser().parse_args(["bench", "serve", "--request-rate", "inf", "--no-ignore-eos"])
+    assert args.bench_command == "serve" and args.request_rate == float("inf") and not args.ignore_eos
