@@ -199,7 +199,9 @@ async def send_request(session: aiohttp.ClientSession, config: LoadConfig, paylo
                     trace.read(event, now_s)
                 if trace.error is not None or trace.is_done:
                     break
-    except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+    except TimeoutError:
+        trace.error = f"timed out after {config.timeout_s} s"
+    except (aiohttp.ClientError, OSError, UnicodeDecodeError) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
     return trace.record(time.perf_counter() - start)
 

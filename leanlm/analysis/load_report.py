@@ -61,7 +61,7 @@ class RequestRecord:
 class LatencyStats:
     """Summary of one latency metric in milliseconds; NaN everywhere when there were no values."""
 
-    count: int
+    count: int  # how many values (requests, or chunk gaps for ITL)
     mean: float
     p50: float
     p90: float
@@ -80,8 +80,8 @@ class LatencyStats:
 class LoadResult:
     """A finished run: its config, the model name sent, every request's record, and the wall time."""
 
-    config: "LoadConfig"
-    model: str
+    config: "LoadConfig"  # what was asked for
+    model: str  # the model name the requests carried (config.model, or what /v1/models listed)
     records: tuple[RequestRecord, ...]  # in arrival order
     duration_s: float  # first arrival to last completion
 

@@ -47,7 +47,7 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
     """Only the tokenizer of a model (no weights are read): for clients that count or cut tokens."""
     path = resolve_model(name_or_path)
-    if is_hf_dir(path):
+    if path.is_dir():  # a model or tokenizer directory: tokenizer.json (+ tokenizer_config.json)
         return Tokenizer.from_dir(path)
     if is_gguf_file(path):
         return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(path)))

@@ -71,6 +71,13 @@ def test_errors_are_recorded_not_raised(stub):
     assert result.total_output_tokens == 3  # only the successful request counts
 
 
+def test_slow_requests_time_out(stub):
+    url, _ = stub
+    result = run(url, [spec(ttft=2.0), "fast"], output_len=2, timeout_s=0.3)
+    errors = {r.prompt_idx: r.error for r in result.records}
+    assert errors == {0: "timed out after 0.3 s", 1: None}
+
+
 def test_unreachable_server_fails_every_request():
     with socket.socket() as sock:  # a port nobody listens on once this closes
         sock.bind(("127.0.0.1", 0))
