@@ -6,7 +6,8 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 python="${1:-$repo/.venv/bin/python}"
 peers="$(dirname "$repo")/peers"
-version="$("$python" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))')"
+# The installed llama-cpp-python's version, so that both peers run the same llama.cpp; else the one we measured with.
+version="$("$python" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || echo 0.3.36)"
 mkdir -p "$peers"
 if [ ! -f "$peers/llama.cpp/tools/server/CMakeLists.txt" ]; then
     work="$(mktemp -d)"

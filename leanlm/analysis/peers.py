@@ -1,18 +1,20 @@
 """Peer servers for the serving benchmark: llama.cpp's own `llama-server`, with parallel slots and continuous batching.
 
 Why not `python -m llama_cpp.server` (llama-cpp-python 0.3.36, installed in the venv)? Its FastAPI app runs
-every request under one global lock (`llama_outer_lock`/`llama_inner_lock` in llama_cpp/server/app.py),
-so requests are served one at a time; and with its default `interrupt_requests=True` a new request
-*cancels* the one streaming. That measures a queue, not a batching server.
+every request under one global lock (`llama_outer_lock`/`llama_inner_lock` in llama_cpp/server/app.py), so
+requests are served one at a time; with its default `interrupt_requests=True` a new request even *cuts off*
+the one streaming (4 concurrent requests for 32 tokens: three ended after 1 token). It also ignores
+`stream_options.include_usage`. That measures a queue, not a batching server.
 
-How the binary was obtained (nothing is downloaded except the PyPI sdist; nothing is committed here):
+How the binary was obtained (only the PyPI sdist is downloaded; nothing is committed to this repository):
 llama-cpp-python's sdist vendors the full llama.cpp source under `vendor/llama.cpp` (for 0.3.36: llama.cpp
-commit 0c1e570). `benchmarks/build_llama_server.sh` unpacks the sdist of the installed version
-(`pip download --no-deps --no-binary :all: llama-cpp-python==VERSION`) into `<peers>/llama.cpp`, where
-`<peers>` is the `peers/` directory beside the repository checkout (here /work/peers), and builds the
-server there with
+commit 0c1e570, "webgpu: fix SSM_SCAN binding aliasing"). `benchmarks/build_llama_server.sh` (`make
+llama-server`) unpacks the sdist of the installed version (`pip download --no-deps --no-binary :all:
+llama-cpp-python==VERSION`) into `<peers>/llama.cpp`, where `<peers>` is the `peers/` directory beside the
+checkout (here /work/peers), and builds the server there, with llama.cpp linked in statically, for this CPU:
     cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \\
-          -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF
+          -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \\
+          -DLLAMA_USE_PREBUILT_UI=OFF  # the web UI is not needed (its assets would be downloaded)
     cmake --build build --target llama-server -j2
 giving `<peers>/llama.cpp/build/bin/llama-server`. A `llama-server` on PATH is used when that is absent.
 """
