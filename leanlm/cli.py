@@ -168,7 +168,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except ConnectionError as exc:
         print(f"leanlm: error: {exc}", file=sys.stderr)
         return 1
-    print(format_table({f"{result.model} @ {config.url}": result}))
+    print(f"model: {result.model}\n")
+    print(format_table({config.url: result}))
     for error in sorted(set(result.errors))[:5]:
         print(f"failed request: {error}", file=sys.stderr)
     if args.json:

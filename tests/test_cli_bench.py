@@ -34,7 +34,8 @@ def test_bench_serve_prints_table_and_writes_json(tmp_path, capsys):
                      "--json", str(tmp_path / "out.json"), "--no-progress"])
     assert code == 0
     table = capsys.readouterr().out
-    assert f"| metric | {MODEL_ID} @ {url} |" in table and "| completed / failed | 4 / 0 |" in table
+    assert f"model: {MODEL_ID}" in table and f"| metric | {url} |" in table
+    assert "| completed / failed | 4 / 0 |" in table
     assert state.max_active <= 2 and len(state.payloads) == 4
     assert state.payloads[0]["logit_bias"] == {"0": -100}
     assert {p["prompt"] for p in state.payloads} == {" ".join(WORDS * 2)}  # 16-token pieces of the text

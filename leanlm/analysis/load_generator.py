@@ -158,6 +158,8 @@ class _Trace:
         try:
             chunk = json.loads(data)
         except json.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
             self.error = f"malformed event data: {data[:200]!r}"
             return
         if chunk.get("error"):

@@ -26,15 +26,26 @@ MODEL_ID = "stub-model"
 class StubState:
     """What the stub saw; touched only on the server's event loop while a run is going."""
 
-    active: int = 0
-    max_active: int = 0  # most streams open at the same time
+    active: int = 0  # streams of this generation open now
+    max_active: int = 0  # most streams of this generation open at the same time
+    generation: int = 0  # bumped by reset(), so streams a previous test left running are not counted
     payloads: list[dict] = field(default_factory=list)
     authorizations: list[str | None] = field(default_factory=list)
 
     def reset(self) -> None:
+        self.generation += 1
         self.active = self.max_active = 0
         self.payloads.clear()
         self.authorizations.clear()
+
+    def open_stream(self) -> int:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        return self.generation
+
+    def close_stream(self, generation: int) -> None:
+        if generation == self.generation:
+            self.active -= 1
 
 
 def _spec(prompt: str) -> dict:
@@ -50,7 +61,7 @@ def _chunk(data: dict | str, crlf: bool) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}{end}".encode()
 
 
-async def _events(body: dict, spec: dict, state: StubState):
+async def _events(body: dict, spec: dict, state: StubState, generation: int):
     crlf, fail = spec.get("crlf", False), spec.get("fail")
     num_tokens, per_chunk = body["max_tokens"], spec.get("tokens_per_chunk", 1)
     try:
@@ -75,7 +86,7 @@ async def _events(body: dict, spec: dict, state: StubState):
             yield _chunk({"choices": [], "usage": usage}, crlf)
         yield _chunk("[DONE]", crlf)
     finally:
-        state.active -= 1
+        state.close_stream(generation)
 
 
 def build_app(state: StubState) -> FastAPI:
@@ -93,9 +104,8 @@ def build_app(state: StubState) -> FastAPI:
         spec = _spec(body["prompt"])
         if spec.get("fail") == "http":
             return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
-        state.active += 1
-        state.max_active = max(state.max_active, state.active)
-        return StreamingResponse(_events(body, spec, state), media_type="text/event-stream")
+        generation = state.open_stream()
+        return StreamingResponse(_events(body, spec, state, generation), media_type="text/event-stream")
 
     return app
 

@@ -10,7 +10,8 @@ import statistics
 import pytest
 
 from leanlm.analysis.load_generator import (
-    LoadConfig, arrival_offsets, prompts_from_file, prompts_from_text, request_payload, run_load_sync, split_events,
+    LoadConfig, _Trace, arrival_offsets, prompts_from_file, prompts_from_text, request_payload, run_load_sync,
+    split_events,
 )
 from tests.analysis.stub_server import MODEL_ID
 
@@ -97,13 +98,13 @@ def test_without_usage_counts_chunks(stub):
 
 def test_concurrency_cap_is_respected(stub):
     url, state = stub
-    prompts = [spec(ttft=0.04, itl=0.005)]
-    capped = run(url, prompts, num_requests=12, max_concurrency=3, output_len=3)
-    assert capped.num_completed == 12 and state.max_active == 3
+    prompts = [spec(ttft=0.15, itl=0.005)]  # long enough that every stream allowed in is open at once
+    capped = run(url, prompts, num_requests=9, max_concurrency=3, output_len=3)
+    assert capped.num_completed == 9 and state.max_active == 3
+    assert capped.duration_s > 3 * 0.15  # three waves of three
     state.reset()
     uncapped = run(url, prompts, num_requests=12, output_len=3)
     assert uncapped.num_completed == 12 and state.max_active == 12
-    assert capped.duration_s > 3 * 0.04  # four waves of three
 
 
 def test_request_carries_model_auth_usage_and_eos_bias(stub):
@@ -122,10 +123,10 @@ def test_request_carries_model_auth_usage_and_eos_bias(stub):
 
 def test_sends_follow_the_poisson_schedule(stub):
     url, _ = stub
-    result = run(url, ["x"], num_requests=10, request_rate=100.0, seed=3, output_len=1)
-    offsets = arrival_offsets(10, 100.0, 3)
+    result = run(url, ["x"], num_requests=10, request_rate=20.0, seed=3, output_len=1)
+    offsets = arrival_offsets(10, 20.0, 3)  # spans about 0.3 s
     for record, offset in zip(result.records, offsets):
-        assert offset - 1e-3 <= record.send_s <= offset + 0.05
+        assert offset - 1e-3 <= record.send_s <= offset + 0.08
 
 
 # -------------------------------------------------------------------------------------------------- pure parts
@@ -148,6 +149,13 @@ def test_split_events_handles_crlf_comments_multiline_and_partial_events():
     assert rest == b"data: [DO"
     events, rest = split_events(rest + b"NE]\n\n")
     assert events == ["[DONE]"] and rest == b""
+
+
+@pytest.mark.parametrize("data", ["not json", "[1, 2]"])
+def test_malformed_events_fail_the_request(data):
+    trace = _Trace(prompt_idx=0, send_s=0.0)
+    trace.read(data, now_s=0.1)
+    assert trace.record(end_s=0.2).error.startswith("malformed event data")
 
 
 class WordTokenizer:
