@@ -87,7 +87,7 @@ class LlamaServer:
     def __init__(self, config: LlamaServerConfig) -> None:
         self.config = config
         self.process: subprocess.Popen | None = None
-        self.log_path: Path | None = None  # the server's stdout and stderr
+        self.log_path: Path | None = None  # the server's stdout and stderr, while it runs
         self.command: list[str] | None = None  # the command line it was started with
 
     @property
@@ -136,15 +136,16 @@ class LlamaServer:
         return self.log_path.read_bytes()[-num_bytes:].decode("utf-8", errors="replace")
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s; the log file is kept for inspection."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        """SIGTERM, then SIGKILL after 10 s; then the log goes (a failed start already quoted its tail)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "LlamaServer":
         return self.start()
