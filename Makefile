@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.leanlm-installed
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test test-slow bench llama-server clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-slow: install
 
 bench: install
 	$(PY) benchmarks/engine_vs_hf.py --out docs/benchmarks.md
+
+# The serving benchmark's peer: llama.cpp's llama-server, built from the llama-cpp-python sdist into ../peers.
+llama-server: install
+	benchmarks/build_llama_server.sh $(PY)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,4 +1,4 @@
-"""The `leanlm` command: generate | chat | models. Engine flags come from EngineConfig's fields."""
+"""The `leanlm` command: generate | chat | serve | models | bench serve. Flags come from config dataclass fields."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ import sys
 import time
 import types
 import typing
+from pathlib import Path
 
 from leanlm.config import EngineConfig, ServeConfig
 
+_WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per dataclass field, typed from its annotation, defaulting to the field's default."""
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
+    """One --flag per dataclass field (but `exclude`), typed from its annotation, defaulting to the field's default."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} options")
     for field in dataclasses.fields(cls):
+        if field.name in exclude:
+            continue
         hint = hints[field.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
@@ -161,6 +166,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_LOAD_FLAG_EXCLUDE = ("eos_token_ids",)  # derived from --tokenizer and --ignore-eos
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from leanlm.analysis.load_generator import LoadConfig, prompts_from_file, run_load_sync
+    from leanlm.analysis.load_report import format_table
+    from leanlm.loading.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    fields = [f.name for f in dataclasses.fields(LoadConfig) if f.name not in _LOAD_FLAG_EXCLUDE]
+    options = {name: getattr(args, name) for name in fields}
+    config = LoadConfig(**options, eos_token_ids=tokenizer.eos_token_ids if args.ignore_eos else ())
+    prompts = prompts_from_file(args.data, tokenizer, config.num_requests, args.input_len)
+    try:
+        result = run_load_sync(config, prompts, progress=not args.no_progress)
+    except ConnectionError as exc:
+        print(f"leanlm: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"model: {result.model}\n")
+    print(format_table({config.url: result}))
+    for error in sorted(set(result.errors))[:5]:
+        print(f"failed request: {error}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    return 0 if result.num_failed == 0 else 1
+
+
+def _add_bench_parsers(sub) -> None:
+    from leanlm.analysis.load_generator import LoadConfig
+    from leanlm.loading.registry import DEFAULT_MODEL
+
+    bench = sub.add_parser("bench", help="benchmarks: `bench serve` loads an OpenAI-compatible server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser("serve", help="stream completions from a running server at a Poisson request rate")
+    serve.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (about)")
+    serve.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
+    serve.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer cuts the prompts")
+    serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                       help="logit_bias -100 on the tokenizer's end tokens, so every request makes --output-len tokens")
+    serve.add_argument("--json", default=None, metavar="OUT", help="write config, summary and every request here")
+    serve.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_dataclass_args(serve, LoadConfig, exclude=_LOAD_FLAG_EXCLUDE)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
     models.add_argument("name", nargs="?")
     models.set_defaults(func=cmd_models)
+
+    _add_bench_parsers(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ import torch
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import is_gguf_file, load_gguf
+from leanlm.loading.gguf import gguf_tokenizer_metadata, is_gguf_file, load_gguf, open_gguf
 from leanlm.loading.registry import resolve_model
 from leanlm.loading.safetensors import is_hf_dir, load_hf_dir
 from leanlm.loading.tokenizer import Tokenizer
@@ -42,3 +42,13 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32
     if path.is_dir():
         raise ModelLoadError(f"directory {path} has no config.json; pass a Hugging Face model directory or a GGUF file")
     raise ModelLoadError(f"{path} is neither a GGUF file (no 'GGUF' magic) nor a Hugging Face model directory")
+
+
+def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
+    """Only the tokenizer of a model (no weights are read): for clients that count or cut tokens."""
+    path = resolve_model(name_or_path)
+    if path.is_dir():  # a model or tokenizer directory: tokenizer.json (+ tokenizer_config.json)
+        return Tokenizer.from_dir(path)
+    if is_gguf_file(path):
+        return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(path)))
+    raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model directory; it has no tokenizer")

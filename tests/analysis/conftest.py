@@ -1,0 +1,22 @@
+"""The stub completions server, started once per module and reset for every test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.analysis.stub_server import StubState, build_app, serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def _stub_server():
+    state = StubState()
+    with serve_in_thread(build_app(state)) as url:
+        yield url, state
+
+
+@pytest.fixture
+def stub(_stub_server):
+    """(base URL, StubState) of a running stub server with a fresh state."""
+    url, state = _stub_server
+    state.reset()
+    return url, state
