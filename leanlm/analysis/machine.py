@@ -22,10 +22,13 @@ def _system_busy_jiffies() -> tuple[int, int]:
     return total - idle, total
 
 
-def _own_jiffies() -> int:
-    """utime + stime of this process and its threads (and waited-for children)."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+def _own_jiffies(pid: int | str = "self") -> int:
+    """utime + stime of a process and its threads (and waited-for children); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
     return sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
 
 
@@ -34,7 +37,7 @@ class CpuSample:
     """CPU use during one timed interval."""
 
     seconds: float
-    own_share: float  # this process, as a fraction of all CPUs
+    own_share: float  # this process (and the monitor's pids), as a fraction of all CPUs
     other_share: float  # everything else, as a fraction of all CPUs
 
     def is_contaminated(self, threshold: float = 0.10) -> bool:
@@ -42,17 +45,24 @@ class CpuSample:
 
 
 class CpuMonitor:
-    """`with CpuMonitor() as m: ...` then `m.sample` says how busy the others were."""
+    """`with CpuMonitor() as m: ...` then `m.sample` says how busy the others were. `pids` are processes that
+    belong to the measurement too (a server under load from this process): their CPU counts as own."""
+
+    def __init__(self, pids: tuple[int, ...] = ()) -> None:
+        self.pids = ("self", *pids)
+
+    def _own(self) -> int:
+        return sum(_own_jiffies(pid) for pid in self.pids)
 
     def __enter__(self) -> "CpuMonitor":
         self._busy0, self._total0 = _system_busy_jiffies()
-        self._own0 = _own_jiffies()
+        self._own0 = self._own()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         busy1, total1 = _system_busy_jiffies()
-        own = _own_jiffies() - self._own0
+        own = self._own() - self._own0
         total = max(total1 - self._total0, 1)
         busy = busy1 - self._busy0
         self.sample = CpuSample(

@@ -1,4 +1,5 @@
-"""Peer servers for the serving benchmark: llama.cpp's own `llama-server`, with parallel slots and continuous batching.
+"""Server processes for the serving benchmark: llama.cpp's own `llama-server` (parallel slots, continuous
+batching) and `leanlm serve`, each started, health-checked and stopped the same way.
 
 Why not `python -m llama_cpp.server` (llama-cpp-python 0.3.36, installed in the venv)? Its FastAPI app runs
 every request under one global lock (`llama_outer_lock`/`llama_inner_lock` in llama_cpp/server/app.py), so
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -81,28 +83,24 @@ class LlamaServerConfig:
                 "--threads-batch", str(self.threads), "--no-webui", *self.extra_args]
 
 
-class LlamaServer:
-    """A llama-server process: `with LlamaServer(cfg) as server: ... server.url ...` starts, waits, stops."""
+class ServerProcess:
+    """A server subprocess: `with ServerProcess(name, command, url) as server:` starts it, waits until GET
+    /health answers 200, and stops it (SIGTERM, then SIGKILL after 10 s)."""
 
-    def __init__(self, config: LlamaServerConfig) -> None:
-        self.config = config
+    def __init__(self, name: str, command: list[str] | None, url: str, startup_timeout_s: float = 120.0) -> None:
+        self.name = name
+        self.command = command  # the command line it runs (subclasses may fill it in start())
+        self.url = url
+        self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None  # the server's stdout and stderr, while it runs
-        self.command: list[str] | None = None  # the command line it was started with
 
     @property
-    def url(self) -> str:
-        return self.config.url
+    def pid(self) -> int:
+        return self.process.pid
 
-    def start(self) -> "LlamaServer":
-        binary = self.config.binary or find_llama_server()
-        if binary is None:
-            raise PeerUnavailable(f"llama.cpp's llama-server is not built ({BUILT_LLAMA_SERVER} is missing and none "
-                                  "is on PATH); build it with benchmarks/build_llama_server.sh")
-        if not (Path(binary).is_file() and os.access(binary, os.X_OK)):
-            raise PeerUnavailable(f"{binary} is not executable; point LlamaServerConfig.binary at a llama-server build")
-        self.command = self.config.command(Path(binary))
-        with tempfile.NamedTemporaryFile("wb", prefix="llama-server-", suffix=".log", delete=False) as log:
+    def start(self) -> "ServerProcess":
+        with tempfile.NamedTemporaryFile("wb", prefix=f"{self.name}-", suffix=".log", delete=False) as log:
             self.log_path = Path(log.name)
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
@@ -114,20 +112,20 @@ class LlamaServer:
         return self
 
     def _wait_until_healthy(self) -> None:
-        """Poll GET /health until it answers 200 (503 while the model loads)."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
+        """Poll GET /health until it answers 200 (servers answer 503 or refuse while the model loads)."""
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise PeerUnavailable(f"llama-server exited with status {self.process.returncode} while starting:\n"
+                raise PeerUnavailable(f"{self.name} exited with status {self.process.returncode} while starting:\n"
                                       f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, OSError):
-                pass  # not listening yet, or 503 while loading
+                pass
             time.sleep(0.1)
-        raise PeerUnavailable(f"llama-server did not become healthy within {self.config.startup_timeout_s} s:\n"
+        raise PeerUnavailable(f"{self.name} did not become healthy within {self.startup_timeout_s} s:\n"
                               f"{self.log_tail()}")
 
     def log_tail(self, num_bytes: int = 3000) -> str:
@@ -147,8 +145,33 @@ class LlamaServer:
         if self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> "ServerProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class LlamaServer(ServerProcess):
+    """llama.cpp's llama-server for one benchmark: `with LlamaServer(cfg) as server: ... server.url ...`."""
+
+    def __init__(self, config: LlamaServerConfig) -> None:
+        super().__init__("llama-server", None, config.url, config.startup_timeout_s)
+        self.config = config
+
+    def start(self) -> "LlamaServer":
+        binary = self.config.binary or find_llama_server()
+        if binary is None:
+            raise PeerUnavailable(f"llama.cpp's llama-server is not built ({BUILT_LLAMA_SERVER} is missing and none "
+                                  "is on PATH); build it with benchmarks/build_llama_server.sh")
+        if not (Path(binary).is_file() and os.access(binary, os.X_OK)):
+            raise PeerUnavailable(f"{binary} is not executable; point LlamaServerConfig.binary at a llama-server build")
+        self.command = self.config.command(Path(binary))
+        return super().start()
+
+
+def leanlm_server(model: str, port: int, extra_args: tuple[str, ...] = (), host: str = "127.0.0.1") -> ServerProcess:
+    """`leanlm serve` in its own process, as users run it (from this interpreter's environment)."""
+    command = [sys.executable, "-m", "leanlm.cli", "serve", "--model", model, "--host", host, "--port", str(port),
+               "--log-level", "warning", *extra_args]
+    return ServerProcess("leanlm-serve", command, f"http://{host}:{port}")
