@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from leanlm import LLM, SamplingParams
+from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.machine import CpuMonitor, CpuSample, describe_machine, measure_memory_bandwidth, peak_rss_bytes
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
@@ -228,14 +229,14 @@ def main() -> None:
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+        replace_section(args.out, "engine", report)
 
 
 def render(args, llm, ours_tp, hf_tp, ours_dec, hf_dec, bandwidth, roofline, waste) -> str:
     rss = peak_rss_bytes() / 2**30
     cmd = "python benchmarks/engine_vs_hf.py " + " ".join(sys.argv[1:])
     lines = [
-        "# Engine benchmarks: LeanLM vs HF transformers",
+        "## Engine: LeanLM vs HF transformers (offline)",
         "",
         f"Machine: {describe_machine()}; Python {platform.python_version()}. Model: {args.model} "
         f"(GGUF dequantized to bfloat16 for both). Command: `{cmd}`.",

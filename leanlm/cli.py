@@ -162,7 +162,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(**options)  # validate before the (slow) model load
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _load_llm(args)
-    serve(llm, config.served_model_name or args.model, config)
+    try:
+        serve(llm, config.served_model_name or args.model, config)
+    except RuntimeError as exc:
+        print(f"leanlm: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

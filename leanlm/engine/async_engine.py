@@ -1,8 +1,14 @@
 """AsyncLLMEngine: the bridge between asyncio (the HTTP server) and the synchronous LLMEngine.
 
-One background thread owns the LLMEngine and loops: apply queued commands (add, abort), run one step,
-hand the outputs back. Each request's outputs reach its coroutine through its own asyncio.Queue. The event
-loop never touches engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
+One thread owns the LLMEngine and loops: apply queued commands (add, abort), run one step, hand the outputs
+back. Each request's outputs reach its coroutine through its own asyncio.Queue. The event loop never touches
+engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
+
+Which thread runs the engine matters on CPU: libgomp gives every thread that opens OpenMP regions its own
+worker team, and once a process has more such workers than CPUs it stops spinning them between regions, so
+every parallel op pays a futex wake-up (measured here: 2.4x slower batch-1 decode in a second thread after
+the main thread had loaded the model). `leanlm serve` therefore runs the engine loop in the main thread
+(`run_loop`) and the HTTP server in another; `start()` (a background thread) suits embedding and tests.
 """
 
 from __future__ import annotations
@@ -111,24 +117,35 @@ class AsyncLLMEngine:
         self._commands: collections.deque[tuple] = collections.deque()  # ("add", ...) / ("abort", id)
         self._wakeup = threading.Condition()
         self._stopping = False
+        self._loop_active = False  # run_loop is executing (in whichever thread)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.snapshot = self._take_snapshot(num_steps=0)
 
     # -- lifecycle (event loop) -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the engine loop is already running")
+    def attach(self) -> None:
+        """Deliver outputs to the running event loop (call from it before requests arrive)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="leanlm-engine", daemon=True)
+
+    def start(self) -> None:
+        """Attach to the running event loop and run the engine loop in a background thread."""
+        if self._thread is not None or self._loop_active:
+            raise RuntimeError("the engine loop is already running")
+        self.attach()
+        self._thread = threading.Thread(target=self.run_loop, name="leanlm-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort whatever is left, stop the loop thread and fail the remaining streams."""
+    def request_stop(self) -> None:
+        """Thread-safe: make run_loop abort what is left and return."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """From the event loop: stop the engine loop (joining its thread if it has one) and fail the streams
+        still open."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
         for stream in list(self._streams.values()):
@@ -138,7 +155,7 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._loop_active and not self._stopping
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -153,7 +170,7 @@ class AsyncLLMEngine:
         """Validate and queue a request; raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
         `prompt_text` names the text of a prompt given as token ids."""
-        if not self.is_running:
+        if self._stopping or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
@@ -196,7 +213,15 @@ class AsyncLLMEngine:
                 del self._streams[request_id]
                 self._num_seqs_in_flight -= stream.num_seqs
 
-    # -- the engine thread ----------------------------------------------------------------------------
+    # -- the engine loop ----------------------------------------------------------------------------
+
+    def run_loop(self) -> None:
+        """The engine loop, in the calling thread, until request_stop() or stop()."""
+        self._loop_active = True
+        try:
+            self._run()
+        finally:
+            self._loop_active = False
 
     def _run(self) -> None:
         engine = self.engine

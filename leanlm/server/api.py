@@ -122,15 +122,16 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
 
 
 def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
-    """The app; it starts the engine loop on startup and stops it on shutdown."""
+              max_body_bytes: int = 16 * 1024 * 1024, start_engine: bool = True) -> FastAPI:
+    """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
+    or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`)."""
     serving = OpenAIServing(engine, model_names)
     metrics = ServerMetrics(engine, model_names[0])
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        engine.start() if start_engine else engine.attach()
         try:
             yield
         finally:

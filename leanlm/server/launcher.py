@@ -1,28 +1,32 @@
-"""Start `leanlm serve`: load the model, build the app, and run uvicorn with a graceful SIGTERM (stop
-accepting, let in-flight requests finish up to a timeout, then stop the engine and exit)."""
+"""Run `leanlm serve`: the engine loop in the main thread, uvicorn beside it, and a graceful SIGTERM (stop
+accepting, let in-flight requests finish up to a timeout, then stop the engine and exit 0)."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
+
 import uvicorn
 
+from leanlm.config import ServeConfig
 from leanlm.engine.async_engine import AsyncLLMEngine
 from leanlm.llm import LLM
-from leanlm.config import ServeConfig
 from leanlm.server.api import build_app
 
 logger = logging.getLogger("leanlm.serve")
 
 
-def build_server(llm: LLM, model_name: str, config: ServeConfig) -> uvicorn.Server:
+def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicorn.Server, AsyncLLMEngine]:
+    """The uvicorn server and the engine bridge; the caller runs `engine.run_loop()` (see AsyncLLMEngine)."""
     engine = AsyncLLMEngine(llm.llm_engine, max_queue=config.max_queue)
-    app = build_app(engine, [model_name], api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app = build_app(engine, [model_name], api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                    start_engine=False)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s, access_log=False,
     )
-    return uvicorn.Server(uv_config)
+    return uvicorn.Server(uv_config), engine
 
 
 def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:
@@ -37,18 +41,39 @@ def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:
 
 
 def serve(llm: LLM, model_name: str, config: ServeConfig) -> None:
-    """Serve until SIGINT/SIGTERM. uvicorn handles the signal (stop listening, drain in-flight requests up to
-    the timeout, then the app's shutdown stops the engine) and re-raises it once done; the handlers set here
-    make that re-raise a clean exit (status 0) instead of a kill or a KeyboardInterrupt traceback."""
-    server = build_server(llm, model_name, config)
-    logger.info(describe(llm, model_name, config))
+    """Serve until SIGINT/SIGTERM. The engine loop runs here, in the main thread that loaded the model (see
+    AsyncLLMEngine on OpenMP), and uvicorn in a second thread. A signal asks uvicorn to stop listening and
+    drain in-flight requests (up to shutdown_timeout_s); a second one forces it. uvicorn's shutdown then stops
+    the engine loop, and the process exits with status 0. Raises if the HTTP server could not start."""
+    server, engine = build_server(llm, model_name, config)
+    failure: list[BaseException] = []
 
-    def after_drain(signum: int, frame) -> None:
-        logger.info("stopped by %s after draining", signal.Signals(signum).name)
+    def run_http() -> None:
+        try:
+            server.run()
+        except BaseException as exc:  # e.g. SystemExit when the port is taken
+            failure.append(exc)
+        finally:
+            engine.request_stop()  # however uvicorn ended, the engine loop must not outlive it
 
-    previous = {sig: signal.signal(sig, after_drain) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if server.should_exit:
+            logger.warning("%s again: closing in-flight requests now", name)
+            server.force_exit = True
+        else:
+            logger.info("%s: no new connections; finishing in-flight requests", name)
+            server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=run_http, name="leanlm-http")
     try:
-        server.run()
+        logger.info(describe(llm, model_name, config))
+        http.start()
+        engine.run_loop()
+        http.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not server.started:
+        raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port} ({failure or 'see the log'})")
