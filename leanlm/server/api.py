@@ -87,12 +87,14 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._refuse(scope, receive, send)
         received = 0
+        more_body = True
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, more_body
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                more_body = message.get("more_body", False)
                 if received > self.max_bytes:
                     raise _BodyTooLarge()
             return message
@@ -100,6 +102,15 @@ class GuardMiddleware:
         try:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
+            # Read (and drop) the rest of a moderately oversized body first: a client still sending when the
+            # answer comes sees a connection reset instead of the 413.
+            budget = 8 * self.max_bytes
+            while more_body and budget > 0:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                budget -= len(message.get("body", b""))
+                more_body = message.get("more_body", False)
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope, receive, send) -> None:

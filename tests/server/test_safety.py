@@ -22,7 +22,7 @@ def _request(url: str, path: str, body=None, headers=None, method=None):
     import urllib.error
     import urllib.request
 
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    data = body if body is None or isinstance(body, bytes) or hasattr(body, "__next__") else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, headers=headers or {}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -134,6 +134,11 @@ def test_invalid_requests_get_4xx_and_the_server_stays_healthy(tiny_engine_facto
             status, _, out = _request(server.url, "/v1/chat/completions", body)
             _assert_error(status, out, 400, param)
         status, _, out = _request(server.url, "/v1/completions", b'{"model": "' + b"x" * 100_000 + b'"}')
+        _assert_error(status, out, 413)
+        # The same body streamed without a Content-Length (chunked transfer encoding).
+        chunks = iter([b'{"model": "'] + [b"x" * 8192] * 12 + [b'"}'])
+        status, _, out = _request(server.url, "/v1/completions", chunks, {"Content-Type": "application/json"},
+                                  method="POST")
         _assert_error(status, out, 413)
         # Still healthy, nothing leaked, and a good request works.
         assert _request(server.url, "/health")[0] == 200
