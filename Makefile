@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.leanlm-installed
 
-.PHONY: install demo test test-slow bench llama-server clean
+.PHONY: install demo test test-slow bench bench-serve llama-server clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench: install
 # The serving benchmark's peer: llama.cpp's llama-server, built from the llama-cpp-python sdist into ../peers.
 llama-server: install
 	benchmarks/build_llama_server.sh $(PY)
+
+# `leanlm serve` against llama-server at several loads, in one run (about 10 minutes on 2 CPUs).
+bench-serve: llama-server
+	$(PY) benchmarks/serving.py --num-requests 64 --request-rates 1,4,8,inf --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
