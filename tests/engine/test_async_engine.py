@@ -1,0 +1,88 @@
+"""AsyncLLMEngine on a tiny engine: streams end with a finished output, closing a stream aborts its request,
+capacity is bounded, a failed add fails only its stream, and stop() fails whatever is still open."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError
+from leanlm.sampling_params import SamplingParams
+
+
+def _run(make_tiny_engine, scenario, max_queue: int = 4, **engine_options):
+    engine = AsyncLLMEngine(make_tiny_engine(**engine_options), max_queue=max_queue)
+
+    async def main():
+        engine.start()
+        try:
+            return await scenario(engine)
+        finally:
+            engine.stop()
+
+    return engine, asyncio.run(main())
+
+
+def test_stream_yields_growing_outputs_then_finishes(make_tiny_engine):
+    async def scenario(engine):
+        outputs = [o async for o in engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]
+        return outputs
+
+    engine, outputs = _run(make_tiny_engine, scenario)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4]
+    assert [o.finished for o in outputs] == [False, False, False, True]
+    assert engine.num_requests_in_flight == 0
+
+
+def test_closing_a_stream_aborts_and_frees(make_tiny_engine):
+    async def scenario(engine):
+        stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+        iterator = stream.__aiter__()
+        await iterator.__anext__()
+        await iterator.aclose()  # what a disconnect does
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if engine.num_requests_in_flight == 0:
+                break
+        return engine.snapshot
+
+    engine, snapshot = _run(make_tiny_engine, scenario)
+    llm_engine = engine.engine
+    assert engine.num_requests_in_flight == 0 and not llm_engine.has_unfinished_requests()
+    assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.num_kv_blocks
+    assert llm_engine.scheduler.stats().num_finished.get("abort") == 1
+
+
+def test_capacity_counts_sequences_and_rejects_bad_input_at_once(make_tiny_engine):
+    async def scenario(engine):
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [engine.add_request([5, 6], long) for _ in range(2)]  # max_num_seqs 2 + max_queue 1 = 3
+        with pytest.raises(QueueFullError):
+            engine.add_request([5, 6], SamplingParams(n=2))
+        streams.append(engine.add_request([5, 6], long))
+        with pytest.raises(QueueFullError):
+            engine.add_request([5, 6], long)
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request("", long)
+        for stream in streams:
+            stream.abort()
+        results = [await s.result() for s in streams]
+        return [r.outputs[0].finish_reason for r in results]
+
+    _, reasons = _run(make_tiny_engine, scenario, max_queue=1, max_num_seqs=2)
+    assert reasons == ["abort"] * 3
+
+
+def test_stop_fails_open_streams_and_refuses_new_ones(make_tiny_engine):
+    async def scenario(engine):
+        stream = engine.add_request([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+        engine.stop()
+        with pytest.raises(EngineStoppedError):
+            await stream.result()
+        with pytest.raises(EngineStoppedError):
+            engine.add_request([5, 6], SamplingParams())
+        return engine.is_running
+
+    _, running = _run(make_tiny_engine, scenario)
+    assert not running
