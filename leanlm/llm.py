@@ -88,6 +88,17 @@ class LLM:
         ]
         return self._run(ids, use_tqdm)
 
+    def score(self, token_id_lists: Sequence[Sequence[int]], use_tqdm: bool = True) -> list[torch.Tensor]:
+        """Full next-token distributions of each sequence, through the same batched paged forward as
+        generation: one [T-1, V] float32 CPU tensor per sequence, row i the log-softmax at position i (it
+        scores token i+1). All sequences go in one batch; each costs (T-1) * V * 4 bytes, so pass chunks."""
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, full_prompt_logprobs=True)
+        token_id_lists = [list(ids) for ids in token_id_lists]
+        if any(len(ids) < 2 for ids in token_id_lists):
+            raise ValueError("score needs sequences of at least 2 tokens (position 0 has no prefix to score it)")
+        outputs = self.generate(token_id_lists, params, use_tqdm=use_tqdm)
+        return [out.prompt_logprobs_full for out in outputs]
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],

@@ -30,6 +30,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt position (plus the actual token)
+    # Also return the whole log-softmax of every scored prompt position, RequestOutput.prompt_logprobs_full
+    # [P-1, V] float32 on CPU (KL divergence needs full distributions). V floats per token: score in chunks.
+    full_prompt_logprobs: bool = False
     skip_special_tokens: bool = True
     # OpenAI logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling; a
     # mapping is accepted and stored sorted (a tuple keeps the dataclass hashable).
@@ -73,6 +76,8 @@ class SamplingParams:
         for token_id, bias in self.logit_bias:
             if token_id < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}")
+        if self.full_prompt_logprobs and self.prompt_logprobs is None:
+            raise ValueError("full_prompt_logprobs needs prompt_logprobs set too (0 is enough)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -36,7 +36,9 @@ class IsolatingExecutor:
 
     def _isolate(self, so: SchedulerOutput) -> ModelRunnerOutput:
         num_requests = len(so.scheduled_requests)
-        merged = ModelRunnerOutput([[] for _ in range(num_requests)], [None] * num_requests, [None] * num_requests)
+        merged = ModelRunnerOutput(
+            [[] for _ in range(num_requests)], [None] * num_requests, [None] * num_requests, [None] * num_requests
+        )
         # KV blocks a failed request allocated this step may be unwritten; a later request of the same batch
         # that shares one (a same-step prefix hit) would read garbage, so it fails too.
         unwritten: set[int] = set()
@@ -57,4 +59,5 @@ class IsolatingExecutor:
             merged.sampled_token_ids[idx] = out.sampled_token_ids[0]
             merged.logprobs[idx] = out.logprobs[0] if out.logprobs else None
             merged.prompt_logprobs[idx] = out.prompt_logprobs[0] if out.prompt_logprobs else None
+            merged.prompt_logprobs_full[idx] = out.prompt_logprobs_full[0] if out.prompt_logprobs_full else None
         return merged

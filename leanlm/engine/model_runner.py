@@ -13,7 +13,7 @@ import torch
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.request import Request
-from leanlm.engine.sampler import Sampler, SamplingMetadata, compute_logprobs, logprobs_to_dicts
+from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaForCausalLM
 
@@ -103,9 +103,11 @@ class ModelRunner:
                 sampled[row] = [token_ids[j]]
                 if lp_dicts is not None and sample_reqs[j].sampling_params.logprobs is not None:
                     logprobs[row] = [lp_dicts[j]]
-        prompt_logprobs = [self._prompt_logprobs(r, n, hidden, start) for r, n, start in zip(
+        scored = [self._prompt_logprobs(r, n, hidden, start) for r, n, start in zip(
             requests, layout.query_lens, layout.row_starts)]
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        prompt_logprobs = [entries for entries, _ in scored]
+        prompt_logprobs_full = [full for _, full in scored]
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full)
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []
@@ -133,14 +135,15 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, req: Request, num_new: int, hidden: torch.Tensor, row_start: int
-    ) -> list[dict[int, float] | None] | None:
-        """Entries for prompt indices not yet recorded (a preempted request recomputes its prompt).
-
-        Entry j scores prompt token j from position j-1; entry 0 is None. Returns None when nothing is due.
+    ) -> tuple[list[dict[int, float] | None] | None, torch.Tensor | None]:
+        """Entries for prompt indices not yet recorded (a preempted request recomputes its prompt), and with
+        full_prompt_logprobs the whole log-softmax behind them ([n, V] float32 on CPU, one row per non-None
+        entry). Entry j scores prompt token j from position j-1; entry 0 is None. (None, None) when nothing is due.
         """
         k = req.sampling_params.prompt_logprobs
         if k is None:
-            return None
+            return None, None
+        full = None
         start = req.num_computed_tokens
         first_entry = len(req.prompt_logprobs)  # next prompt index to record
         last_entry = min(start + num_new, req.num_prompt_tokens - 1)  # positions < P-1 score a prompt token
@@ -155,7 +158,10 @@ class ModelRunner:
             rows = row_start + (positions - start)
             logits = self.model.compute_logits(hidden[rows]).float()  # [Np, V]
             targets = torch.tensor(req.prompt_token_ids[first_entry : last_entry + 1], device=self.device)
-            lp = compute_logprobs(logits, targets, k)
+            all_logprobs = torch.log_softmax(logits, dim=-1)  # [Np, V]
+            lp = gather_logprobs(all_logprobs, targets, k)
             entries.extend(logprobs_to_dicts(lp, [k] * len(targets)))
-        return entries or None
+            if req.sampling_params.full_prompt_logprobs:
+                full = all_logprobs.cpu()
+        return entries or None, full
 

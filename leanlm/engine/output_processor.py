@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from leanlm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from leanlm.engine.request import Request
 from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -133,6 +135,7 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished,
             metrics=_metrics(first),
+            prompt_logprobs_full=_full_prompt_logprobs(first) if parent.finished else None,
         )
 
     @staticmethod
@@ -143,6 +146,14 @@ class OutputProcessor:
             return child.text
         hold = max(len(s) for s in stops) - 1
         return child.text[: len(child.text) - hold] if hold else child.text
+
+
+def _full_prompt_logprobs(req: Request) -> torch.Tensor | None:
+    """The request's [P-1, V] chunks joined, once (only finished outputs carry it: a join per stream step
+    of a long request would copy P * V floats each time)."""
+    if not req.sampling_params.full_prompt_logprobs or not req.prompt_logprobs_full:
+        return None
+    return torch.cat(req.prompt_logprobs_full)
 
 
 def _metrics(req: Request) -> RequestMetrics:

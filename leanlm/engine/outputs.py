@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from leanlm.engine.request import Request
 
 
@@ -37,6 +39,8 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]] | None]
     # Per request: for each prompt position computed this step, {token id: logprob} (None for position 0).
     prompt_logprobs: list[list[dict[int, float] | None] | None]
+    # Per request, with full_prompt_logprobs: the same positions' whole log-softmax, [n, V] float32 on CPU.
+    prompt_logprobs_full: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -94,3 +98,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # With full_prompt_logprobs, once finished: [P-1, V] float32 on CPU; row j-1 is the log-softmax that
+    # scores prompt token j (the distribution behind prompt_logprobs[j]).
+    prompt_logprobs_full: torch.Tensor | None = None

@@ -63,6 +63,8 @@ class Request:
         # Logprobs: one dict per generated token / per prompt position (None at position 0).
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = []
+        # With full_prompt_logprobs: [n, V] float32 CPU chunks, rows aligned with prompt_logprobs[1:].
+        self.prompt_logprobs_full: list[torch.Tensor] = []
         # Seeded requests own a generator so their samples do not depend on what else is in the batch.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

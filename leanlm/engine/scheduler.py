@@ -226,6 +226,9 @@ class Scheduler:
                 # The runner emits only entries not recorded yet (a preempted request recomputes its
                 # prompt), contiguous from len(request.prompt_logprobs).
                 request.prompt_logprobs.extend(prompt_logprobs)
+            full = runner_output.prompt_logprobs_full[idx] if runner_output.prompt_logprobs_full else None
+            if full is not None:
+                request.prompt_logprobs_full.append(full)  # same rows as the entries just recorded
             sampled = runner_output.sampled_token_ids[idx]
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
             finished = self._append_tokens(request, sampled, logprobs)

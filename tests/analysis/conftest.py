@@ -20,3 +20,11 @@ def stub(_stub_server):
     url, state = _stub_server
     state.reset()
     return url, state
+
+
+@pytest.fixture(scope="session")
+def smollm_f32():
+    """The default model through LLM in float32 on CPU, loaded once (eval and task tests share it)."""
+    from leanlm.llm import LLM
+
+    return LLM(dtype="float32", device="cpu", progress=False)
