@@ -1,4 +1,4 @@
-"""The `leanlm` command: generate | chat | serve | models | bench serve. Flags come from config dataclass fields."""
+"""The `leanlm` command: generate | chat | serve | models | bench serve | eval ppl|kld|tasks. Flags come from config dataclass fields."""
 
 from __future__ import annotations
 
@@ -216,6 +216,97 @@ def _add_bench_parsers(sub) -> None:
     serve.set_defaults(func=cmd_bench_serve)
 
 
+def _eval_windows(args: argparse.Namespace, tokenizer):
+    from leanlm.analysis.eval import make_windows, read_text
+
+    token_ids = tokenizer.encode(read_text(args.data), add_special_tokens=False)
+    windows = make_windows(token_ids, args.seq_len, args.stride, args.max_windows)
+    return token_ids, windows
+
+
+def _eval_protocol(args: argparse.Namespace, num_tokens: int, windows) -> str:
+    num_scored = sum(w.num_scored for w in windows)
+    return (f"file {args.data}: {num_tokens} tokens (no BOS), {len(windows)} windows of {args.seq_len} "
+            f"(stride {args.stride or args.seq_len}, tail dropped), {num_scored} scored tokens "
+            f"(each window's context-only head, at least its token 0, unscored)")
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from leanlm.analysis.eval import perplexity
+
+    llm = _load_llm(args)
+    token_ids, windows = _eval_windows(args, llm.tokenizer)
+    start = time.perf_counter()
+    result = perplexity(llm, windows)
+    elapsed = time.perf_counter() - start
+    print(_eval_protocol(args, len(token_ids), windows))
+    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}: perplexity {result.perplexity:.4f} "
+          f"(mean NLL {result.mean_nll:.5f} nats) in {elapsed:.0f} s")
+    return 0
+
+
+def cmd_eval_kld(args: argparse.Namespace) -> int:
+    from leanlm.analysis.eval import kl_divergence
+    from leanlm.llm import LLM
+
+    base = LLM(model=args.base, dtype=args.base_dtype, device=args.device, **_engine_options(args))
+    llm = _load_llm(args)
+    token_ids, windows = _eval_windows(args, base.tokenizer)
+    result = kl_divergence(base, llm, windows, windows_per_batch=args.windows_per_batch)
+    print(_eval_protocol(args, len(token_ids), windows))
+    print(f"base  {args.base}, {str(base.dtype).removeprefix('torch.')}: perplexity {result.base.perplexity:.4f}")
+    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}: perplexity {result.model.perplexity:.4f}")
+    print(f"KL(base || model) per token, nats: mean {result.mean_kl:.6f}  p99 {result.kl_quantile(0.99):.6f}  "
+          f"max {result.max_kl:.6f}; top-1 agreement {result.top1_agreement:.4f}")
+    return 0
+
+
+def cmd_eval_tasks(args: argparse.Namespace) -> int:
+    from leanlm.analysis.tasks import evaluate_tasks, format_task_table, parse_task_names
+
+    names = parse_task_names(args.tasks)  # validate before the (slow) model load
+    llm = _load_llm(args)
+    results = evaluate_tasks(llm, names, limit=args.limit)
+    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}, zero-shot, "
+          f"{'first ' + str(args.limit) if args.limit else 'all'} items per task")
+    print(format_task_table(results))
+    return 0
+
+
+def _add_eval_parsers(sub) -> None:
+    from leanlm.loading.registry import DEFAULT_MODEL
+
+    ev = sub.add_parser("eval", help="quality: `eval ppl` perplexity, `eval kld` KL divergence, `eval tasks` accuracy")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+
+    def add_window_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--data", default=str(_WIKITEXT), help="text file, read whole (default: WikiText-2 test)")
+        p.add_argument("--seq-len", type=int, default=2048, help="tokens per window")
+        p.add_argument("--stride", type=int, default=None, help="window start every STRIDE tokens (default seq-len)")
+        p.add_argument("--max-windows", type=int, default=None, help="score only the first K windows")
+
+    ppl = ev_sub.add_parser("ppl", help="token-level perplexity on a text file (GPTQ/AWQ windows)")
+    add_window_args(ppl)
+    _add_model_args(ppl)
+    ppl.set_defaults(func=cmd_eval_ppl)
+
+    kld = ev_sub.add_parser("kld", help="KL(base || model) per token, top-1 agreement, both perplexities")
+    kld.add_argument("--base", default=DEFAULT_MODEL, help="reference model")
+    kld.add_argument("--base-dtype", default="float32", help="dtype of the reference model")
+    kld.add_argument("--windows-per-batch", type=int, default=4,
+                     help="windows scored at once (memory: 2 x this x seq-len x vocab floats)")
+    add_window_args(kld)
+    _add_model_args(kld)
+    kld.set_defaults(func=cmd_eval_kld)
+
+    tasks = ev_sub.add_parser("tasks", help="zero-shot log-likelihood accuracy on bundled benchmark sets")
+    tasks.add_argument("--tasks", default="lambada,hellaswag,arc_easy,arc_challenge,piqa,winogrande",
+                       help="comma-separated task names")
+    tasks.add_argument("--limit", type=int, default=None, help="first N items of each task")
+    _add_model_args(tasks)
+    tasks.set_defaults(func=cmd_eval_tasks)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     _add_bench_parsers(sub)
+    _add_eval_parsers(sub)
     return parser
 
 
