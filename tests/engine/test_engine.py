@@ -135,6 +135,23 @@ def test_logprobs_match_the_dense_reference(make_tiny_engine, tokenizer):
         assert entry[token] == pytest.approx(float(top.values[0]), abs=1e-4)
 
 
+def test_full_prompt_logprobs_cover_every_chunk_and_match_the_dense_reference(make_tiny_engine, tokenizer):
+    prompt = _prompts(tokenizer.vocab_size)[2]  # 40 tokens, scheduled in chunks of 16
+    engine = make_tiny_engine(max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, full_prompt_logprobs=True)
+    rid = engine.add_request(prompt, params)
+    out = run_to_completion(engine)[rid]
+    config = tiny_config(tokenizer.vocab_size)
+    hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)[:-1]  # [P-1, V]
+    full = out.prompt_logprobs_full
+    assert full.shape == ref.shape and full.dtype == torch.float32 and full.device.type == "cpu"
+    assert torch.allclose(full.double(), ref, atol=1e-4)
+    for j in range(1, len(prompt)):
+        assert out.prompt_logprobs[j][prompt[j]] == pytest.approx(float(full[j - 1, prompt[j]]), abs=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
