@@ -215,6 +215,45 @@ def _add_bench_parsers(sub) -> None:
     _add_dataclass_args(serve, LoadConfig, exclude=_LOAD_FLAG_EXCLUDE)
     serve.set_defaults(func=cmd_bench_serve)
 
+    def common(parser: argparse.ArgumentParser, what: str) -> None:
+        parser.add_argument("--model", default=DEFAULT_MODEL)
+        parser.add_argument("--dtype", default="bfloat16", help="our engine's and HF's dtype")
+        parser.add_argument("--compare", default="", help="peers in the same run: hf, llama.cpp (comma-separated)")
+        parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
+        parser.add_argument("--max-other-cpu", type=float, default=0.10,
+                            help="discard repetitions while other processes used more than this CPU share")
+        parser.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--results-dir", default=f"bench-results/{what}", help="report.md, results.json, PNGs")
+        parser.add_argument("--doc", default=None, help="also put the report in this markdown file's section")
+
+    latency = bench_sub.add_parser("latency", help="batch-1 TTFT, time per output token, tok/s and MBU")
+    latency.add_argument("--prompt-lens", default="128,512")
+    latency.add_argument("--output-lens", default="64")
+    common(latency, "latency")
+    latency.set_defaults(func=cmd_bench_suite, suite="latency")
+
+    throughput = bench_sub.add_parser("throughput", help="offline output tokens/s against the batch size")
+    throughput.add_argument("--batch-sizes", default="1,4,16,64")
+    throughput.add_argument("--min-prompt", type=int, default=32)
+    throughput.add_argument("--max-prompt", type=int, default=256)
+    throughput.add_argument("--output-len", type=int, default=64)
+    common(throughput, "throughput")
+    throughput.set_defaults(func=cmd_bench_suite, suite="throughput")
+
+
+def cmd_bench_suite(args: argparse.Namespace) -> int:
+    from leanlm.analysis import bench_suite
+    from leanlm.analysis.markdown import replace_section
+
+    args.command = "leanlm " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else f"leanlm bench {args.suite}"
+    run = bench_suite.latency_command if args.suite == "latency" else bench_suite.throughput_command
+    report = run(args)
+    print(report)
+    if args.doc:
+        replace_section(Path(args.doc), f"bench-{args.suite}", report.replace("](", f"]({args.results_dir}/"))
+    return 0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
