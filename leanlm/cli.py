@@ -1,4 +1,5 @@
-"""The `leanlm` command: generate | chat | serve | models | bench serve | estimate. Flags come from config dataclass fields."""
+"""The `leanlm` command: generate | chat | serve | models | bench serve | estimate.
+Flags come from config dataclass fields."""
 
 from __future__ import annotations
 

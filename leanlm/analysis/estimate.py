@@ -246,7 +246,8 @@ def prefill_step(s: ModelShape, weights: NumberFormat, kv: NumberFormat, batch: 
     return StepCost(
         phase="prefill", batch=batch, num_tokens=batch * prompt_len, context=prompt_len,
         flops=batch * prefill_flops(s, prompt_len),
-        bytes=streamed_weight_bytes(s, weights, batch * prompt_len) + 2 * batch * prompt_len * kv_bytes_per_token(s, kv),
+        bytes=(streamed_weight_bytes(s, weights, batch * prompt_len)
+               + 2 * batch * prompt_len * kv_bytes_per_token(s, kv)),
     )
 
 
@@ -278,7 +279,8 @@ def max_batch(s: ModelShape, weights: NumberFormat, kv: NumberFormat, context: i
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # invariant: lo fits, hi does not (memory grows with the batch)
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if serving_memory_bytes(s, weights, kv, mid, context, prompt_len) <= budget_bytes else (lo, mid)
+        fits = serving_memory_bytes(s, weights, kv, mid, context, prompt_len) <= budget_bytes
+        lo, hi = (mid, hi) if fits else (lo, mid)
     return lo
 
 

@@ -129,7 +129,8 @@ def format_report(r: dict) -> str:
         f"FFN {m['intermediate_size']} ({'gated' if m['mlp_gated'] else 'plain'}){moe}, vocab {m['vocab_size']}"
         f"{', tied embeddings' if m['tie_word_embeddings'] else ''}",
         f"hardware  {hw['name']}: {_si(hw['peak_flops'], 'FLOP/s')} bf16, {_si(hw['peak_flops_fp32'], 'FLOP/s')} fp32, "
-        f"{_si(hw['memory_bandwidth'], 'B/s')}, {_si(hw['memory_bytes'], 'B')}; ridge {hw['ridge_point']:.0f} FLOP/byte "
+        f"{_si(hw['memory_bandwidth'], 'B/s')}, {_si(hw['memory_bytes'], 'B')}; "
+        f"ridge {hw['ridge_point']:.0f} FLOP/byte "
         f"({hw['source']})",
         f"settings  weights {s['dtype']} ({s['bits_per_weight']:g} bits), KV {s['kv_dtype']} "
         f"({s['kv_bits_per_value']:g} bits), batch {s['batch']}, context {s['context']}, prompt {s['prompt_len']}",
@@ -156,7 +157,7 @@ def format_report(r: dict) -> str:
         [budget_label, str(mem["max_batch"]) if mem["max_batch"] else "0 (does not fit)"],
     ]
     lines += [_table(["memory", "bytes"], rows), ""]
-    rows = [[f"{st['phase']} b={st['batch']}" + (f" x {st['context']}" if st["phase"] == "prefill" else f" @ {st['context']}"),
+    rows = [[f"{st['phase']} b={st['batch']} {'x' if st['phase'] == 'prefill' else '@'} {st['context']}",
              _si(st["flops"]), _si(st["bytes"], "B"), f"{st['intensity']:.1f}", _ms(st["time_s"]),
              st["bound"], f"{st['tokens_per_s']:,.1f}"] for st in r["steps"]]
     lines.append(_table(["step (roofline)", "FLOPs", "bytes", "FLOP/B", "ms", "bound", "tokens/s"], rows))
