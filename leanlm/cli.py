@@ -1,4 +1,5 @@
-"""The `leanlm` command: generate | chat | serve | models | bench serve. Flags come from config dataclass fields."""
+"""The `leanlm` command: generate | chat | serve | models | bench serve | estimate.
+Flags come from config dataclass fields."""
 
 from __future__ import annotations
 
@@ -198,6 +199,24 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result.num_failed == 0 else 1
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from leanlm.analysis.estimate_report import EstimateSettings, build_report, format_report, plot_roofline
+    from leanlm.analysis.hardware import HARDWARE, measure_hardware
+    from leanlm.analysis.model_shape import load_shape
+
+    settings = EstimateSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EstimateSettings)})
+    if args.measure and args.hardware not in (None, "this"):
+        raise ValueError(f"--measure measures this machine; drop --hardware {args.hardware} or --measure")
+    shape, source = load_shape(args.model)
+    hardware = measure_hardware() if args.measure or args.hardware == "this" else HARDWARE[args.hardware or "h100"]
+    report = build_report(shape, source, hardware, settings)
+    print(json.dumps(report, indent=1) if args.json else format_report(report), flush=True)
+    if args.plot:
+        plot_roofline(report, args.plot)
+        print(f"roofline plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
 def _add_bench_parsers(sub) -> None:
     from leanlm.analysis.load_generator import LoadConfig
     from leanlm.loading.registry import DEFAULT_MODEL
@@ -284,6 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     _add_bench_parsers(sub)
+
+    from leanlm.analysis.estimate_report import EstimateSettings
+    from leanlm.analysis.model_shape import PRESETS
+
+    est = sub.add_parser("estimate", help="what a model costs: params, memory, KV cache, FLOPs, roofline times")
+    est.add_argument("--model", default="smollm2-135m-instruct",
+                     help=f"bundled model name, GGUF file, HF directory or a preset: {', '.join(PRESETS)}")
+    est.add_argument("--hardware", choices=["a100", "h100", "h200", "this"], default=None,
+                     help="hardware profile (default h100); `this` measures this machine")
+    est.add_argument("--measure", action="store_true", help="measure this machine's bandwidth and matmul FLOP/s")
+    est.add_argument("--json", action="store_true", help="print the report as JSON")
+    est.add_argument("--plot", default=None, metavar="OUT.png", help="write a roofline plot")
+    _add_dataclass_args(est, EstimateSettings)
+    est.set_defaults(func=cmd_estimate)
     return parser
 
 
