@@ -1,4 +1,5 @@
-"""The `leanlm` command: generate | chat | serve | models | bench serve | eval ppl|kld|tasks. Flags come from config dataclass fields."""
+"""The `leanlm` command: generate | chat | serve | models | bench serve | estimate | eval ppl|kld|tasks.
+Flags come from config dataclass fields."""
 
 from __future__ import annotations
 
@@ -198,6 +199,24 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result.num_failed == 0 else 1
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from leanlm.analysis.estimate_report import EstimateSettings, build_report, format_report, plot_roofline
+    from leanlm.analysis.hardware import HARDWARE, measure_hardware
+    from leanlm.analysis.model_shape import load_shape
+
+    settings = EstimateSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EstimateSettings)})
+    if args.measure and args.hardware not in (None, "this"):
+        raise ValueError(f"--measure measures this machine; drop --hardware {args.hardware} or --measure")
+    shape, source = load_shape(args.model)
+    hardware = measure_hardware() if args.measure or args.hardware == "this" else HARDWARE[args.hardware or "h100"]
+    report = build_report(shape, source, hardware, settings)
+    print(json.dumps(report, indent=1) if args.json else format_report(report), flush=True)
+    if args.plot:
+        plot_roofline(report, args.plot)
+        print(f"roofline plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
 def _add_bench_parsers(sub) -> None:
     from leanlm.analysis.load_generator import LoadConfig
     from leanlm.loading.registry import DEFAULT_MODEL
@@ -214,6 +233,45 @@ def _add_bench_parsers(sub) -> None:
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_dataclass_args(serve, LoadConfig, exclude=_LOAD_FLAG_EXCLUDE)
     serve.set_defaults(func=cmd_bench_serve)
+
+    def common(parser: argparse.ArgumentParser, what: str) -> None:
+        parser.add_argument("--model", default=DEFAULT_MODEL)
+        parser.add_argument("--dtype", default="bfloat16", help="our engine's and HF's dtype")
+        parser.add_argument("--compare", default="", help="peers in the same run: hf, llama.cpp (comma-separated)")
+        parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
+        parser.add_argument("--max-other-cpu", type=float, default=0.10,
+                            help="discard repetitions while other processes used more than this CPU share")
+        parser.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--results-dir", default=f"bench-results/{what}", help="report.md, results.json, PNGs")
+        parser.add_argument("--doc", default=None, help="also put the report in this markdown file's section")
+
+    latency = bench_sub.add_parser("latency", help="batch-1 TTFT, time per output token, tok/s and MBU")
+    latency.add_argument("--prompt-lens", default="128,512")
+    latency.add_argument("--output-lens", default="64")
+    common(latency, "latency")
+    latency.set_defaults(func=cmd_bench_suite, suite="latency")
+
+    throughput = bench_sub.add_parser("throughput", help="offline output tokens/s against the batch size")
+    throughput.add_argument("--batch-sizes", default="1,4,16,64")
+    throughput.add_argument("--min-prompt", type=int, default=32)
+    throughput.add_argument("--max-prompt", type=int, default=256)
+    throughput.add_argument("--output-len", type=int, default=64)
+    common(throughput, "throughput")
+    throughput.set_defaults(func=cmd_bench_suite, suite="throughput")
+
+
+def cmd_bench_suite(args: argparse.Namespace) -> int:
+    from leanlm.analysis import bench_suite
+    from leanlm.analysis.markdown import replace_section
+
+    args.command = "leanlm " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else f"leanlm bench {args.suite}"
+    run = bench_suite.latency_command if args.suite == "latency" else bench_suite.throughput_command
+    report = run(args)
+    print(report)
+    if args.doc:
+        replace_section(Path(args.doc), f"bench-{args.suite}", report.replace("](", f"]({args.results_dir}/"))
+    return 0
 
 
 def _eval_windows(args: argparse.Namespace, tokenizer):
@@ -336,6 +394,20 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     _add_bench_parsers(sub)
+
+    from leanlm.analysis.estimate_report import EstimateSettings
+    from leanlm.analysis.model_shape import PRESETS
+
+    est = sub.add_parser("estimate", help="what a model costs: params, memory, KV cache, FLOPs, roofline times")
+    est.add_argument("--model", default="smollm2-135m-instruct",
+                     help=f"bundled model name, GGUF file, HF directory or a preset: {', '.join(PRESETS)}")
+    est.add_argument("--hardware", choices=["a100", "h100", "h200", "this"], default=None,
+                     help="hardware profile (default h100); `this` measures this machine")
+    est.add_argument("--measure", action="store_true", help="measure this machine's bandwidth and matmul FLOP/s")
+    est.add_argument("--json", action="store_true", help="print the report as JSON")
+    est.add_argument("--plot", default=None, metavar="OUT.png", help="write a roofline plot")
+    _add_dataclass_args(est, EstimateSettings)
+    est.set_defaults(func=cmd_estimate)
     _add_eval_parsers(sub)
     return parser
 

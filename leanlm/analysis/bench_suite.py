@@ -1,0 +1,255 @@
+"""The sweeps behind `leanlm bench latency | throughput`, and their report: a markdown table plus PNG plots
+(latency distribution, throughput against batch size, decode bandwidth use against the measured roofline)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from leanlm.analysis.bench import LatencySample, Runner, median, repeat
+from leanlm.analysis.machine import describe_machine, measure_memory_bandwidth
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    runner: str
+    prompt_len: int
+    output_len: int
+    ttft_ms: float  # medians over the kept repetitions
+    tpot_ms: float
+    decode_tokens_per_s: float
+    bytes_per_token: float  # what one decode step reads (weights + KV at mid-generation)
+    mbu: float  # achieved bytes/s over the measured memory bandwidth
+    token_times_ms: list[float]  # every per-token gap of every kept repetition (the distribution plot)
+    kept: int
+    discarded: int
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    runner: str
+    batch_size: int  # requests submitted together (our engine and HF batch them; llama.cpp runs them in turn)
+    output_tokens_per_s: float  # median over kept repetitions
+    kept: int
+    discarded: int
+
+
+def prompts_from_text(tokenizer, text: str, lengths: list[int], seed: int) -> list[list[int]]:
+    """Token prompts of the given lengths cut at random places from real text."""
+    ids = tokenizer.encode(text[:400_000], add_special_tokens=False)
+    rng = random.Random(seed)
+    return [ids[(s := rng.randrange(0, len(ids) - n)):s + n] for n in lengths]
+
+
+def run_latency(runners: list[Runner], prompts: dict[int, list[int]], output_lens: list[int], reps: int,
+                bytes_per_token: dict[str, callable], bandwidth: float, threshold: float = 0.10) -> list[LatencyRow]:
+    """Batch-1 latency for every runner, prompt length and output length; runners interleaved per repetition
+    so that drift hits them alike."""
+    rows = []
+    for prompt_len, prompt in prompts.items():
+        for output_len in output_lens:
+            for runner in runners:
+                runner.latency(prompt, min(output_len, 8))  # warm-up: kernels, allocator, caches
+            results = {r.name: repeat(lambda r=r: r.latency(prompt, output_len), reps, threshold) for r in runners}
+            for runner in runners:
+                reps_ = results[runner.name]
+                samples: list[LatencySample] = reps_.values
+                tpot = median([s.tpot_s for s in samples])
+                per_token = bytes_per_token[runner.name](prompt_len + output_len // 2)
+                rows.append(LatencyRow(
+                    runner.name, prompt_len, output_len, median([s.ttft_s for s in samples]) * 1000, tpot * 1000,
+                    1 / tpot, per_token, per_token / tpot / bandwidth,
+                    [g * 1000 for s in samples for g in s.token_times_s], len(samples), len(reps_.discarded),
+                ))
+    return rows
+
+
+def run_throughput(runners: list[Runner], prompts: list[list[int]], batch_sizes: list[int], output_len: int,
+                   reps: int, threshold: float = 0.10) -> list[ThroughputRow]:
+    """Output tokens/s with `batch_size` requests submitted at once (the first batch_size prompts)."""
+    rows = []
+    for batch_size in batch_sizes:
+        batch = prompts[:batch_size]
+        for runner in runners:
+            runner.throughput(batch[:1], 4)  # warm-up
+            r = repeat(lambda: runner.throughput(batch, output_len), reps, threshold)
+            rows.append(ThroughputRow(runner.name, batch_size, median(r.values), len(r.values), len(r.discarded)))
+    return rows
+
+
+def write_report(out_dir: Path, title: str, command: str, lines: list[str], data: dict, plots: dict) -> str:
+    """Markdown (report.md), JSON (results.json) and the PNG plots into out_dir; returns the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(data, indent=1))
+    images = []
+    for name, draw in plots.items():
+        path = out_dir / f"{name}.png"
+        draw(path)
+        images.append(f"![{name}]({path.name})")
+    body = [f"## {title}", "", f"Machine: {describe_machine()}. Command: `{command}`.", "", *lines, "", *images]
+    text = "\n".join(body).rstrip() + "\n"
+    (out_dir / "report.md").write_text(text)
+    return text
+
+
+def latency_table(rows: list[LatencyRow]) -> list[str]:
+    lines = ["| runner | prompt | output | TTFT (ms) | TPOT (ms) | decode tok/s | MBU | reps kept / discarded |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.runner} | {r.prompt_len} | {r.output_len} | {r.ttft_ms:,.1f} | {r.tpot_ms:.2f} | "
+                     f"{r.decode_tokens_per_s:.1f} | {r.mbu:.0%} | {r.kept} / {r.discarded} |")
+    return lines
+
+
+def throughput_table(rows: list[ThroughputRow]) -> list[str]:
+    runners = list(dict.fromkeys(r.runner for r in rows))
+    sizes = sorted({r.batch_size for r in rows})
+    value = {(r.runner, r.batch_size): r for r in rows}
+    lines = ["| batch | " + " | ".join(f"{n} tok/s" for n in runners) + " | " +
+             " | ".join(f"leanlm / {n}" for n in runners if n != "leanlm") + " |",
+             "|---|" + "---|" * (2 * len(runners) - ("leanlm" in runners))]
+    for size in sizes:
+        cells = [f"{value[(n, size)].output_tokens_per_s:.1f}" for n in runners]
+        ours = value.get(("leanlm", size))
+        ratios = [f"{ours.output_tokens_per_s / value[(n, size)].output_tokens_per_s:.2f}x" if ours else "-"
+                  for n in runners if n != "leanlm"]
+        lines.append(f"| {size} | " + " | ".join(cells + ratios) + " |")
+    return lines
+
+
+def plot_latency(rows: list[LatencyRow], bandwidth: float):
+    def draw(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        labels = [f"{r.runner}\n{r.prompt_len}+{r.output_len}" for r in rows]
+        ax1.boxplot([r.token_times_ms or [float("nan")] for r in rows], showfliers=False)
+        ax1.set_xticks(range(1, len(rows) + 1), labels, fontsize=7)
+        ax1.set_ylabel("time per output token (ms)")
+        ax1.set_title("batch-1 per-token latency")
+        ax2.bar(range(len(rows)), [r.mbu * 100 for r in rows])
+        ax2.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax2.set_ylabel("% of measured bandwidth")
+        ax2.set_title(f"decode bandwidth use (roofline: {bandwidth / 1e9:.1f} GB/s)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    return draw
+
+
+def plot_throughput(rows: list[ThroughputRow]):
+    def draw(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in dict.fromkeys(r.runner for r in rows):
+            points = sorted((r.batch_size, r.output_tokens_per_s) for r in rows if r.runner == name)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests submitted together")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("offline throughput")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    return draw
+
+
+def measured_bandwidth() -> float:
+    return measure_memory_bandwidth()
+
+
+def as_data(rows) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+# -- the commands ---------------------------------------------------------------------------------------
+
+
+def build_runners(model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32):
+    """Our runner plus the peers asked for, on the same model file; and, per runner, the bytes one decode
+    step reads at a given context (weights as that runner stores them, plus its KV cache)."""
+    import torch
+
+    from leanlm.analysis.bench import HFRunner, LeanLMRunner, LlamaCppRunner
+    from leanlm.llm import LLM
+    from leanlm.loading.registry import resolve_model
+
+    unknown = sorted(set(compare) - {"hf", "llama.cpp"})
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; --compare takes hf and/or llama.cpp")
+    llm = LLM(model, dtype=dtype, progress=False)
+    cfg = llm.model_config
+    element = torch.empty(0, dtype=llm.dtype).element_size()
+    weights = sum(p.numel() for p in llm.llm_engine.model_runner.model.parameters()) * element
+
+    def kv_bytes(context: int, kv_element: int) -> float:
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_element * context
+
+    runners = [LeanLMRunner(llm)]
+    per_token = {"leanlm": lambda c: weights + kv_bytes(c, element)}
+    path = resolve_model(model)
+    if "hf" in compare:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=llm.dtype).eval()
+        runners.append(HFRunner(hf_model, pad_id=llm.get_tokenizer().eos_token_id or 0, batch_size=hf_batch_size))
+        per_token["hf"] = per_token["leanlm"]
+    if "llama.cpp" in compare:
+        if path.suffix != ".gguf":
+            raise ValueError("llama.cpp needs a GGUF model; pass a GGUF file or a bundled model")
+        runners.append(LlamaCppRunner(path, n_ctx=max_context))
+        file_bytes = path.stat().st_size  # its weights as stored: the published quantization
+        per_token["llama.cpp"] = lambda c: file_bytes + kv_bytes(c, 2)  # f16 KV cache
+    return llm, runners, per_token
+
+
+def _text(data: str | None) -> str:
+    """The prompt source: the given text file (WikiText-2 by default); else this package's own source text."""
+    if data and Path(data).exists():
+        return Path(data).read_text(encoding="utf-8")
+    return (Path(__file__).read_text() + " ") * 200
+
+
+def latency_command(args) -> str:
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    output_lens = [int(x) for x in args.output_lens.split(",")]
+    compare = [c for c in args.compare.split(",") if c]
+    llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
+    prompts = dict(zip(prompt_lens, prompts_from_text(llm.get_tokenizer(), _text(args.data), prompt_lens, args.seed)))
+    bandwidth = measured_bandwidth()
+    rows = run_latency(runners, prompts, output_lens, args.reps, per_token, bandwidth, args.max_other_cpu)
+    lines = [f"Model `{args.model}` ({args.dtype}); batch 1, greedy, exactly the output tokens asked for; "
+             f"medians of {args.reps} repetitions; measured memory bandwidth {bandwidth / 1e9:.1f} GB/s. MBU = "
+             "bytes one decode step reads (weights as each runner stores them, plus KV) / time per output token "
+             "/ bandwidth.", "", *latency_table(rows)]
+    return write_report(Path(args.results_dir), "Latency: batch 1", args.command, lines,
+                        {"bandwidth": bandwidth, "rows": as_data(rows)}, {"latency": plot_latency(rows, bandwidth)})
+
+
+def throughput_command(args) -> str:
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    compare = [c for c in args.compare.split(",") if c]
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(max(batch_sizes))]
+    llm, runners, _ = build_runners(args.model, args.dtype, compare, args.max_prompt + args.output_len + 8)
+    prompts = prompts_from_text(llm.get_tokenizer(), _text(args.data), lengths, args.seed)
+    rows = run_throughput(runners, prompts, batch_sizes, args.output_len, args.reps, args.max_other_cpu)
+    lines = [f"Model `{args.model}` ({args.dtype}); prompts of {args.min_prompt}-{args.max_prompt} tokens (uniform, "
+             f"seed {args.seed}) cut from real text, {args.output_len} output tokens each, greedy; medians of "
+             f"{args.reps} repetitions (discarded when other processes took over {args.max_other_cpu:.0%} of the CPUs). llama.cpp's Python API runs requests one after another (its batched path "
+             "is its server: see the serving section).", "", *throughput_table(rows)]
+    return write_report(Path(args.results_dir), "Offline throughput", args.command, lines,
+                        {"rows": as_data(rows)}, {"throughput": plot_throughput(rows)})

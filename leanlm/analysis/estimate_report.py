@@ -1,0 +1,204 @@
+"""`leanlm estimate` output: one settings dataclass -> a JSON-ready report dict -> a text table or a roofline PNG.
+The numbers all come from `leanlm.analysis.estimate`; this module only chooses the points and prints them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from leanlm.analysis import estimate as est
+from leanlm.analysis.hardware import Hardware
+from leanlm.analysis.model_shape import ModelShape
+
+
+@dataclass(frozen=True)
+class EstimateSettings:
+    """What to estimate for: formats, batch and lengths, and optional budget and measured throughput."""
+
+    dtype: str = "bf16"  # weight format: fp32 | bf16 | fp16 | fp8 | int8 | int4
+    kv_dtype: str | None = None  # KV format; default: dtype when it is a float format, else bf16
+    group_size: int = 128  # int4 weights: values per fp16 scale
+    zero_bits: int = 0  # int4 weights: bits of a zero point per group (asymmetric), 0 = symmetric
+    batch: int = 1  # sequences decoded together
+    context: int = 2048  # tokens each sequence attends to when decoding (prompt + generated)
+    prompt_len: int = 512  # tokens of one prompt's prefill
+    memory_budget_gb: float | None = None  # for the largest batch; default: the hardware's memory
+    tokens_per_s: float | None = None  # measured decode throughput (summed over the batch) -> MBU, MFU
+
+    def __post_init__(self) -> None:
+        est.weight_format(self.dtype)  # raises with the list of formats
+        if self.kv_dtype is not None:
+            est.kv_format(self.kv_dtype, 1)
+        for field in ("group_size", "batch", "context", "prompt_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {getattr(self, field)}")
+        if self.zero_bits < 0:
+            raise ValueError(f"--zero-bits must be >= 0, got {self.zero_bits}")
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ValueError(f"--memory-budget-gb must be > 0, got {self.memory_budget_gb}")
+        if self.tokens_per_s is not None and self.tokens_per_s <= 0:
+            raise ValueError(f"--tokens-per-s must be > 0, got {self.tokens_per_s}")
+
+    def formats(self, shape: ModelShape) -> tuple[est.NumberFormat, est.NumberFormat]:
+        weights = est.weight_format(self.dtype, self.group_size, self.zero_bits)
+        kv_name = self.kv_dtype or (weights.name if weights.is_float else "bf16")
+        return weights, est.kv_format(kv_name, shape.head_dim)
+
+
+def _step_row(cost: est.StepCost, hw: Hardware, dtype: str) -> dict:
+    seconds = est.roofline_time(cost, hw, dtype)
+    new_tokens = cost.num_tokens
+    return {**asdict(cost), "intensity": cost.intensity, "time_s": seconds,
+            "bound": "memory" if est.is_memory_bound(cost, hw, dtype) else "compute",
+            "tokens_per_s": new_tokens / seconds}
+
+
+def decode_batches(settings: EstimateSettings, largest: int) -> list[int]:
+    """The batch sizes the table and the plot show: 1, 8, 64, the asked one and the largest that fits."""
+    return sorted({1, 8, 64, settings.batch, *([largest] if largest > 0 else [])})
+
+
+def build_report(shape: ModelShape, source: str, hw: Hardware, settings: EstimateSettings) -> dict:
+    weights, kv = settings.formats(shape)
+    p = est.param_counts(shape)
+    s = settings
+    budget = s.memory_budget_gb * 1e9 if s.memory_budget_gb is not None else float(hw.memory_bytes)
+    largest = est.max_batch(shape, weights, kv, s.context, s.prompt_len, budget)
+    report = {
+        "model": {**asdict(shape), "source": source},
+        "hardware": {**asdict(hw), "ridge_point": hw.peak_flops / hw.memory_bandwidth},
+        "settings": {**asdict(s), "kv_dtype": kv.name, "bits_per_weight": weights.bits_per_value,
+                     "kv_bits_per_value": kv.bits_per_value},
+        "params": {**asdict(p), "total": p.total, "active": p.active},
+        "memory": {
+            "weight_bytes": est.weight_bytes(shape, weights),
+            "kv_bytes_per_token": est.kv_bytes_per_token(shape, kv),
+            "kv_cache_bytes": est.kv_cache_bytes(shape, kv, s.batch, s.context),
+            "activation_bytes": est.peak_activation_bytes(shape, max(s.batch, s.prompt_len), s.context,
+                                                          logits_rows=s.batch),
+            "total_bytes": est.serving_memory_bytes(shape, weights, kv, s.batch, s.context, s.prompt_len),
+            "budget_bytes": budget,
+            "max_batch": largest,
+        },
+        "flops_per_token": {
+            "decode_short": est.decode_flops_per_token(shape, 1),
+            "decode_at_context": est.decode_flops_per_token(shape, s.context),
+            "prefill_prompt": est.prefill_flops(shape, s.prompt_len),
+        },
+        "steps": [_step_row(est.prefill_step(shape, weights, kv, s.batch, s.prompt_len), hw, weights.name)]
+        + [_step_row(est.decode_step(shape, weights, kv, b, s.context), hw, weights.name)
+           for b in decode_batches(s, largest)],
+    }
+    if s.tokens_per_s is not None:
+        u = est.decode_utilization(shape, weights, kv, hw, s.batch, s.context, s.tokens_per_s)
+        report["utilization"] = {"tokens_per_s": s.tokens_per_s, "batch": s.batch, "context": s.context,
+                                 "mbu": u.mbu, "mfu": u.mfu}
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- text
+
+
+def _si(value: float, unit: str = "") -> str:
+    """1.35e11 -> '135.0 G'; plain below 1000."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.3g} {unit}".rstrip()
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:,.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Plain text, first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def format_report(r: dict) -> str:
+    m, hw, s, p, mem = r["model"], r["hardware"], r["settings"], r["params"], r["memory"]
+    moe = f", MoE {m['num_experts']} experts top-{m['experts_per_token']}" if m["num_experts"] > 1 else ""
+    lines = [
+        f"model     {m['name']} ({m['source']}): {m['num_hidden_layers']} layers, d={m['hidden_size']}, "
+        f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads of {m['head_dim']}, "
+        f"FFN {m['intermediate_size']} ({'gated' if m['mlp_gated'] else 'plain'}){moe}, vocab {m['vocab_size']}"
+        f"{', tied embeddings' if m['tie_word_embeddings'] else ''}",
+        f"hardware  {hw['name']}: {_si(hw['peak_flops'], 'FLOP/s')} bf16, {_si(hw['peak_flops_fp32'], 'FLOP/s')} fp32, "
+        f"{_si(hw['memory_bandwidth'], 'B/s')}, {_si(hw['memory_bytes'], 'B')}; "
+        f"ridge {hw['ridge_point']:.0f} FLOP/byte "
+        f"({hw['source']})",
+        f"settings  weights {s['dtype']} ({s['bits_per_weight']:g} bits), KV {s['kv_dtype']} "
+        f"({s['kv_bits_per_value']:g} bits), batch {s['batch']}, context {s['context']}, prompt {s['prompt_len']}",
+        "",
+    ]
+    parts = [("embed_tokens", "embeddings"), ("position_embeddings", "position embeddings"),
+             ("lm_head", "lm_head (untied)"), ("attention", "attention q/k/v/o"), ("mlp", "MLP (all experts)"),
+             ("mlp_active", "MLP active per token"), ("router", "router"), ("biases", "biases"), ("norms", "norms")]
+    if m["num_experts"] == 1:
+        parts[4] = ("mlp", "MLP")
+    rows = [[label, f"{p[key]:,}", f"{p[key] / p['total']:.1%}"] for key, label in parts
+            if p[key] and not (key == "mlp_active" and p[key] == p["mlp"])]
+    rows.append(["total", f"{p['total']:,}", "100.0%"])
+    if p["active"] != p["total"]:
+        rows.append(["active per token", f"{p['active']:,}", f"{p['active'] / p['total']:.1%}"])
+    lines += [_table(["parameters", "count", "share"], rows), ""]
+    budget_label = f"largest batch in {_si(mem['budget_bytes'], 'B')}"
+    rows = [
+        ["weights", _si(mem["weight_bytes"], "B")],
+        ["KV cache per token", _si(mem["kv_bytes_per_token"], "B")],
+        [f"KV cache, {s['batch']} x {s['context']} tokens", _si(mem["kv_cache_bytes"], "B")],
+        ["peak activations", _si(mem["activation_bytes"], "B")],
+        ["total", _si(mem["total_bytes"], "B")],
+        [budget_label, str(mem["max_batch"]) if mem["max_batch"] else "0 (does not fit)"],
+    ]
+    lines += [_table(["memory", "bytes"], rows), ""]
+    rows = [[f"{st['phase']} b={st['batch']} {'x' if st['phase'] == 'prefill' else '@'} {st['context']}",
+             _si(st["flops"]), _si(st["bytes"], "B"), f"{st['intensity']:.1f}", _ms(st["time_s"]),
+             st["bound"], f"{st['tokens_per_s']:,.1f}"] for st in r["steps"]]
+    lines.append(_table(["step (roofline)", "FLOPs", "bytes", "FLOP/B", "ms", "bound", "tokens/s"], rows))
+    if "utilization" in r:
+        u = r["utilization"]
+        lines += ["", f"measured {u['tokens_per_s']:g} tokens/s decode (batch {u['batch']}, context {u['context']}): "
+                      f"MBU {u['mbu']:.1%}, MFU {u['mfu']:.2%}"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+
+def plot_roofline(r: dict, path: str | Path) -> None:
+    """Attainable FLOP/s against arithmetic intensity (log-log), the ridge point, and the report's steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    hw = r["hardware"]
+    peak = hw["peak_flops_fp32"] if r["settings"]["dtype"] == "fp32" else hw["peak_flops"]
+    ridge = peak / hw["memory_bandwidth"]
+    points = [st["intensity"] for st in r["steps"]]
+    x = np.logspace(np.log10(min(0.1, min(points) / 2)), np.log10(max(ridge * 20, max(points) * 2)), 200)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.loglog(x, np.minimum(peak, x * hw["memory_bandwidth"]), color="black", label=hw["name"])
+    ax.axvline(ridge, color="gray", linestyle=":", label=f"ridge {ridge:.0f} FLOP/B")
+    for st in r["steps"]:
+        attained = st["flops"] / st["time_s"]
+        marker, color = ("s", "tab:red") if st["phase"] == "prefill" else ("o", "tab:blue")
+        ax.loglog(st["intensity"], attained, marker, color=color)
+        label = f"prefill b={st['batch']}" if st["phase"] == "prefill" else f"decode b={st['batch']}"
+        ax.annotate(label, (st["intensity"], attained), textcoords="offset points", xytext=(5, -12), fontsize=8)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("attainable FLOP/s")
+    s = r["settings"]
+    ax.set_title(f"{r['model']['name']}, weights {s['dtype']}, KV {s['kv_dtype']}, context {s['context']}")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""ModelShape: what the cost estimator needs to know about a decoder (sizes, GQA, gating, MoE, biases), built
+from our ModelConfig (bundled name, GGUF file, HF directory) or from a built-in preset of a well-known model.
+
+It is the estimator's own description because ModelConfig only describes models we can run (gated SiLU MLP,
+RMSNorm, RoPE, dense); GPT-3 (plain GELU MLP, LayerNorm, learned positions, biases) and Mixtral (MoE) are not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from leanlm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only transformer; lengths are tokens, dims are elements."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int  # d
+    intermediate_size: int  # F, per expert for MoE
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H (query heads)
+    num_key_value_heads: int  # Hkv: H for MHA, 1 for MQA, between for GQA
+    head_dim: int  # D; H * D is the attention width (== d for most models)
+    tie_word_embeddings: bool = False  # lm_head reuses embed_tokens (no extra matrix)
+    mlp_gated: bool = True  # gate/up/down (SwiGLU, 3 matrices) vs up/down (GELU MLP, 2 matrices)
+    attention_bias: bool = False  # bias on q/k/v (qwen2, GPT)
+    dense_bias: bool = False  # bias on o_proj and the MLP matrices (GPT-2/3)
+    norm_bias: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight only)
+    num_position_embeddings: int = 0  # learned absolute positions (GPT); 0 with RoPE
+    num_experts: int = 1  # E routed experts per layer; 1 = dense MLP, no router
+    experts_per_token: int = 1  # k experts each token runs through (top-k routing)
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "num_experts", "experts_per_token"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelShape.{field} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) cannot exceed num_experts "
+                             f"({self.num_experts}); use num_experts=1, experts_per_token=1 for a dense MLP")
+        if self.num_position_embeddings < 0:
+            raise ValueError(f"num_position_embeddings must be >= 0 (0 = RoPE), got {self.num_position_embeddings}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def attention_width(self) -> int:
+        """H * D: the width of the queries (and of the attention output fed to o_proj)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Hkv * D: the width of one K (or V) row per token per layer."""
+        return self.num_key_value_heads * self.head_dim
+
+
+def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
+    """Our runnable models are all dense, gated-SiLU, RMSNorm, RoPE decoders."""
+    return ModelShape(
+        name=name or config.name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+    )
+
+
+def _llama(name: str, d: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int = 32000) -> ModelShape:
+    return ModelShape(name=name, vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d // heads)
+
+
+# Shapes from the papers / released config.json files.
+PRESETS: dict[str, ModelShape] = {
+    "llama-7b": _llama("llama-7b", 4096, 32, 32, 32, 11008),  # LLaMA (Touvron et al. 2023), also llama-2-7b
+    "llama-2-7b": _llama("llama-2-7b", 4096, 32, 32, 32, 11008),
+    "llama-2-13b": _llama("llama-2-13b", 5120, 40, 40, 40, 13824),
+    "llama-2-70b": _llama("llama-2-70b", 8192, 80, 64, 8, 28672),  # GQA: 8 KV heads
+    "llama-3-8b": _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab=128256),
+    # GPT-3 175B (Brown et al. 2020, table 2.1): d=12288, 96 layers x 96 heads of 128, FFN 4d, 2048 learned
+    # positions, GPT-2 BPE vocab; a plain GELU MLP with biases, LayerNorm, tied embeddings (as GPT-2).
+    "gpt-3-175b": ModelShape(
+        name="gpt-3-175b", vocab_size=50257, hidden_size=12288, intermediate_size=4 * 12288, num_hidden_layers=96,
+        num_attention_heads=96, num_key_value_heads=96, head_dim=128, tie_word_embeddings=True, mlp_gated=False,
+        attention_bias=True, dense_bias=True, norm_bias=True, num_position_embeddings=2048,
+    ),
+    # Mixtral 8x7B (Jiang et al. 2024): the Mistral 7B shape with 8 SwiGLU experts per layer, top-2 routing.
+    "mixtral-8x7b": ModelShape(
+        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_experts=8, experts_per_token=2,
+    ),
+}
+
+
+def load_shape(name_or_path: str | Path) -> tuple[ModelShape, str]:
+    """A preset name, bundled model name, GGUF file or HF directory -> (shape, where it came from).
+    Only metadata is read, never the weights."""
+    if str(name_or_path) in PRESETS:
+        return PRESETS[str(name_or_path)], "preset"
+    from leanlm.loading.errors import ModelLoadError
+    from leanlm.loading.gguf import gguf_model_config, is_gguf_file, open_gguf
+    from leanlm.loading.registry import resolve_model
+    from leanlm.loading.safetensors import is_hf_dir, read_hf_config
+
+    try:
+        path = resolve_model(name_or_path)
+    except ModelLoadError as exc:
+        raise ValueError(f"{exc}; or use a preset: {', '.join(PRESETS)}") from None
+    if is_hf_dir(path):
+        return shape_from_config(read_hf_config(path), name=str(name_or_path)), str(path)
+    if is_gguf_file(path):
+        return shape_from_config(gguf_model_config(open_gguf(path)), name=str(name_or_path)), str(path)
+    raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory; "
+                     f"pass one, a bundled model name, or a preset ({', '.join(PRESETS)})")

@@ -1,0 +1,55 @@
+"""`leanlm bench latency | throughput`: runners on the real model produce exactly the tokens asked for, and the
+report keeps contaminated repetitions apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from leanlm.analysis.bench import HFRunner, LeanLMRunner, Repetitions, repeat
+from leanlm.analysis.bench_suite import ThroughputRow, throughput_table
+from leanlm.analysis.machine import CpuSample
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from leanlm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, progress=False)
+
+
+def test_leanlm_runner_latency_and_throughput(llm, tokenizer):
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    sample = LeanLMRunner(llm).latency(prompt, 6)
+    assert sample.ttft_s > 0 and len(sample.token_times_s) == 5 and all(t > 0 for t in sample.token_times_s)
+    assert LeanLMRunner(llm).throughput([prompt, prompt[:4]], 5) > 0
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_hf_runner_times_every_token(hf_smollm, tokenizer):
+    prompt = tokenizer.encode("Hello there")
+    sample = HFRunner(hf_smollm, pad_id=0).latency(prompt, 5)
+    assert len(sample.token_times_s) == 4 and sample.ttft_s > 0
+
+
+def test_llama_cpp_runner_gives_exact_token_counts(smollm_path, tokenizer):
+    pytest.importorskip("llama_cpp")
+    from leanlm.analysis.bench import LlamaCppRunner
+
+    runner = LlamaCppRunner(smollm_path, n_ctx=128, n_threads=1)
+    sample = runner.latency(tokenizer.encode("Hello there"), 6)
+    assert len(sample.token_times_s) == 5
+
+
+def test_contaminated_repetitions_are_kept_apart():
+    reps = Repetitions()
+    reps.add(1.0, CpuSample(1.0, 0.9, 0.05), threshold=0.1)
+    reps.add(2.0, CpuSample(1.0, 0.5, 0.40), threshold=0.1)
+    assert reps.values == [1.0] and reps.discarded == [0.40] and reps.other_shares == [0.05]
+    assert len(repeat(lambda: 3, 2, threshold=1.0).values) == 2
+
+
+def test_throughput_table_ratios():
+    rows = [ThroughputRow("leanlm", 4, 100.0, 3, 0), ThroughputRow("hf", 4, 40.0, 3, 0)]
+    table = throughput_table(rows)
+    assert table[0] == "| batch | leanlm tok/s | hf tok/s | leanlm / hf |"
+    assert table[2] == "| 4 | 100.0 | 40.0 | 2.50x |"
