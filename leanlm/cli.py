@@ -262,6 +262,8 @@ def _add_bench_parsers(sub) -> None:
 
 
 def cmd_bench_suite(args: argparse.Namespace) -> int:
+    import os
+
     from leanlm.analysis import bench_suite
     from leanlm.analysis.markdown import replace_section
 
@@ -270,7 +272,8 @@ def cmd_bench_suite(args: argparse.Namespace) -> int:
     report = run(args)
     print(report)
     if args.doc:
-        replace_section(Path(args.doc), f"bench-{args.suite}", report.replace("](", f"]({args.results_dir}/"))
+        images = os.path.relpath(args.results_dir, Path(args.doc).parent)  # image links relative to the doc
+        replace_section(Path(args.doc), f"bench-{args.suite}", report.replace("](", f"]({images}/"))
     return 0
 
 

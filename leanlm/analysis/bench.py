@@ -130,18 +130,21 @@ class LlamaCppRunner:
         threads = n_threads or torch.get_num_threads()
         self.llama = Llama(str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
 
+    def _generate(self, prompt: list[int], output_len: int):
+        """Exactly output_len greedy tokens (generate() never stops by itself, EOS included). reset() first:
+        otherwise llama-cpp-python reuses the KV of a previous prompt's common prefix."""
+        self.llama.reset()
+        return zip(range(output_len), self.llama.generate(prompt, top_k=1, temp=0.0, reset=True))
+
     def latency(self, prompt: list[int], output_len: int) -> LatencySample:
         t0 = time.perf_counter()
-        times = []
-        # generate() never stops by itself (EOS included), so exactly output_len tokens come out; top_k=1 is greedy.
-        for _ in zip(range(output_len), self.llama.generate(prompt, top_k=1, temp=0.0, reset=True)):
-            times.append(time.perf_counter())
+        times = [time.perf_counter() for _ in self._generate(prompt, output_len)]
         return LatencySample(times[0] - t0, [b - a for a, b in zip(times, times[1:])])
 
     def throughput(self, prompts: list[list[int]], output_len: int) -> float:
         t0 = time.perf_counter()
         for prompt in prompts:
-            for _ in zip(range(output_len), self.llama.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            for _ in self._generate(prompt, output_len):
                 pass
         return len(prompts) * output_len / (time.perf_counter() - t0)
 

@@ -43,16 +43,19 @@ def prompts_from_text(tokenizer, text: str, lengths: list[int], seed: int) -> li
     return [ids[(s := rng.randrange(0, len(ids) - n)):s + n] for n in lengths]
 
 
-def run_latency(runners: list[Runner], prompts: dict[int, list[int]], output_lens: list[int], reps: int,
+def run_latency(runners: list[Runner], prompts: dict[int, list[list[int]]], output_lens: list[int], reps: int,
                 bytes_per_token: dict[str, callable], bandwidth: float, threshold: float = 0.10) -> list[LatencyRow]:
-    """Batch-1 latency for every runner, prompt length and output length; runners interleaved per repetition
-    so that drift hits them alike."""
+    """Batch-1 latency for every runner, prompt length and output length. Each repetition gets a prompt of its
+    own (prompts[length] holds reps + 1 of them, the first for the warm-up), so no prompt cache helps."""
     rows = []
-    for prompt_len, prompt in prompts.items():
+    for prompt_len, prompt_list in prompts.items():
         for output_len in output_lens:
             for runner in runners:
-                runner.latency(prompt, min(output_len, 8))  # warm-up: kernels, allocator, caches
-            results = {r.name: repeat(lambda r=r: r.latency(prompt, output_len), reps, threshold) for r in runners}
+                runner.latency(prompt_list[0], min(output_len, 8))  # warm-up: kernels, allocator
+            results = {}
+            for r in runners:
+                fresh = iter(prompt_list[1:])
+                results[r.name] = repeat(lambda r=r, fresh=fresh: r.latency(next(fresh), output_len), reps, threshold)
             for runner in runners:
                 reps_ = results[runner.name]
                 samples: list[LatencySample] = reps_.values
@@ -190,7 +193,8 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     unknown = sorted(set(compare) - {"hf", "llama.cpp"})
     if unknown:
         raise ValueError(f"unknown peers {unknown}; --compare takes hf and/or llama.cpp")
-    llm = LLM(model, dtype=dtype, progress=False)
+    # No prefix caching: repetitions of a batch would otherwise reuse their own prompts' KV.
+    llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)
     cfg = llm.model_config
     element = torch.empty(0, dtype=llm.dtype).element_size()
     weights = sum(p.numel() for p in llm.llm_engine.model_runner.model.parameters()) * element
@@ -228,7 +232,8 @@ def latency_command(args) -> str:
     output_lens = [int(x) for x in args.output_lens.split(",")]
     compare = [c for c in args.compare.split(",") if c]
     llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
-    prompts = dict(zip(prompt_lens, prompts_from_text(llm.get_tokenizer(), _text(args.data), prompt_lens, args.seed)))
+    text = _text(args.data)
+    prompts = {n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens}
     bandwidth = measured_bandwidth()
     rows = run_latency(runners, prompts, output_lens, args.reps, per_token, bandwidth, args.max_other_cpu)
     lines = [f"Model `{args.model}` ({args.dtype}); batch 1, greedy, exactly the output tokens asked for; "
@@ -249,7 +254,9 @@ def throughput_command(args) -> str:
     rows = run_throughput(runners, prompts, batch_sizes, args.output_len, args.reps, args.max_other_cpu)
     lines = [f"Model `{args.model}` ({args.dtype}); prompts of {args.min_prompt}-{args.max_prompt} tokens (uniform, "
              f"seed {args.seed}) cut from real text, {args.output_len} output tokens each, greedy; medians of "
-             f"{args.reps} repetitions (discarded when other processes took over {args.max_other_cpu:.0%} of the CPUs). llama.cpp's Python API runs requests one after another (its batched path "
-             "is its server: see the serving section).", "", *throughput_table(rows)]
+             f"{args.reps} repetitions (discarded when other processes took over {args.max_other_cpu:.0%} of the CPUs); "
+             "our prefix cache is off, so repeating a batch gains nothing. llama.cpp's Python API runs requests "
+             "one after another (its batched path is its server: see the serving section).", "",
+             *throughput_table(rows)]
     return write_report(Path(args.results_dir), "Offline throughput", args.command, lines,
                         {"rows": as_data(rows)}, {"throughput": plot_throughput(rows)})
