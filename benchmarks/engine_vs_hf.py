@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from leanlm import LLM, SamplingParams
+from leanlm.analysis.bench import HFRunner
+from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.machine import CpuMonitor, CpuSample, describe_machine, measure_memory_bandwidth, peak_rss_bytes
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
@@ -58,13 +60,8 @@ class Timed:
 
 def real_token_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
     """Prompts of the given lengths cut from real text (WikiText-2 test when present)."""
-    if WIKITEXT.exists():
-        text = WIKITEXT.read_text(encoding="utf-8")[:400_000]
-    else:
-        text = (Path(__file__).read_text() + " ") * 40
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    rng = random.Random(seed)
-    return [ids[(s := rng.randrange(0, len(ids) - n)) : s + n] for n in lengths]
+    text = WIKITEXT.read_text(encoding="utf-8") if WIKITEXT.exists() else (Path(__file__).read_text() + " ") * 40
+    return prompts_from_text(tokenizer, text, lengths, seed)
 
 
 def load_hf(model_path: Path, dtype: torch.dtype):
@@ -102,21 +99,6 @@ def kv_waste(engine) -> tuple[int, int, int]:
     used = sum(r.num_computed_tokens for r in running)
     allocated = sum(len(engine.kv_cache_manager.get_block_ids(r.request_id)) for r in running) * block
     return used, max(allocated, 1), len(running)
-
-
-def hf_throughput(model, prompts, output_len: int, batch_size: int, pad_id: int) -> float:
-    """HF generate on padded batches (prompts sorted by length, so padding is as small as it gets)."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    t0 = time.perf_counter()
-    for start in range(0, len(order), batch_size):
-        batch = [prompts[i] for i in order[start : start + batch_size]]
-        width = max(len(p) for p in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=output_len,
-                           min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
-    return len(prompts) * output_len / (time.perf_counter() - t0)
 
 
 # --- batch-1 decode ----------------------------------------------------------------------------------
@@ -213,7 +195,8 @@ def main() -> None:
         return value
 
     timed(run_ours, ours_tp, args.throughput_reps, args.max_other_cpu)
-    timed(lambda: hf_throughput(hf, prompts, args.output_len, args.hf_batch_size, pad_id=llm.tokenizer.eos_token_id),
+    hf_runner = HFRunner(hf, pad_id=llm.tokenizer.eos_token_id, batch_size=args.hf_batch_size)
+    timed(lambda: hf_runner.throughput(prompts, args.output_len),
           hf_tp, args.throughput_reps, args.max_other_cpu)
 
     print("batch-1 decode", file=sys.stderr)

@@ -170,10 +170,6 @@ def plot_throughput(rows: list[ThroughputRow]):
     return draw
 
 
-def measured_bandwidth() -> float:
-    return measure_memory_bandwidth()
-
-
 def as_data(rows) -> list[dict]:
     return [asdict(r) for r in rows]
 
@@ -234,7 +230,7 @@ def latency_command(args) -> str:
     llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
     text = _text(args.data)
     prompts = {n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens}
-    bandwidth = measured_bandwidth()
+    bandwidth = measure_memory_bandwidth()
     rows = run_latency(runners, prompts, output_lens, args.reps, per_token, bandwidth, args.max_other_cpu)
     lines = [f"Model `{args.model}` ({args.dtype}); batch 1, greedy, exactly the output tokens asked for; "
              f"medians of {args.reps} repetitions; measured memory bandwidth {bandwidth / 1e9:.1f} GB/s. MBU = "
