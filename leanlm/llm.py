@@ -62,7 +62,8 @@ class LLM:
         checkpoint = load_checkpoint(model, progress=progress)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, attention_backend)
+        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, attention_backend,
+                          quantized=checkpoint.quantized)
         self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype)
 
     def get_tokenizer(self):

@@ -6,10 +6,12 @@ its extension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from torch import nn
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
@@ -27,14 +29,16 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]  # HF names, float `dtype` (float32 by default); no lm_head when tied
     tokenizer: Tokenizer
     source: Path  # the file or directory it was read from
+    # quantized layers by module name, rebuilt from the checkpoint's metadata (their tensors are not in
+    # state_dict); empty for float checkpoints
+    quantized: dict[str, nn.Module] = field(default_factory=dict)
 
 
 def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
     """Resolve a bundled name or path and load it; every failure is a ModelLoadError saying what to do."""
     path = resolve_model(name_or_path)
     if is_hf_dir(path):
-        config, state_dict = load_hf_dir(path, dtype=dtype, progress=progress)
-        return Checkpoint(config, state_dict, Tokenizer.from_dir(path), path)
+        return _load_hf_checkpoint(path, dtype, progress)
     if is_gguf_file(path):
         config, state_dict, meta = load_gguf(path, dtype=dtype, progress=progress)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
@@ -42,6 +46,31 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32
     if path.is_dir():
         raise ModelLoadError(f"directory {path} has no config.json; pass a Hugging Face model directory or a GGUF file")
     raise ModelLoadError(f"{path} is neither a GGUF file (no 'GGUF' magic) nor a Hugging Face model directory")
+
+
+def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
+    """An HF directory: float, leanlm-quantized (quantization_config.json) or GPTQ (config.json's block)."""
+    from leanlm.compress.checkpoint import quantized_layers, read_quantization_config
+    from leanlm.compress.gptq_format import gptq_layers, read_gptq_config
+
+    try:
+        meta, gptq = read_quantization_config(path), read_gptq_config(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    is_quantized = meta is not None or gptq is not None
+    config, state_dict = load_hf_dir(path, dtype=None if is_quantized else dtype, progress=progress)
+    try:
+        if meta is not None:
+            quantized = quantized_layers(meta, state_dict)
+        elif gptq is not None:
+            quantized = gptq_layers(gptq, state_dict)
+        else:
+            quantized = {}
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"quantized checkpoint {path} is inconsistent ({e}); re-quantize or re-download it") from e
+    if is_quantized:  # the float tensors (norms, embedding, unquantized linears) in the requested dtype
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    return Checkpoint(config, state_dict, Tokenizer.from_dir(path), path, quantized)
 
 
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:

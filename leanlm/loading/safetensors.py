@@ -71,7 +71,7 @@ def shard_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; it holds no weights we can load")
 
 
-def _read_shard(shard: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_shard(shard: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(shard), framework="pt") as f:
             # Float tensors go to `dtype`; integer ones (packed quantized weights) are kept as stored.
@@ -80,14 +80,18 @@ def _read_shard(shard: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise ModelLoadError(f"safetensors file {shard} is corrupt or truncated ({e}); re-download it") from e
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def load_hf_dir(
-    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | Path, dtype: torch.dtype | None = torch.float32, progress: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config and every tensor of an HF directory; ModelLoadError when a required tensor is missing."""
+    """Read config and every tensor of an HF directory; ModelLoadError when a required tensor is missing.
+
+    Float tensors are cast to `dtype` (None keeps every tensor as stored: quantized checkpoints). A weight
+    that a quantized layer replaces (`x.weight` absent, `x.qweight` etc. present) counts as present.
+    """
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist; check the path")
@@ -97,7 +101,9 @@ def load_hf_dir(
         state_dict.update(_read_shard(shard, dtype))
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # the same tensor as the embedding; the model ties it
-    missing = [n for n in expected_tensor_names(config) if n not in state_dict]
+    modules = {name.rsplit(".", 1)[0] for name in state_dict}
+    missing = [n for n in expected_tensor_names(config)
+               if n not in state_dict and not (n.endswith(".weight") and n.removesuffix(".weight") in modules)]
     if missing:
         raise ModelLoadError(f"{path} lacks {len(missing)} tensors the config requires (first: "
                              f"{', '.join(missing[:3])}); the checkpoint is incomplete or for another model")

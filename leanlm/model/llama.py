@@ -5,6 +5,8 @@ Module and weight names follow HF's LlamaForCausalLM, so HF state dicts load as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,9 +57,27 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass(frozen=True)
+class LinearGroup:
+    """Linears of a layer that read the same input, and the op producing that input: the structure that
+    SmoothQuant and AWQ fold per-channel scales along (y = producer(x) / s feeds W * s), declared as data."""
+
+    producer: str  # submodule whose output is the group's input: a norm, or a linear
+    linears: tuple[str, ...]  # submodule names, relative to the layer
+    can_fold: bool = True  # False when producer's output channels do not map 1:1 to the inputs (GQA v -> o)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
+        # v_proj's output channels reach o_proj one-to-one only without grouped-query attention.
+        self.linear_groups = (
+            LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            LinearGroup("self_attn.v_proj", ("self_attn.o_proj",),
+                        can_fold=config.num_attention_heads == config.num_key_value_heads),
+            LinearGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            LinearGroup("mlp.up_proj", ("mlp.down_proj",)),
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -113,24 +133,32 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     attention_backend: str = "auto",
+    quantized: dict[str, nn.Module] | None = None,
 ) -> LlamaForCausalLM:
-    """Instantiate without random init (meta device), then adopt `state_dict` (HF names) in `dtype`."""
+    """Instantiate without random init (meta device), then adopt `state_dict` (HF names) in `dtype`.
+
+    `quantized` maps module names to prebuilt quantized layers (from a checkpoint's metadata; they provide
+    `set_compute_dtype`), swapped in for those linears; their tensors are not in `state_dict`.
+    """
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend)
+    for name, layer in (quantized or {}).items():
+        model.set_submodule(name, layer.to(device).set_compute_dtype(dtype))
     weights = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
     if config.tie_word_embeddings:
         if "lm_head.weight" in weights:
             raise ValueError("tied-embedding model has an lm_head.weight tensor; set tie_word_embeddings=False")
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    expected = set(model.state_dict())
+    prefixes = tuple(name + "." for name in quantized or {})
+    expected = {k for k in model.state_dict() if not k.startswith(prefixes)}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match the {config.architecture} architecture: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict(weights, assign=True, strict=True)
+    model.load_state_dict(weights, assign=True, strict=not quantized)
     model.rotary_emb = RotaryEmbedding(
         config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
     ).to(device)

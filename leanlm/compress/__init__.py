@@ -1,0 +1,19 @@
+"""Compression: one API for every method (torchao style), run through one layer-by-layer loop."""
+
+from leanlm.compress.awq import AWQConfig
+from leanlm.compress.base import CompressionReport, LinearReport
+from leanlm.compress.calibration import calibration_samples, read_calibration_text
+from leanlm.compress.checkpoint import save_checkpoint
+from leanlm.compress.fp8 import FP8Config
+from leanlm.compress.gptq import GPTQConfig
+from leanlm.compress.gptq_format import save_gptq_checkpoint
+from leanlm.compress.llm_int8 import LLMInt8Config
+from leanlm.compress.recipe import compress
+from leanlm.compress.rtn import RTNConfig
+from leanlm.compress.smoothquant import SmoothQuantConfig
+
+__all__ = [
+    "compress", "save_checkpoint", "save_gptq_checkpoint", "calibration_samples", "read_calibration_text",
+    "RTNConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig", "LLMInt8Config", "FP8Config",
+    "CompressionReport", "LinearReport",
+]

@@ -1,0 +1,99 @@
+"""The compression method contract: a frozen *Config, a Method registered for it, and the small dataclasses
+the layer loop (calibration.py) hands to methods and collects from them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+# What a method asks the loop to observe at each linear group's input (see GroupInputs).
+NEEDS_HESSIAN = "hessian"
+NEEDS_STATS = "stats"
+
+
+@dataclass
+class GroupInputs:
+    """What the loop saw at the input of one linear group (e.g. q/k/v) of one layer, over all calibration tokens."""
+
+    absmax: torch.Tensor  # [K] float32: max |x| per input channel
+    mean_abs: torch.Tensor  # [K] float32: mean |x| per input channel
+    samples: torch.Tensor  # [n, K] float32: a fixed, evenly spaced subset of input rows
+    num_tokens: int
+    hessian: torch.Tensor | None = None  # [K, K] float32: (2 / n) X^T X, when a method needs it
+
+
+@dataclass(frozen=True)
+class LinearReport:
+    """One compressed linear: what it became and how far its outputs moved on calibration inputs."""
+
+    name: str  # full module name, e.g. model.layers.3.mlp.down_proj
+    format: str  # QuantLinear format, or "float" for a transform-only change
+    rel_error: float | None  # |X W^T - X W_q^T|^2 / |X W^T|^2 on calibration rows; None without data
+    weight_sqnr_db: float  # SQNR of the stored weight against the float weight it replaced
+    bytes_before: int  # float weight bytes, in the model's dtype
+    bytes_after: int
+
+
+@dataclass
+class CompressionReport:
+    """Everything compress() did, in layer order."""
+
+    methods: list[str] = field(default_factory=list)
+    linears: list[LinearReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base of every method config; subclasses are frozen dataclasses validated in __post_init__."""
+
+    name: ClassVar[str]  # the method's name in recipes, the CLI and checkpoints
+    # Modules left alone: exact names or suffixes of full names ("lm_head" skips the output head).
+    ignore: tuple[str, ...] = ("lm_head",)
+
+    def ignores(self, full_name: str) -> bool:
+        return any(full_name == pat or full_name.endswith("." + pat) for pat in self.ignore)
+
+
+class Method(ABC):
+    """Runs one config through the layer loop: `apply_layer` edits a decoder layer in place."""
+
+    needs: ClassVar[frozenset[str]] = frozenset()  # NEEDS_* the loop must collect before apply_layer
+
+    def __init__(self, config: MethodConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def apply_layer(self, layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None) -> list[LinearReport]:
+        """Compress `layer` (full name `prefix`) in place; `inputs` maps the first linear of each of the layer's
+        `linear_groups` to what fed the group (None without calibration data)."""
+
+    def apply_head(self, model: nn.Module, inputs: GroupInputs | None) -> list[LinearReport]:
+        """Compress the output head when the config does not ignore it; transforms leave it alone."""
+        return []
+
+
+_METHODS: dict[type[MethodConfig], Callable[[MethodConfig], Method]] = {}
+
+
+def register_method(config_cls: type[MethodConfig]) -> Callable[[type[Method]], type[Method]]:
+    def wrap(cls: type[Method]) -> type[Method]:
+        _METHODS[config_cls] = cls
+        return cls
+
+    return wrap
+
+
+def build_method(config: MethodConfig) -> Method:
+    """The Method registered for this config's type."""
+    cls = _METHODS.get(type(config))
+    if cls is None:
+        known = ", ".join(c.__name__ for c in _METHODS)
+        raise TypeError(f"{type(config).__name__} is not a compression method config; use one of {known}")
+    return cls(config)

@@ -1,0 +1,211 @@
+"""Calibration text and the only layer x data loop: every method runs through `run_layers`.
+
+For each decoder layer: observe what feeds each linear group (hooks), let each method edit the layer in
+turn, then run the (already compressed) layer to make the next layer's inputs (GPTQ/AWQ's sequential
+scheme). Attention runs through the engine's own paged backend, so calibration sees serving numerics.
+"""
+
+from __future__ import annotations
+
+import bz2
+import html
+import importlib.util
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanlm.compress.base import NEEDS_HESSIAN, GroupInputs, LinearReport, Method
+from leanlm.model.context import build_forward_context, forward_context
+
+_WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+MAX_SAMPLE_ROWS = 4096  # input rows kept per linear group for AWQ's search and the error report
+_BLOCK_SIZE = 16
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+def default_calibration_file() -> Path:
+    """Real Wikipedia articles shipped inside gensim's test data (never the evaluation text)."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no calibration text: install gensim==4.4.0 --no-deps (it ships Wikipedia "
+                                "articles) or pass a text file with --calib")
+    return Path(list(spec.submodule_search_locations)[0]) / _WIKI_FILE
+
+
+def strip_wiki_markup(xml: str) -> str:
+    """Plain article text from a MediaWiki XML dump: the <text> bodies without templates, refs, tables,
+    tags and link syntax; redirects are dropped."""
+    articles = []
+    for body in re.findall(r"<text[^>]*>(.*?)</text>", xml, flags=re.S):
+        t = html.unescape(body)
+        if t.lstrip().upper().startswith("#REDIRECT"):
+            continue
+        t = re.sub(r"<!--.*?-->", "", t, flags=re.S)
+        t = re.sub(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>", "", t, flags=re.S)
+        for _ in range(3):  # nested templates and tables, innermost first
+            t = re.sub(r"\{\{[^{}]*\}\}|\{\|[^{}]*?\|\}", "", t, flags=re.S)
+        t = re.sub(r"\[\[(?:File|Image|Category):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", t)
+        t = re.sub(r"\[\[(?:[^|\]]*\|)?([^\]]*)\]\]", r"\1", t)
+        t = re.sub(r"\[https?://\S+ ([^\]]*)\]", r"\1", t)
+        t = re.sub(r"<[^>]+>|'{2,}", "", t)
+        t = re.sub(r"^[=*#:;|!{}].*$", "", t, flags=re.M)  # headings, lists, table rows
+        t = re.sub(r"\n{3,}", "\n\n", t).strip()
+        if len(t) > 200:
+            articles.append(t)
+    return "\n\n".join(articles)
+
+
+def read_calibration_text(path: str | Path | None = None) -> str:
+    """A text file, or a (bz2) MediaWiki dump cleaned to plain text; the gensim articles by default."""
+    path = Path(path) if path is not None else default_calibration_file()
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration file {path} does not exist")
+    with open(path, "rb") as f:
+        is_bz2 = f.read(3) == b"BZh"
+    raw = (bz2.open(path, "rt", encoding="utf-8") if is_bz2 else open(path, encoding="utf-8")).read()
+    return strip_wiki_markup(raw) if "<mediawiki" in raw[:2000] else raw
+
+
+def calibration_samples(token_ids: Sequence[int], num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """`num_samples` windows of `seq_len` tokens at random (seeded) offsets of the tokenized text -> [S, T]."""
+    if num_samples < 1 or seq_len < 2:
+        raise ValueError("need num_samples >= 1 and seq_len >= 2")
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    if len(ids) < seq_len:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than seq_len={seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - seq_len + 1, (num_samples,), generator=gen)
+    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+
+
+# ------------------------------------------------------------------------------------------ layer loop
+
+
+class LayerRunner:
+    """Runs one decoder layer over calibration hidden states [S, T, d], `batch` samples per forward, with a
+    private KV cache and a prefill forward context (the engine's attention path)."""
+
+    def __init__(self, model: nn.Module, seq_len: int, batch: int) -> None:
+        cfg = model.config
+        self.model, self.seq_len, self.batch = model, seq_len, batch
+        param = model.model.norm.weight
+        blocks_per_seq = -(-seq_len // _BLOCK_SIZE)
+        shape = (batch * blocks_per_seq, cfg.num_key_value_heads, _BLOCK_SIZE, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        positions = torch.arange(seq_len, device=param.device)
+        self.rope = model.rotary_emb(positions.repeat(batch), param.dtype)
+        self.device = param.device
+        self.num_kv_heads = cfg.num_key_value_heads
+
+    def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, T, d] -> layer outputs [S, T, d]."""
+        attn = layer.self_attn
+        saved = attn.k_cache, attn.v_cache
+        attn.k_cache, attn.v_cache = self.k_cache, self.v_cache
+        out = torch.empty_like(hidden)
+        try:
+            for start in range(0, hidden.shape[0], self.batch):
+                chunk = hidden[start : start + self.batch]
+                n = chunk.shape[0]
+                ctx = build_forward_context([self.seq_len] * n, [self.seq_len] * n, self.block_ids[:n], _BLOCK_SIZE,
+                                            self.num_kv_heads, self.device)
+                rope = tuple(t[: n * self.seq_len] for t in self.rope)
+                with forward_context(ctx):
+                    out[start : start + n] = layer(chunk.reshape(-1, chunk.shape[-1]), rope).view_as(chunk)
+        finally:
+            attn.k_cache, attn.v_cache = saved
+        return out
+
+
+class _InputObserver:
+    """Forward pre-hook accumulating GroupInputs for one linear's input (all calibration tokens)."""
+
+    def __init__(self, in_features: int, num_tokens: int, with_hessian: bool, device: torch.device) -> None:
+        self.absmax = torch.zeros(in_features, device=device)
+        self.abs_sum = torch.zeros(in_features, device=device)
+        self.hessian = torch.zeros(in_features, in_features, device=device) if with_hessian else None
+        self.keep_every = max(1, num_tokens // MAX_SAMPLE_ROWS)
+        self.samples: list[torch.Tensor] = []
+        self.num_tokens = 0
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()  # [T, K]
+        self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
+        self.abs_sum += x.abs().sum(dim=0)
+        if self.hessian is not None:
+            self.hessian.addmm_(x.t(), x)
+        offset = (-self.num_tokens) % self.keep_every
+        self.samples.append(x[offset :: self.keep_every])
+        self.num_tokens += x.shape[0]
+
+    def result(self) -> GroupInputs:
+        n = max(self.num_tokens, 1)
+        hessian = None if self.hessian is None else self.hessian * (2.0 / n)
+        samples = torch.cat(self.samples)[:MAX_SAMPLE_ROWS]
+        return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian)
+
+
+def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, with_hessian: bool) -> dict[str, GroupInputs]:
+    """Run the layer on `hidden` and return what fed each linear group, keyed by the group's first linear."""
+    observers, handles = {}, []
+    for group in layer.linear_groups:
+        first = group.linears[0]
+        linear = layer.get_submodule(first)
+        obs = _InputObserver(linear.in_features, hidden.shape[0] * hidden.shape[1], with_hessian, hidden.device)
+        observers[first] = obs
+        handles.append(linear.register_forward_pre_hook(obs))
+    try:
+        run(layer, hidden)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: obs.result() for name, obs in observers.items()}
+
+
+def observe_head(model: nn.Module, hidden: torch.Tensor, with_hessian: bool) -> GroupInputs:
+    """What feeds lm_head: the final norm of the last layer's outputs."""
+    obs = _InputObserver(hidden.shape[-1], hidden.shape[0] * hidden.shape[1], with_hessian, hidden.device)
+    for sample in hidden:
+        obs(None, (model.model.norm(sample),))
+    return obs.result()
+
+
+@torch.no_grad()
+def run_layers(model: nn.Module, methods: list[Method], samples: torch.Tensor | None, batch: int = 8,
+               progress: bool = True) -> list[LinearReport]:
+    """Apply `methods` in order to every decoder layer (then the head), propagating compressed outputs.
+
+    samples [S, T] token ids, or None for data-free methods (RTN, FP8).
+    """
+    needs = set().union(*(m.needs for m in methods))
+    if needs and samples is None:
+        names = [type(m.config).__name__ for m in methods if m.needs]
+        raise ValueError(f"{', '.join(names)} need calibration samples; pass token ids [num_samples, seq_len]")
+    reports: list[LinearReport] = []
+    hidden = runner = None
+    if samples is not None:
+        device = model.model.norm.weight.device
+        hidden = model.model.embed_tokens(samples.to(device))  # [S, T, d]
+        runner = LayerRunner(model, samples.shape[1], batch)
+    layers = model.model.layers
+    for idx, layer in enumerate(tqdm(layers, desc="compressing layers", unit="layer", disable=not progress)):
+        prefix = f"model.layers.{idx}"
+        for method in methods:
+            inputs = None
+            if hidden is not None:
+                inputs = observe_inputs(layer, runner, hidden, NEEDS_HESSIAN in method.needs)
+            reports += method.apply_layer(layer, prefix, inputs)
+        if hidden is not None:
+            hidden = runner(layer, hidden)
+    for method in methods:
+        inputs = None if hidden is None else observe_head(model, hidden, NEEDS_HESSIAN in method.needs)
+        reports += method.apply_head(model, inputs)
+    return reports

@@ -1,0 +1,77 @@
+"""Quantized checkpoints: safetensors + `quantization_config.json` (what each quantized layer is), written by
+`save_checkpoint` and rebuilt by `quantized_layers` when a model directory is loaded (dispatch on the saved
+`format` of each layer, never on names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from leanlm.compress.qlinear import QUANT_LINEAR_FORMATS, QuantLinear
+from leanlm.loading.safetensors import save_hf_dir
+
+QUANT_CONFIG_FILE = "quantization_config.json"
+FORMAT_VERSION = 1
+
+
+def save_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `model` (compressed or not) as an HF-style directory that `LLM(path)` / `--model path` loads.
+
+    Float tensors are stored in `dtype`; quantized layers keep their codes and float32 scales as they are.
+    """
+    path = Path(path)
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        owner = name.rsplit(".", 1)[0]
+        if owner in quantized:
+            is_float_extra = name.endswith(".bias") or name.endswith(".outlier_weight")
+            state[name] = tensor.to(dtype) if is_float_extra else tensor
+        elif name == "lm_head.weight" and "lm_head" not in quantized and model.config.tie_word_embeddings:
+            continue  # the embedding, tied
+        else:
+            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    config = model.config
+    if "lm_head" in quantized and config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=False)  # the head is its own tensor now
+    save_hf_dir(path, config, {k: v.detach().cpu().contiguous() for k, v in state.items()})
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "recipe": getattr(model, "compression_recipe", []),
+        "layers": {name: m.metadata() for name, m in quantized.items()},
+    }
+    (path / QUANT_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(path)
+    return path
+
+
+def read_quantization_config(path: Path) -> dict[str, Any] | None:
+    """The parsed quantization_config.json of a model directory, or None when it has none."""
+    file = path / QUANT_CONFIG_FILE
+    if not file.is_file():
+        return None
+    meta = json.loads(file.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{file} has format_version {meta.get('format_version')}; this leanlm reads "
+                         f"{FORMAT_VERSION}: re-quantize the model with this version")
+    return meta
+
+
+def quantized_layers(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, QuantLinear]:
+    """Build each quantized layer named in `meta` from its tensors, removing them from `state_dict`."""
+    layers = {}
+    for name, layer_meta in meta["layers"].items():
+        fmt = layer_meta.get("format")
+        if fmt not in QUANT_LINEAR_FORMATS:
+            raise ValueError(f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
+                             f"(known: {', '.join(QUANT_LINEAR_FORMATS)})")
+        prefix = name + "."
+        tensors = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        layers[name] = QUANT_LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
+    return layers

@@ -1,0 +1,143 @@
+"""`leanlm quantize`: load a model in float32, build the method's recipe, calibrate, compress, save, and
+print a summary (size before and after, per-layer error)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from leanlm.compress.awq import AWQConfig
+from leanlm.compress.base import CompressionReport, MethodConfig
+from leanlm.compress.fp8 import FP8Config
+from leanlm.compress.gptq import GPTQConfig
+from leanlm.compress.llm_int8 import LLMInt8Config
+from leanlm.compress.rtn import RTNConfig
+from leanlm.compress.smoothquant import SmoothQuantConfig
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "llm_int8", "fp8", "zeroquant")
+NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant", "llm_int8")
+
+
+def build_recipe(method: str, bits: int | None = None, group_size: int | None = None, act_bits: int | None = None,
+                 alpha: float = 0.5, threshold: float = 6.0, act_order: bool = True,
+                 symmetric: bool | None = None, quantize_lm_head: bool = False) -> list[MethodConfig]:
+    """The recipe behind each CLI method. group_size None = the method's default (64 below 8 bits, per
+    channel at 8), 0 = per channel."""
+    ignore = () if quantize_lm_head else ("lm_head",)
+    if method in ("smoothquant", "zeroquant"):
+        bits = bits or 8
+    bits = bits or (8 if method in ("llm_int8", "fp8") else 4)
+    if group_size is None:
+        group_size = None if bits == 8 and method != "zeroquant" else 64
+    elif group_size == 0:
+        group_size = None
+    scheme = dict(bits=bits, group_size=group_size, symmetric=symmetric, act_bits=act_bits, ignore=ignore)
+    if method == "rtn":
+        return [RTNConfig(**scheme)]
+    if method == "gptq":
+        return [GPTQConfig(**scheme, act_order=act_order)]
+    if method == "awq":
+        return [AWQConfig(**scheme), RTNConfig(**scheme)]
+    if method == "smoothquant":
+        return [SmoothQuantConfig(alpha=alpha, ignore=ignore), RTNConfig(**{**scheme, "act_bits": 8})]
+    if method == "zeroquant":
+        return [RTNConfig(**{**scheme, "act_bits": 8})]
+    if method == "llm_int8":
+        return [LLMInt8Config(threshold=threshold, ignore=ignore)]
+    if method == "fp8":
+        return [FP8Config(ignore=ignore)]
+    raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+
+
+def add_quantize_parser(sub) -> None:
+    from leanlm.loading.registry import DEFAULT_MODEL
+
+    p = sub.add_parser("quantize", help="quantize a model (RTN, GPTQ, AWQ, SmoothQuant, LLM.int8(), FP8) and save it")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--bits", type=int, default=None, help="weight bits (default: 4; 8 for smoothquant/llm_int8/fp8)")
+    p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64 below 8 bits); 0 = per channel")
+    p.add_argument("--act-bits", type=int, default=None, help="8: also quantize activations per token (W8A8)")
+    p.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
+                   help="symmetric weights (default: yes at 8 bits, zero points below)")
+    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    p.add_argument("--threshold", type=float, default=6.0, help="LLM.int8() outlier threshold")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True, help="GPTQ act-order")
+    p.add_argument("--quantize-lm-head", action="store_true", help="also quantize the output head")
+    p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
+    p.add_argument("--num-samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=["leanlm", "gptq"], default="leanlm",
+                   help="gptq: the qweight/qzeros/scales/g_idx layout HF transformers and vLLM read (4-bit only)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from leanlm.compress.calibration import calibration_samples, read_calibration_text
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.compress.gptq_format import save_gptq_checkpoint
+    from leanlm.compress.recipe import compress
+    from leanlm.llm import default_device
+    from leanlm.loading.checkpoint import load_checkpoint
+    from leanlm.model.llama import build_model
+
+    recipe = build_recipe(args.method, args.bits, args.group_size, args.act_bits, args.alpha, args.threshold,
+                          args.act_order, args.symmetric, args.quantize_lm_head)  # validates before loading
+    device = torch.device(args.device) if args.device else default_device()
+    ckpt = load_checkpoint(args.model)
+    model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
+    samples = None
+    if args.method in NEEDS_CALIBRATION or args.calib:
+        text = read_calibration_text(args.calib)
+        ids = ckpt.tokenizer.encode(text, add_special_tokens=False)
+        samples = calibration_samples(ids, args.num_samples, args.seq_len, args.seed)
+    bytes_before = model_bytes(model, torch.bfloat16)
+    report = compress(model, recipe, samples)
+    start = time.perf_counter()
+    save = save_gptq_checkpoint if args.format == "gptq" else save_checkpoint
+    out = save(model, args.out, ckpt.tokenizer)
+    print(format_summary(report, args, bytes_before, directory_bytes(out), time.perf_counter() - start))
+    return 0
+
+
+def model_bytes(model: torch.nn.Module, float_dtype: torch.dtype) -> int:
+    """Bytes of the model's tensors with float parameters counted in `float_dtype` (the tied head once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers(recurse=True)):
+        if t.data_ptr() in seen or t.device.type == "meta":
+            continue
+        seen.add(t.data_ptr())
+        size = torch.empty(0, dtype=float_dtype).element_size() if t.is_floating_point() and t.element_size() > 1 else t.element_size()
+        total += t.numel() * size
+    return total
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def format_summary(report: CompressionReport, args, bytes_before: int, bytes_after: int, save_s: float) -> str:
+    lines = [f"{args.model} -> {args.out} ({args.format} format): {' + '.join(report.methods)}",
+             f"weights: {bytes_before / 2**20:.1f} MiB (bfloat16) -> {bytes_after / 2**20:.1f} MiB on disk "
+             f"({bytes_before / max(bytes_after, 1):.2f}x smaller); compressed in {report.seconds:.1f} s, saved in {save_s:.1f} s"]
+    if not report.linears:
+        return "\n".join(lines)
+    by_kind: dict[str, list] = {}
+    for r in report.linears:
+        by_kind.setdefault(r.name.rsplit(".", 1)[-1], []).append(r)
+    lines.append(f"{'linear':<12} {'count':>5} {'format':<26} {'weight SQNR dB':>14} {'output rel. error (mean / max)':>30}")
+    for kind, rs in by_kind.items():
+        errs = [r.rel_error for r in rs if r.rel_error is not None]
+        err = f"{statistics.mean(errs):.2e} / {max(errs):.2e}" if errs else "n/a (no calibration data)"
+        lines.append(f"{kind:<12} {len(rs):>5} {rs[0].format:<26} {statistics.mean(r.weight_sqnr_db for r in rs):>14.1f} {err:>30}")
+    worst = max((r for r in report.linears if r.rel_error is not None), key=lambda r: r.rel_error, default=None)
+    if worst is not None:
+        lines.append(f"largest output error: {worst.name} ({worst.rel_error:.2e})")
+    return "\n".join(lines)

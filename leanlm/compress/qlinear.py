@@ -1,0 +1,292 @@
+"""Runtime quantized linear layers, one class per saved format, each with a fast path and a reference path.
+
+Weight-only int8 / int2-4 (group-wise) run batch-1..8 decode on leanlm's native CPU kernels and everything
+else as dequantize + F.linear; W8A8 int8 runs torch's int8 x int8 matmul; FP8 W8A8 runs torch's scaled FP8
+matmul (CPU, and CUDA on Hopper); LLM.int8() splits outlier columns into a 16-bit product (Dettmers 2022).
+`QUANT_LINEAR_FORMATS` maps the `format` saved in a checkpoint to the class that loads it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leanlm.compress.quant import quantize_fp8, quantize_per_token_int8, unpack_int4
+from leanlm.kernels import cpu_qgemv
+
+QUANT_LINEAR_FORMATS: dict[str, type["QuantLinear"]] = {}
+
+
+def register_format(cls: type["QuantLinear"]) -> type["QuantLinear"]:
+    QUANT_LINEAR_FORMATS[cls.format] = cls
+    return cls
+
+
+class QuantLinear(nn.Module, ABC):
+    """Base: a linear layer y = x W^T + b whose W is stored quantized in buffers named by `tensor_names`."""
+
+    format: ClassVar[str]
+    tensor_names: ClassVar[tuple[str, ...]]
+    # 16/32-bit float buffers that run in the model's dtype (scales stay float32, codes stay integers)
+    compute_dtype_buffers: ClassVar[tuple[str, ...]] = ("bias",)
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> "QuantLinear":
+        """Cast the float buffers that take part in the model dtype's arithmetic (see compute_dtype_buffers)."""
+        for name in self.compute_dtype_buffers:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(dtype))
+        return self
+
+    def metadata(self) -> dict[str, Any]:
+        """What `from_tensors` needs besides the tensors: saved in quantization_config.json."""
+        return {"format": self.format, "in_features": self.in_features, "out_features": self.out_features}
+
+    @classmethod
+    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> "QuantLinear":
+        """Rebuild from saved metadata and tensors (names from `tensor_names`, plus optional 'bias')."""
+        kwargs = {k: v for k, v in meta.items() if k not in ("format", "in_features", "out_features")}
+        missing = [n for n in cls.tensor_names if n not in tensors]
+        if missing:
+            raise ValueError(f"{cls.format} layer is missing tensors {missing}")
+        return cls(*(tensors[n] for n in cls.tensor_names), bias=tensors.get("bias"), **kwargs)
+
+    @abstractmethod
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 [N, K] weight this layer stands for (the reference path's W)."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored weight representation (codes + scales), bias excluded."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+@register_format
+class Int8WeightOnlyLinear(QuantLinear):
+    """W8A16: symmetric int8 weights with one scale per output channel; activations stay 16/32-bit."""
+
+    format = "int8_weight_only"
+    tensor_names = ("qweight", "scales")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
+        self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_qgemv.should_use_int8(x, self.qweight) and (self.bias is None or self.bias.dtype is x.dtype):
+            return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias)
+        return self.reference_forward(x)
+
+
+@register_format
+class IntGroupWeightOnlyLinear(QuantLinear):
+    """W4A16 / W3A16 / W2A16: unsigned b-bit codes in groups along K, w = q * scale + min per group.
+
+    Codes are stored two per byte whatever b is (3- and 2-bit codes use part of the nibble), the layout the
+    CPU kernel reads. With GPTQ act-order, columns are stored in quantization order and `perm` [K] reorders
+    the input to match (x[..., perm]), so groups stay contiguous for the kernel.
+    """
+
+    format = "int_group_weight_only"
+    tensor_names = ("qweight", "scales", "mins")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
+                 *, bits: int, group_size: int, perm: torch.Tensor | None = None) -> None:
+        super().__init__(qweight.shape[1] * 2, qweight.shape[0], bias)
+        if not 2 <= bits <= 4:
+            raise ValueError(f"group-wise weight-only layers hold 2-4 bit codes, got bits={bits}")
+        if self.in_features % group_size or scales.shape != (self.out_features, self.in_features // group_size):
+            raise ValueError(f"scales {tuple(scales.shape)} do not match [N, K / group_size] for "
+                             f"K={self.in_features}, group_size={group_size}")
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())  # [N, K/2]
+        self.register_buffer("scales", scales.float().contiguous())  # [N, G]
+        self.register_buffer("mins", mins.float().contiguous())  # [N, G]
+        self.register_buffer("perm", None if perm is None else perm.long().contiguous())  # [K]
+
+    @classmethod
+    def from_tensors(cls, meta, tensors):
+        layer = super().from_tensors(meta, {k: v for k, v in tensors.items() if k != "perm"})
+        if "perm" in tensors:
+            layer.perm = tensors["perm"].long().contiguous()
+        return layer
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "bits": self.bits, "group_size": self.group_size}
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + (0 if self.perm is None else self.perm.numel() * 8)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[N, K] in the input's original column order."""
+        q = unpack_int4(self.qweight).float()  # [N, K], stored column order
+        n, k = q.shape
+        w = q.view(n, k // self.group_size, self.group_size) * self.scales[..., None] + self.mins[..., None]
+        w = w.reshape(n, k)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)  # stored column j is input column perm[j]
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and (
+            self.bias is None or self.bias.dtype is x.dtype
+        ):
+            xp = x if self.perm is None else x.index_select(-1, self.perm)
+            return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        return self.reference_forward(x)
+
+
+@register_format
+class Int8DynamicActLinear(QuantLinear):
+    """W8A8 (SmoothQuant, ZeroQuant): int8 weights, activations quantized per token on the fly.
+
+    Per-channel weights run torch's int8 x int8 -> int32 matmul, then y = acc * s_x[t] * s_w[n]. Group-wise
+    weights (ZeroQuant; group_size set) compute the same products in float from the integer codes.
+    """
+
+    format = "int8_dynamic_activation"
+    tensor_names = ("qweight", "scales")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 *, group_size: int | None = None) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
+        n = qweight.shape[0]
+        scales = scales.float().reshape(n) if group_size is None else scales.float().reshape(n, -1)
+        self.register_buffer("scales", scales.contiguous())  # [N] per channel or [N, G] per group
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "group_size": self.group_size}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.group_size is None:
+            return self.qweight.float() * self.scales[:, None]
+        n, k = self.qweight.shape
+        w = self.qweight.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
+        return w.reshape(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
+        if self.group_size is None and x.device.type == "cpu":
+            acc = torch._int_mm(xq, self.qweight.t())  # [T, N] int32, exact
+            y = acc.float() * xs * self.scales
+        else:
+            y = (xq.float() * xs) @ self.dequantized_weight().t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+@register_format
+class LLMInt8Linear(QuantLinear):
+    """LLM.int8(): vector-wise int8 (per-row weight scales, per-token activation scales) plus a 16-bit product
+    over outlier feature columns. `outlier_idx` columns (found on calibration data) keep their exact weights
+    in `outlier_weight`; input columns exceeding `threshold` at run time that are not among them take the
+    16-bit path with their int8 weights dequantized, as bitsandbytes does.
+    """
+
+    format = "llm_int8"
+    tensor_names = ("qweight", "scales", "outlier_idx", "outlier_weight")
+    compute_dtype_buffers = ("bias", "outlier_weight")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, outlier_idx: torch.Tensor,
+                 outlier_weight: torch.Tensor, bias: torch.Tensor | None = None, *, threshold: float = 6.0) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.threshold = threshold
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K], outlier columns 0
+        self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
+        self.register_buffer("outlier_idx", outlier_idx.long().contiguous())  # [O]
+        self.register_buffer("outlier_weight", outlier_weight.contiguous())  # [N, O], 16/32-bit, exact
+        mask = torch.zeros(self.in_features, dtype=torch.bool, device=qweight.device)
+        mask[self.outlier_idx] = True
+        self.register_buffer("is_static_outlier", mask, persistent=False)  # [K]
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "threshold": self.threshold}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = self.qweight.float() * self.scales[:, None]
+        w[:, self.outlier_idx] = self.outlier_weight.float()
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        dynamic = (x2.abs() > self.threshold).any(dim=0) & ~self.is_static_outlier  # [K] new outlier columns
+        inliers = x2.masked_fill(self.is_static_outlier | dynamic, 0)
+        xq, xs = quantize_per_token_int8(inliers)
+        if x.device.type == "cpu":
+            y = torch._int_mm(xq, self.qweight.t()).float() * xs * self.scales
+        else:
+            y = (xq.float() * xs) @ (self.qweight.float() * self.scales[:, None]).t()
+        y = y.to(x.dtype) + x2[:, self.outlier_idx] @ self.outlier_weight.to(x.dtype).t()
+        if dynamic.any():
+            cols = dynamic.nonzero().squeeze(1)
+            w_cols = (self.qweight[:, cols].float() * self.scales[:, None]).to(x.dtype)  # [N, O']
+            y = y + x2[:, cols] @ w_cols.t()
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """torch._scaled_mm runs FP8 on CPU and on CUDA from compute capability 8.9 (Ada, Hopper)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@register_format
+class FP8Linear(QuantLinear):
+    """FP8 W8A8: weights in e4m3 (or e5m2) with per-channel scales, activations scaled per token on the fly,
+    multiplied by torch._scaled_mm (fp32 accumulation) where supported, else dequantized."""
+
+    format = "fp8"
+    tensor_names = ("weight", "weight_scale")
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight.contiguous())  # [N, K] float8
+        self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1).contiguous())  # [N, 1]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, xs = quantize_fp8(x2, self.weight.dtype, per_row=True)  # [T, K], [T, 1]
+        if scaled_mm_supported(x.device) and self.weight.dtype is torch.float8_e4m3fn:
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
+                                 bias=None, out_dtype=torch.float32)
+        else:
+            y = (xq.float() * xs) @ self.dequantized_weight().t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)

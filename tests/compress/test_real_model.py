@@ -1,0 +1,83 @@
+"""Compression on the real bundled SmolLM2: quality against the float model, and a quantized checkpoint
+written by `leanlm quantize` served by `leanlm serve` and queried with the openai client."""
+
+import socket
+
+import pytest
+import torch
+
+from leanlm.compress import GPTQConfig, RTNConfig, calibration_samples, compress, read_calibration_text
+from leanlm.compress.quant import sqnr_db
+from leanlm.model.llama import build_model
+from tests.compress.conftest import dense_logits
+
+TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+        "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
+
+
+@pytest.fixture(scope="module")
+def calib_ids(smollm):
+    text = read_calibration_text()
+    return calibration_samples(smollm.tokenizer.encode(text[:400_000], add_special_tokens=False), 16, 128)
+
+
+@pytest.fixture(scope="module")
+def eval_ids(smollm):
+    return torch.tensor([smollm.tokenizer.encode(TEXT, add_special_tokens=False)])
+
+
+def _kl(ref_logits, logits) -> float:
+    p = torch.log_softmax(ref_logits.double(), -1)
+    q = torch.log_softmax(logits.double(), -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def test_calibration_text_is_clean_wikipedia_prose():
+    text = read_calibration_text()
+    assert len(text) > 1_000_000
+    assert "{{" not in text and "[[" not in text and "<ref" not in text
+    assert "Anarchism is a political philosophy" in text
+
+
+def test_int8_weight_only_tracks_the_float_model(smollm, eval_ids):
+    model = build_model(smollm.config, smollm.state_dict, torch.float32)
+    ref = dense_logits(model, eval_ids)
+    compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
+    out = dense_logits(model, eval_ids)
+    assert sqnr_db(ref, out) > 25
+    assert _kl(ref, out) < 0.01
+
+
+def test_gptq_is_closer_to_float_than_rtn_at_3_bits(smollm, calib_ids, eval_ids):
+    kls = {}
+    for cfg in (RTNConfig(bits=3, group_size=64), GPTQConfig(bits=3, group_size=64)):
+        model = build_model(smollm.config, smollm.state_dict, torch.float32)
+        ref = dense_logits(model, eval_ids)
+        report = compress(model, [cfg], calib_ids, progress=False)
+        assert len(report.linears) == 30 * 7
+        kls[cfg.name] = _kl(ref, dense_logits(model, eval_ids))
+    assert kls["gptq"] < 0.8 * kls["rtn"], kls
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_quantized_checkpoint_is_served(tmp_path):
+    """`leanlm quantize` (CLI) writes it; `leanlm serve --model DIR` (a real process) answers through openai."""
+    openai = pytest.importorskip("openai")
+    from leanlm.analysis.peers import leanlm_server
+    from leanlm.cli import main
+
+    out = tmp_path / "w8"
+    assert main(["quantize", "--method", "rtn", "--bits", "8", "--out", str(out), "--device", "cpu"]) == 0
+    assert (out / "quantization_config.json").is_file() and (out / "tokenizer.json").is_file()
+    port = _free_port()
+    with leanlm_server(str(out), port, ("--dtype", "bfloat16", "--kv-cache-memory-bytes", str(64 << 20))) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model=str(out), messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
