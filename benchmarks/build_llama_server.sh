@@ -20,5 +20,5 @@ cd "$peers/llama.cpp"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_USE_PREBUILT_UI=OFF
-cmake --build build --target llama-server -j"${JOBS:-2}"
+cmake --build build --target llama-server llama-quantize -j"${JOBS:-2}"
 echo "built $peers/llama.cpp/build/bin/llama-server (llama.cpp vendored by llama-cpp-python $version)"

@@ -3,16 +3,21 @@
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput", "load_model",
+           "save_checkpoint"]  # compress() lives in leanlm.compress (the subpackage of that name)
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # Heavy imports (torch model code, loaders) only when the API is used.
-    if name == "LLM":
-        from leanlm.llm import LLM
+    if name in ("LLM", "load_model"):
+        from leanlm import llm
 
-        return LLM
+        return getattr(llm, name)
+    if name == "save_checkpoint":
+        from leanlm.compress.checkpoint import save_checkpoint
+
+        return save_checkpoint
     if name in ("RequestOutput", "CompletionOutput"):
         from leanlm.engine import outputs
 

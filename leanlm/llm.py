@@ -41,6 +41,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch.float32
 
 
+def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+               device: str | torch.device | None = None, progress: bool = True):
+    """The network of a bundled name, GGUF file or (quantized) HF directory, for compression or inspection:
+    a LlamaForCausalLM whose `tokenizer` attribute holds the model's tokenizer (save_checkpoint writes it)."""
+    device = torch.device(device) if device is not None else default_device()
+    checkpoint = load_checkpoint(model, progress=progress)
+    net = build_model(checkpoint.config, checkpoint.state_dict, resolve_dtype(dtype, device), device,
+                      quantized=checkpoint.quantized)
+    net.tokenizer = checkpoint.tokenizer
+    return net
+
+
 class LLM:
     """Load a model (bundled name, GGUF file or HF directory) and generate with continuous batching."""
 

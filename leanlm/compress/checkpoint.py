@@ -23,8 +23,10 @@ def save_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dtype: t
     """Write `model` (compressed or not) as an HF-style directory that `LLM(path)` / `--model path` loads.
 
     Float tensors are stored in `dtype`; quantized layers keep their codes and float32 scales as they are.
+    The tokenizer defaults to the one `load_model` attached to the model.
     """
     path = Path(path)
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():

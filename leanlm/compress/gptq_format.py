@@ -155,6 +155,7 @@ def save_gptq_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dam
                                                    damp_percent=damp_percent)
     cfg["torch_dtype"] = "float16"
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.save(path)
     return path

@@ -1,0 +1,143 @@
+"""Quantization quality in one run: every method's WikiText-2 perplexity and KL divergence against the float
+model, on one model, calibrated on other text (gensim's Wikipedia articles).
+
+    python benchmarks/quantization.py --model smollm2-135m-instruct --doc docs/quantization.md
+
+Each configuration is quantized from the float32 model, saved as a checkpoint, loaded back through
+`LLM(dir)` (the path users take) and scored in bfloat16; KV-cache rows change only the engine's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_text
+from leanlm.analysis.markdown import replace_section
+from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
+from leanlm.compress.command import build_recipe, directory_bytes, model_bytes
+from leanlm.llm import LLM
+from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.model.llama import build_model
+
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+
+# name -> (CLI method, options for build_recipe) or a KV-cache dtype
+CONFIGS: dict[str, dict] = {
+    "W8A16 RTN (int8 weight-only)": dict(method="rtn", bits=8),
+    "LLM.int8() (threshold 6)": dict(method="llm_int8"),
+    "KV cache int8": dict(kv_cache_dtype="int8"),
+    "KV cache fp8 e4m3": dict(kv_cache_dtype="fp8_e4m3"),
+    "W8A8 RTN (per-token acts)": dict(method="rtn", bits=8, act_bits=8),
+    "W8A8 SmoothQuant a=0.5": dict(method="smoothquant", alpha=0.5),
+    "W8A8 ZeroQuant g64": dict(method="zeroquant", group_size=64),
+    "FP8 W8A8 e4m3": dict(method="fp8"),
+    "W4A16 g64 RTN": dict(method="rtn", bits=4),
+    "W4A16 g64 GPTQ": dict(method="gptq", bits=4),
+    "W4A16 g64 AWQ": dict(method="awq", bits=4),
+    "W3A16 g64 RTN": dict(method="rtn", bits=3),
+    "W3A16 g64 GPTQ": dict(method="gptq", bits=3),
+    "W3A16 g64 AWQ": dict(method="awq", bits=3),
+}
+
+
+@dataclass
+class Row:
+    config: str
+    recipe: str
+    weights_mib: float
+    quantize_s: float
+    perplexity: float
+    delta_pct: float
+    mean_kl: float
+    top1_agreement: float
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
+    ap.add_argument("--data", default=str(WIKITEXT))
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--ppl-windows", type=int, default=8, help="first K windows of the test set for perplexity")
+    ap.add_argument("--kl-windows", type=int, default=2, help="first K windows for KL divergence")
+    ap.add_argument("--num-samples", type=int, default=64, help="calibration samples")
+    ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--results-dir", default="bench-results/quantization")
+    ap.add_argument("--doc", default=None, help="markdown file whose section quality-<model> gets the table")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+
+    ckpt = load_checkpoint(args.model, progress=False)
+    ids = ckpt.tokenizer.encode(read_text(args.data), add_special_tokens=False)
+    windows = make_windows(ids, args.seq_len, None, max(args.ppl_windows, args.kl_windows))
+    ppl_windows, kl_windows = windows[: args.ppl_windows], windows[: args.kl_windows]
+    calib_text = read_calibration_text()
+    samples = calibration_samples(ckpt.tokenizer.encode(calib_text, add_special_tokens=False), args.num_samples,
+                                  args.calib_seq_len)
+    base = LLM(args.model, dtype="bfloat16", progress=False)
+    base_ppl = perplexity(base, ppl_windows, use_tqdm=False).perplexity
+    float_mib = model_bytes(build_model(ckpt.config, ckpt.state_dict, torch.float32), torch.bfloat16) / 2**20
+    rows = [Row("bfloat16 (reference)", "-", float_mib, 0.0, base_ppl, 0.0, 0.0, 1.0)]
+    print(rows[0], flush=True)
+    results = Path(args.results_dir) / Path(args.model).name
+    for name in names:
+        opts = dict(CONFIGS[name])
+        start = time.perf_counter()
+        if "kv_cache_dtype" in opts:
+            llm, recipe, mib = LLM(args.model, dtype="bfloat16", progress=False, **opts), "-", float_mib
+            seconds = 0.0
+        else:
+            recipe_cfgs = build_recipe(**opts)
+            model = build_model(ckpt.config, ckpt.state_dict, torch.float32)
+            compress(model, recipe_cfgs, samples, progress=False)
+            seconds = time.perf_counter() - start
+            out = results / name.replace(" ", "_").replace("/", "-")
+            shutil.rmtree(out, ignore_errors=True)
+            save_checkpoint(model, out, ckpt.tokenizer)
+            mib = directory_bytes(out) / 2**20
+            recipe = " + ".join(c.name for c in recipe_cfgs)
+            del model
+            llm = LLM(str(out), dtype="bfloat16", progress=False)
+        ppl = perplexity(llm, ppl_windows, use_tqdm=False).perplexity
+        kl = kl_divergence(base, llm, kl_windows, windows_per_batch=1, use_tqdm=False)
+        rows.append(Row(name, recipe, mib, seconds, ppl, 100 * (ppl / base_ppl - 1), kl.mean_kl, kl.top1_agreement))
+        print(rows[-1], flush=True)
+        del llm
+    report = format_report(args, rows, len(ids), samples.shape)
+    print(report)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    if args.doc:
+        replace_section(Path(args.doc), f"quality-{Path(args.model).name}", report)
+
+
+def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
+    lines = [
+        f"**{args.model}**: WikiText-2 raw test ({num_tokens} tokens), sequence length {args.seq_len}, perplexity "
+        f"over the first {args.ppl_windows} windows, KL(float || quantized) per token over the first "
+        f"{args.kl_windows}; calibration {calib_shape[0]} x {calib_shape[1]} tokens of gensim's Wikipedia "
+        "articles. Quantized from float32, saved, reloaded with `LLM(dir)`, scored in bfloat16. Command: "
+        f"`python benchmarks/quantization.py --model {args.model} --ppl-windows {args.ppl_windows} "
+        f"--kl-windows {args.kl_windows} --num-samples {args.num_samples} --calib-seq-len {args.calib_seq_len}`.",
+        "",
+        "| configuration | recipe | weights MiB | quantize s | perplexity | vs bf16 | mean KL (nats) | top-1 agree |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.config} | {r.recipe} | {r.weights_mib:.1f} | {r.quantize_s:.0f} | {r.perplexity:.4f} | "
+                     f"{r.delta_pct:+.2f}% | {r.mean_kl:.5f} | {r.top1_agreement:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
