@@ -1,0 +1,365 @@
+/* Small-M weight-only quantized linear layers for x86-64 with AVX512-BF16 (batch-1..8 decode):
+ *   int8: y[M, N] = x[M, K] @ (q[N, K] * scale[N, None])^T (+ bias[N])       (symmetric, per channel)
+ *   int4: y[M, N] = x[M, K] @ (q[N, K] * scale[N, g] + min[N, g])^T (+ bias)  (g = k / group_size)
+ *
+ * Weights are widened to bfloat16 exactly in registers and multiplied with the unchanged bf16 activations
+ * by vdpbf16ps (fp32 accumulation), so the only roundings are fp32 sums and the final bf16 output, as in
+ * gemv_bf16.c. int8: vpmovsxbd + vcvtdq2ps + vcvtne2ps2bf16. int4: a nibble q is OR-ed into the mantissa
+ * of bf16 128.0 (0x4300 | q == 128 + q exactly), so a group's dot product is sum x (128 + q); the 128 *
+ * sum(x) it carries is removed together with the mins term: y = sum_g s_g A_g + (min_g - 128 s_g) S_g,
+ * where S_g = sum of x over group g (fp32, computed once per call). Nibble unpacking puts even k in one
+ * vector and odd k in another, so x is permuted once per call to match (per 64-k block: 32 even, 32 odd).
+ * Each loaded weight slice is shared by all M rows; threads split N like gemv_bf16.c. Built and loaded by
+ * cpu_qgemv.py; links against the libgomp already in the process (torch's copy).
+ */
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
+#define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest, ties to even (what torch does for float -> bfloat16); NaN stays a quiet NaN. */
+ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ------------------------------------------------------------------------------------------------ int8 */
+
+/* 32 int8 weights (two 16-byte halves, each optionally masked) -> 32 bf16, exactly. */
+ALWAYS_INLINE __m512bh i8_to_bf16(__m128i lo, __m128i hi) {
+    const __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    const __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    return _mm512_cvtne2ps_pbh(fhi, flo);
+}
+
+ALWAYS_INLINE void tile_i8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
+                           uint16_t *y, int64_t K, int64_t N, int64_t n0, const int M, const int NB) {
+    __m512 acc[MAX_ROWS][8];
+    const int8_t *wr[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; j++) wr[j] = w + (n0 + j) * K;
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+
+    /* Prefetch PREFETCH_BYTES ahead along the tile's (contiguous) rows, at the rate the loads consume
+     * them (NB * 32 bytes per step), as in gemv_bf16.c. */
+    const char *ahead = (const char *)(w + n0 * K) + PREFETCH_BYTES;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32, ahead += 32 * NB) {
+        __m512bh wv[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++)
+            wv[j] = i8_to_bf16(_mm_loadu_si128((const __m128i *)(wr[j] + k)),
+                               _mm_loadu_si128((const __m128i *)(wr[j] + k + 16)));
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k));
+#pragma GCC unroll 8
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    if (k < K) { /* K % 32 leftover elements: masked loads read zeros past the end, which add nothing */
+        const __mmask32 mask = (__mmask32)((1u << (K - k)) - 1u);
+        __m512bh wv[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++)
+            wv[j] = i8_to_bf16(_mm_maskz_loadu_epi8((__mmask16)(mask & 0xffffu), wr[j] + k),
+                               _mm_maskz_loadu_epi8((__mmask16)(mask >> 16), wr[j] + k + 16));
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * K + k);
+#pragma GCC unroll 8
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; j++) {
+        const float s = scales[n0 + j];
+        const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) y[i * N + n0 + j] = f32_to_bf16(_mm512_reduce_add_ps(acc[i][j]) * s + b);
+    }
+}
+
+ALWAYS_INLINE void warm_range(const void *start, int64_t range_bytes) {
+    /* Nothing is in flight yet at the start of a thread's range: request its first PREFETCH_BYTES. */
+    const int64_t warm = range_bytes < PREFETCH_BYTES ? range_bytes : PREFETCH_BYTES;
+    for (int64_t off = 0; off < warm; off += 64) _mm_prefetch((const char *)start + off, _MM_HINT_T0);
+}
+
+#define DEFINE_ROWS_I8(M_, NB_)                                                                          \
+    static void rows_i8_m##M_(const uint16_t *x, const int8_t *w, const float *s, const uint16_t *bias,  \
+                              uint16_t *y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {       \
+        warm_range(w + n_begin * K, (n_end - n_begin) * K);                                              \
+        int64_t n = n_begin;                                                                             \
+        for (; n + NB_ <= n_end; n += NB_) tile_i8(x, w, s, bias, y, K, N, n, M_, NB_);                  \
+        for (; n < n_end; n++) tile_i8(x, w, s, bias, y, K, N, n, M_, 1);                                \
+    }
+DEFINE_ROWS_I8(1, 8)
+DEFINE_ROWS_I8(2, 8)
+DEFINE_ROWS_I8(3, 4)
+DEFINE_ROWS_I8(4, 4)
+DEFINE_ROWS_I8(5, 2)
+DEFINE_ROWS_I8(6, 2)
+DEFINE_ROWS_I8(7, 2)
+DEFINE_ROWS_I8(8, 2)
+
+typedef void (*rows_i8_fn)(const uint16_t *, const int8_t *, const float *, const uint16_t *, uint16_t *,
+                           int64_t, int64_t, int64_t, int64_t);
+static const rows_i8_fn ROWS_I8[MAX_ROWS + 1] = {0,           rows_i8_m1, rows_i8_m2, rows_i8_m3, rows_i8_m4,
+                                                 rows_i8_m5, rows_i8_m6, rows_i8_m7, rows_i8_m8};
+
+static int thread_count(int num_threads, int64_t N, int64_t weight_bytes, int64_t min_parallel_bytes) {
+    const int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > num_blocks) threads = (int)num_blocks;
+    return weight_bytes >= min_parallel_bytes ? threads : 1;
+}
+
+/* This thread's contiguous range of whole BLOCK_N blocks of W. */
+static void thread_range(int64_t N, int64_t *n_begin, int64_t *n_end) {
+    const int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
+    *n_begin = num_blocks * tid / nthr * BLOCK_N;
+    *n_end = num_blocks * (tid + 1) / nthr * BLOCK_N;
+    if (*n_end > N) *n_end = N;
+}
+
+/* x [M, K] bf16, w [N, K] int8, scales [N] fp32, bias [N] bf16 or NULL, y [M, N] bf16; all contiguous.
+ * Returns 0, or -1 on bad sizes. */
+int leanlm_linear_int8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
+                       uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads,
+                       int64_t min_parallel_bytes) {
+    if (M < 0 || N < 0 || K < 0) return -1;
+    if (M == 0 || N == 0) return 0;
+    const int threads = thread_count(num_threads, N, N * K, min_parallel_bytes);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+        const rows_i8_fn fn = ROWS_I8[m];
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            int64_t n_begin, n_end;
+            thread_range(N, &n_begin, &n_end);
+            if (n_begin < n_end) fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, n_begin, n_end);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ int4 */
+
+/* 32 bytes = 64 nibbles of one row at k0 .. k0+63 -> bf16 (128 + q): even k in *ev, odd k in *od. */
+ALWAYS_INLINE void nibbles_to_bf16(__m256i bytes, __m512bh *ev, __m512bh *od) {
+    const __m512i v = _mm512_cvtepu8_epi16(bytes); /* each 16-bit lane: one byte, zero-extended */
+    const __m512i low4 = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
+    *ev = (__m512bh)_mm512_ternarylogic_epi32(v, low4, magic, 0xea);   /* (v & low4) | magic */
+    *od = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), magic); /* high nibble | magic */
+}
+
+/* NB weight rows [n0, n0 + NB) against M rows of permuted x (xp [M, Kp]) and group sums S [M, G].
+ * WHOLE: group_size % 64 == 0, so a group is whole 64-k blocks and its scale is applied once per group;
+ * otherwise (group_size % 64 == 32) every 64-k block is scaled with fp32 lanes 0-7 by the group of its
+ * first 32 k and lanes 8-15 by the group of its last 32 (vdpbf16ps lane l sums input lanes 2l, 2l+1). */
+ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const uint8_t *w, const float *scales,
+                           const float *mins, const uint16_t *bias, uint16_t *y, int64_t K, int64_t Kp,
+                           int64_t N, int64_t G, int64_t gs, int64_t n0, const int M, const int NB,
+                           const int WHOLE) {
+    __m512 tot[MAX_ROWS][4];
+    const uint8_t *wr[4];
+    const float *sr[4];
+    const int64_t row_bytes = K / 2;
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) wr[j] = w + (n0 + j) * row_bytes, sr[j] = scales + (n0 + j) * G;
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) tot[i][j] = _mm512_setzero_ps();
+
+    const char *ahead = (const char *)(w + n0 * row_bytes) + PREFETCH_BYTES;
+    if (WHOLE) {
+        for (int64_t g = 0; g < G; g++) {
+            __m512 acc[MAX_ROWS][4];
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++)
+#pragma GCC unroll 4
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 64, ahead += 32 * NB) {
+                __m512bh ev[4], od[4];
+#pragma GCC unroll 4
+                for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, _MM_HINT_T0);
+#pragma GCC unroll 4
+                for (int j = 0; j < NB; j++)
+                    nibbles_to_bf16(_mm256_loadu_si256((const __m256i *)(wr[j] + k / 2)), &ev[j], &od[j]);
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) {
+                    const __m512bh xe = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k));
+                    const __m512bh xo = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k + 32));
+#pragma GCC unroll 4
+                    for (int j = 0; j < NB; j++)
+                        acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], xe, ev[j]), xo, od[j]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) {
+                const __m512 sv = _mm512_set1_ps(sr[j][g]);
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) tot[i][j] = _mm512_fmadd_ps(acc[i][j], sv, tot[i][j]);
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < K; k += 64, ahead += 32 * NB) {
+            const int full = k + 64 <= K; /* else the last block holds 32 k; xp is zero-padded to Kp */
+            __m512bh ev[4], od[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, _MM_HINT_T0);
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) {
+                const __m256i b = full ? _mm256_loadu_si256((const __m256i *)(wr[j] + k / 2))
+                                       : _mm256_maskz_loadu_epi8(0xffffu, wr[j] + k / 2);
+                nibbles_to_bf16(b, &ev[j], &od[j]);
+            }
+            const int64_t g0 = k / gs, g1 = full ? (k + 32) / gs : g0;
+            __m512 acc[MAX_ROWS][4];
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) {
+                const __m512bh xe = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k));
+                const __m512bh xo = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k + 32));
+#pragma GCC unroll 4
+                for (int j = 0; j < NB; j++)
+                    acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xe, ev[j]), xo, od[j]);
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) {
+                const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(sr[j][g0]), 0xff00, _mm512_set1_ps(sr[j][g1]));
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) tot[i][j] = _mm512_fmadd_ps(acc[i][j], sv, tot[i][j]);
+            }
+        }
+    }
+
+    /* + sum_g (min_g - 128 scale_g) * S_g, 16 groups at a time. */
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+        const float *mr = mins + (n0 + j) * G;
+        for (int64_t g = 0; g < G; g += 16) {
+            const __mmask16 mask = G - g >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (G - g)) - 1u);
+            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_maskz_loadu_ps(mask, sr[j] + g),
+                                              _mm512_maskz_loadu_ps(mask, mr + g));
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++)
+                tot[i][j] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask, S + i * G + g), tot[i][j]);
+        }
+        const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) y[i * N + n0 + j] = f32_to_bf16(_mm512_reduce_add_ps(tot[i][j]) + b);
+    }
+}
+
+#define DEFINE_ROWS_I4(M_, NB_, WHOLE_, NAME)                                                             \
+    static void NAME(const uint16_t *xp, const float *S, const uint8_t *w, const float *s, const float *mn, \
+                     const uint16_t *bias, uint16_t *y, int64_t K, int64_t Kp, int64_t N, int64_t G,         \
+                     int64_t gs, int64_t n_begin, int64_t n_end) {                                          \
+        warm_range(w + n_begin * (K / 2), (n_end - n_begin) * (K / 2));                                      \
+        int64_t n = n_begin;                                                                                \
+        for (; n + NB_ <= n_end; n += NB_)                                                                  \
+            tile_i4(xp, S, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, NB_, WHOLE_);                         \
+        for (; n < n_end; n++) tile_i4(xp, S, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, 1, WHOLE_);        \
+    }
+DEFINE_ROWS_I4(1, 4, 1, rows_i4_m1_w)
+DEFINE_ROWS_I4(2, 4, 1, rows_i4_m2_w)
+DEFINE_ROWS_I4(3, 2, 1, rows_i4_m3_w)
+DEFINE_ROWS_I4(4, 2, 1, rows_i4_m4_w)
+DEFINE_ROWS_I4(5, 1, 1, rows_i4_m5_w)
+DEFINE_ROWS_I4(6, 1, 1, rows_i4_m6_w)
+DEFINE_ROWS_I4(7, 1, 1, rows_i4_m7_w)
+DEFINE_ROWS_I4(8, 1, 1, rows_i4_m8_w)
+DEFINE_ROWS_I4(1, 4, 0, rows_i4_m1_h)
+DEFINE_ROWS_I4(2, 4, 0, rows_i4_m2_h)
+DEFINE_ROWS_I4(3, 2, 0, rows_i4_m3_h)
+DEFINE_ROWS_I4(4, 2, 0, rows_i4_m4_h)
+DEFINE_ROWS_I4(5, 1, 0, rows_i4_m5_h)
+DEFINE_ROWS_I4(6, 1, 0, rows_i4_m6_h)
+DEFINE_ROWS_I4(7, 1, 0, rows_i4_m7_h)
+DEFINE_ROWS_I4(8, 1, 0, rows_i4_m8_h)
+
+typedef void (*rows_i4_fn)(const uint16_t *, const float *, const uint8_t *, const float *, const float *,
+                           const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t);
+static const rows_i4_fn ROWS_I4[2][MAX_ROWS + 1] = {
+    {0, rows_i4_m1_h, rows_i4_m2_h, rows_i4_m3_h, rows_i4_m4_h, rows_i4_m5_h, rows_i4_m6_h, rows_i4_m7_h,
+     rows_i4_m8_h},
+    {0, rows_i4_m1_w, rows_i4_m2_w, rows_i4_m3_w, rows_i4_m4_w, rows_i4_m5_w, rows_i4_m6_w, rows_i4_m7_w,
+     rows_i4_m8_w},
+};
+
+/* x [M, K] bf16, w [N, K / 2] uint8 (k even: low nibble, k odd: high nibble), scales and mins [N, K / gs]
+ * fp32, bias [N] bf16 or NULL, y [M, N] bf16; all contiguous. gs: a multiple of 32 dividing K.
+ * Returns 0, -1 on bad sizes, -2 when out of memory. */
+int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales, const float *mins,
+                       const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t gs,
+                       int num_threads, int64_t min_parallel_bytes) {
+    if (M < 0 || N < 0 || K < 0 || gs <= 0 || gs % 32 != 0 || K % gs != 0) return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t G = K / gs, Kp = (K + 63) / 64 * 64;
+    const int64_t rows = M < MAX_ROWS ? M : MAX_ROWS;
+    uint16_t *xp = aligned_alloc(64, (size_t)(rows * Kp * sizeof(uint16_t) + 64) / 64 * 64);
+    float *S = aligned_alloc(64, (size_t)(rows * G * sizeof(float) + 64) / 64 * 64);
+    if (xp == NULL || S == NULL) {
+        free(xp);
+        free(S);
+        return -2;
+    }
+    const int threads = thread_count(num_threads, N, N * (K / 2), min_parallel_bytes);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+        /* Permute each row to the nibble order (per 64-k block: 32 even k, then 32 odd k), zero padded
+         * to Kp, and sum each group of x in fp32. */
+        for (int64_t i = 0; i < m; i++) {
+            const uint16_t *xr = x + (m0 + i) * K;
+            uint16_t *pr = xp + i * Kp;
+            memset(pr, 0, (size_t)Kp * sizeof(uint16_t));
+            for (int64_t k = 0; k < K; k++) pr[(k & ~(int64_t)63) + ((k & 1) << 5) + ((k & 63) >> 1)] = xr[k];
+            for (int64_t g = 0; g < G; g++) {
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) /* gs % 32 == 0 */
+                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + k))), 16)));
+                S[i * G + g] = _mm512_reduce_add_ps(sum);
+            }
+        }
+        const rows_i4_fn fn = ROWS_I4[gs % 64 == 0][m];
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            int64_t n_begin, n_end;
+            thread_range(N, &n_begin, &n_end);
+            if (n_begin < n_end) fn(xp, S, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, n_begin, n_end);
+        }
+    }
+    free(xp);
+    free(S);
+    return 0;
+}
