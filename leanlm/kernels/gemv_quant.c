@@ -172,58 +172,73 @@ int leanlm_linear_int8(const uint16_t *x, const int8_t *w, const float *scales, 
 
 /* ------------------------------------------------------------------------------------------------ int4 */
 
-/* 32 bytes = 64 nibbles of one row at k0 .. k0+63 -> bf16 (128 + q): even k in *ev, odd k in *od. */
-ALWAYS_INLINE void nibbles_to_bf16(__m256i bytes, __m512bh *ev, __m512bh *od) {
-    const __m512i v = _mm512_cvtepu8_epi16(bytes); /* each 16-bit lane: one byte, zero-extended */
+/* Weights go in blocks of 128 k = 64 bytes of a row. Seen as 32 16-bit lanes, lane l holds the nibbles of
+ * k = 4l, 4l + 1, 4l + 2, 4l + 3 at bits 0, 4, 8, 12; OR-ing one of them into bf16 128.0 (0x4300) gives
+ * 128 + q exactly, so four shift/mask steps (no shuffles) make four bf16 vectors, w[i] lane l <-> k = 4l + i.
+ * x is permuted once per call to match: xp[128 b + 32 i + l] = x[128 b + 4 l + i]. */
+#define BLOCK_K 128
+
+ALWAYS_INLINE void nibbles_to_bf16(__m512i v, __m512bh wv[4]) {
     const __m512i low4 = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
-    *ev = (__m512bh)_mm512_ternarylogic_epi32(v, low4, magic, 0xea);   /* (v & low4) | magic */
-    *od = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), magic); /* high nibble | magic */
+    wv[0] = (__m512bh)_mm512_ternarylogic_epi32(v, low4, magic, 0xea); /* (a & b) | c */
+    wv[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, magic, 0xea);
+    wv[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low4, magic, 0xea);
+    wv[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), magic);
 }
 
+/* Per 128-k block (used when group_size % 128 != 0): the block's first group g0, a mask of the groups it
+ * touches (from g0), and for fp32 lane p the group of its k minus g0. vdpbf16ps lane p sums input lanes
+ * 2p, 2p + 1, i.e. k = 8p + i and 8p + 4 + i: the 32-k quarter p / 4 of the block. */
+typedef struct {
+    __m512i idx;
+    int64_t g0;
+    __mmask16 mask;
+} block_groups;
+
 /* NB weight rows [n0, n0 + NB) against M rows of permuted x (xp [M, Kp]) and group sums S [M, G].
- * WHOLE: group_size % 64 == 0, so a group is whole 64-k blocks and its scale is applied once per group;
- * otherwise (group_size % 64 == 32) every 64-k block is scaled with fp32 lanes 0-7 by the group of its
- * first 32 k and lanes 8-15 by the group of its last 32 (vdpbf16ps lane l sums input lanes 2l, 2l+1). */
-ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const uint8_t *w, const float *scales,
-                           const float *mins, const uint16_t *bias, uint16_t *y, int64_t K, int64_t Kp,
-                           int64_t N, int64_t G, int64_t gs, int64_t n0, const int M, const int NB,
+ * WHOLE: group_size % 128 == 0, so each group is whole blocks and its scale is applied once per group;
+ * otherwise every block's partial sums are scaled lane-wise through the block_groups table bg. */
+ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_groups *bg, const uint8_t *w,
+                           const float *scales, const float *mins, const uint16_t *bias, uint16_t *y, int64_t K,
+                           int64_t Kp, int64_t N, int64_t G, int64_t gs, int64_t n0, const int M, const int NB,
                            const int WHOLE) {
-    __m512 tot[MAX_ROWS][4];
-    const uint8_t *wr[4];
-    const float *sr[4];
+    __m512 tot[MAX_ROWS][8];
+    const uint8_t *wr[8];
+    const float *sr[8];
     const int64_t row_bytes = K / 2;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; j++) wr[j] = w + (n0 + j) * row_bytes, sr[j] = scales + (n0 + j) * G;
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < NB; j++) tot[i][j] = _mm512_setzero_ps();
 
+    /* Prefetch ahead at the rate the loads consume the tile's contiguous rows (NB lines per block). */
     const char *ahead = (const char *)(w + n0 * row_bytes) + PREFETCH_BYTES;
     if (WHOLE) {
         for (int64_t g = 0; g < G; g++) {
-            __m512 acc[MAX_ROWS][4];
+            __m512 acc[MAX_ROWS][8];
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++)
-#pragma GCC unroll 4
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-            for (int64_t k = g * gs; k < (g + 1) * gs; k += 64, ahead += 32 * NB) {
-                __m512bh ev[4], od[4];
-#pragma GCC unroll 4
-                for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, _MM_HINT_T0);
-#pragma GCC unroll 4
-                for (int j = 0; j < NB; j++)
-                    nibbles_to_bf16(_mm256_loadu_si256((const __m256i *)(wr[j] + k / 2)), &ev[j], &od[j]);
 #pragma GCC unroll 8
-                for (int i = 0; i < M; i++) {
-                    const __m512bh xe = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k));
-                    const __m512bh xo = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k + 32));
-#pragma GCC unroll 4
-                    for (int j = 0; j < NB; j++)
-                        acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], xe, ev[j]), xo, od[j]);
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += BLOCK_K, ahead += 64 * NB) {
+#pragma GCC unroll 8
+                for (int j = 0; j < NB; j++) {
+                    _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+                    __m512bh wv[4];
+                    nibbles_to_bf16(_mm512_loadu_si512((const void *)(wr[j] + k / 2)), wv);
+#pragma GCC unroll 8
+                    for (int i = 0; i < M; i++) {
+                        const uint16_t *xk = xp + i * Kp + k;
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(xk), wv[0]);
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(xk + 32), wv[1]);
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(xk + 64), wv[2]);
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(xk + 96), wv[3]);
+                    }
                 }
             }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int j = 0; j < NB; j++) {
                 const __m512 sv = _mm512_set1_ps(sr[j][g]);
 #pragma GCC unroll 8
@@ -231,38 +246,31 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const uint8_t *w,
             }
         }
     } else {
-        for (int64_t k = 0; k < K; k += 64, ahead += 32 * NB) {
-            const int full = k + 64 <= K; /* else the last block holds 32 k; xp is zero-padded to Kp */
-            __m512bh ev[4], od[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, _MM_HINT_T0);
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j++) {
-                const __m256i b = full ? _mm256_loadu_si256((const __m256i *)(wr[j] + k / 2))
-                                       : _mm256_maskz_loadu_epi8(0xffffu, wr[j] + k / 2);
-                nibbles_to_bf16(b, &ev[j], &od[j]);
-            }
-            const int64_t g0 = k / gs, g1 = full ? (k + 32) / gs : g0;
-            __m512 acc[MAX_ROWS][4];
+        for (int64_t k = 0; k < K; k += BLOCK_K, ahead += 64 * NB) {
+            const block_groups *b = bg + k / BLOCK_K;
+            /* The last block may be partial: read only its bytes (zero codes times xp's zero padding). */
+            const __mmask64 bytes = K - k >= BLOCK_K ? ~(__mmask64)0 : (((__mmask64)1 << ((K - k) / 2)) - 1);
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++) {
-                const __m512bh xe = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k));
-                const __m512bh xo = (__m512bh)_mm512_loadu_si512((const void *)(xp + i * Kp + k + 32));
-#pragma GCC unroll 4
-                for (int j = 0; j < NB; j++)
-                    acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xe, ev[j]), xo, od[j]);
-            }
-#pragma GCC unroll 4
             for (int j = 0; j < NB; j++) {
-                const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(sr[j][g0]), 0xff00, _mm512_set1_ps(sr[j][g1]));
+                _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+                __m512bh wv[4];
+                nibbles_to_bf16(_mm512_maskz_loadu_epi8(bytes, wr[j] + k / 2), wv);
+                const __m512 sv = _mm512_permutexvar_ps(b->idx, _mm512_maskz_loadu_ps(b->mask, sr[j] + b->g0));
 #pragma GCC unroll 8
-                for (int i = 0; i < M; i++) tot[i][j] = _mm512_fmadd_ps(acc[i][j], sv, tot[i][j]);
+                for (int i = 0; i < M; i++) {
+                    const uint16_t *xk = xp + i * Kp + k;
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xk), wv[0]);
+                    __m512 c = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xk + 32), wv[1]);
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xk + 64), wv[2]);
+                    c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(xk + 96), wv[3]);
+                    tot[i][j] = _mm512_fmadd_ps(_mm512_add_ps(a, c), sv, tot[i][j]);
+                }
             }
         }
     }
 
     /* + sum_g (min_g - 128 scale_g) * S_g, 16 groups at a time. */
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; j++) {
         const float *mr = mins + (n0 + j) * G;
         for (int64_t g = 0; g < G; g += 16) {
@@ -279,17 +287,18 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const uint8_t *w,
     }
 }
 
-#define DEFINE_ROWS_I4(M_, NB_, WHOLE_, NAME)                                                             \
-    static void NAME(const uint16_t *xp, const float *S, const uint8_t *w, const float *s, const float *mn, \
-                     const uint16_t *bias, uint16_t *y, int64_t K, int64_t Kp, int64_t N, int64_t G,         \
-                     int64_t gs, int64_t n_begin, int64_t n_end) {                                          \
+#define DEFINE_ROWS_I4(M_, NB_, WHOLE_, NAME)                                                               \
+    static void NAME(const uint16_t *xp, const float *S, const block_groups *bg, const uint8_t *w,          \
+                     const float *s, const float *mn, const uint16_t *bias, uint16_t *y, int64_t K,         \
+                     int64_t Kp, int64_t N, int64_t G, int64_t gs, int64_t n_begin, int64_t n_end) {         \
         warm_range(w + n_begin * (K / 2), (n_end - n_begin) * (K / 2));                                      \
         int64_t n = n_begin;                                                                                \
         for (; n + NB_ <= n_end; n += NB_)                                                                  \
-            tile_i4(xp, S, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, NB_, WHOLE_);                         \
-        for (; n < n_end; n++) tile_i4(xp, S, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, 1, WHOLE_);        \
+            tile_i4(xp, S, bg, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, NB_, WHOLE_);                     \
+        for (; n < n_end; n++) tile_i4(xp, S, bg, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, 1, WHOLE_);    \
     }
-DEFINE_ROWS_I4(1, 4, 1, rows_i4_m1_w)
+/* M * NB >= 4 independent accumulator chains (vdpbf16ps has a latency of several cycles). */
+DEFINE_ROWS_I4(1, 8, 1, rows_i4_m1_w)
 DEFINE_ROWS_I4(2, 4, 1, rows_i4_m2_w)
 DEFINE_ROWS_I4(3, 2, 1, rows_i4_m3_w)
 DEFINE_ROWS_I4(4, 2, 1, rows_i4_m4_w)
@@ -297,21 +306,21 @@ DEFINE_ROWS_I4(5, 1, 1, rows_i4_m5_w)
 DEFINE_ROWS_I4(6, 1, 1, rows_i4_m6_w)
 DEFINE_ROWS_I4(7, 1, 1, rows_i4_m7_w)
 DEFINE_ROWS_I4(8, 1, 1, rows_i4_m8_w)
-DEFINE_ROWS_I4(1, 4, 0, rows_i4_m1_h)
-DEFINE_ROWS_I4(2, 4, 0, rows_i4_m2_h)
-DEFINE_ROWS_I4(3, 2, 0, rows_i4_m3_h)
-DEFINE_ROWS_I4(4, 2, 0, rows_i4_m4_h)
-DEFINE_ROWS_I4(5, 1, 0, rows_i4_m5_h)
-DEFINE_ROWS_I4(6, 1, 0, rows_i4_m6_h)
-DEFINE_ROWS_I4(7, 1, 0, rows_i4_m7_h)
-DEFINE_ROWS_I4(8, 1, 0, rows_i4_m8_h)
+DEFINE_ROWS_I4(1, 8, 0, rows_i4_m1_b)
+DEFINE_ROWS_I4(2, 4, 0, rows_i4_m2_b)
+DEFINE_ROWS_I4(3, 2, 0, rows_i4_m3_b)
+DEFINE_ROWS_I4(4, 2, 0, rows_i4_m4_b)
+DEFINE_ROWS_I4(5, 1, 0, rows_i4_m5_b)
+DEFINE_ROWS_I4(6, 1, 0, rows_i4_m6_b)
+DEFINE_ROWS_I4(7, 1, 0, rows_i4_m7_b)
+DEFINE_ROWS_I4(8, 1, 0, rows_i4_m8_b)
 
-typedef void (*rows_i4_fn)(const uint16_t *, const float *, const uint8_t *, const float *, const float *,
-                           const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t);
+typedef void (*rows_i4_fn)(const uint16_t *, const float *, const block_groups *, const uint8_t *, const float *,
+                           const float *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t);
 static const rows_i4_fn ROWS_I4[2][MAX_ROWS + 1] = {
-    {0, rows_i4_m1_h, rows_i4_m2_h, rows_i4_m3_h, rows_i4_m4_h, rows_i4_m5_h, rows_i4_m6_h, rows_i4_m7_h,
-     rows_i4_m8_h},
+    {0, rows_i4_m1_b, rows_i4_m2_b, rows_i4_m3_b, rows_i4_m4_b, rows_i4_m5_b, rows_i4_m6_b, rows_i4_m7_b,
+     rows_i4_m8_b},
     {0, rows_i4_m1_w, rows_i4_m2_w, rows_i4_m3_w, rows_i4_m4_w, rows_i4_m5_w, rows_i4_m6_w, rows_i4_m7_w,
      rows_i4_m8_w},
 };
@@ -324,25 +333,39 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
                        int num_threads, int64_t min_parallel_bytes) {
     if (M < 0 || N < 0 || K < 0 || gs <= 0 || gs % 32 != 0 || K % gs != 0) return -1;
     if (M == 0 || N == 0) return 0;
-    const int64_t G = K / gs, Kp = (K + 63) / 64 * 64;
+    const int64_t G = K / gs, Kp = (K + BLOCK_K - 1) / BLOCK_K * BLOCK_K, num_kblocks = Kp / BLOCK_K;
     const int64_t rows = M < MAX_ROWS ? M : MAX_ROWS;
+    const int whole = gs % BLOCK_K == 0;
     uint16_t *xp = aligned_alloc(64, (size_t)(rows * Kp * sizeof(uint16_t) + 64) / 64 * 64);
     float *S = aligned_alloc(64, (size_t)(rows * G * sizeof(float) + 64) / 64 * 64);
-    if (xp == NULL || S == NULL) {
-        free(xp);
-        free(S);
+    block_groups *bg = whole ? NULL : aligned_alloc(64, (size_t)num_kblocks * sizeof(block_groups));
+    if (xp == NULL || S == NULL || (!whole && bg == NULL)) {
+        free(xp), free(S), free(bg);
         return -2;
+    }
+    for (int64_t b = 0; !whole && b < num_kblocks; b++) {
+        int32_t idx[16];
+        const int64_t g0 = b * BLOCK_K / gs;
+        int64_t last = g0;
+        for (int p = 0; p < 16; p++) {
+            int64_t g = (b * BLOCK_K + 32 * (p / 4)) / gs;
+            if (g >= G) g = G - 1; /* a quarter past K (partial last block): its sums are zero */
+            idx[p] = (int32_t)(g - g0);
+            if (g > last) last = g;
+        }
+        bg[b].idx = _mm512_loadu_si512(idx);
+        bg[b].g0 = g0;
+        bg[b].mask = (__mmask16)((1u << (last - g0 + 1)) - 1u);
     }
     const int threads = thread_count(num_threads, N, N * (K / 2), min_parallel_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-        /* Permute each row to the nibble order (per 64-k block: 32 even k, then 32 odd k), zero padded
-         * to Kp, and sum each group of x in fp32. */
+        /* Permute each row to the nibble order, zero padded to Kp, and sum each group of x in fp32. */
         for (int64_t i = 0; i < m; i++) {
             const uint16_t *xr = x + (m0 + i) * K;
             uint16_t *pr = xp + i * Kp;
-            memset(pr, 0, (size_t)Kp * sizeof(uint16_t));
-            for (int64_t k = 0; k < K; k++) pr[(k & ~(int64_t)63) + ((k & 1) << 5) + ((k & 63) >> 1)] = xr[k];
+            memset(pr + K / BLOCK_K * BLOCK_K, 0, (size_t)(Kp - K / BLOCK_K * BLOCK_K) * sizeof(uint16_t));
+            for (int64_t k = 0; k < K; k++) pr[(k & ~(int64_t)127) + ((k & 3) << 5) + ((k & 127) >> 2)] = xr[k];
             for (int64_t g = 0; g < G; g++) {
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) /* gs % 32 == 0 */
@@ -351,15 +374,15 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
                 S[i * G + g] = _mm512_reduce_add_ps(sum);
             }
         }
-        const rows_i4_fn fn = ROWS_I4[gs % 64 == 0][m];
+        const rows_i4_fn fn = ROWS_I4[whole][m];
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
             int64_t n_begin, n_end;
             thread_range(N, &n_begin, &n_end);
-            if (n_begin < n_end) fn(xp, S, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, n_begin, n_end);
+            if (n_begin < n_end)
+                fn(xp, S, bg, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, n_begin, n_end);
         }
     }
-    free(xp);
-    free(S);
+    free(xp), free(S), free(bg);
     return 0;
 }
