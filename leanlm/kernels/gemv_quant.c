@@ -257,13 +257,13 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_group
                 nibbles_to_bf16(_mm512_maskz_loadu_epi8(bytes, wr[j] + k / 2), wv);
                 const __m512 sv = _mm512_permutexvar_ps(b->idx, _mm512_maskz_loadu_ps(b->mask, sr[j] + b->g0));
 #pragma GCC unroll 8
-                for (int i = 0; i < M; i++) {
+                for (int i = 0; i < M; i++) { /* a fresh chain per block: out-of-order overlaps blocks */
                     const uint16_t *xk = xp + i * Kp + k;
                     __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xk), wv[0]);
-                    __m512 c = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xk + 32), wv[1]);
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xk + 32), wv[1]);
                     a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xk + 64), wv[2]);
-                    c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(xk + 96), wv[3]);
-                    tot[i][j] = _mm512_fmadd_ps(_mm512_add_ps(a, c), sv, tot[i][j]);
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xk + 96), wv[3]);
+                    tot[i][j] = _mm512_fmadd_ps(a, sv, tot[i][j]);
                 }
             }
         }
