@@ -357,6 +357,12 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
         bg[b].g0 = g0;
         bg[b].mask = (__mmask16)((1u << (last - g0 + 1)) - 1u);
     }
+    __m512i PERM_IDX[4];
+    for (int q = 0; q < 4; q++) {
+        int16_t idx[32];
+        for (int l = 0; l < 32; l++) idx[l] = (int16_t)((4 * l + q) & 63);
+        PERM_IDX[q] = _mm512_loadu_si512(idx);
+    }
     const int threads = thread_count(num_threads, N, N * (K / 2), min_parallel_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
@@ -364,8 +370,24 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
         for (int64_t i = 0; i < m; i++) {
             const uint16_t *xr = x + (m0 + i) * K;
             uint16_t *pr = xp + i * Kp;
-            memset(pr + K / BLOCK_K * BLOCK_K, 0, (size_t)(Kp - K / BLOCK_K * BLOCK_K) * sizeof(uint16_t));
-            for (int64_t k = 0; k < K; k++) pr[(k & ~(int64_t)127) + ((k & 3) << 5) + ((k & 127) >> 2)] = xr[k];
+            for (int64_t k = 0; k < K; k += BLOCK_K) { /* masked loads read zeros past K */
+                __m512i v[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const int64_t left = K - k - 32 * c;
+                    const __mmask32 mask = left >= 32 ? ~(__mmask32)0
+                                         : left <= 0  ? (__mmask32)0
+                                                      : (__mmask32)((1u << left) - 1u);
+                    v[c] = _mm512_maskz_loadu_epi16(mask, xr + k + 32 * c);
+                }
+                /* output q, lane l <- element 4 l + q of the block: lanes 0-15 from v[0..1], 16-31 from v[2..3] */
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++)
+                    _mm512_storeu_si512(pr + k + 32 * q,
+                                        _mm512_mask_mov_epi16(_mm512_permutex2var_epi16(v[0], PERM_IDX[q], v[1]),
+                                                              0xffff0000u,
+                                                              _mm512_permutex2var_epi16(v[2], PERM_IDX[q], v[3])));
+            }
             for (int64_t g = 0; g < G; g++) {
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) /* gs % 32 == 0 */
