@@ -7,8 +7,8 @@
  * gemv_bf16.c. int8: vpmovsxbd + vcvtdq2ps + vcvtne2ps2bf16. int4: a nibble q is OR-ed into the mantissa
  * of bf16 128.0 (0x4300 | q == 128 + q exactly), so a group's dot product is sum x (128 + q); the 128 *
  * sum(x) it carries is removed together with the mins term: y = sum_g s_g A_g + (min_g - 128 s_g) S_g,
- * where S_g = sum of x over group g (fp32, computed once per call). Nibble unpacking puts even k in one
- * vector and odd k in another, so x is permuted once per call to match (per 64-k block: 32 even, 32 odd).
+ * where S_g = sum of x over group g (fp32, computed once per call). The nibbles come out of 16-bit lanes by
+ * shifts and masks, in the order k = 4 l + i (see BLOCK_K), so x is permuted once per call to match.
  * Each loaded weight slice is shared by all M rows; threads split N like gemv_bf16.c. Built and loaded by
  * cpu_qgemv.py; links against the libgomp already in the process (torch's copy).
  */
