@@ -11,6 +11,7 @@ plus scales/mins (fp32 for ours, bf16 for torch's).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -70,6 +71,13 @@ def time_calls(calls, min_seconds: float, repeats: int = 7) -> float:
     return min(samples)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # idle and iowait are not busy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -79,6 +87,8 @@ def main() -> None:
     parser.add_argument("--chain-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    busy0, total0 = cpu_ticks()
+    ours0 = sum(os.times()[:2])
     names = list(make_weights(64, 128, 0))
     print(f"threads={args.threads}  torch {torch.__version__}  (us per call, effective GB/s)")
     header = "| M | matrix (N, K) | " + " | ".join(names) + " |"
@@ -106,6 +116,9 @@ def main() -> None:
             t = time_calls(calls, args.min_seconds * 3)
             cells.append(f"{t * 1e3:.2f} ms, {nbytes / t / 1e9:.1f} GB/s")
         print(f"| {M} | chain: {len(chain)} matrices | " + " | ".join(cells) + " |", flush=True)
+    busy1, total1 = cpu_ticks()
+    ours = (sum(os.times()[:2]) - ours0) * os.sysconf("SC_CLK_TCK")
+    print(f"other processes kept {max(0.0, (busy1 - busy0 - ours) / (total1 - total0)):.0%} of the CPUs busy")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@
 #define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096
+#define PREFETCH_BYTES 8192 /* of 2-32 KiB on the SmolLM2 chain (a busy machine): best or near it for M = 1 and 4 */
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
 #endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -40,6 +43,22 @@ ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* Per-row side data (scales, mins, bias) are separate streams that a tile needs at once (a demand miss
+ * would stall every tile for a DRAM latency): prefetch rows [row, row + num_rows) of such an array,
+ * `row_bytes` per row, clipped to its N rows. */
+ALWAYS_INLINE void prefetch_rows(const void *base, int64_t row_bytes, int64_t row, int64_t num_rows, int64_t N) {
+    if (base == NULL || row >= N) return;
+    if (row + num_rows > N) num_rows = N - row;
+    const uintptr_t begin = ((uintptr_t)base + (uintptr_t)(row * row_bytes)) & ~(uintptr_t)63;
+    const uintptr_t end = (uintptr_t)base + (uintptr_t)((row + num_rows) * row_bytes);
+    for (uintptr_t a = begin; a < end; a += 64) _mm_prefetch((const char *)a, PREFETCH_HINT);
+}
+
+/* How many weight rows ahead the weight prefetch reaches: side data is prefetched that far ahead. */
+ALWAYS_INLINE int64_t rows_ahead(int64_t weight_row_bytes) {
+    return (PREFETCH_BYTES + weight_row_bytes - 1) / weight_row_bytes;
 }
 
 /* ------------------------------------------------------------------------------------------------ int8 */
@@ -65,11 +84,13 @@ ALWAYS_INLINE void tile_i8(const uint16_t *x, const int8_t *w, const float *scal
     /* Prefetch PREFETCH_BYTES ahead along the tile's (contiguous) rows, at the rate the loads consume
      * them (NB * 32 bytes per step), as in gemv_bf16.c. */
     const char *ahead = (const char *)(w + n0 * K) + PREFETCH_BYTES;
+    prefetch_rows(scales, sizeof(float), n0 + rows_ahead(K), NB, N);
+    prefetch_rows(bias, sizeof(uint16_t), n0 + rows_ahead(K), NB, N);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32, ahead += 32 * NB) {
         __m512bh wv[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, _MM_HINT_T0);
+        for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, PREFETCH_HINT);
 #pragma GCC unroll 8
         for (int j = 0; j < NB; j++)
             wv[j] = i8_to_bf16(_mm_loadu_si128((const __m128i *)(wr[j] + k)),
@@ -108,13 +129,15 @@ ALWAYS_INLINE void tile_i8(const uint16_t *x, const int8_t *w, const float *scal
 ALWAYS_INLINE void warm_range(const void *start, int64_t range_bytes) {
     /* Nothing is in flight yet at the start of a thread's range: request its first PREFETCH_BYTES. */
     const int64_t warm = range_bytes < PREFETCH_BYTES ? range_bytes : PREFETCH_BYTES;
-    for (int64_t off = 0; off < warm; off += 64) _mm_prefetch((const char *)start + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < warm; off += 64) _mm_prefetch((const char *)start + off, PREFETCH_HINT);
 }
 
 #define DEFINE_ROWS_I8(M_, NB_)                                                                          \
     static void rows_i8_m##M_(const uint16_t *x, const int8_t *w, const float *s, const uint16_t *bias,  \
                               uint16_t *y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {       \
         warm_range(w + n_begin * K, (n_end - n_begin) * K);                                              \
+        prefetch_rows(s, sizeof(float), n_begin, rows_ahead(K) + NB_, n_end);                            \
+        prefetch_rows(bias, sizeof(uint16_t), n_begin, rows_ahead(K) + NB_, n_end);                      \
         int64_t n = n_begin;                                                                             \
         for (; n + NB_ <= n_end; n += NB_) tile_i8(x, w, s, bias, y, K, N, n, M_, NB_);                  \
         for (; n < n_end; n++) tile_i8(x, w, s, bias, y, K, N, n, M_, 1);                                \
@@ -215,6 +238,10 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_group
 
     /* Prefetch ahead at the rate the loads consume the tile's contiguous rows (NB lines per block). */
     const char *ahead = (const char *)(w + n0 * row_bytes) + PREFETCH_BYTES;
+    const int64_t side_row = n0 + rows_ahead(row_bytes);
+    prefetch_rows(scales, G * (int64_t)sizeof(float), side_row, NB, N);
+    prefetch_rows(mins, G * (int64_t)sizeof(float), side_row, NB, N);
+    prefetch_rows(bias, sizeof(uint16_t), side_row, NB, N);
     if (WHOLE) {
         for (int64_t g = 0; g < G; g++) {
             __m512 acc[MAX_ROWS][8];
@@ -225,7 +252,7 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_group
             for (int64_t k = g * gs; k < (g + 1) * gs; k += BLOCK_K, ahead += 64 * NB) {
 #pragma GCC unroll 8
                 for (int j = 0; j < NB; j++) {
-                    _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+                    _mm_prefetch(ahead + 64 * j, PREFETCH_HINT);
                     __m512bh wv[4];
                     nibbles_to_bf16(_mm512_loadu_si512((const void *)(wr[j] + k / 2)), wv);
 #pragma GCC unroll 8
@@ -252,7 +279,7 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_group
             const __mmask64 bytes = K - k >= BLOCK_K ? ~(__mmask64)0 : (((__mmask64)1 << ((K - k) / 2)) - 1);
 #pragma GCC unroll 8
             for (int j = 0; j < NB; j++) {
-                _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64 * j, PREFETCH_HINT);
                 __m512bh wv[4];
                 nibbles_to_bf16(_mm512_maskz_loadu_epi8(bytes, wr[j] + k / 2), wv);
                 const __m512 sv = _mm512_permutexvar_ps(b->idx, _mm512_maskz_loadu_ps(b->mask, sr[j] + b->g0));
@@ -292,6 +319,9 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_group
                      const float *s, const float *mn, const uint16_t *bias, uint16_t *y, int64_t K,         \
                      int64_t Kp, int64_t N, int64_t G, int64_t gs, int64_t n_begin, int64_t n_end) {         \
         warm_range(w + n_begin * (K / 2), (n_end - n_begin) * (K / 2));                                      \
+        prefetch_rows(s, G * (int64_t)sizeof(float), n_begin, rows_ahead(K / 2) + NB_, n_end);              \
+        prefetch_rows(mn, G * (int64_t)sizeof(float), n_begin, rows_ahead(K / 2) + NB_, n_end);             \
+        prefetch_rows(bias, sizeof(uint16_t), n_begin, rows_ahead(K / 2) + NB_, n_end);                     \
         int64_t n = n_begin;                                                                                \
         for (; n + NB_ <= n_end; n += NB_)                                                                  \
             tile_i4(xp, S, bg, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, NB_, WHOLE_);                     \
