@@ -51,7 +51,7 @@ def make_weights(N: int, K: int, seed: int) -> dict:
     }
 
 
-def time_calls(calls, min_seconds: float, repeats: int = 7) -> float:
+def time_calls(calls, min_seconds: float, repeats: int = 7, clock=time.perf_counter) -> float:
     """Seconds one pass over `calls` takes: the fastest of `repeats` timings of >= min_seconds each. The
     fastest, not the median: on a shared 2-core machine another process's time slice stalls an OpenMP
     barrier for milliseconds, which says nothing about the kernel."""
@@ -59,12 +59,12 @@ def time_calls(calls, min_seconds: float, repeats: int = 7) -> float:
         fn(x)
     samples = []
     for _ in range(repeats):
-        n, start = 0, time.perf_counter()
+        n, start = 0, clock()
         while True:
             for fn, x in calls:
                 fn(x)
             n += 1
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if elapsed >= min_seconds:
                 break
         samples.append(elapsed / n)
@@ -85,12 +85,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--min-seconds", type=float, default=0.05)
     parser.add_argument("--chain-only", action="store_true")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (needs --threads 1), which leaves out time slices lost "
+                             "to other processes on a busy machine (not their share of memory bandwidth)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     busy0, total0 = cpu_ticks()
     ours0 = sum(os.times()[:2])
     names = list(make_weights(64, 128, 0))
-    print(f"threads={args.threads}  torch {torch.__version__}  (us per call, effective GB/s)")
+    print(f"threads={args.threads}  clock={args.clock}  torch {torch.__version__}  (time per call, effective GB/s)")
     header = "| M | matrix (N, K) | " + " | ".join(names) + " |"
     print(header + "\n|" + "---|" * (2 + len(names)))
 
@@ -101,7 +107,7 @@ def main() -> None:
             cells = []
             for name in names:
                 fn, nbytes = weights[name]
-                t = time_calls([(fn, x)], args.min_seconds)
+                t = time_calls([(fn, x)], args.min_seconds, clock=clock)
                 cells.append(f"{t * 1e6:.1f} us, {nbytes / t / 1e9:.1f} GB/s")
             print(f"| {M} | ({N}, {K}) | " + " | ".join(cells) + " |", flush=True)
 
@@ -113,7 +119,7 @@ def main() -> None:
         for name in names:
             calls = [(weights[name][0], xs[K]) for weights, (_, K) in zip(chain, shapes)]
             nbytes = sum(weights[name][1] for weights in chain)
-            t = time_calls(calls, args.min_seconds * 3)
+            t = time_calls(calls, args.min_seconds * 3, clock=clock)
             cells.append(f"{t * 1e3:.2f} ms, {nbytes / t / 1e9:.1f} GB/s")
         print(f"| {M} | chain: {len(chain)} matrices | " + " | ".join(cells) + " |", flush=True)
     busy1, total1 = cpu_ticks()

@@ -327,9 +327,10 @@ ALWAYS_INLINE void tile_i4(const uint16_t *xp, const float *S, const block_group
             tile_i4(xp, S, bg, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, NB_, WHOLE_);                     \
         for (; n < n_end; n++) tile_i4(xp, S, bg, w, s, mn, bias, y, K, Kp, N, G, gs, n, M_, 1, WHOLE_);    \
     }
-/* M * NB >= 4 independent accumulator chains (vdpbf16ps has a latency of several cycles). */
-DEFINE_ROWS_I4(1, 8, 1, rows_i4_m1_w)
-DEFINE_ROWS_I4(2, 4, 1, rows_i4_m2_w)
+/* M * NB >= 4 independent accumulator chains (vdpbf16ps has a latency of several cycles), and no spills:
+ * the whole-group path keeps two accumulators per row pair (acc and tot), hence its smaller NB. */
+DEFINE_ROWS_I4(1, 4, 1, rows_i4_m1_w)
+DEFINE_ROWS_I4(2, 2, 1, rows_i4_m2_w)
 DEFINE_ROWS_I4(3, 2, 1, rows_i4_m3_w)
 DEFINE_ROWS_I4(4, 2, 1, rows_i4_m4_w)
 DEFINE_ROWS_I4(5, 1, 1, rows_i4_m5_w)
