@@ -174,6 +174,8 @@ def test_leading_dims_and_rows_beyond_one_pass():
     x3 = x.reshape(2, 5, 256)
     assert torch.equal(cpu_qgemv.linear_int8(x3, qweight, scales), y8.reshape(2, 5, 70))
     assert torch.equal(cpu_qgemv.linear_int4(x3, qweight4, scales4, mins4, 128), y4.reshape(2, 5, 70))
+    assert torch.equal(cpu_qgemv.linear_int8(x[3], qweight, scales), y8[3])  # 1-D x
+    assert torch.equal(cpu_qgemv.linear_int4(x[3], qweight4, scales4, mins4, 128), y4[3])
     # Rows are independent: row 9 (second pass) equals computing it alone.
     assert torch.equal(cpu_qgemv.linear_int8(x[9:], qweight, scales), y8[9:])
     assert torch.equal(cpu_qgemv.linear_int4(x[9:], qweight4, scales4, mins4, 128), y4[9:])
