@@ -1,7 +1,9 @@
 """Weight-only int8 / int4 linear layers for a few rows (batch-1..8 decode) on x86-64 CPUs with AVX512-BF16.
 
-Weights are widened to bf16 in registers and multiplied with the bf16 activations (fp32 accumulation), so
-results match bf16 math on the dequantized weight; see gemv_quant.c. Built and loaded like cpu_gemv.py.
+Weights are widened to bf16 in registers and multiplied with the unchanged bf16 activations (fp32
+accumulation), so results match float64 math on the dequantized weight to bf16 output rounding; see
+gemv_quant.c. At M = 1 both kernels stream weights at about the bf16 kernel's rate; from M ~ 4 int4 is
+bound by the same vdpbf16ps count as bf16, so it gains less there. Built and loaded like cpu_gemv.py.
 """
 
 from __future__ import annotations
