@@ -163,10 +163,9 @@ static int thread_count(int num_threads, int64_t N, int64_t weight_bytes, int64_
     return weight_bytes >= min_parallel_bytes ? threads : 1;
 }
 
-/* This thread's contiguous range of whole BLOCK_N blocks of W. */
-static void thread_range(int64_t N, int64_t *n_begin, int64_t *n_end) {
+/* Thread tid of nthr: its contiguous range of whole BLOCK_N blocks of W. */
+static void thread_range(int64_t N, int tid, int nthr, int64_t *n_begin, int64_t *n_end) {
     const int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
-    const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
     *n_begin = num_blocks * tid / nthr * BLOCK_N;
     *n_end = num_blocks * (tid + 1) / nthr * BLOCK_N;
     if (*n_end > N) *n_end = N;
@@ -183,10 +182,14 @@ int leanlm_linear_int8(const uint16_t *x, const int8_t *w, const float *scales, 
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
         const rows_i8_fn fn = ROWS_I8[m];
-#pragma omp parallel num_threads(threads) if (threads > 1)
+        if (threads == 1) { /* no OpenMP call at all: even an if(0) parallel region costs ~1 us */
+            fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, 0, N);
+            continue;
+        }
+#pragma omp parallel num_threads(threads)
         {
             int64_t n_begin, n_end;
-            thread_range(N, &n_begin, &n_end);
+            thread_range(N, omp_get_thread_num(), omp_get_num_threads(), &n_begin, &n_end);
             if (n_begin < n_end) fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, n_begin, n_end);
         }
     }
@@ -356,6 +359,21 @@ static const rows_i4_fn ROWS_I4[2][MAX_ROWS + 1] = {
      rows_i4_m8_w},
 };
 
+/* A 64-byte aligned buffer of at least `bytes`, owned by the calling thread and reused by its later calls
+ * (grown as needed, never freed: one per thread that calls the kernel). NULL when out of memory. */
+static char *scratch_buffer(size_t bytes) {
+    static _Thread_local char *buffer = NULL;
+    static _Thread_local size_t capacity = 0;
+    if (bytes > capacity) {
+        const size_t want = (bytes + 4095) / 4096 * 4096;
+        char *grown = aligned_alloc(64, want);
+        if (grown == NULL) return NULL;
+        free(buffer);
+        buffer = grown, capacity = want;
+    }
+    return buffer;
+}
+
 /* x [M, K] bf16, w [N, K / 2] uint8 (k even: low nibble, k odd: high nibble), scales and mins [N, K / gs]
  * fp32, bias [N] bf16 or NULL, y [M, N] bf16; all contiguous. gs: a multiple of 32 dividing K.
  * Returns 0, -1 on bad sizes, -2 when out of memory. */
@@ -367,13 +385,15 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
     const int64_t G = K / gs, Kp = (K + BLOCK_K - 1) / BLOCK_K * BLOCK_K, num_kblocks = Kp / BLOCK_K;
     const int64_t rows = M < MAX_ROWS ? M : MAX_ROWS;
     const int whole = gs % BLOCK_K == 0;
-    uint16_t *xp = aligned_alloc(64, (size_t)(rows * Kp * sizeof(uint16_t) + 64) / 64 * 64);
-    float *S = aligned_alloc(64, (size_t)(rows * G * sizeof(float) + 64) / 64 * 64);
-    block_groups *bg = whole ? NULL : aligned_alloc(64, (size_t)num_kblocks * sizeof(block_groups));
-    if (xp == NULL || S == NULL || (!whole && bg == NULL)) {
-        free(xp), free(S), free(bg);
-        return -2;
-    }
+    /* Scratch (written here by the calling thread, only read by the team): permuted x, group sums and
+     * the block table, in one per-thread buffer kept between calls. */
+    const size_t xp_bytes = (size_t)(rows * Kp) * sizeof(uint16_t), S_bytes = (size_t)(rows * G) * sizeof(float);
+    const size_t S_off = (xp_bytes + 63) / 64 * 64, bg_off = S_off + (S_bytes + 63) / 64 * 64;
+    char *scratch = scratch_buffer(bg_off + (whole ? 0 : (size_t)num_kblocks * sizeof(block_groups)));
+    if (scratch == NULL) return -2;
+    uint16_t *xp = (uint16_t *)scratch;
+    float *S = (float *)(scratch + S_off);
+    block_groups *bg = whole ? NULL : (block_groups *)(scratch + bg_off);
     for (int64_t b = 0; !whole && b < num_kblocks; b++) {
         int32_t idx[16];
         const int64_t g0 = b * BLOCK_K / gs;
@@ -428,14 +448,17 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
             }
         }
         const rows_i4_fn fn = ROWS_I4[whole][m];
-#pragma omp parallel num_threads(threads) if (threads > 1)
+        if (threads == 1) {
+            fn(xp, S, bg, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, 0, N);
+            continue;
+        }
+#pragma omp parallel num_threads(threads)
         {
             int64_t n_begin, n_end;
-            thread_range(N, &n_begin, &n_end);
+            thread_range(N, omp_get_thread_num(), omp_get_num_threads(), &n_begin, &n_end);
             if (n_begin < n_end)
                 fn(xp, S, bg, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, n_begin, n_end);
         }
     }
-    free(xp), free(S), free(bg);
     return 0;
 }
