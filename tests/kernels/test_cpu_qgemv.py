@@ -253,3 +253,17 @@ def test_should_use_policy():
     assert not cpu_qgemv.should_use_int4(torch.zeros(9, 256, dtype=torch.bfloat16), qweight4, 64)
     assert not cpu_qgemv.should_use_int4(x, qweight, 64)  # int8 weight
     assert not cpu_qgemv.should_use_int4(x[:, :128].contiguous(), qweight4, 64)
+
+
+def test_concurrent_callers_get_their_own_scratch():
+    # ctypes drops the GIL: Python threads run the kernel at once, each with its own permuted-x scratch.
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(8)
+    _, qweight, scales, mins = _int4_weight(256, 1536, 64, g)
+    xs = [_x(1 + i % 8, 1536, g) for i in range(16)]
+    serial = [cpu_qgemv.linear_int4(x, qweight, scales, mins, 64) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            parallel = list(pool.map(lambda x: cpu_qgemv.linear_int4(x, qweight, scales, mins, 64), xs))
+            assert all(torch.equal(a, b) for a, b in zip(serial, parallel))
