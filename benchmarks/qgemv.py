@@ -6,6 +6,10 @@ so weights stream from DRAM as in real decode. GB/s counts the bytes a kernel mu
 plus scales/mins (fp32 for ours, bf16 for torch's).
 
     PYTHONPATH=. python benchmarks/qgemv.py --threads 2
+    PYTHONPATH=. python benchmarks/qgemv.py --threads 1 --clock cpu   # on a machine others keep busy
+
+Each call also pays ~5 us of Python + ctypes + allocation: most of the small matrices' time, and about
+1 ms of the chain's 210 calls. The last line says how busy other processes kept the machine.
 """
 
 from __future__ import annotations
