@@ -164,7 +164,7 @@ def linear_int4(
         K = 2 * qweight.shape[1] if qweight.dim() == 2 else -1
         _check_common(x, qweight, _U8, K, bias)
         if not isinstance(group_size, int) or group_size <= 0 or group_size % 32 != 0 or K % group_size != 0:
-            raise ValueError(f"group_size must be a positive multiple of 32 that divides K = {K}, not {group_size}")
+            raise ValueError(f"group_size must be an int, a positive multiple of 32 that divides K = {K}, not {group_size!r}")
         _check_float("scales", scales, (qweight.shape[0], K // group_size))
         _check_float("mins", mins, (qweight.shape[0], K // group_size))
     N, K = qweight.shape[0], 2 * qweight.shape[1]
