@@ -147,11 +147,13 @@ def test_nibble_order_and_scale_placement_exactly():
     assert torch.equal(y, expected.float().to(torch.bfloat16)), (y, expected)
 
 
-def test_thread_count_does_not_change_results():
+@pytest.mark.parametrize(("M", "N", "K"), [(3, 1536, 576), (9, 40, 4096), (1, 33, 8192)])
+def test_thread_count_does_not_change_results(M, N, K):
+    # (40, 4096) and (33, 8192) are big enough to split, into a full 32-row block and a partial one.
     g = torch.Generator().manual_seed(1)
-    x, bias = _x(3, 576, g), _bias(1536, True, g)
-    qweight, scales = _int8_weight(1536, 576, g)
-    _, qweight4, scales4, mins4 = _int4_weight(1536, 576, 64, g)
+    x, bias = _x(M, K, g), _bias(N, True, g)
+    qweight, scales = _int8_weight(N, K, g)
+    _, qweight4, scales4, mins4 = _int4_weight(N, K, 64, g)
     before = torch.get_num_threads()
     results = []
     try:
