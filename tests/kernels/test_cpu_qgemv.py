@@ -1,0 +1,271 @@
+"""The int8 / int4 weight-only small-M linear kernels: float64 references on the dequantized weight within
+bf16 output rounding (random and adversarial inputs, every supported group size, partial tiles and K
+blocks, M = 1..8 and several passes), thread-count invariance, argument checks and the should_use policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanlm.kernels import cpu_qgemv
+
+pytestmark = pytest.mark.skipif(
+    not cpu_qgemv.is_available(), reason=f"CPU quantized GEMV kernels: {cpu_qgemv.unavailable_reason()}"
+)
+
+EPS32 = 2.0**-23
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of bfloat16 numbers at |v| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(v.abs().clamp_min(2.0**-126)))
+    return torch.exp2(exponent - 7)
+
+
+def _x(M: int, K: int, g: torch.Generator, outlier: float | None = None) -> torch.Tensor:
+    x = torch.randn(M, K, generator=g)
+    if outlier is not None:  # one huge activation per row, as in LLM "massive activations"
+        cols = torch.randint(0, K, (M,), generator=g)
+        x[torch.arange(M), cols] = outlier
+    return x.to(torch.bfloat16)
+
+
+def _bias(N: int, has_bias: bool, g: torch.Generator):
+    return torch.randn(N, generator=g).to(torch.bfloat16) if has_bias else None
+
+
+def _int8_weight(N: int, K: int, g: torch.Generator):
+    qweight = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) * 0.02 + 1e-3
+    return qweight, scales
+
+
+def _int4_weight(N: int, K: int, group_size: int, g: torch.Generator, bits: int = 4):
+    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    qweight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    G = K // group_size
+    scales = torch.rand(N, G, generator=g) * 0.05 + 1e-3
+    zeros = torch.randint(0, 2**bits, (N, G), generator=g).float()
+    mins = -zeros * scales  # asymmetric zero points
+    return codes, qweight, scales, mins
+
+
+def _dequant_int4(codes, scales, mins, group_size):
+    return codes.double() * scales.double().repeat_interleave(group_size, 1) + mins.double().repeat_interleave(
+        group_size, 1
+    )
+
+
+def _check(y, x, w_deq, bias, slack_weight):
+    """y against x @ w_deq^T + bias in float64: per element half a bf16 ulp plus fp32 accumulation slack
+    (|x| @ slack_weight^T scaled by a chain depth), and the whole output's SQNR and max error."""
+    ref = x.double() @ w_deq.T + (bias.double() if bias is not None else 0.0)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    K = x.shape[-1]
+    slack = (K // 16 + 64) * EPS32 * (x.double().abs() @ slack_weight.T)
+    if bias is not None:
+        slack = slack + 2 * EPS32 * bias.double().abs()
+    err = (y.double() - ref).abs()
+    bound = 0.5 * _bf16_ulp(ref).double() * (1 + 2**-7) + slack
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+    noise = (y.double() - ref).pow(2).sum()
+    sqnr = 10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300))
+    assert sqnr >= 40 and err.max() <= 1e-2 * ref.abs().max(), (sqnr, err.max())
+
+
+INT8_SHAPES = [(M, N, K) for M in (1, 2, 3, 4, 8) for N, K in ((576, 576), (37, 100), (7, 1536), (192, 33))] + [
+    (5, 100, 64), (6, 33, 31), (7, 50, 96), (11, 200, 96), (17, 40, 576), (1, 49152, 576),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("M", "N", "K"), INT8_SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in INT8_SHAPES])
+def test_int8_matches_float64(M, N, K, has_bias):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, (qweight, scales), bias = _x(M, K, g), _int8_weight(N, K, g), _bias(N, has_bias, g)
+    w_deq = qweight.double() * scales.double()[:, None]
+    _check(cpu_qgemv.linear_int8(x, qweight, scales, bias), x, w_deq, bias, w_deq.abs())
+
+
+INT4_CASES = [
+    (M, N, K, gs)
+    for M in (1, 2, 4, 8)
+    for N, K, gs in ((576, 576, 64), (37, 1536, 128), (7, 1536, 256), (192, 576, 32), (33, 96, 96), (40, 320, 64))
+] + [(3, 100, 256, 256), (5, 64, 576, 576), (6, 50, 160, 32), (7, 24, 384, 128), (11, 200, 256, 64),
+     (17, 40, 1536, 32), (1, 49152, 576, 64), (3, 9, 32, 32), (2, 1536, 2048, 128)]  # fmt: skip
+
+
+def _check_int4(x, codes, qweight, scales, mins, gs, bias):
+    w_deq = _dequant_int4(codes, scales, mins, gs)
+    # The kernel sums x (128 + q) per group, then adds (min - 128 scale) * sum(x): slack for both terms.
+    slack_w = (codes.double() + 128) * scales.double().repeat_interleave(gs, 1)
+    slack_w = slack_w + (mins.double() - 128 * scales.double()).abs().repeat_interleave(gs, 1)
+    _check(cpu_qgemv.linear_int4(x, qweight, scales, mins, gs, bias), x, w_deq, bias, slack_w)
+
+
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("M", "N", "K", "gs"), INT4_CASES, ids=[f"M{m}-N{n}-K{k}-g{gs}" for m, n, k, gs in INT4_CASES])
+def test_int4_matches_float64(M, N, K, gs, has_bias):
+    g = torch.Generator().manual_seed(M * 1000 + N + K + gs)
+    x, bias = _x(M, K, g), _bias(N, has_bias, g)
+    codes, qweight, scales, mins = _int4_weight(N, K, gs, g)
+    _check_int4(x, codes, qweight, scales, mins, gs, bias)
+
+
+@pytest.mark.parametrize("outlier", [300.0, -1e4, 3e5])
+def test_huge_outlier_activation(outlier):
+    g = torch.Generator().manual_seed(7)
+    x = _x(4, 1536, g, outlier=outlier)
+    qweight, scales = _int8_weight(96, 1536, g)
+    w_deq = qweight.double() * scales.double()[:, None]
+    _check(cpu_qgemv.linear_int8(x, qweight, scales), x, w_deq, None, w_deq.abs())
+    for gs in (32, 128):
+        codes, qweight4, scales4, mins4 = _int4_weight(96, 1536, gs, g)
+        _check_int4(x, codes, qweight4, scales4, mins4, gs, None)
+
+
+def test_int4_three_bit_codes_and_symmetric_zero():
+    g = torch.Generator().manual_seed(3)
+    x = _x(3, 512, g)
+    codes, qweight, scales, mins = _int4_weight(64, 512, 64, g, bits=3)
+    _check_int4(x, codes, qweight, scales, mins, 64, None)
+    _check_int4(x, codes, qweight, scales, torch.full_like(scales, 0.0) - 4 * scales, 64, None)
+
+
+def test_nibble_order_and_scale_placement_exactly():
+    # Small integers and halves: every product and fp32 sum is exact, so the kernel must equal the exact
+    # result rounded once to bf16 (a wrong nibble order or group scale would move these sums).
+    K, gs = 320, 32
+    x = torch.zeros(2, K, dtype=torch.bfloat16)
+    x[0, 5], x[0, 130], x[1, 319] = 1.0, 2.0, -1.0
+    codes = torch.arange(K, dtype=torch.int64).remainder(16).to(torch.uint8).repeat(3, 1)
+    qweight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scales = torch.arange(1, 3 * K // gs + 1, dtype=torch.float32).reshape(3, K // gs)
+    mins = torch.full_like(scales, 0.5)
+    y = cpu_qgemv.linear_int4(x, qweight, scales, mins, gs)
+    expected = x.double() @ _dequant_int4(codes, scales, mins, gs).T
+    assert torch.equal(y, expected.float().to(torch.bfloat16)), (y, expected)
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(3, 1536, 576), (9, 40, 4096), (1, 33, 8192)])
+def test_thread_count_does_not_change_results(M, N, K):
+    # (40, 4096) and (33, 8192) are big enough to split, into a full 32-row block and a partial one.
+    g = torch.Generator().manual_seed(1)
+    x, bias = _x(M, K, g), _bias(N, True, g)
+    qweight, scales = _int8_weight(N, K, g)
+    _, qweight4, scales4, mins4 = _int4_weight(N, K, 64, g)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((cpu_qgemv.linear_int8(x, qweight, scales, bias),
+                            cpu_qgemv.linear_int4(x, qweight4, scales4, mins4, 64, bias)))  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_leading_dims_and_rows_beyond_one_pass():
+    g = torch.Generator().manual_seed(2)
+    x = _x(10, 256, g)
+    qweight, scales = _int8_weight(70, 256, g)
+    _, qweight4, scales4, mins4 = _int4_weight(70, 256, 128, g)
+    y8 = cpu_qgemv.linear_int8(x, qweight, scales)
+    y4 = cpu_qgemv.linear_int4(x, qweight4, scales4, mins4, 128)
+    x3 = x.reshape(2, 5, 256)
+    assert torch.equal(cpu_qgemv.linear_int8(x3, qweight, scales), y8.reshape(2, 5, 70))
+    assert torch.equal(cpu_qgemv.linear_int4(x3, qweight4, scales4, mins4, 128), y4.reshape(2, 5, 70))
+    assert torch.equal(cpu_qgemv.linear_int8(x[3], qweight, scales), y8[3])  # 1-D x
+    assert torch.equal(cpu_qgemv.linear_int4(x[3], qweight4, scales4, mins4, 128), y4[3])
+    # Rows are independent: row 9 (second pass) equals computing it alone.
+    assert torch.equal(cpu_qgemv.linear_int8(x[9:], qweight, scales), y8[9:])
+    assert torch.equal(cpu_qgemv.linear_int4(x[9:], qweight4, scales4, mins4, 128), y4[9:])
+
+
+def test_empty_k_gives_the_bias():
+    bias = torch.arange(3, dtype=torch.bfloat16)
+    x = torch.zeros(2, 0, dtype=torch.bfloat16)
+    assert torch.equal(cpu_qgemv.linear_int8(x, torch.zeros(3, 0, dtype=torch.int8), torch.ones(3), bias),
+                       bias.expand(2, 3))  # fmt: skip
+
+
+def test_int8_rejects_what_it_cannot_read():
+    g = torch.Generator().manual_seed(4)
+    x, bias = _x(2, 128, g), _bias(64, True, g)
+    qweight, scales = _int8_weight(64, 128, g)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_qgemv.linear_int8(x[:, :100].contiguous(), qweight, scales)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_qgemv.linear_int8(x.t().contiguous().t(), qweight, scales)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_qgemv.linear_int8(x.float(), qweight, scales)
+    with pytest.raises(ValueError, match="int8"):
+        cpu_qgemv.linear_int8(x, qweight.to(torch.uint8), scales)
+    with pytest.raises(ValueError, match="qweight"):
+        cpu_qgemv.linear_int8(x, qweight[:, ::2], scales)
+    with pytest.raises(ValueError, match="scales must be a contiguous float32"):
+        cpu_qgemv.linear_int8(x, qweight, scales.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="scales has shape"):
+        cpu_qgemv.linear_int8(x, qweight, scales[:10])
+    with pytest.raises(ValueError, match="bias"):
+        cpu_qgemv.linear_int8(x, qweight, scales, bias[:10])
+
+
+def test_int4_rejects_what_it_cannot_read():
+    g = torch.Generator().manual_seed(5)
+    x = _x(2, 256, g)
+    _, qweight, scales, mins = _int4_weight(64, 256, 64, g)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_qgemv.linear_int4(x[:, :128].contiguous(), qweight, scales, mins, 64)
+    with pytest.raises(ValueError, match="uint8"):
+        cpu_qgemv.linear_int4(x, qweight.to(torch.int8), scales, mins, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_qgemv.linear_int4(x, qweight, scales, mins, 48)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_qgemv.linear_int4(x, qweight, scales, mins, 96)  # does not divide K = 256
+    with pytest.raises(ValueError, match="scales has shape"):
+        cpu_qgemv.linear_int4(x, qweight, scales, mins, 128)  # scales made for group size 64
+    with pytest.raises(ValueError, match="mins has shape"):
+        cpu_qgemv.linear_int4(x, qweight, scales, mins[:, :2].contiguous(), 64)
+    with pytest.raises(ValueError, match="mins must be a contiguous float32"):
+        cpu_qgemv.linear_int4(x, qweight, scales, mins.t().contiguous().t(), 64)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_qgemv.linear_int4(x.half(), qweight, scales, mins, 64)
+
+
+def test_should_use_policy():
+    g = torch.Generator().manual_seed(6)
+    x = _x(4, 256, g)
+    qweight, _ = _int8_weight(64, 256, g)
+    _, qweight4, _, _ = _int4_weight(64, 256, 64, g)
+    assert cpu_qgemv.should_use_int8(x, qweight) and cpu_qgemv.should_use_int8(x[:1], qweight)
+    assert cpu_qgemv.should_use_int8(torch.zeros(2, 4, 256, dtype=torch.bfloat16), qweight)  # 8 rows
+    assert not cpu_qgemv.should_use_int8(torch.zeros(9, 256, dtype=torch.bfloat16), qweight)  # M > MAX_ROWS
+    assert not cpu_qgemv.should_use_int8(x.float(), qweight)
+    assert not cpu_qgemv.should_use_int8(x.t().contiguous().t(), qweight)
+    assert not cpu_qgemv.should_use_int8(x, qweight.t().contiguous().t())
+    assert not cpu_qgemv.should_use_int8(x[:, :128].contiguous(), qweight)
+    assert not cpu_qgemv.should_use_int8(x, qweight4)  # uint8 is the int4 layout
+    for gs in (32, 64, 128, 256):
+        assert cpu_qgemv.should_use_int4(x, qweight4, gs)
+    assert not cpu_qgemv.should_use_int4(x, qweight4, 48)  # not a multiple of 32
+    assert not cpu_qgemv.should_use_int4(x, qweight4, 96)  # does not divide K
+    assert not cpu_qgemv.should_use_int4(x, qweight4, 512)
+    assert not cpu_qgemv.should_use_int4(torch.zeros(9, 256, dtype=torch.bfloat16), qweight4, 64)
+    assert not cpu_qgemv.should_use_int4(x, qweight, 64)  # int8 weight
+    assert not cpu_qgemv.should_use_int4(x[:, :128].contiguous(), qweight4, 64)
+
+
+def test_concurrent_callers_get_their_own_scratch():
+    # ctypes drops the GIL: Python threads run the kernel at once, each with its own permuted-x scratch.
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(8)
+    _, qweight, scales, mins = _int4_weight(256, 1536, 64, g)
+    xs = [_x(1 + i % 8, 1536, g) for i in range(16)]
+    serial = [cpu_qgemv.linear_int4(x, qweight, scales, mins, 64) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            parallel = list(pool.map(lambda x: cpu_qgemv.linear_int4(x, qweight, scales, mins, 64), xs))
+            assert all(torch.equal(a, b) for a, b in zip(serial, parallel))
