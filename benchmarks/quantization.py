@@ -20,6 +20,7 @@ import torch
 
 from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_text
 from leanlm.analysis.markdown import replace_section
+from leanlm.compress.base import build_method
 from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
 from leanlm.compress.command import build_recipe, directory_bytes, model_bytes
 from leanlm.llm import LLM
@@ -99,7 +100,8 @@ def main() -> None:
         else:
             recipe_cfgs = build_recipe(**opts)
             model = build_model(ckpt.config, ckpt.state_dict, torch.float32)
-            compress(model, recipe_cfgs, samples, progress=False)
+            needs_data = any(build_method(c).needs for c in recipe_cfgs)
+            compress(model, recipe_cfgs, samples if needs_data else None, progress=False)
             seconds = time.perf_counter() - start
             out = results / name.replace(" ", "_").replace("/", "-")
             shutil.rmtree(out, ignore_errors=True)

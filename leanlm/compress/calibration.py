@@ -53,7 +53,7 @@ def strip_wiki_markup(xml: str) -> str:
         t = re.sub(r"\[\[(?:File|Image|Category):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", t)
         t = re.sub(r"\[\[(?:[^|\]]*\|)?([^\]]*)\]\]", r"\1", t)
         t = re.sub(r"\[https?://\S+ ([^\]]*)\]", r"\1", t)
-        t = re.sub(r"<[^>]+>|'{2,}", "", t)
+        t = re.sub(r"<[^>]+>|'{2,}|\{\{|\}\}|\[\[|\]\]", "", t)  # tags, bold/italic, unmatched leftovers
         t = re.sub(r"^[=*#:;|!{}].*$", "", t, flags=re.M)  # headings, lists, table rows
         t = re.sub(r"\n{3,}", "\n\n", t).strip()
         if len(t) > 200:

@@ -69,8 +69,8 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True, help="GPTQ act-order")
     p.add_argument("--quantize-lm-head", action="store_true", help="also quantize the output head")
     p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
-    p.add_argument("--num-samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-samples", type=int, default=64, help="calibration windows (GPTQ, AWQ, SmoothQuant, LLM.int8())")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=["leanlm", "gptq"], default="leanlm",
                    help="gptq: the qweight/qzeros/scales/g_idx layout HF transformers and vLLM read (4-bit only)")
