@@ -97,17 +97,19 @@ class TorchAttentionBackend:
 
 @register_backend("cpu")
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The reference backend with decode rows on the native paged kernel (bf16, AVX512-BF16 CPUs)."""
+    """The reference backend with decode rows on the native paged kernel (bf16 or int8 KV, AVX512-BF16 CPUs)."""
 
     name = "cpu"
 
     def decode(self, q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
-        if kv.k_scales is None and paged_attention.should_use(q, kv.k_cache):  # the kernel reads bf16 K/V only
-            return paged_attention.paged_decode_attention(
-                q, kv.k_cache, kv.v_cache, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len,
-                scale,
-            )
-        return super().decode(q, kv, scale, ctx)
+        if not paged_attention.should_use(q, kv.k_cache, kv.k_scales):  # e.g. fp8 or float32 K/V
+            return super().decode(q, kv, scale, ctx)
+        tables, seq_lens, max_len = ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
+        if kv.k_scales is None:
+            return paged_attention.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, seq_lens, max_len, scale)
+        return paged_attention.paged_decode_attention_int8(
+            q, kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales, tables, seq_lens, max_len, scale
+        )
 
 
 def _gather(
