@@ -80,7 +80,8 @@ class ModelRunner:
             self.kv_scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
             scales = [(self.kv_scales[i, 0], self.kv_scales[i, 1]) for i in layers]
         model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers], scales)
-        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)
+        tensors = (self.kv_cache,) if self.kv_scales is None else (self.kv_cache, self.kv_scales)
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sampler = Sampler()
 
     @torch.inference_mode()
