@@ -12,7 +12,7 @@ import types
 import typing
 from pathlib import Path
 
-from leanlm.config import EngineConfig, ServeConfig
+from leanlm.config import KV_CACHE_DTYPES, EngineConfig, ServeConfig
 
 _WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
@@ -30,6 +30,8 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tup
         flag = "--" + field.name.replace("_", "-")
         if base is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        elif "choices" in field.metadata:  # a closed set of names: argparse lists them in --help and errors
+            group.add_argument(flag, type=base, default=field.default, choices=field.metadata["choices"])
         else:
             group.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper())
 
@@ -310,7 +312,8 @@ def cmd_eval_kld(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import kl_divergence
     from leanlm.llm import LLM
 
-    base = LLM(model=args.base, dtype=args.base_dtype, device=args.device, **_engine_options(args))
+    base_options = _engine_options(args) | {"kv_cache_dtype": args.base_kv_cache_dtype}
+    base = LLM(model=args.base, dtype=args.base_dtype, device=args.device, **base_options)
     llm = _load_llm(args)
     token_ids, windows = _eval_windows(args, base.tokenizer)
     result = kl_divergence(base, llm, windows, windows_per_batch=args.windows_per_batch)
@@ -354,6 +357,8 @@ def _add_eval_parsers(sub) -> None:
     kld = ev_sub.add_parser("kld", help="KL(base || model) per token, top-1 agreement, both perplexities")
     kld.add_argument("--base", default=DEFAULT_MODEL, help="reference model")
     kld.add_argument("--base-dtype", default="float32", help="dtype of the reference model")
+    kld.add_argument("--base-kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                     help="KV cache of the reference model (--kv-cache-dtype sets the evaluated model's)")
     kld.add_argument("--windows-per-batch", type=int, default=4,
                      help="windows scored at once (memory: 2 x this x seq-len x vocab floats)")
     add_window_args(kld)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -182,8 +184,15 @@ class EngineConfig:
     max_num_seqs: int = 128  # most requests running at once
     max_model_len: int | None = None  # context limit; defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # KV storage: auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2 (8-bit, a float32 scale per token and KV head)
+    kv_cache_dtype: str = dataclasses.field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
+                f"(auto keeps the model dtype)"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

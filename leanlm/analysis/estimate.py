@@ -48,6 +48,7 @@ class NumberFormat:
 
 FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+_KV_ALIASES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}  # EngineConfig.kv_cache_dtype names
 
 
 def weight_format(name: str, group_size: int | None = 128, zero_bits: int = 0) -> NumberFormat:
@@ -60,13 +61,14 @@ def weight_format(name: str, group_size: int | None = 128, zero_bits: int = 0) -
     return NumberFormat(name, FORMAT_BITS[name], group_size if grouped else None, zero_bits=zero_bits if grouped else 0)
 
 
-def kv_format(name: str, head_dim: int) -> NumberFormat:
-    """KV-cache format. int8/int4 KV keep one fp16 scale per token per head (group = head_dim); fp8 KV a
-    per-tensor scale (vLLM's fp8 KV cache)."""
-    name = _ALIASES.get(name, name)
+def kv_format(name: str, head_dim: int, scale_bits: int = 16) -> NumberFormat:
+    """KV-cache format. int8/int4 KV keep one scale per token per head (group = head_dim; fp16 by default,
+    leanlm's own int8 cache stores float32: scale_bits=32); fp8 KV a per-tensor scale (vLLM's fp8 KV cache).
+    leanlm's --kv-cache-dtype names are accepted: fp8_e4m3 and fp8_e5m2 are fp8."""
+    name = _KV_ALIASES.get(name, _ALIASES.get(name, name))
     if name not in FORMAT_BITS:
-        raise ValueError(f"unknown KV format {name!r}; use one of {', '.join(FORMAT_BITS)}")
-    return NumberFormat(name, FORMAT_BITS[name], head_dim if name.startswith("int") else None)
+        raise ValueError(f"unknown KV format {name!r}; use one of {', '.join(FORMAT_BITS)}, fp8_e4m3, fp8_e5m2")
+    return NumberFormat(name, FORMAT_BITS[name], head_dim if name.startswith("int") else None, scale_bits=scale_bits)
 
 
 # ---------------------------------------------------------------------------------------------- parameters

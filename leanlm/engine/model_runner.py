@@ -15,13 +15,16 @@ from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of one block: 2 * L * block_size * Hkv * D * element size."""
+    """K and V for every layer of one block: 2 * L * block_size * Hkv * (D * element size + scale bytes), where an
+    8-bit cache (int8/fp8) keeps one float32 scale per (token, KV head) and a float cache none."""
     element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+    scale = torch.empty(0, dtype=SCALE_DTYPE).element_size() if is_quantized(dtype) else 0
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * (config.head_dim * element + scale)
 
 
 def num_kv_blocks_for(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
@@ -56,20 +59,29 @@ class ModelRunner:
         model: LlamaForCausalLM,
         engine_config: EngineConfig,
         device: torch.device,
-        kv_cache_dtype: torch.dtype,
+        model_dtype: torch.dtype,
     ) -> None:
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = engine_config.block_size
         self.device = device
-        self.num_blocks = num_kv_blocks_for(self.config, engine_config, kv_cache_dtype)
+        self.kv_cache_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, model_dtype)
+        self.num_blocks = num_kv_blocks_for(self.config, engine_config, self.kv_cache_dtype)
         shape = (
             self.config.num_hidden_layers, 2, self.num_blocks, self.config.num_key_value_heads,
             self.block_size, self.config.head_dim,
         )
-        self.kv_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)  # [L, 2, N, Hkv, bs, D]
-        model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])])
-        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=device)  # [L, 2, N, Hkv, bs, D]
+        # 8-bit caches: one scale per (token, KV head) beside the values; float caches have none
+        self.kv_scales: torch.Tensor | None = None  # [L, 2, N, Hkv, bs] float32
+        layers = range(shape[0])
+        scales = None
+        if is_quantized(self.kv_cache_dtype):
+            self.kv_scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            scales = [(self.kv_scales[i, 0], self.kv_scales[i, 1]) for i in layers]
+        model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers], scales)
+        tensors = (self.kv_cache,) if self.kv_scales is None else (self.kv_cache, self.kv_scales)
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sampler = Sampler()
 
     @torch.inference_mode()

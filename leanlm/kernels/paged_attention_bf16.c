@@ -4,6 +4,9 @@
 // paged cache through its block table (no gather). Work item = (request, KV head): its G = H / Hkv query
 // heads share every K/V load. Two passes: scores (bf16 dot products, fp32 accumulate), then a softmax with
 // a vectorized exp and the V-weighted sum in fp32. Output rounds to bf16 with round-to-nearest-even.
+// The int8 variant reads an int8 cache with one fp32 scale per (token, KV head) (leanlm.model.kv_quant): int8
+// values are exact in bf16, so K rows take the same dot products and their scale folds into the score; V's
+// scale folds into the softmax weight. Half the K/V bytes of bf16 per token (plus 8 bytes of scales).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +44,30 @@ static inline void score_row(const __m512bh* q, int group, int chunks, const uin
     }
 }
 
+// Each of the G rows of scores [G, seq_len] becomes its softmax, in place.
+static inline void softmax_rows(float* scores, int group, int64_t seq_len) {
+    for (int g = 0; g < group; g++) {
+        float* s = scores + g * seq_len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < seq_len; t++) m = s[t] > m ? s[t] : m;
+        __m512 vmax = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= seq_len; t += 16) {
+            __m512 e = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
+            _mm512_storeu_ps(s + t, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        if (t < seq_len) {
+            __mmask16 mask = (__mmask16)((1u << (seq_len - t)) - 1);
+            __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vmax));
+            _mm512_mask_storeu_ps(s + t, mask, e);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
+        }
+        float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+        for (int64_t t2 = 0; t2 < seq_len; t2++) s[t2] *= inv;
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_one(const uint16_t* q_heads, const uint16_t* k_cache, const uint16_t* v_cache,
                        const int64_t* blocks, int64_t seq_len, uint16_t* out_heads, int group, int num_kv_heads,
                        int kv_head, int head_dim, int block_size, float scale, float* scores /* [G, seq_len] */) {
@@ -63,26 +90,7 @@ static inline __attribute__((always_inline)) void attend_one(const uint16_t* q_h
             for (int g = 0; g < group; g++) scores[g * seq_len + start + i] = row[g] * scale;
         }
     }
-    for (int g = 0; g < group; g++) {
-        float* s = scores + g * seq_len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < seq_len; t++) m = s[t] > m ? s[t] : m;
-        __m512 vmax = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= seq_len; t += 16) {
-            __m512 e = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
-            _mm512_storeu_ps(s + t, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        if (t < seq_len) {
-            __mmask16 mask = (__mmask16)((1u << (seq_len - t)) - 1);
-            __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vmax));
-            _mm512_mask_storeu_ps(s + t, mask, e);
-            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
-        }
-        float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-        for (int64_t t2 = 0; t2 < seq_len; t2++) s[t2] *= inv;
-    }
+    softmax_rows(scores, group, seq_len);
     // out_g = sum_t p[g, t] * v_t, fp32 accumulators: D/16 registers per head
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
     const int lanes = head_dim / 16;
@@ -97,6 +105,71 @@ static inline __attribute__((always_inline)) void attend_one(const uint16_t* q_h
                 __m512 vf = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * l)));
                 for (int g = 0; g < group; g++)
                     acc[g][l] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * seq_len + t]), vf, acc[g][l]);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int l = 0; l < lanes; l++)
+            _mm256_storeu_si256((__m256i*)(out_heads + g * head_dim + 16 * l), (__m256i)_mm512_cvtneps_pbh(acc[g][l]));
+}
+
+// Scores of the G query heads against one int8 key row: the row widened to bf16 (exact), then as score_row.
+static inline void score_row_i8(const __m512bh* q, int group, int chunks, const int8_t* k, float* out) {
+    __m512bh kv[MAX_HEAD_DIM / 32];
+    for (int c = 0; c < chunks; c++) {
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(k + 32 * c))));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(k + 32 * c + 16))));
+        kv[c] = _mm512_cvtne2ps_pbh(hi, lo);  // element i of the pair is lo[i], element 16 + i is hi[i]
+    }
+    for (int g = 0; g < group; g++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, q[g * chunks + c], kv[c]);
+        out[g] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+// attend_one over an int8 cache [N, Hkv, bs, D] with scales [N, Hkv, bs]: k = k_i8 * k_scale, v = v_i8 * v_scale.
+static inline __attribute__((always_inline)) void attend_one_i8(
+        const uint16_t* q_heads, const int8_t* k_cache, const int8_t* v_cache, const float* k_scales,
+        const float* v_scales, const int64_t* blocks, int64_t seq_len, uint16_t* out_heads, int group,
+        int num_kv_heads, int kv_head, int head_dim, int block_size, float scale, float* scores /* [G, seq_len] */) {
+    const int chunks = head_dim / 32;
+    __m512bh q[MAX_GROUP * (MAX_HEAD_DIM / 32)];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++)
+            q[g * chunks + c] = (__m512bh)_mm512_loadu_si512((const void*)(q_heads + g * head_dim + 32 * c));
+    const int64_t head_stride = (int64_t)block_size * head_dim;
+    const int64_t block_stride = head_stride * num_kv_heads;
+    const int64_t scale_block_stride = (int64_t)block_size * num_kv_heads;
+    float row[MAX_GROUP];
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block = blocks[start / block_size];
+        const int8_t* k = k_cache + block * block_stride + kv_head * head_stride;
+        const float* ks = k_scales + block * scale_block_stride + (int64_t)kv_head * block_size;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t i = 0; i < n; i++, k += head_dim) {
+            score_row_i8(q, group, chunks, k, row);
+            const float row_scale = ks[i] * scale;
+            for (int g = 0; g < group; g++) scores[g * seq_len + start + i] = row[g] * row_scale;
+        }
+    }
+    softmax_rows(scores, group, seq_len);
+    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+    const int lanes = head_dim / 16;
+    for (int g = 0; g < group; g++)
+        for (int l = 0; l < lanes; l++) acc[g][l] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block = blocks[start / block_size];
+        const int8_t* v = v_cache + block * block_stride + kv_head * head_stride;
+        const float* vs = v_scales + block * scale_block_stride + (int64_t)kv_head * block_size;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t i = 0; i < n; i++, v += head_dim) {
+            const int64_t t = start + i;
+            __m512 w[MAX_GROUP];  // softmax weight times this row's V scale
+            for (int g = 0; g < group; g++) w[g] = _mm512_set1_ps(scores[g * seq_len + t] * vs[i]);
+            for (int l = 0; l < lanes; l++) {
+                __m512 vf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(v + 16 * l))));
+                for (int g = 0; g < group; g++) acc[g][l] = _mm512_fmadd_ps(w[g], vf, acc[g][l]);
             }
         }
     }
@@ -134,6 +207,38 @@ int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, cons
             else
                 attend_one(q + offset, k_cache, v_cache, blocks, seq_lens[b], out + offset, group, num_kv_heads, h,
                            head_dim, block_size, scale, scores);
+        }
+        free(scores);
+    }
+    return 0;
+}
+
+// As paged_decode_attention_bf16 over an int8 cache; k_scales, v_scales: [num_blocks, Hkv, block_size] fp32.
+int paged_decode_attention_int8kv(const uint16_t* q, const int8_t* k_cache, const int8_t* v_cache,
+                                  const float* k_scales, const float* v_scales, const int64_t* block_tables,
+                                  const int64_t* seq_lens, uint16_t* out, int num_reqs, int num_heads,
+                                  int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                                  int64_t max_seq_len, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    if (head_dim % 32 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || num_heads % num_kv_heads) return -1;
+    const int num_items = num_reqs * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float* scores = (float*)malloc(sizeof(float) * (size_t)group * (size_t)(max_seq_len > 0 ? max_seq_len : 1));
+#pragma omp for schedule(dynamic, num_kv_heads)
+        for (int item = 0; item < num_items; item++) {
+            const int b = item / num_kv_heads, h = item % num_kv_heads;
+            const int64_t offset = ((int64_t)b * num_heads + (int64_t)h * group) * head_dim;
+            const int64_t* blocks = block_tables + (int64_t)b * max_blocks;
+            if (head_dim == 64)
+                attend_one_i8(q + offset, k_cache, v_cache, k_scales, v_scales, blocks, seq_lens[b], out + offset,
+                              group, num_kv_heads, h, 64, block_size, scale, scores);
+            else if (head_dim == 128)
+                attend_one_i8(q + offset, k_cache, v_cache, k_scales, v_scales, blocks, seq_lens[b], out + offset,
+                              group, num_kv_heads, h, 128, block_size, scale, scores);
+            else
+                attend_one_i8(q + offset, k_cache, v_cache, k_scales, v_scales, blocks, seq_lens[b], out + offset,
+                              group, num_kv_heads, h, head_dim, block_size, scale, scores);
         }
         free(scores);
     }

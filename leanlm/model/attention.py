@@ -2,18 +2,30 @@
 
 The reference backend ("torch") runs anywhere PyTorch does: it writes new K/V into the paged cache, then
 attends from it with scaled_dot_product_attention, one-token rows (decodes) batched, prompt chunks one by one.
+An 8-bit cache (int8/fp8, leanlm.model.kv_quant) comes with per-(token, KV head) scales: quantized on write,
+dequantized to the query dtype as blocks are gathered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from leanlm.kernels import paged_attention
 from leanlm.model.context import ForwardContext, PrefillSpan
+from leanlm.model.kv_quant import dequantize_kv, store_kv
+
+
+class _PagedKV(NamedTuple):
+    """One layer's paged cache as the backend reads it."""
+
+    k_cache: torch.Tensor  # [N, Hkv, bs, D]
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor | None  # [N, Hkv, bs] float32 for an 8-bit cache, else None
+    v_scales: torch.Tensor | None
 
 
 class AttentionBackend(Protocol):
@@ -28,6 +40,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
         scale: float,
         ctx: ForwardContext,
+        k_scales: torch.Tensor | None = None,  # [num_blocks, Hkv, block_size] float32 for an 8-bit cache, else None
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -62,59 +76,71 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, ctx):
-        # Store first: every new token's K/V is in the cache before any request of the batch reads it.
-        head_dim = k_cache.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, ctx.kv_write_index, k.reshape(-1, head_dim).to(k_cache.dtype))
-        v_cache.view(-1, head_dim).index_copy_(0, ctx.kv_write_index, v.reshape(-1, head_dim).to(v_cache.dtype))
+    def forward(self, q, k, v, k_cache, v_cache, scale, ctx, k_scales=None, v_scales=None):
+        # Store first: every new token's K/V is in the cache before any request of the batch reads it. Fresh
+        # K/V are then read as stored (an 8-bit cache's rounding included), like the cached prefix.
+        k = store_kv(k_cache, k_scales, k, ctx.kv_write_index)
+        v = store_kv(v_cache, v_scales, v, ctx.kv_write_index)
+        kv = _PagedKV(k_cache, v_cache, k_scales, v_scales)
         if ctx.is_all_decode:  # rows are the decode rows, in order
-            return self.decode(q, k_cache, v_cache, scale, ctx)
+            return self.decode(q, kv, scale, ctx)
         out = torch.empty_like(q)
         if ctx.decode_max_seq_len:
-            out[ctx.decode_token_idx] = self.decode(q[ctx.decode_token_idx], k_cache, v_cache, scale, ctx)
+            out[ctx.decode_token_idx] = self.decode(q[ctx.decode_token_idx], kv, scale, ctx)
         for span in ctx.prefills:
-            out[span.token_start : span.token_end] = _prefill(q, k, v, k_cache, v_cache, scale, span)
+            out[span.token_start : span.token_end] = _prefill(q, k, v, kv, scale, span)
         return out
 
-    def decode(self, q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
-        return _decode(q, k_cache, v_cache, scale, ctx)
+    def decode(self, q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
+        return _decode(q, kv, scale, ctx)
 
 
 @register_backend("cpu")
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The reference backend with decode rows on the native paged kernel (bf16, AVX512-BF16 CPUs)."""
+    """The reference backend with decode rows on the native paged kernel (bf16 or int8 KV, AVX512-BF16 CPUs)."""
 
     name = "cpu"
 
-    def decode(self, q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
-        if paged_attention.should_use(q, k_cache):
-            return paged_attention.paged_decode_attention(
-                q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len, scale
-            )
-        return super().decode(q, k_cache, v_cache, scale, ctx)
+    def decode(self, q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
+        if not paged_attention.should_use(q, kv.k_cache, kv.k_scales):  # e.g. fp8 or float32 K/V
+            return super().decode(q, kv, scale, ctx)
+        tables, seq_lens, max_len = ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
+        if kv.k_scales is None:
+            return paged_attention.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, seq_lens, max_len, scale)
+        return paged_attention.paged_decode_attention_int8(
+            q, kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales, tables, seq_lens, max_len, scale
+        )
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, block_ids: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The first `length` tokens of each block list: cache [N, Hkv, bs, D], block_ids [..., nb] -> [..., L, Hkv, D].
 
-    Whole blocks are copied (index_select: contiguous rows, far cheaper than per-slot indexing), then cut.
+    Whole blocks are copied (index_select: contiguous rows, far cheaper than per-slot indexing), then cut. An
+    8-bit cache is dequantized to `dtype` with its scales [N, Hkv, bs] block by block.
     """
     num_kv_heads, block_size, head_dim = cache.shape[1:]
     num_blocks = -(-length // block_size)
     ids = block_ids[..., :num_blocks]
-    rows = cache.index_select(0, ids.reshape(-1)).transpose(1, 2)  # [prod(...) * nb, bs, Hkv, D]
+    rows = cache.index_select(0, ids.reshape(-1))  # [prod(...) * nb, Hkv, bs, D]
+    if scales is not None:
+        rows = dequantize_kv(rows, scales.index_select(0, ids.reshape(-1)), dtype)
+    rows = rows.transpose(1, 2)  # [prod(...) * nb, bs, Hkv, D]
     rows = rows.reshape(*ids.shape[:-1], num_blocks * block_size, num_kv_heads, head_dim)
     return rows[..., :length, :, :]
 
 
-def _decode(q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
+def _decode(q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
     """One query per request: q [Bd, H, D] -> [Bd, H, D], all requests in one SDPA call."""
     num_reqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = kv.k_cache.shape[1]
     group = num_heads // num_kv_heads
     max_len = ctx.decode_max_seq_len
-    keys = _gather(k_cache, ctx.decode_block_tables, max_len).transpose(1, 2)  # [Bd, Hkv, L, D]
-    values = _gather(v_cache, ctx.decode_block_tables, max_len).transpose(1, 2)
+    tables = ctx.decode_block_tables
+    keys = _gather(kv.k_cache, tables, max_len, kv.k_scales, q.dtype).transpose(1, 2)  # [Bd, Hkv, L, D]
+    values = _gather(kv.v_cache, tables, max_len, kv.v_scales, q.dtype).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device) < ctx.decode_seq_lens.unsqueeze(1)  # [Bd, L]
     mask = torch.zeros(valid.shape, dtype=keys.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
     # The `group` query heads sharing a KV head ride as that head's query rows: no K/V repetition.
@@ -123,7 +149,7 @@ def _decode(q, k_cache, v_cache, scale, ctx: ForwardContext) -> torch.Tensor:
     return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 
-def _prefill(q, k, v, k_cache, v_cache, scale, span: PrefillSpan) -> torch.Tensor:
+def _prefill(q, k, v, kv: _PagedKV, scale, span: PrefillSpan) -> torch.Tensor:
     """A chunk of n new tokens at the end of a seq_len-token sequence, causal: -> [n, H, D].
 
     4-D SDPA with GQA and, past a cached prefix, an additive float mask: the shapes that keep PyTorch's CPU
@@ -136,8 +162,8 @@ def _prefill(q, k, v, k_cache, v_cache, scale, span: PrefillSpan) -> torch.Tenso
         values = v[span.token_start : span.token_end]
         mask = None
     else:
-        keys = _gather(k_cache, span.block_ids, span.seq_len)  # [S, Hkv, D]
-        values = _gather(v_cache, span.block_ids, span.seq_len)
+        keys = _gather(kv.k_cache, span.block_ids, span.seq_len, kv.k_scales, q.dtype)  # [S, Hkv, D]
+        values = _gather(kv.v_cache, span.block_ids, span.seq_len, kv.v_scales, q.dtype)
         # query j sits at absolute position seq_len - n + j and sees keys 0 .. seq_len - n + j
         q_pos = torch.arange(span.seq_len - n, span.seq_len, device=q.device)
         allowed = torch.arange(span.seq_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, S]

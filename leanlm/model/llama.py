@@ -14,6 +14,7 @@ from torch import nn
 from leanlm.config import ModelConfig
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
+from leanlm.model.kv_quant import is_quantized
 from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -33,6 +34,9 @@ class LlamaAttention(nn.Module):
         # Bound by the model runner: this layer's slice of the paged cache, [num_blocks, Hkv, block_size, D].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # An 8-bit cache's per-(token, KV head) scales, [num_blocks, Hkv, block_size] float32; None otherwise.
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
@@ -42,7 +46,9 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale, get_forward_context())
+        out = self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, self.scale, get_forward_context(), self.k_scales, self.v_scales
+        )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -119,12 +125,23 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give each attention layer its (k_cache, v_cache), each [num_blocks, Hkv, block_size, D]."""
+    def bind_kv_cache(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        """Give each attention layer its (k_cache, v_cache), each [num_blocks, Hkv, block_size, D], and for an
+        8-bit cache (int8/fp8) its (k_scales, v_scales), each [num_blocks, Hkv, block_size] float32."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        scales = kv_scales if kv_scales is not None else [(None, None)] * len(kv_caches)
+        if len(scales) != len(kv_caches):
+            raise ValueError(f"got {len(scales)} KV scale pairs for {len(kv_caches)} layers")
+        for layer, (k_cache, v_cache), (k_scales, v_scales) in zip(self.model.layers, kv_caches, scales):
+            if is_quantized(k_cache.dtype) != (k_scales is not None):
+                raise ValueError(f"a {k_cache.dtype} KV cache needs scales exactly when it is 8-bit (int8/fp8)")
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales = k_cache, v_cache, k_scales, v_scales
 
 
 def build_model(

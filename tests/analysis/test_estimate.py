@@ -245,3 +245,9 @@ def test_kv_estimate_matches_what_the_engine_allocates(smollm_shape):
     assert kv_cache_bytes(smollm_shape, kv_format("bf16", 64), 1, tokens) == pytest.approx(allocated, rel=0.05)
     assert allocated == pytest.approx(budget, rel=0.05)  # whole blocks, so a little under the budget
     assert tokens == pytest.approx(budget / per_token, rel=0.05)
+    # the int8 cache: one byte per value + a float32 scale per (token, KV head), exactly
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory_bytes=budget, kv_cache_dtype="int8"),
+                         torch.device("cpu"), torch.bfloat16)
+    int8 = kv_format("int8", smollm_shape.head_dim, scale_bits=32)
+    assert kv_bytes_per_token(smollm_shape, int8) == runner.kv_cache_bytes / (runner.num_blocks * runner.block_size)
+    assert kv_format("fp8_e4m3", 64) == kv_format("fp8", 64)

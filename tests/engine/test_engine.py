@@ -196,3 +196,46 @@ def test_abort_frees_blocks(make_tiny_engine):
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert run_to_completion(engine)[keep].outputs[0].finish_reason == "length"
     assert engine.kv_cache_manager.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_is_the_same_under_chunking_prefix_hits_and_preemption(make_tiny_engine, tokenizer,
+                                                                            kv_cache_dtype):
+    """An 8-bit cache is read exactly as written, so schedule shape changes nothing: the chunked, prefix-cached,
+    preempted batch gives each prompt the tokens it gets alone, prefilled whole in a roomy cache."""
+    prompts = _prompts(tokenizer.vocab_size)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine = make_tiny_engine(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=6,
+                              kv_cache_dtype=kv_cache_dtype)
+    assert engine.model_runner.kv_cache.dtype == {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_cache_dtype]
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = run_to_completion(engine)
+    assert engine.scheduler.stats().num_preemptions > 0, "the tiny pool must force preemption"
+    assert engine.kv_cache_manager.prefix_cache_hits > 0, "the shared prefix must hit the cache"
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    config = tiny_config(tokenizer.vocab_size)
+    hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
+    num_agree = 0
+    for request_id, prompt in zip(ids, prompts):
+        alone = make_tiny_engine(block_size=16, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype,
+                                 enable_prefix_caching=False)
+        rid = alone.add_request(prompt, params)
+        tokens = outputs[request_id].outputs[0].token_ids
+        assert run_to_completion(alone)[rid].outputs[0].token_ids == tokens, request_id
+        num_agree += tokens[:4] == dense_greedy(hf, prompt, 4)
+    assert num_agree >= len(prompts) - 1  # and the 8-bit cache still follows the float model
+
+
+def test_kv_pool_capacity_counts_values_and_scales(make_tiny_engine):
+    budget = 1 << 20
+    # tiny model: L=2, Hkv=2, D=16, block_size=16; float64 K/V vs int8 K/V + one float32 scale per (token, head)
+    float_engine = make_tiny_engine(kv_cache_memory_bytes=budget)
+    int8_engine = make_tiny_engine(kv_cache_memory_bytes=budget, kv_cache_dtype="int8")
+    float_block = 2 * 2 * 16 * 2 * 16 * 8
+    int8_block = 2 * 2 * 16 * 2 * (16 * 1 + 4)
+    assert float_engine.num_kv_blocks == budget // float_block == 64
+    assert int8_engine.num_kv_blocks == budget // int8_block == 409
+    assert int8_engine.kv_capacity_tokens == 409 * 16
+    runner = int8_engine.model_runner
+    assert runner.kv_scales.shape == (2, 2, 409, 2, 16) and runner.kv_scales.dtype == torch.float32
+    assert runner.kv_cache_bytes == 409 * int8_block <= budget
