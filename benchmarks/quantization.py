@@ -115,12 +115,15 @@ def main() -> None:
         rows.append(Row(name, recipe, mib, seconds, ppl, 100 * (ppl / base_ppl - 1), kl.mean_kl, kl.top1_agreement))
         print(rows[-1], flush=True)
         del llm
-    report = format_report(args, rows, len(ids), samples.shape)
-    print(report)
+        write(args, rows, len(ids), samples.shape, results)  # after every row: a long run keeps what it measured
+    print(format_report(args, rows, len(ids), samples.shape))
+
+
+def write(args, rows: list[Row], num_tokens: int, calib_shape, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     if args.doc:
-        replace_section(Path(args.doc), f"quality-{Path(args.model).name}", report)
+        replace_section(Path(args.doc), f"quality-{Path(args.model).name}", format_report(args, rows, num_tokens, calib_shape))
 
 
 def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:

@@ -129,6 +129,9 @@ class KLResult:
         return float(torch.quantile(self.kl_per_token, q))
 
 
+_KL_ROWS = 256  # positions reduced at a time in kl_divergence
+
+
 def kl_divergence(
     base_llm, llm, windows: Sequence[Window], windows_per_batch: int = 4, use_tqdm: bool = True
 ) -> KLResult:
@@ -143,14 +146,17 @@ def kl_divergence(
         base_lps = base_llm.score(token_lists, use_tqdm=False)
         model_lps = llm.score(token_lists, use_tqdm=False)
         for window, base_lp, model_lp in zip(batch, base_lps, model_lps, strict=True):
-            rows = slice(window.num_context - 1, None)  # row i scores token i + 1
-            p, q = base_lp[rows].double(), model_lp[rows].double()  # [n, V] logprobs
             targets = torch.tensor(window.token_ids[window.num_context :]).unsqueeze(1)  # [n, 1]
-            # sum_v p_v (log p_v - log q_v); exp(-inf) * (-inf - x) would be nan, so zero-probability terms are 0.
-            kls.append(torch.where(p > -math.inf, p.exp() * (p - q), 0.0).sum(dim=-1))
-            agree += int((p.argmax(dim=-1) == q.argmax(dim=-1)).sum())
-            base_nll -= float(p.gather(1, targets).sum())
-            model_nll -= float(q.gather(1, targets).sum())
+            # row i scores token i + 1; float64 in chunks of rows (a [2048, 152k] float64 block is 2.5 GB)
+            for start in range(0, len(targets), _KL_ROWS):
+                rows = slice(window.num_context - 1 + start, window.num_context - 1 + start + _KL_ROWS)
+                p, q = base_lp[rows].double(), model_lp[rows].double()  # [n, V] logprobs
+                tgt = targets[start : start + _KL_ROWS]
+                # sum_v p_v (log p_v - log q_v); exp(-inf) * (-inf - x) would be nan: zero-probability terms are 0.
+                kls.append(torch.where(p > -math.inf, p.exp() * (p - q), 0.0).sum(dim=-1))
+                agree += int((p.argmax(dim=-1) == q.argmax(dim=-1)).sum())
+                base_nll -= float(p.gather(1, tgt).sum())
+                model_nll -= float(q.gather(1, tgt).sum())
     kl = torch.cat(kls)
     seq_len = len(windows[0].token_ids)
 
