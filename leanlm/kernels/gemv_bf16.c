@@ -11,28 +11,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_ROWS 8     /* rows of x handled per pass over W; larger M loops over passes */
 #define BLOCK_N 32     /* weight rows per unit of work handed to a thread; a multiple of every NB below */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192 /* best of 1-32 KiB on the 210-matrix SmolLM2 chain, M = 1 and 4 */
 #endif
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest, ties to even (what torch does for float -> bfloat16); NaN stays a quiet NaN. */
-ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* NB weight rows [n0, n0 + NB) against M rows of x. M and NB are compile-time constants at every call
  * site, so the loops unroll and acc[][] lives in registers (M * NB <= 16 accumulators + NB + 1 loads). */
