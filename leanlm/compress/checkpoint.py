@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,31 +27,45 @@ def save_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dtype: t
     The tokenizer defaults to the one `load_model` attached to the model.
     """
     path = Path(path)
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner in quantized:
-            is_float_extra = name.endswith(".bias") or name.endswith(".outlier_weight")
-            state[name] = tensor.to(dtype) if is_float_extra else tensor
-        elif name == "lm_head.weight" and "lm_head" not in quantized and model.config.tie_word_embeddings:
-            continue  # the embedding, tied
-        else:
-            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    config = model.config
-    if "lm_head" in quantized and config.tie_word_embeddings:
-        config = dataclasses.replace(config, tie_word_embeddings=False)  # the head is its own tensor now
-    save_hf_dir(path, config, {k: v.detach().cpu().contiguous() for k, v in state.items()})
+    state = float_tensors(model, quantized, dtype)
+    for name, layer in quantized.items():
+        for key, tensor in layer.state_dict().items():
+            state[f"{name}.{key}"] = tensor.to(dtype) if key in layer.compute_dtype_buffers else tensor
+    write_model_dir(model, path, state, "lm_head" in quantized, tokenizer)
     meta = {
         "format_version": FORMAT_VERSION,
         "recipe": getattr(model, "compression_recipe", []),
         "layers": {name: m.metadata() for name, m in quantized.items()},
     }
     (path / QUANT_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def float_tensors(model: nn.Module, skip: Collection[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's tensors except those of the `skip` modules, floats in `dtype`; a head tied to the
+    embedding is left out (the loader ties it again)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.rsplit(".", 1)[0] in skip:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state
+
+
+def write_model_dir(model: nn.Module, path: Path, state: dict[str, torch.Tensor], head_is_quantized: bool,
+                    tokenizer=None) -> None:
+    """config.json + safetensors (+ the tokenizer, by default the one `load_model` attached to the model).
+    A quantized head is its own tensor, so the saved config unties it from the embedding."""
+    config = model.config
+    if head_is_quantized and config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    save_hf_dir(path, config, {k: v.detach().cpu().contiguous() for k, v in state.items()})
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.save(path)
-    return path
 
 
 def read_quantization_config(path: Path) -> dict[str, Any] | None:

@@ -8,7 +8,6 @@ Export turns our group-wise 4-bit layers into that layout; import turns it back 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from leanlm.compress.qlinear import IntGroupWeightOnlyLinear
+from leanlm.compress.checkpoint import float_tensors, write_model_dir
+from leanlm.compress.qlinear import IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.compress.quant import pack_int4, unpack_int4
-from leanlm.loading.safetensors import save_hf_dir
 
 BITS = 4  # the layout packs 32 / bits codes per int32; we export and import 4-bit
 _PER_INT32 = 32 // BITS
@@ -128,36 +127,23 @@ def save_gptq_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dam
     size; float tensors go to float16 (what GPTQ kernels expect)."""
     path = Path(path)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, IntGroupWeightOnlyLinear)}
-    others = [n for n, m in model.named_modules() if hasattr(m, "format") and n not in layers]
+    others = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in layers]
     if not layers or others:
         raise ValueError("GPTQ export needs a model whose quantized layers are all 4-bit group-wise "
                          f"(found {len(layers)} such layers and {len(others)} of other formats)")
     group_sizes = {m.group_size for m in layers.values()}
     if len(group_sizes) != 1 or any(m.bits != BITS for m in layers.values()):
         raise ValueError(f"GPTQ export needs one group size and {BITS}-bit codes; found groups {sorted(group_sizes)}")
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner in layers:
-            continue
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        state[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+    state = float_tensors(model, layers, torch.float16)
     for name, layer in layers.items():
         state.update({f"{name}.{k}": v for k, v in to_gptq_tensors(layer.cpu()).items()})
-    config = model.config
-    if "lm_head" in layers and config.tie_word_embeddings:
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    save_hf_dir(path, config, {k: v.detach().cpu().contiguous() for k, v in state.items()})
+    write_model_dir(model, path, state, "lm_head" in layers, tokenizer)
     cfg = json.loads((path / "config.json").read_text())
     desc_act = any(m.perm is not None for m in layers.values())
     cfg["quantization_config"] = gptq_config_block(group_sizes.pop(), desc_act, sym=_is_symmetric(layers),
                                                    damp_percent=damp_percent)
     cfg["torch_dtype"] = "float16"
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    if tokenizer is not None:
-        tokenizer.save(path)
     return path
 
 

@@ -76,8 +76,12 @@ class QuantLinear(nn.Module, ABC):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [T, N] = (xq [T, K] int8 * xs [T, 1]) @ (qweight [N, K] int8 * scales [N])^T: torch's exact
+    int8 x int8 -> int32 product on CPU, the same arithmetic in float elsewhere."""
+    if xq.device.type == "cpu":
+        return torch._int_mm(xq, qweight.t()).float() * xs * scales
+    return (xq.float() * xs) @ (qweight.float() * scales[:, None]).t()
 
 
 @register_format
@@ -193,9 +197,8 @@ class Int8DynamicActLinear(QuantLinear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
-        if self.group_size is None and x.device.type == "cpu":
-            acc = torch._int_mm(xq, self.qweight.t())  # [T, N] int32, exact
-            y = acc.float() * xs * self.scales
+        if self.group_size is None:
+            y = int8_matmul(xq, xs, self.qweight, self.scales)
         else:
             y = (xq.float() * xs) @ self.dequantized_weight().t()
         if self.bias is not None:
@@ -241,11 +244,7 @@ class LLMInt8Linear(QuantLinear):
         dynamic = (x2.abs() > self.threshold).any(dim=0) & ~self.is_static_outlier  # [K] new outlier columns
         inliers = x2.masked_fill(self.is_static_outlier | dynamic, 0)
         xq, xs = quantize_per_token_int8(inliers)
-        if x.device.type == "cpu":
-            y = torch._int_mm(xq, self.qweight.t()).float() * xs * self.scales
-        else:
-            y = (xq.float() * xs) @ (self.qweight.float() * self.scales[:, None]).t()
-        y = y.to(x.dtype) + x2[:, self.outlier_idx] @ self.outlier_weight.to(x.dtype).t()
+        y = int8_matmul(xq, xs, self.qweight, self.scales).to(x.dtype) + x2[:, self.outlier_idx] @ self.outlier_weight.to(x.dtype).t()
         if dynamic.any():
             cols = dynamic.nonzero().squeeze(1)
             w_cols = (self.qweight[:, cols].float() * self.scales[:, None]).to(x.dtype)  # [N, O']
