@@ -53,6 +53,17 @@ def build_recipe(method: str, bits: int | None = None, group_size: int | None = 
     raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
+def check_output_format(fmt: str, recipe: list[MethodConfig]) -> None:
+    """The GPTQ layout holds symmetric 4-bit weight-only codes: refuse anything else before the (long) run."""
+    if fmt != "gptq":
+        return
+    last = recipe[-1]
+    if not isinstance(last, (RTNConfig, GPTQConfig)) or last.bits != 4 or last.act_bits is not None:
+        raise ValueError("--format gptq writes 4-bit weight-only layers: use --method gptq|rtn|awq --bits 4")
+    if not last.symmetric:
+        raise ValueError("--format gptq needs symmetric weights (the layout stores zero - 1): add --symmetric")
+
+
 def add_quantize_parser(sub) -> None:
     from leanlm.loading.registry import DEFAULT_MODEL
 
@@ -90,6 +101,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     recipe = build_recipe(args.method, args.bits, args.group_size, args.act_bits, args.alpha, args.threshold,
                           args.act_order, args.symmetric, args.quantize_lm_head)  # validates before loading
+    check_output_format(args.format, recipe)
+    if args.calib is not None and not Path(args.calib).is_file():
+        raise ValueError(f"calibration file {args.calib} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
     device = torch.device(args.device) if args.device else default_device()
     ckpt = load_checkpoint(args.model)
     model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
