@@ -6,7 +6,10 @@ import socket
 import pytest
 import torch
 
-from leanlm.compress import GPTQConfig, RTNConfig, calibration_samples, compress, read_calibration_text
+from leanlm.compress import (
+    AWQConfig, FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SmoothQuantConfig, calibration_samples, compress,
+    read_calibration_text,
+)
 from leanlm.compress.quant import sqnr_db
 from leanlm.model.llama import build_model
 from tests.compress.conftest import dense_logits
@@ -81,3 +84,19 @@ def test_quantized_checkpoint_is_served(tmp_path):
             model=str(out), messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=24, temperature=0)
         assert "Paris" in reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("recipe,max_kl", [
+    ([SmoothQuantConfig(alpha=0.5), RTNConfig(bits=8, act_bits=8)], 0.03),  # measured 0.010
+    ([LLMInt8Config()], 0.05),  # 0.018
+    ([FP8Config()], 0.1),  # 0.045
+    ([AWQConfig(bits=4, group_size=64), RTNConfig(bits=4, group_size=64)], 0.35),  # 0.17
+], ids=["smoothquant-w8a8", "llm_int8", "fp8", "awq-w4"])
+def test_methods_on_the_real_model(smollm, eval_ids, recipe, max_kl):
+    """Each method end to end on SmolLM2 with a little calibration data: logits stay close to float."""
+    text = read_calibration_text()[:100_000]
+    calib = calibration_samples(smollm.tokenizer.encode(text, add_special_tokens=False), 4, 64)
+    model = build_model(smollm.config, smollm.state_dict, torch.float32)
+    ref = dense_logits(model, eval_ids)
+    compress(model, recipe, calib, progress=False)
+    assert _kl(ref, dense_logits(model, eval_ids)) < max_kl
