@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.compress.quant import quantize_fp8, quantize_per_token_int8, unpack_int4
-from leanlm.kernels import cpu_qgemv
+from leanlm.kernels import cpu_decode, cpu_qgemv
 
 QUANT_LINEAR_FORMATS: dict[str, type["QuantLinear"]] = {}
 
@@ -68,6 +68,10 @@ class QuantLinear(nn.Module, ABC):
         """Bytes of the stored weight representation (codes + scales), bias excluded."""
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names)
 
+    def native_linear(self) -> cpu_decode.NativeLinear | None:
+        """This layer in a format of the native decode loop, or None (that loop then is not used)."""
+        return None
+
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
@@ -103,6 +107,9 @@ class Int8WeightOnlyLinear(QuantLinear):
         if cpu_qgemv.should_use_int8(x, self.qweight) and (self.bias is None or self.bias.dtype is x.dtype):
             return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias)
         return self.reference_forward(x)
+
+    def native_linear(self) -> cpu_decode.NativeLinear:
+        return cpu_decode.NativeLinear(cpu_decode.KIND_INT8, self.qweight, self.scales, bias=self.bias)
 
 
 @register_format
@@ -161,6 +168,10 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             xp = x if self.perm is None else x.index_select(-1, self.perm)
             return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
         return self.reference_forward(x)
+
+    def native_linear(self) -> cpu_decode.NativeLinear:
+        return cpu_decode.NativeLinear(cpu_decode.KIND_INT4, self.qweight, self.scales, self.mins, self.bias,
+                                       self.group_size, self.perm)  # fmt: skip
 
 
 @register_format

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
-from leanlm.kernels import cpu_gemv
+from leanlm.kernels import cpu_decode, cpu_gemv
 
 
 class Linear(nn.Linear):
@@ -32,6 +32,10 @@ class Linear(nn.Linear):
             return cpu_gemv.linear_bf16(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
+    def native_linear(self) -> cpu_decode.NativeLinear:
+        """This layer as the native decode loop reads it (checked there with is_supported())."""
+        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.weight, bias=self.bias)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 like the HF reference, cast back after."""
@@ -43,6 +47,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         dtype = x.dtype
+        if cpu_decode.should_use_rows(x) and self.weight.dtype is torch.bfloat16 and self.weight.is_contiguous():
+            # few rows: the native loop's arithmetic, so both paths agree bit for bit
+            return cpu_decode.rms_norm(x, self.weight, self.eps)
         if dtype in (torch.bfloat16, torch.float16):
             # fused: float32 inside, one rounding at the end (HF rounds twice; this is the closer of the two)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

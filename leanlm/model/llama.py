@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import ModelConfig
+from leanlm.kernels import cpu_decode, paged_attention
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
 from leanlm.model.kv_quant import is_quantized
@@ -60,7 +61,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if cpu_decode.should_use_rows(gate) and up.is_contiguous():  # the native loop's arithmetic
+            return self.down_proj(cpu_decode.silu_and_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Every layer in one native call for all-decode steps of <= 8 tokens; set by LlamaForCausalLM.
+        self.native_decode: cpu_decode.DecodeLayers | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.native_decode is not None and x.shape[0] <= cpu_decode.MAX_ROWS:
+            ctx = get_forward_context()
+            if ctx.is_all_decode:
+                return self.native_decode(x, positions, ctx.slot_mapping, ctx.decode_block_tables,
+                                          ctx.decode_seq_lens, ctx.decode_max_seq_len)  # fmt: skip
         rope = rotary(positions, x.dtype)  # cos, sin [T, 1, D/2], shared by every layer
         for layer in self.layers:
             x = layer(x, rope)
@@ -142,6 +153,56 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"a {k_cache.dtype} KV cache needs scales exactly when it is 8-bit (int8/fp8)")
             attn = layer.self_attn
             attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales = k_cache, v_cache, k_scales, v_scales
+        self.refresh_native_decode()
+
+    def refresh_native_decode(self) -> None:
+        """(Re)bind the native decode loop to the current weights and KV cache, or drop it where it does not
+        apply. The loop holds raw pointers: call this after replacing modules or weight tensors (compress()
+        does) once a cache is bound."""
+        self.model.native_decode = None
+        self.model.native_decode = self._native_decode_layers()
+
+    def _native_decode_layers(self) -> cpu_decode.DecodeLayers | None:
+        """The loop over every layer, when each piece is on a path it has: the native attention backend on a
+        bf16 cache, bf16 norms, and linears that are bf16, int8 weight-only or unpermuted group-wise int4."""
+        layers, rotary, cfg = self.model.layers, self.rotary_emb, self.config
+        attn0 = layers[0].self_attn if len(layers) else None
+        if (
+            attn0 is None or rotary is None or attn0.backend.name != "cpu" or attn0.k_cache is None
+            or self.model.norm.weight.dtype != torch.bfloat16 or self.model.embed_tokens.weight.dtype != torch.bfloat16
+            or not self.model.norm.weight.is_cpu or not cpu_decode.is_available()
+            or rotary.cos.dtype != torch.float32 or not rotary.cos.is_cpu
+            or not paged_attention_fits(cfg)
+        ):  # fmt: skip
+            return None
+        native: list[cpu_decode.NativeLayer] = []
+        for layer in layers:
+            attn = layer.self_attn
+            modules = {**dict(attn.named_children()), **dict(layer.mlp.named_children())}
+            specs = tuple(getattr(modules[n], "native_linear", lambda: None)() for n in cpu_decode.LINEAR_ORDER)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            caches = (attn.k_cache, attn.v_cache)
+            if (
+                any(s is None or not s.is_supported() for s in specs)
+                or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms)
+                or any(c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches)
+                or attn.k_scales is not None
+            ):  # fmt: skip
+                return None
+            native.append(cpu_decode.NativeLayer(*norms, specs, *caches))
+        return cpu_decode.DecodeLayers(
+            native, self.model.norm.weight, rotary.cos, rotary.sin, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+        )  # fmt: skip
+
+
+def paged_attention_fits(config: ModelConfig) -> bool:
+    """Head shapes the native paged decode kernel handles."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    return (
+        config.head_dim % 32 == 0 and config.head_dim <= paged_attention.MAX_HEAD_DIM
+        and config.num_attention_heads % config.num_key_value_heads == 0 and group <= paged_attention.MAX_GROUP
+    )  # fmt: skip
 
 
 def build_model(

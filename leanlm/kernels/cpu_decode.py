@@ -1,0 +1,209 @@
+"""All decoder layers of a batch-1..8 decode step in one native call (decode_layers.c), on AVX512-BF16 CPUs.
+
+The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
+plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
+linears and attention run on the same kernels as the PyTorch path (cpu_gemv, cpu_qgemv, paged_attention),
+passed to the C loop as function pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from leanlm.kernels import cpu_gemv, cpu_qgemv, paged_attention
+from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_KERNEL = NativeKernel(
+    source=Path(__file__).with_name("decode_layers.c"),
+    symbol="leanlm_decode_layers",
+    argtypes=[_P] * 3 + [_I64] + [_P] * 4 + [_I64] * 2 + [_P, _INT],
+    restype=_INT,
+)
+_RMS_NORM = NativeKernel(source=_KERNEL.source, symbol="leanlm_rms_norm_bf16",
+                         argtypes=[_P] * 3 + [_I64] * 2 + [ctypes.c_double], restype=None)
+_SILU_MUL = NativeKernel(source=_KERNEL.source, symbol="leanlm_silu_mul_bf16", argtypes=[_P] * 3 + [_I64],
+                         restype=None)
+MAX_ROWS = 8  # decode tokens per call: the GEMV kernels' one-pass limit
+KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2
+_BF16, _F32 = torch.bfloat16, torch.float32
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I64), ("weight", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("perm", _P),
+                ("out_features", _I64), ("in_features", _I64), ("group_size", _I64)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("linears", _Linear * 7), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate", "block_size", "rope_positions")] + [
+        ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P),
+        ("linear_bf16", _P), ("linear_int8", _P), ("linear_int4", _P), ("attention", _P),
+        ("min_parallel_bytes", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """y = x W^T + b in a kernel format: bf16 weight [N, K]; int8 [N, K] with scales [N]; or 4-bit codes
+    uint8 [N, K / 2] with scales and mins [N, K / group_size] (w = q * scale + min), whose columns may be
+    stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order)."""
+
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # bf16 [N]
+    group_size: int = 0
+    perm: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * (2 if self.kind == KIND_INT4 else 1)
+
+    def is_supported(self) -> bool:
+        """Contiguous CPU tensors of the dtypes and shapes the kernel for `kind` reads."""
+        tensors = [t for t in (self.weight, self.scales, self.mins, self.bias, self.perm) if t is not None]
+        if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+            return False
+        if self.bias is not None and (self.bias.dtype != _BF16 or self.bias.shape != (self.out_features,)):
+            return False
+        if self.perm is not None and (self.kind != KIND_INT4 or self.perm.dtype != torch.int64
+                                      or self.perm.shape != (self.in_features,)):
+            return False
+        if self.kind == KIND_BF16:
+            return self.weight.dtype == _BF16
+        if self.kind == KIND_INT8:
+            return self.weight.dtype == torch.int8 and self.scales is not None and self.scales.dtype == _F32
+        gs = self.group_size
+        return (
+            self.kind == KIND_INT4
+            and self.weight.dtype == torch.uint8
+            and gs > 0 and gs % 32 == 0 and self.in_features % gs == 0
+            and self.scales is not None and self.mins is not None
+            and self.scales.dtype == _F32 and self.mins.dtype == _F32
+            and self.scales.shape == (self.out_features, self.in_features // gs) == self.mins.shape
+        )  # fmt: skip
+
+    def to_struct(self) -> _Linear:
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return _Linear(self.kind, ptr(self.weight), ptr(self.scales), ptr(self.mins), ptr(self.bias), ptr(self.perm),
+                       self.out_features, self.in_features, self.group_size)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    """One decoder layer as the C loop reads it: norms, linears in LINEAR_ORDER, and its bf16 KV cache."""
+
+    input_norm: torch.Tensor  # bf16 [hidden]
+    post_norm: torch.Tensor
+    linears: tuple[NativeLinear, ...]  # q, k, v, o, gate, up, down
+    k_cache: torch.Tensor  # bf16 [num_blocks, Hkv, block_size, D]
+    v_cache: torch.Tensor
+
+
+LINEAR_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_available() -> bool:
+    """The loop and every kernel it calls are built and loaded."""
+    return (
+        _KERNEL.is_available() and cpu_gemv.is_available() and cpu_qgemv.is_available()
+        and paged_attention.is_available()
+    )  # fmt: skip
+
+
+def should_use_rows(x: torch.Tensor) -> bool:
+    """Policy for rms_norm / silu_and_mul: contiguous bf16 CPU rows, at most MAX_ROWS of them (the rows the
+    native loop and the few-row linears take; larger batches stay on torch's multi-threaded ops)."""
+    return (
+        x.dtype is _BF16 and x.is_cpu and x.is_contiguous() and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        and _RMS_NORM.is_available()
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bf16 rows x [M, n] with a bf16 weight [n], in fp32 with one rounding: the function the
+    native loop runs, so few-row steps agree bit for bit whichever path runs them (see should_use_rows)."""
+    if not (should_use_rows(x) and weight.dtype is _BF16 and weight.is_contiguous() and weight.shape == x.shape[1:]):
+        raise ValueError(f"rms_norm takes contiguous bf16 CPU rows [<= {MAX_ROWS}, n] and a bf16 weight [n]")
+    y = torch.empty_like(x)
+    _RMS_NORM.fn()(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    return y
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(silu(gate)) * up) for bf16 rows [M, n], as F.silu(gate) * up rounds, in the native loop's
+    arithmetic (see rms_norm)."""
+    if not (should_use_rows(gate) and up.dtype is _BF16 and up.is_contiguous() and up.shape == gate.shape):
+        raise ValueError(f"silu_and_mul takes two contiguous bf16 CPU tensors [<= {MAX_ROWS}, n] of one shape")
+    y = torch.empty_like(gate)
+    _SILU_MUL.fn()(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
+    return y
+
+
+def _fn_address(kernel: NativeKernel) -> int:
+    return ctypes.cast(kernel.fn(), ctypes.c_void_p).value
+
+
+class DecodeLayers:
+    """The native decode loop bound to one model's tensors. __call__ runs every layer and the final norm."""
+
+    def __init__(self, layers: list[NativeLayer], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        self._keep = (layers, final_norm, cos, sin)  # the struct holds raw pointers into these
+        hidden = final_norm.shape[0]
+        intermediate = layers[0].linears[4].out_features
+        block_size = layers[0].k_cache.shape[2]
+        self._layers = (_Layer * len(layers))()
+        for dst, layer in zip(self._layers, layers):
+            dst.input_norm, dst.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            for i, linear in enumerate(layer.linears):
+                dst.linears[i] = linear.to_struct()
+            dst.k_cache, dst.v_cache = layer.k_cache.data_ptr(), layer.v_cache.data_ptr()
+        self._model = _Model(
+            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, cos.shape[0],
+            cos.data_ptr(), sin.data_ptr(), self._layers, final_norm.data_ptr(),
+            _fn_address(cpu_gemv._KERNEL), _fn_address(cpu_qgemv._INT8_KERNEL), _fn_address(cpu_qgemv._INT4_KERNEL),
+            _fn_address(paged_attention._KERNEL), MIN_PARALLEL_BYTES, eps, head_dim**-0.5,
+        )  # fmt: skip
+        self.hidden = hidden
+        widest_input = max(hidden, num_heads * head_dim, intermediate)  # room for a permuted input
+        per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * intermediate + widest_input
+        self._scratch = torch.empty(MAX_ROWS * per_row, dtype=_BF16)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """x [M, hidden] bf16 embeddings of M <= MAX_ROWS decode tokens (one per request; overwritten with the
+        residual stream) -> final-normed hidden [M, hidden]. positions, slots, seq_lens [M] and block_tables
+        [M, max_blocks]: contiguous CPU int64."""
+        M = x.shape[0]
+        index = (positions, slots, block_tables, seq_lens)
+        if not (
+            0 < M <= MAX_ROWS and x.dtype is _BF16 and x.is_cpu and x.is_contiguous() and x.shape[1] == self.hidden
+            and all(t.dtype is torch.int64 and t.is_cpu and t.is_contiguous() and t.shape[0] == M for t in index)
+        ):  # fmt: skip
+            raise ValueError(f"the native decode loop takes 1-{MAX_ROWS} contiguous bf16 rows of {self.hidden} and "
+                             f"int64 index tensors with one row each; got x {tuple(x.shape)} {x.dtype}")
+        out = torch.empty_like(x)
+        rc = _KERNEL.fn()(
+            ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), M, positions.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.shape[1], max_seq_len,
+            self._scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"leanlm_decode_layers failed (code {rc}); positions {positions.tolist()}")
+        return out

@@ -1,0 +1,198 @@
+"""The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
+over several decode steps, for bf16, int8, int4 and act-order int4 linears, with and without q/k/v biases,
+batch 1 and 3; when it steps aside (int8 KV cache, the torch backend, layers it has no format for); that
+compress() rebinds it; its row helpers; and greedy SmolLM2 output unchanged by it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from leanlm.compress import RTNConfig, compress
+from leanlm.compress.qlinear import IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.config import ModelConfig
+from leanlm.kernels import cpu_decode
+from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.llama import build_model
+from tests.conftest import tiny_state_dict
+
+pytestmark = pytest.mark.skipif(not cpu_decode.is_available(), reason="native CPU kernels unavailable")
+
+BLOCK = 4
+
+
+def _config(architecture: str = "llama", layers: int = 2) -> ModelConfig:
+    # head_dim 64 and 3 query heads per KV head: shapes the native attention kernel takes, like SmolLM2's
+    return ModelConfig(
+        architecture=architecture, vocab_size=97, hidden_size=384, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rope_theta=100000.0, tie_word_embeddings=True, attention_bias=architecture == "qwen2", eos_token_ids=(2,),
+    )  # fmt: skip
+
+
+def _to_bf16(model):
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.set_compute_dtype(torch.bfloat16)
+        else:
+            for p in module.parameters(recurse=False):
+                p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def _model(kind: str = "bf16", architecture: str = "llama"):
+    cfg = _config(architecture)
+    model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
+    if kind == "int8":
+        compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
+    elif kind in ("int4", "int4-perm"):
+        compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
+    if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
+        gen = torch.Generator().manual_seed(5)
+        for module in model.modules():
+            if isinstance(module, IntGroupWeightOnlyLinear):
+                module.perm = torch.randperm(module.in_features, generator=gen)
+    return _to_bf16(model)
+
+
+def _bind(model, kv_dtype=torch.bfloat16):
+    cfg = model.config
+    shape = (64, cfg.num_key_value_heads, BLOCK, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+              for _ in range(cfg.num_hidden_layers)]  # fmt: skip
+    scales = None
+    if kv_dtype == torch.int8:
+        scales = [(torch.zeros(shape[:-1]), torch.zeros(shape[:-1])) for _ in range(cfg.num_hidden_layers)]
+    model.bind_kv_cache(caches, scales)
+
+
+def _decode(model, native: bool, batch: int, steps: int = 5, seed: int = 3) -> torch.Tensor:
+    """Prefill `batch` prompts one by one (PyTorch path), then decode them together: hidden [steps, B, hidden]."""
+    _bind(model)
+    assert model.model.native_decode is not None
+    if not native:
+        model.model.native_decode = None
+    cfg, gen = model.config, torch.Generator().manual_seed(seed)
+    blocks = [list(range(16 * b, 16 * b + 16)) for b in range(batch)]
+    lens = [7 + 2 * b for b in range(batch)]
+    for b in range(batch):
+        ids = torch.randint(0, cfg.vocab_size, (lens[b],), generator=gen)
+        ctx = build_forward_context([lens[b]], [lens[b]], [blocks[b][: math.ceil(lens[b] / BLOCK)]], BLOCK,
+                                    cfg.num_key_value_heads, torch.device("cpu"))  # fmt: skip
+        with forward_context(ctx):
+            model(ids, torch.arange(lens[b]))
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
+        tables = [blocks[b][: math.ceil((lens[b] + 1) / BLOCK)] for b in range(batch)]
+        ctx = build_forward_context([1] * batch, [n + 1 for n in lens], tables, BLOCK, cfg.num_key_value_heads,
+                                    torch.device("cpu"))  # fmt: skip
+        with forward_context(ctx):
+            out.append(model(ids, torch.tensor(lens)))
+        lens = [n + 1 for n in lens]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-perm"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
+    model = _model(kind, architecture)
+    native = _decode(model, native=True, batch=batch)
+    reference = _decode(model, native=False, batch=batch)
+    assert native.abs().max() > 0
+    assert torch.equal(native, reference)
+
+
+def test_cache_contents_match_too():
+    model = _model("int4")
+    _decode(model, native=True, batch=2)
+    native = [t.clone() for layer in model.model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    _decode(model, native=False, batch=2)
+    reference = [t for layer in model.model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    assert all(torch.equal(a, b) for a, b in zip(native, reference))
+
+
+def test_steps_aside_where_it_has_no_path():
+    model = _model("bf16")
+    _bind(model, torch.int8)  # 8-bit KV cache: the PyTorch path quantizes on write
+    assert model.model.native_decode is None
+    model = _model("bf16")
+    compress(model, [RTNConfig(bits=8, act_bits=8, group_size=None)], None, progress=False)  # W8A8: no kernel here
+    _bind(model)
+    assert model.model.native_decode is None
+    cfg = dataclasses.replace(_config(), num_attention_heads=4, head_dim=80)  # not a multiple of 32
+    model = build_model(cfg, tiny_state_dict(cfg), torch.bfloat16)
+    _bind(model)
+    assert model.model.native_decode is None
+    model = build_model(_config(), tiny_state_dict(_config()), torch.bfloat16, attention_backend="torch")
+    _bind(model)
+    assert model.model.native_decode is None  # a user's backend choice is kept
+    model = build_model(_config(), tiny_state_dict(_config()), torch.float32)
+    _bind(model, torch.float32)
+    assert model.model.native_decode is None
+
+
+def test_compress_rebinds_the_loop_to_the_new_layers():
+    model = _model("bf16")
+    _bind(model)
+    before = model.model.native_decode
+    model.float()
+    compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
+    _to_bf16(model)
+    model.refresh_native_decode()  # dtype casts happen outside compress(): the caller rebinds
+    assert model.model.native_decode is not None and model.model.native_decode is not before
+    native = _decode(model, native=True, batch=2)
+    assert torch.equal(native, _decode(model, native=False, batch=2))
+
+
+def test_wrong_inputs_are_refused_with_a_message():
+    model = _model("bf16")
+    _bind(model)
+    loop = model.model.native_decode
+    x = torch.zeros(9, 384, dtype=torch.bfloat16)
+    idx = torch.zeros(9, dtype=torch.long)
+    with pytest.raises(ValueError, match="1-8"):
+        loop(x, idx, idx, torch.zeros(9, 1, dtype=torch.long), idx, 1)
+    with pytest.raises(ValueError, match="int64"):
+        loop(x[:1], idx[:1].int(), idx[:1], torch.zeros(1, 1, dtype=torch.long), idx[:1], 1)
+    with pytest.raises(RuntimeError, match="positions"):  # past the rotary table
+        loop(x[:1].clone(), torch.tensor([10_000]), idx[:1], torch.zeros(1, 1, dtype=torch.long), idx[:1] + 1, 1)
+
+
+def test_row_helpers_match_float_references():
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 576, generator=gen) * 3).to(torch.bfloat16)
+    x[0, 7] = 300.0  # a massive activation
+    w = torch.randn(576, generator=gen).to(torch.bfloat16)
+    xf = x.double()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    got = cpu_decode.rms_norm(x, w, 1e-5).double()
+    assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()  # within one bf16 rounding
+    gate, up = x, (torch.randn(5, 576, generator=gen)).to(torch.bfloat16)
+    silu = (gate.double() * torch.sigmoid(gate.double())).to(torch.bfloat16).double()
+    ref = silu * up.double()
+    got = cpu_decode.silu_and_mul(gate, up).double()
+    assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_decode.rms_norm(x.float(), w, 1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_decode.silu_and_mul(gate, up[:, :8].contiguous())
+
+
+def test_smollm2_greedy_output_is_unchanged(smollm_path):
+    from leanlm.llm import LLM
+    from leanlm.sampling_params import SamplingParams
+
+    llm = LLM(str(smollm_path), dtype="bfloat16", progress=False)
+    model = llm.llm_engine.model_runner.model
+    assert model.model.native_decode is not None
+    prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Paris is the capital of"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.model.native_decode = None
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert native == reference
