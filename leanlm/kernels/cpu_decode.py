@@ -40,14 +40,15 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("linears", _Linear * 7), ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("linears", _Linear * 7), ("k_cache", _P), ("v_cache", _P),
+                ("k_scales", _P), ("v_scales", _P)]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                           "intermediate", "block_size", "rope_positions")] + [
         ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P),
-        ("linear_bf16", _P), ("linear_int8", _P), ("linear_int4", _P), ("attention", _P),
+        ("linear_bf16", _P), ("linear_int8", _P), ("linear_int4", _P), ("attention", _P), ("attention_int8", _P),
         ("min_parallel_bytes", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
     ]  # fmt: skip
 
@@ -106,13 +107,30 @@ class NativeLinear:
 
 @dataclass(frozen=True)
 class NativeLayer:
-    """One decoder layer as the C loop reads it: norms, linears in LINEAR_ORDER, and its bf16 KV cache."""
+    """One decoder layer as the C loop reads it: norms, linears in LINEAR_ORDER, and its KV cache."""
 
     input_norm: torch.Tensor  # bf16 [hidden]
     post_norm: torch.Tensor
     linears: tuple[NativeLinear, ...]  # q, k, v, o, gate, up, down
-    k_cache: torch.Tensor  # bf16 [num_blocks, Hkv, block_size, D]
+    k_cache: torch.Tensor  # [num_blocks, Hkv, block_size, D]: bf16, or int8 with scales
     v_cache: torch.Tensor
+    k_scales: torch.Tensor | None = None  # an int8 cache's float32 [num_blocks, Hkv, block_size]
+    v_scales: torch.Tensor | None = None
+
+    def is_supported(self) -> bool:
+        """bf16 norms; a bf16 cache, or an int8 one with float32 scales (fp8 caches stay on PyTorch)."""
+        tensors = (self.input_norm, self.post_norm, self.k_cache, self.v_cache)
+        if not all(t.is_cpu and t.is_contiguous() for t in tensors) or not all(s.is_supported() for s in self.linears):
+            return False
+        if self.input_norm.dtype != _BF16 or self.post_norm.dtype != _BF16:
+            return False
+        if self.k_scales is None or self.v_scales is None:
+            return self.k_scales is self.v_scales and self.k_cache.dtype == _BF16 == self.v_cache.dtype
+        scales = (self.k_scales, self.v_scales)
+        return (
+            self.k_cache.dtype == torch.int8 == self.v_cache.dtype
+            and all(s.dtype == _F32 and s.is_contiguous() and s.shape == self.k_cache.shape[:-1] for s in scales)
+        )  # fmt: skip
 
 
 LINEAR_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -174,11 +192,13 @@ class DecodeLayers:
             for i, linear in enumerate(layer.linears):
                 dst.linears[i] = linear.to_struct()
             dst.k_cache, dst.v_cache = layer.k_cache.data_ptr(), layer.v_cache.data_ptr()
+            if layer.k_scales is not None:
+                dst.k_scales, dst.v_scales = layer.k_scales.data_ptr(), layer.v_scales.data_ptr()
         self._model = _Model(
             len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, cos.shape[0],
             cos.data_ptr(), sin.data_ptr(), self._layers, final_norm.data_ptr(),
             _fn_address(cpu_gemv._KERNEL), _fn_address(cpu_qgemv._INT8_KERNEL), _fn_address(cpu_qgemv._INT4_KERNEL),
-            _fn_address(paged_attention._KERNEL), MIN_PARALLEL_BYTES, eps, head_dim**-0.5,
+            _fn_address(paged_attention._KERNEL), _fn_address(paged_attention._KERNEL_INT8), MIN_PARALLEL_BYTES, eps, head_dim**-0.5,
         )  # fmt: skip
         self.hidden = hidden
         widest_input = max(hidden, num_heads * head_dim, intermediate)  # room for a permuted input

@@ -11,6 +11,7 @@
  * the same kernels, and that path runs few-row RMSNorm and SiLU-and-multiply on the exported functions
  * below (torch's own reductions and exp sum and round in another order). */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +29,9 @@ typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, 
                               uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*attention_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, const int64_t *,
                             uint16_t *, int, int, int, int, int, int, int64_t, float, int);
+typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t *, const float *, const float *,
+                                 const int64_t *, const int64_t *, uint16_t *, int, int, int, int, int, int, int64_t,
+                                 float, int);
 
 /* One linear layer y = x W^T + b in one of the kernels' formats. Every field is 8 bytes (no padding), so
  * the ctypes mirror in cpu_decode.py lays it out identically. */
@@ -44,7 +48,8 @@ typedef struct {
 typedef struct {
     const uint16_t *input_norm, *post_norm; /* bf16 [hidden] RMSNorm weights */
     decode_linear linears[NUM_LINEARS];
-    uint16_t *k_cache, *v_cache; /* bf16 [num_blocks, Hkv, block_size, D] */
+    void *k_cache, *v_cache; /* [num_blocks, Hkv, block_size, D]: bf16, or int8 with scales */
+    float *k_scales, *v_scales; /* an int8 cache's per-(token, KV head) scales [num_blocks, Hkv, block_size]; else NULL */
 } decode_layer;
 
 typedef struct {
@@ -56,6 +61,7 @@ typedef struct {
     linear_int8_fn linear_int8;
     linear_int4_fn linear_int4;
     attention_fn attention;
+    attention_int8_fn attention_int8;
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
 } decode_model;
@@ -128,14 +134,33 @@ void leanlm_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *ou
     }
 }
 
+/* One head's row x [D] into an int8 cache row with its scale, as kv_quant.quantize_kv: scale = absmax / 127
+ * (at least FLT_MIN), codes round half to even and saturate. */
+static void store_int8_row(const uint16_t *x, int8_t *codes, float *scale, int64_t D) {
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < D; i++) absmax = fmaxf(absmax, fabsf(bf16_to_f32(x[i])));
+    float s = absmax / 127.0f;
+    if (s < FLT_MIN) s = FLT_MIN;
+    for (int64_t i = 0; i < D; i++) {
+        const float q = rintf(bf16_to_f32(x[i]) / s);
+        codes[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+    }
+    *scale = s;
+}
+
 /* Token t's K and V [Hkv, D] into its cache slot (block * block_size + offset) of every KV head. */
 static void store_kv(const decode_model *m, const decode_layer *layer, const uint16_t *k, const uint16_t *v,
                      int64_t slot) {
     const int64_t block = slot / m->block_size, offset = slot % m->block_size, D = m->head_dim;
     for (int64_t h = 0; h < m->num_kv_heads; h++) {
-        const int64_t row = ((block * m->num_kv_heads + h) * m->block_size + offset) * D;
-        memcpy(layer->k_cache + row, k + h * D, (size_t)D * sizeof(uint16_t));
-        memcpy(layer->v_cache + row, v + h * D, (size_t)D * sizeof(uint16_t));
+        const int64_t row = (block * m->num_kv_heads + h) * m->block_size + offset;
+        if (layer->k_scales != NULL) {
+            store_int8_row(k + h * D, (int8_t *)layer->k_cache + row * D, layer->k_scales + row, D);
+            store_int8_row(v + h * D, (int8_t *)layer->v_cache + row * D, layer->v_scales + row, D);
+        } else {
+            memcpy((uint16_t *)layer->k_cache + row * D, k + h * D, (size_t)D * sizeof(uint16_t));
+            memcpy((uint16_t *)layer->v_cache + row * D, v + h * D, (size_t)D * sizeof(uint16_t));
+        }
     }
 }
 
@@ -174,10 +199,14 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
             rotary(k + t * Hkv * D, Hkv, D, c, s);
             store_kv(m, layer, k + t * Hkv * D, v + t * Hkv * D, slots[t]);
         }
-        if ((rc = m->attention(q, layer->k_cache, layer->v_cache, block_tables, seq_lens, attn, (int)M, (int)H,
-                               (int)Hkv, (int)D, (int)m->block_size, (int)max_blocks, max_seq_len, (float)m->scale,
-                               threads)))
-            return rc;
+        if (layer->k_scales != NULL)
+            rc = m->attention_int8(q, layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales, block_tables,
+                                   seq_lens, attn, (int)M, (int)H, (int)Hkv, (int)D, (int)m->block_size,
+                                   (int)max_blocks, max_seq_len, (float)m->scale, threads);
+        else
+            rc = m->attention(q, layer->k_cache, layer->v_cache, block_tables, seq_lens, attn, (int)M, (int)H, (int)Hkv,
+                              (int)D, (int)m->block_size, (int)max_blocks, max_seq_len, (float)m->scale, threads);
+        if (rc) return rc;
         if ((rc = run_linear(m, lin + O_PROJ, attn, h, M, threads, permuted))) return rc;
         add_residual(x, h, M * hid);
         leanlm_rms_norm_bf16(x, layer->post_norm, h, M, hid, m->eps);

@@ -164,12 +164,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_decode_layers(self) -> cpu_decode.DecodeLayers | None:
         """The loop over every layer, when each piece is on a path it has: the native attention backend on a
-        bf16 cache, bf16 norms, and linears that are bf16, int8 weight-only or unpermuted group-wise int4."""
+        bf16 or int8 cache, bf16 norms, and linears that are bf16, int8 weight-only or group-wise int2-4."""
         layers, rotary, cfg = self.model.layers, self.rotary_emb, self.config
         attn0 = layers[0].self_attn if len(layers) else None
         if (
-            attn0 is None or rotary is None or attn0.backend.name != "cpu" or attn0.k_cache is None
-            or self.model.norm.weight.dtype != torch.bfloat16 or self.model.embed_tokens.weight.dtype != torch.bfloat16
+            attn0 is None or rotary is None or attn0.backend.name != "cpu"
+            or self.model.norm.weight.dtype != torch.bfloat16 or not self.model.norm.weight.is_contiguous() or self.model.embed_tokens.weight.dtype != torch.bfloat16
             or not self.model.norm.weight.is_cpu or not cpu_decode.is_available()
             or rotary.cos.dtype != torch.float32 or not rotary.cos.is_cpu
             or not paged_attention_fits(cfg)
@@ -180,16 +180,13 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             modules = {**dict(attn.named_children()), **dict(layer.mlp.named_children())}
             specs = tuple(getattr(modules[n], "native_linear", lambda: None)() for n in cpu_decode.LINEAR_ORDER)
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            caches = (attn.k_cache, attn.v_cache)
-            if (
-                any(s is None or not s.is_supported() for s in specs)
-                or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms)
-                or any(c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches)
-                or attn.k_scales is not None
-            ):  # fmt: skip
+            if any(s is None for s in specs) or attn.k_cache is None or attn.v_cache is None:
                 return None
-            native.append(cpu_decode.NativeLayer(*norms, specs, *caches))
+            spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs,
+                                          attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales)  # fmt: skip
+            if not spec.is_supported():
+                return None
+            native.append(spec)
         return cpu_decode.DecodeLayers(
             native, self.model.norm.weight, rotary.cos, rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,

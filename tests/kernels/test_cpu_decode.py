@@ -1,6 +1,7 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
 over several decode steps, for bf16, int8, int4 and act-order int4 linears, with and without q/k/v biases,
-batch 1 and 3; when it steps aside (int8 KV cache, the torch backend, layers it has no format for); that
+batch 1 and 3, over bf16 and int8 KV caches; when it steps aside (fp8 KV cache, the torch backend, layers it
+has no format for); that
 compress() rebinds it; its row helpers; and greedy SmolLM2 output unchanged by it."""
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ def _bind(model, kv_dtype=torch.bfloat16):
     caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
               for _ in range(cfg.num_hidden_layers)]  # fmt: skip
     scales = None
-    if kv_dtype == torch.int8:
+    if kv_dtype != torch.bfloat16 and kv_dtype != torch.float32:
         scales = [(torch.zeros(shape[:-1]), torch.zeros(shape[:-1])) for _ in range(cfg.num_hidden_layers)]
     model.bind_kv_cache(caches, scales)
 
 
-def _decode(model, native: bool, batch: int, steps: int = 5, seed: int = 3) -> torch.Tensor:
+def _decode(model, native: bool, batch: int, steps: int = 5, seed: int = 3, kv_dtype=torch.bfloat16) -> torch.Tensor:
     """Prefill `batch` prompts one by one (PyTorch path), then decode them together: hidden [steps, B, hidden]."""
-    _bind(model)
+    _bind(model, kv_dtype)
     assert model.model.native_decode is not None
     if not native:
         model.model.native_decode = None
@@ -107,18 +108,32 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
     assert torch.equal(native, reference)
 
 
-def test_cache_contents_match_too():
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_int8_kv_cache_is_bit_identical_too(architecture):
+    model = _model("int4", architecture)
+    native = _decode(model, native=True, batch=3, kv_dtype=torch.int8)
+    assert torch.equal(native, _decode(model, native=False, batch=3, kv_dtype=torch.int8))
+
+
+def _cache_tensors(model) -> list[torch.Tensor]:
+    attns = [layer.self_attn for layer in model.model.layers]
+    return [t.clone() for a in attns for t in (a.k_cache, a.v_cache, a.k_scales, a.v_scales) if t is not None]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_cache_contents_match_too(kv_dtype):
     model = _model("int4")
-    _decode(model, native=True, batch=2)
-    native = [t.clone() for layer in model.model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
-    _decode(model, native=False, batch=2)
-    reference = [t for layer in model.model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    _decode(model, native=True, batch=2, kv_dtype=kv_dtype)
+    native = _cache_tensors(model)
+    _decode(model, native=False, batch=2, kv_dtype=kv_dtype)
+    reference = _cache_tensors(model)
+    assert len(native) == (4 if kv_dtype == torch.int8 else 2) * model.config.num_hidden_layers
     assert all(torch.equal(a, b) for a, b in zip(native, reference))
 
 
 def test_steps_aside_where_it_has_no_path():
     model = _model("bf16")
-    _bind(model, torch.int8)  # 8-bit KV cache: the PyTorch path quantizes on write
+    _bind(model, torch.float8_e4m3fn)  # fp8 KV cache: the PyTorch path quantizes on write
     assert model.model.native_decode is None
     model = _model("bf16")
     compress(model, [RTNConfig(bits=8, act_bits=8, group_size=None)], None, progress=False)  # W8A8: no kernel here
