@@ -5,6 +5,8 @@ model, on one model, calibrated on other text (gensim's Wikipedia articles).
 
 Each configuration is quantized from the float32 model, saved as a checkpoint, loaded back through
 `LLM(dir)` (the path users take) and scored in bfloat16; KV-cache rows change only the engine's cache.
+Rows are kept in <results-dir>/<model>/results.json: a rerun of some configurations with the same settings
+replaces those rows and keeps the others, so the table can be built over several runs.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ CONFIGS: dict[str, dict] = {
     "W3A16 g64 RTN": dict(method="rtn", bits=3),
     "W3A16 g64 GPTQ": dict(method="gptq", bits=3),
     "W3A16 g64 AWQ": dict(method="awq", bits=3),
+    "LLM.int8() (threshold 4)": dict(method="llm_int8", threshold=4.0),
+    "LLM.int8() (threshold 3)": dict(method="llm_int8", threshold=3.0),
 }
 
 
@@ -88,9 +92,10 @@ def main() -> None:
     base = LLM(args.model, dtype="bfloat16", progress=False)
     base_ppl = perplexity(base, ppl_windows, use_tqdm=False).perplexity
     float_mib = model_bytes(build_model(ckpt.config, ckpt.state_dict, torch.float32), torch.bfloat16) / 2**20
-    rows = [Row("bfloat16 (reference)", "-", float_mib, 0.0, base_ppl, 0.0, 0.0, 1.0)]
-    print(rows[0], flush=True)
     results = Path(args.results_dir) / Path(args.model).name
+    rows = earlier_rows(results / "results.json", settings(args))
+    rows["bfloat16 (reference)"] = Row("bfloat16 (reference)", "-", float_mib, 0.0, base_ppl, 0.0, 0.0, 1.0)
+    print(rows["bfloat16 (reference)"], flush=True)
     for name in names:
         opts = dict(CONFIGS[name])
         start = time.perf_counter()
@@ -112,18 +117,42 @@ def main() -> None:
             llm = LLM(str(out), dtype="bfloat16", progress=False)
         ppl = perplexity(llm, ppl_windows, use_tqdm=False).perplexity
         kl = kl_divergence(base, llm, kl_windows, windows_per_batch=1, use_tqdm=False)
-        rows.append(Row(name, recipe, mib, seconds, ppl, 100 * (ppl / base_ppl - 1), kl.mean_kl, kl.top1_agreement))
-        print(rows[-1], flush=True)
+        rows[name] = Row(name, recipe, mib, seconds, ppl, 100 * (ppl / base_ppl - 1), kl.mean_kl, kl.top1_agreement)
+        print(rows[name], flush=True)
         del llm
         write(args, rows, len(ids), samples.shape, results)  # after every row: a long run keeps what it measured
-    print(format_report(args, rows, len(ids), samples.shape))
+    print(format_report(args, ordered(rows), len(ids), samples.shape))
 
 
-def write(args, rows: list[Row], num_tokens: int, calib_shape, results: Path) -> None:
+def settings(args) -> dict:
+    """What makes rows of two runs comparable (the configurations may differ)."""
+    return {k: getattr(args, k) for k in ("model", "data", "seq_len", "ppl_windows", "kl_windows", "num_samples",
+                                          "calib_seq_len")}  # fmt: skip
+
+
+def earlier_rows(path: Path, current: dict) -> dict[str, Row]:
+    """Rows of earlier runs with the same settings (a rerun of some configurations replaces just those)."""
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    if not isinstance(saved, dict) or saved.get("settings") != current:
+        return {}
+    return {r["config"]: Row(**r) for r in saved["rows"]}
+
+
+def ordered(rows: dict[str, Row]) -> list[Row]:
+    """The reference first, then CONFIGS order."""
+    rank = {name: i for i, name in enumerate(["bfloat16 (reference)", *CONFIGS])}
+    return sorted(rows.values(), key=lambda r: rank.get(r.config, len(rank)))
+
+
+def write(args, rows: dict[str, Row], num_tokens: int, calib_shape, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
-    (results / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    saved = {"settings": settings(args), "rows": [asdict(r) for r in ordered(rows)]}
+    (results / "results.json").write_text(json.dumps(saved, indent=2))
     if args.doc:
-        replace_section(Path(args.doc), f"quality-{Path(args.model).name}", format_report(args, rows, num_tokens, calib_shape))
+        report = format_report(args, ordered(rows), num_tokens, calib_shape)
+        replace_section(Path(args.doc), f"quality-{Path(args.model).name}", report)
 
 
 def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
