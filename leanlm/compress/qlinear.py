@@ -80,6 +80,15 @@ class QuantLinear(nn.Module, ABC):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
+def _dequantizes_natively(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 CPU activations (and bias) over a CPU weight: dequantize to bf16 natively rather than in fp32 torch
+    ops (about 10x faster for int4), same values rounded once."""
+    return (
+        x.dtype is torch.bfloat16 and x.is_cpu and qweight.is_cpu and qweight.is_contiguous()
+        and (bias is None or bias.dtype is torch.bfloat16) and cpu_qgemv.is_available()
+    )  # fmt: skip
+
+
 def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 [T, N] = (xq [T, K] int8 * xs [T, 1]) @ (qweight [N, K] int8 * scales [N])^T: torch's exact
     int8 x int8 -> int32 product on CPU, the same arithmetic in float elsewhere."""
@@ -106,6 +115,8 @@ class Int8WeightOnlyLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_qgemv.should_use_int8(x, self.qweight) and (self.bias is None or self.bias.dtype is x.dtype):
             return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias)
+        if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
+            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales), self.bias)
         return self.reference_forward(x)
 
     def native_linear(self) -> cpu_decode.NativeLinear:
@@ -167,6 +178,10 @@ class IntGroupWeightOnlyLinear(QuantLinear):
         ):
             xp = x if self.perm is None else x.index_select(-1, self.perm)
             return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
+            xp = x if self.perm is None else x.index_select(-1, self.perm)
+            w = cpu_qgemv.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+            return F.linear(xp, w, self.bias)
         return self.reference_forward(x)
 
     def native_linear(self) -> cpu_decode.NativeLinear:

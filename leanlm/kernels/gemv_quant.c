@@ -447,3 +447,40 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------- dequantization */
+
+/* Many-row products (prefill, batches past the passes' break-even) dequantize once to bf16 and use a GEMM.
+ * Each value is computed as the reference path computes it in fp32 (a product, then a sum: no FMA, this
+ * file is ISO C so contraction is off) and rounded once to bf16. Rows are split across threads. */
+
+/* out [N, K] bf16 = q [N, K] int8 * scales [N]. */
+void leanlm_dequantize_int8(const int8_t *w, const float *scales, uint16_t *out, int64_t N, int64_t K,
+                            int num_threads) {
+#pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = w + n * K;
+        uint16_t *dst = out + n * K;
+        const float s = scales[n];
+        for (int64_t k = 0; k < K; k++) dst[k] = f32_to_bf16((float)row[k] * s);
+    }
+}
+
+/* out [N, K] bf16 = q * scales[n, g] + mins[n, g], q the nibble k of row n (low nibble for even k). */
+void leanlm_dequantize_int4(const uint8_t *w, const float *scales, const float *mins, uint16_t *out, int64_t N,
+                            int64_t K, int64_t gs, int num_threads) {
+    const int64_t G = K / gs;
+#pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * (K / 2);
+        uint16_t *dst = out + n * K;
+        for (int64_t g = 0; g < G; g++) {
+            const float s = scales[n * G + g], m = mins[n * G + g];
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                const float q = (float)((row[k / 2] >> (4 * (k & 1))) & 0x0F);
+                const float scaled = q * s;
+                dst[k] = f32_to_bf16(scaled + m);
+            }
+        }
+    }
+}

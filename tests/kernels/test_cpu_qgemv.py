@@ -241,7 +241,8 @@ def test_should_use_policy():
     _, qweight4, _, _ = _int4_weight(64, 256, 64, g)
     assert cpu_qgemv.should_use_int8(x, qweight) and cpu_qgemv.should_use_int8(x[:1], qweight)
     assert cpu_qgemv.should_use_int8(torch.zeros(2, 4, 256, dtype=torch.bfloat16), qweight)  # 8 rows
-    assert not cpu_qgemv.should_use_int8(torch.zeros(9, 256, dtype=torch.bfloat16), qweight)  # M > MAX_ROWS
+    assert cpu_qgemv.should_use_int8(torch.zeros(64, 256, dtype=torch.bfloat16), qweight)  # several passes
+    assert not cpu_qgemv.should_use_int8(torch.zeros(65, 256, dtype=torch.bfloat16), qweight)  # M > MAX_ROWS
     assert not cpu_qgemv.should_use_int8(x.float(), qweight)
     assert not cpu_qgemv.should_use_int8(x.t().contiguous().t(), qweight)
     assert not cpu_qgemv.should_use_int8(x, qweight.t().contiguous().t())
@@ -252,7 +253,7 @@ def test_should_use_policy():
     assert not cpu_qgemv.should_use_int4(x, qweight4, 48)  # not a multiple of 32
     assert not cpu_qgemv.should_use_int4(x, qweight4, 96)  # does not divide K
     assert not cpu_qgemv.should_use_int4(x, qweight4, 512)
-    assert not cpu_qgemv.should_use_int4(torch.zeros(9, 256, dtype=torch.bfloat16), qweight4, 64)
+    assert not cpu_qgemv.should_use_int4(torch.zeros(65, 256, dtype=torch.bfloat16), qweight4, 64)
     assert not cpu_qgemv.should_use_int4(x, qweight, 64)  # int8 weight
     assert not cpu_qgemv.should_use_int4(x[:, :128].contiguous(), qweight4, 64)
 
@@ -269,3 +270,18 @@ def test_concurrent_callers_get_their_own_scratch():
         for _ in range(5):
             parallel = list(pool.map(lambda x: cpu_qgemv.linear_int4(x, qweight, scales, mins, 64), xs))
             assert all(torch.equal(a, b) for a, b in zip(serial, parallel))
+
+
+@pytest.mark.parametrize("N,K,gs", [(64, 256, 64), (40, 96, 32), (7, 512, 256)])
+def test_dequantize_to_bf16_equals_the_reference_rounded_once(N, K, gs):
+    g = torch.Generator().manual_seed(7)
+    qweight, scales = _int8_weight(N, K, g)
+    ref = (qweight.float() * scales[:, None]).to(torch.bfloat16)
+    assert torch.equal(cpu_qgemv.dequantize_int8(qweight, scales), ref)
+    codes, packed, scales4, mins4 = _int4_weight(N, K, gs, g)
+    ref4 = (codes.float().view(N, K // gs, gs) * scales4[..., None] + mins4[..., None]).reshape(N, K)
+    assert torch.equal(cpu_qgemv.dequantize_int4(packed, scales4, mins4, gs), ref4.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="divid"):
+        cpu_qgemv.dequantize_int4(packed, scales4, mins4, 5)
+    with pytest.raises(ValueError, match="int8"):
+        cpu_qgemv.dequantize_int8(packed, scales)
