@@ -12,6 +12,7 @@ replaces those rows and keeps the others, so the table can be built over several
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -49,6 +50,10 @@ CONFIGS: dict[str, dict] = {
     "W3A16 g64 AWQ": dict(method="awq", bits=3),
     "LLM.int8() (threshold 4)": dict(method="llm_int8", threshold=4.0),
     "LLM.int8() (threshold 3)": dict(method="llm_int8", threshold=3.0),
+    # where LLM.int8()'s loss comes from: every linear but down_proj, then down_proj alone
+    "LLM.int8() except down_proj": dict(method="llm_int8", ignore=("lm_head", "down_proj")),
+    "LLM.int8() down_proj only": dict(method="llm_int8", ignore=("lm_head", "q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj")),
 }
 
 
@@ -103,7 +108,10 @@ def main() -> None:
             llm, recipe, mib = LLM(args.model, dtype="bfloat16", progress=False, **opts), "-", float_mib
             seconds = 0.0
         else:
+            ignore = opts.pop("ignore", None)
             recipe_cfgs = build_recipe(**opts)
+            if ignore is not None:
+                recipe_cfgs = [dataclasses.replace(c, ignore=ignore) for c in recipe_cfgs]
             model = build_model(ckpt.config, ckpt.state_dict, torch.float32)
             needs_data = any(build_method(c).needs for c in recipe_cfgs)
             compress(model, recipe_cfgs, samples if needs_data else None, progress=False)
