@@ -28,7 +28,6 @@ class AWQConfig(MethodConfig, IntScheme):
     max_search_rows: int = 1024  # calibration rows used by the scale search (whole sequences for block_loss)
     block_loss: bool = True  # score scales on the output of the block a group feeds, else on its own outputs
     duo_scaling: bool = False  # s = mean|x|^r / mean|w|^(1-r), w normalised per quantization group
-    num_sink_tokens: int = 1  # leading tokens of each calibration window left out of statistics and losses
     max_clip_rows: int = 256  # and by the clipping search
 
     name = "awq"
@@ -37,8 +36,6 @@ class AWQConfig(MethodConfig, IntScheme):
         IntScheme.__post_init__(self)
         if self.n_grid < 1 or not 0 <= self.max_shrink < 1:
             raise ValueError("n_grid must be >= 1 and max_shrink in [0, 1)")
-        if self.num_sink_tokens < 0:
-            raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
 
 
 def weight_mean(weights: list[torch.Tensor], cfg: AWQConfig) -> torch.Tensor:
@@ -79,11 +76,9 @@ def search_scales(weights: list[torch.Tensor], x: torch.Tensor, mean_abs: torch.
 def search_block_scales(linears: list[nn.Linear], block: Callable[[], torch.Tensor], mean_abs: torch.Tensor,
                         cfg: AWQConfig, w_mean: torch.Tensor | None = None) -> torch.Tensor:
     """Best s [K] for the group's `linears`, scored on block() [S, T, N] (the output of the attention / MLP
-    block they feed, on fixed calibration sequences; the first cfg.num_sink_tokens of each left out) with
-    their weights swapped for Q(W * s) / s. Identity scales are a candidate too, so the result is never worse
-    than plain rounding on those sequences."""
-    skip = cfg.num_sink_tokens
-    ref = block()[:, skip:]
+    block they feed, on fixed calibration sequences) with their weights swapped for Q(W * s) / s. Identity
+    scales are a candidate too, so the result is never worse than plain rounding on those sequences."""
+    ref = block()
     originals = [lin.weight for lin in linears]
     spec = cfg.spec(originals[0].shape[1])
     best, best_s = float("inf"), None
@@ -93,7 +88,7 @@ def search_block_scales(linears: list[nn.Linear], block: Callable[[], torch.Tens
         for s in candidates:
             for lin, w in zip(linears, originals):
                 lin.weight = nn.Parameter((fake_quantize(w.float() * s, spec) / s).to(w.dtype), requires_grad=False)
-            loss = (block()[:, skip:] - ref).float().pow(2).mean().item()
+            loss = (block() - ref).float().pow(2).mean().item()
             if loss < best:
                 best, best_s = loss, s
     finally:
@@ -134,10 +129,6 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, cfg: AWQConfig) -> torch.
 @register_method(AWQConfig)
 class AWQ(Method):
     needs = frozenset({NEEDS_STATS, NEEDS_SEQUENCES})
-
-    @property
-    def num_sink_tokens(self) -> int:
-        return self.config.num_sink_tokens
 
     def apply_layer(self, layer, prefix, inputs: dict[str, GroupInputs] | None):
         cfg = self.config

@@ -30,7 +30,6 @@ class GroupInputs:
     num_tokens: int
     hessian: torch.Tensor | None = None  # [K, K] float32: (2 / n) X^T X, when a method needs it
     sequences: torch.Tensor | None = None  # [S', T, K] float32: the first S' calibration sequences, every row
-    num_sink_tokens: int = 0  # leading tokens of each window left out of the statistics above
     # run(module, x [S', T, K]) -> [S', T, N]: a submodule of this layer that reads the group's input, run on
     # whole sequences under the engine's attention context (NEEDS_SEQUENCES; None otherwise)
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
@@ -83,13 +82,6 @@ class Method(ABC):
         that group's inputs, observed through the layer as the earlier groups left it (GPTQ's true-sequential:
         o_proj is fitted to what the quantized q/k/v produce, down_proj to the quantized gate/up)."""
         return False
-
-    @property
-    def num_sink_tokens(self) -> int:
-        """Leading tokens of each calibration window left out of the statistics and losses this method reads:
-        position 0 is an attention sink whose massive activations would otherwise dominate them, once per
-        256-token calibration window against once per 2048 tokens in use."""
-        return 0
 
     @abstractmethod
     def apply_layer(self, layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None) -> list[LinearReport]:

@@ -155,31 +155,25 @@ class StopForward(Exception):
 
 
 class _InputObserver:
-    """Forward pre-hook accumulating GroupInputs for one linear's input (all calibration tokens but the first
-    `num_sink_tokens` of each window)."""
+    """Forward pre-hook accumulating GroupInputs for one linear's input (all calibration tokens)."""
 
     def __init__(self, in_features: int, num_tokens: int, with_hessian: bool, device: torch.device,
-                 seq_len: int, num_sink_tokens: int = 0, num_sequence_rows: int = 0) -> None:
+                 num_sequence_rows: int = 0) -> None:
         self.absmax = torch.zeros(in_features, device=device)
         self.abs_sum = torch.zeros(in_features, device=device)
         self.hessian = torch.zeros(in_features, in_features, device=device) if with_hessian else None
         self.keep_every = max(1, num_tokens // MAX_SAMPLE_ROWS)
         self.samples: list[torch.Tensor] = []
-        self.seq_len, self.num_sink_tokens = seq_len, num_sink_tokens
         self.num_sequence_rows = num_sequence_rows  # the first rows kept whole: S' sequences of T tokens
         self.sequence_rows: list[torch.Tensor] = []
-        self.num_rows = 0  # rows seen, sink tokens included
-        self.num_tokens = 0  # rows counted in the statistics
+        self.num_tokens = 0
         self.num_calls = 0  # chunks seen
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         x = args[0].reshape(-1, args[0].shape[-1]).float()  # [n * T, K]: whole windows
-        if self.num_rows < self.num_sequence_rows:
-            self.sequence_rows.append(x[: self.num_sequence_rows - self.num_rows])
-        self.num_rows += x.shape[0]
+        if self.num_tokens < self.num_sequence_rows:
+            self.sequence_rows.append(x[: self.num_sequence_rows - self.num_tokens])
         self.num_calls += 1
-        if self.num_sink_tokens:
-            x = x.view(-1, self.seq_len, x.shape[-1])[:, self.num_sink_tokens :].reshape(-1, x.shape[-1])
         self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
         self.abs_sum += x.abs().sum(dim=0)
         if self.hessian is not None:
@@ -193,16 +187,14 @@ class _InputObserver:
         hessian = None if self.hessian is None else self.hessian * (2.0 / n)
         samples = torch.cat(self.samples)[:MAX_SAMPLE_ROWS]
         sequences = torch.cat(self.sequence_rows) if self.sequence_rows else None  # [S' * T, K]
-        return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian, sequences,
-                           self.num_sink_tokens)
+        return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian, sequences)
 
 
 def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, needs: frozenset[str],
-                   groups: Sequence | None = None, num_sink_tokens: int = 0) -> dict[str, GroupInputs]:
+                   groups: Sequence | None = None) -> dict[str, GroupInputs]:
     """Run the layer on `hidden` [S, T, d] and return what fed each of `groups` (default: all of the layer's
     linear_groups), keyed by the group's first linear; `needs` holds the NEEDS_* of the method that reads
-    them, and the first `num_sink_tokens` of each window stay out of the statistics (not out of
-    `sequences`). Observing some groups only, each chunk's forward stops once they have all seen it."""
+    them. Observing some groups only, each chunk's forward stops once they have all seen it."""
     groups = layer.linear_groups if groups is None else groups
     stop_early = len(groups) < len(layer.linear_groups)
     num_seqs, seq_len = min(hidden.shape[0], run.batch), hidden.shape[1]  # one runner batch kept whole
@@ -220,7 +212,7 @@ def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, nee
         first = group.linears[0]
         linear = layer.get_submodule(first)
         obs = _InputObserver(linear.in_features, hidden.shape[0] * seq_len, NEEDS_HESSIAN in needs, hidden.device,
-                             seq_len, num_sink_tokens, keep_rows)
+                             keep_rows)
         observers[first] = obs
         handles.append(linear.register_forward_pre_hook(hook(obs)))
     try:
@@ -236,10 +228,9 @@ def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, nee
     return inputs
 
 
-def observe_head(model: nn.Module, hidden: torch.Tensor, with_hessian: bool, num_sink_tokens: int = 0) -> GroupInputs:
+def observe_head(model: nn.Module, hidden: torch.Tensor, with_hessian: bool) -> GroupInputs:
     """What feeds lm_head: the final norm of the last layer's outputs."""
-    obs = _InputObserver(hidden.shape[-1], hidden.shape[0] * hidden.shape[1], with_hessian, hidden.device,
-                         hidden.shape[1], num_sink_tokens)
+    obs = _InputObserver(hidden.shape[-1], hidden.shape[0] * hidden.shape[1], with_hessian, hidden.device)
     for sample in hidden:
         obs(None, (model.model.norm(sample),))
     return obs.result()
@@ -271,12 +262,11 @@ def run_layers(model: nn.Module, methods: list[Method], samples: torch.Tensor | 
                 continue
             # a sequential method sees each group's inputs through the groups it has already compressed
             for groups in ([(g,) for g in layer.linear_groups] if method.is_sequential else [layer.linear_groups]):
-                inputs = observe_inputs(layer, runner, hidden, method.needs, groups, method.num_sink_tokens)
+                inputs = observe_inputs(layer, runner, hidden, method.needs, groups)
                 reports += method.apply_layer(layer, prefix, inputs)
         if hidden is not None:
             hidden = runner(layer, hidden)
     for method in methods:
-        inputs = None if hidden is None else observe_head(model, hidden, NEEDS_HESSIAN in method.needs,
-                                                          method.num_sink_tokens)
+        inputs = None if hidden is None else observe_head(model, hidden, NEEDS_HESSIAN in method.needs)
         reports += method.apply_head(model, inputs)
     return reports

@@ -21,9 +21,8 @@ class GPTQConfig(MethodConfig, IntScheme):
     damp_percent: float = 0.01  # of the mean Hessian diagonal, added to the diagonal
     block_size: int = 128  # columns per lazy batch update (rounded to a multiple of group_size)
     act_order: bool = True  # quantize columns by decreasing H_ii (the "desc_act" of GPTQ checkpoints)
-    shrink_search: bool = False  # each group's range shrunk to the least |w - q|^2.4 (quant.shrink_qparams)
+    shrink_search: bool = True  # each group's range shrunk to the least |w - q|^2.4 (quant.shrink_qparams)
     true_sequential: bool = False  # fit each linear group to inputs that the layer's quantized groups produce
-    num_sink_tokens: int = 1  # leading tokens of each calibration window left out of the Hessian (Method.num_sink_tokens)
 
     name = "gptq"
 
@@ -33,8 +32,6 @@ class GPTQConfig(MethodConfig, IntScheme):
             raise ValueError(f"damp_percent must be in [0, 1), got {self.damp_percent}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.num_sink_tokens < 0:
-            raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
 
 
 @dataclass(frozen=True)
@@ -111,10 +108,6 @@ class GPTQ(LinearQuantizer):
     @property
     def is_sequential(self) -> bool:
         return self.config.true_sequential
-
-    @property
-    def num_sink_tokens(self) -> int:
-        return self.config.num_sink_tokens
 
     def quantize_linear(self, linear, inputs):
         cfg = self.config

@@ -224,20 +224,3 @@ def test_quantizing_the_head_unties_it(tiny_model):
     assert isinstance(model.lm_head, QuantLinear)
     assert torch.equal(model.model.embed_tokens.weight, embed)
     assert dataclasses.is_dataclass(RTNConfig())
-
-
-def test_sink_tokens_stay_out_of_the_statistics_but_not_out_of_the_sequences(tiny_model, calib):
-    from leanlm.compress.calibration import observe_inputs
-
-    model = tiny_model(torch.float64)
-    layer = model.model.layers[0]
-    runner = LayerRunner(model, calib.shape[1], 2)
-    hidden = model.model.embed_tokens(calib)
-    x = layer.input_layernorm(hidden)  # [S, T, d]: what feeds q/k/v
-    fed = observe_inputs(layer, runner, hidden, frozenset({"hessian", "sequences"}),
-                         num_sink_tokens=1)["self_attn.q_proj"]
-    rows = x[:, 1:].reshape(-1, x.shape[-1]).float()
-    assert fed.num_tokens == rows.shape[0] and fed.num_sink_tokens == 1
-    assert torch.allclose(fed.hessian, 2 * rows.t() @ rows / rows.shape[0], atol=1e-5)
-    assert torch.allclose(fed.mean_abs, rows.abs().mean(0), atol=1e-6)
-    assert torch.allclose(fed.sequences, x[:2].float())  # one runner batch of whole windows
