@@ -26,9 +26,9 @@ class AWQConfig(MethodConfig, IntScheme):
     clip: bool = True  # also search per-group clipping ranges
     max_shrink: float = 0.5  # clipping tries max |w| * (1 - i / n_grid) down to (1 - max_shrink)
     max_search_rows: int = 1024  # calibration rows used by the scale search (whole sequences for block_loss)
+    max_clip_rows: int = 256  # and by the clipping search
     block_loss: bool = True  # score scales on the output of the block a group feeds, else on its own outputs
     duo_scaling: bool = False  # s = mean|x|^r / mean|w|^(1-r), w normalised per quantization group
-    max_clip_rows: int = 256  # and by the clipping search
 
     name = "awq"
 
