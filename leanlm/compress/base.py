@@ -15,6 +15,9 @@ from torch import nn
 # What a method asks the loop to observe at each linear group's input (see GroupInputs).
 NEEDS_HESSIAN = "hessian"
 NEEDS_STATS = "stats"
+# The first calibration sequences whole at each group's input, and a runner for the layer's submodules on them
+# (AWQ scores its scales on the output of the attention or MLP block a group feeds).
+NEEDS_SEQUENCES = "sequences"
 
 
 @dataclass
@@ -26,6 +29,10 @@ class GroupInputs:
     samples: torch.Tensor  # [n, K] float32: a fixed, evenly spaced subset of input rows
     num_tokens: int
     hessian: torch.Tensor | None = None  # [K, K] float32: (2 / n) X^T X, when a method needs it
+    sequences: torch.Tensor | None = None  # [S', T, K] float32: the first S' calibration sequences, every row
+    # run(module, x [S', T, K]) -> [S', T, N]: a submodule of this layer that reads the group's input, run on
+    # whole sequences under the engine's attention context (NEEDS_SEQUENCES; None otherwise)
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,10 +76,18 @@ class Method(ABC):
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
 
+    @property
+    def is_sequential(self) -> bool:
+        """True: the loop calls apply_layer once per linear group, in the layer's order, each time with only
+        that group's inputs, observed through the layer as the earlier groups left it (GPTQ's true-sequential:
+        o_proj is fitted to what the quantized q/k/v produce, down_proj to the quantized gate/up)."""
+        return False
+
     @abstractmethod
     def apply_layer(self, layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None) -> list[LinearReport]:
         """Compress `layer` (full name `prefix`) in place; `inputs` maps the first linear of each of the layer's
-        `linear_groups` to what fed the group (None without calibration data)."""
+        `linear_groups` (of the one group, for a sequential method) to what fed the group (None without
+        calibration data)."""
 
     def apply_head(self, model: nn.Module, inputs: GroupInputs | None) -> list[LinearReport]:
         """Compress the output head when the config does not ignore it; transforms leave it alone."""

@@ -8,6 +8,7 @@ scheme). Attention runs through the engine's own paged backend, so calibration s
 from __future__ import annotations
 
 import bz2
+import functools
 import html
 import importlib.util
 import re
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.compress.base import NEEDS_HESSIAN, GroupInputs, LinearReport, Method
+from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_SEQUENCES, GroupInputs, LinearReport, Method
 from leanlm.model.context import build_forward_context, forward_context
 
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -107,10 +108,32 @@ class LayerRunner:
 
     def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, T, d] -> layer outputs [S, T, d]."""
+        return self._run(layer, lambda x, rope: layer(x, rope), hidden)
+
+    def feed(self, layer: nn.Module, hidden: torch.Tensor) -> None:
+        """Run the layer on hidden [S, T, d] for its hooks only: a hook raising StopForward ends that chunk's
+        forward there (the rest of the layer is not needed)."""
+        def fn(x, rope):
+            try:
+                layer(x, rope)
+            except StopForward:
+                pass
+        self._run(layer, fn, hidden, keep=False)
+
+    def run_module(self, layer: nn.Module, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One submodule of `layer` (its attention, MLP or a linear) on whole sequences x [S, T, K] -> [S, T, N].
+        A module that owns a KV cache is attention and also takes the rotary tables."""
+        if hasattr(module, "k_cache"):
+            return self._run(layer, lambda flat, rope: module(flat, rope), x)
+        return self._run(layer, lambda flat, rope: module(flat), x)
+
+    def _run(self, layer: nn.Module, fn, hidden: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
+        """fn(rows [n*T, K], rope) -> [n*T, N] over `batch` sequences of hidden [S, T, K] at a time; the
+        outputs [S, T, N] when `keep`."""
         attn = layer.self_attn
         saved = attn.k_cache, attn.v_cache
         attn.k_cache, attn.v_cache = self.k_cache, self.v_cache
-        out = torch.empty_like(hidden)
+        outs = []
         try:
             for start in range(0, hidden.shape[0], self.batch):
                 chunk = hidden[start : start + self.batch]
@@ -119,25 +142,38 @@ class LayerRunner:
                                             self.num_kv_heads, self.device)
                 rope = tuple(t[: n * self.seq_len] for t in self.rope)
                 with forward_context(ctx):
-                    out[start : start + n] = layer(chunk.reshape(-1, chunk.shape[-1]), rope).view_as(chunk)
+                    out = fn(chunk.reshape(-1, chunk.shape[-1]), rope)
+                if keep:
+                    outs.append(out.view(n, self.seq_len, -1))
         finally:
             attn.k_cache, attn.v_cache = saved
-        return out
+        return torch.cat(outs) if keep else None
+
+
+class StopForward(Exception):
+    """Raised by an observer hook once every observed group has seen the current chunk."""
 
 
 class _InputObserver:
     """Forward pre-hook accumulating GroupInputs for one linear's input (all calibration tokens)."""
 
-    def __init__(self, in_features: int, num_tokens: int, with_hessian: bool, device: torch.device) -> None:
+    def __init__(self, in_features: int, num_tokens: int, with_hessian: bool, device: torch.device,
+                 num_sequence_rows: int = 0) -> None:
         self.absmax = torch.zeros(in_features, device=device)
         self.abs_sum = torch.zeros(in_features, device=device)
         self.hessian = torch.zeros(in_features, in_features, device=device) if with_hessian else None
         self.keep_every = max(1, num_tokens // MAX_SAMPLE_ROWS)
         self.samples: list[torch.Tensor] = []
+        self.num_sequence_rows = num_sequence_rows  # the first rows kept whole: S' sequences of T tokens
+        self.sequence_rows: list[torch.Tensor] = []
         self.num_tokens = 0
+        self.num_calls = 0  # chunks seen
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1]).float()  # [T, K]
+        x = args[0].reshape(-1, args[0].shape[-1]).float()  # [n * T, K]: whole windows
+        if self.num_tokens < self.num_sequence_rows:
+            self.sequence_rows.append(x[: self.num_sequence_rows - self.num_tokens])
+        self.num_calls += 1
         self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
         self.abs_sum += x.abs().sum(dim=0)
         if self.hessian is not None:
@@ -150,24 +186,46 @@ class _InputObserver:
         n = max(self.num_tokens, 1)
         hessian = None if self.hessian is None else self.hessian * (2.0 / n)
         samples = torch.cat(self.samples)[:MAX_SAMPLE_ROWS]
-        return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian)
+        sequences = torch.cat(self.sequence_rows) if self.sequence_rows else None  # [S' * T, K]
+        return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian, sequences)
 
 
-def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, with_hessian: bool) -> dict[str, GroupInputs]:
-    """Run the layer on `hidden` and return what fed each linear group, keyed by the group's first linear."""
+def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, needs: frozenset[str],
+                   groups: Sequence | None = None) -> dict[str, GroupInputs]:
+    """Run the layer on `hidden` [S, T, d] and return what fed each of `groups` (default: all of the layer's
+    linear_groups), keyed by the group's first linear; `needs` holds the NEEDS_* of the method that reads
+    them. Observing some groups only, each chunk's forward stops once they have all seen it."""
+    groups = layer.linear_groups if groups is None else groups
+    stop_early = len(groups) < len(layer.linear_groups)
+    num_seqs, seq_len = min(hidden.shape[0], run.batch), hidden.shape[1]  # one runner batch kept whole
+    keep_rows = num_seqs * seq_len if NEEDS_SEQUENCES in needs else 0
     observers, handles = {}, []
-    for group in layer.linear_groups:
+
+    def hook(obs: _InputObserver):
+        def observe(module, args):
+            obs(module, args)
+            if stop_early and all(o.num_calls == obs.num_calls for o in observers.values()):
+                raise StopForward
+        return observe
+
+    for group in groups:
         first = group.linears[0]
         linear = layer.get_submodule(first)
-        obs = _InputObserver(linear.in_features, hidden.shape[0] * hidden.shape[1], with_hessian, hidden.device)
+        obs = _InputObserver(linear.in_features, hidden.shape[0] * seq_len, NEEDS_HESSIAN in needs, hidden.device,
+                             keep_rows)
         observers[first] = obs
-        handles.append(linear.register_forward_pre_hook(obs))
+        handles.append(linear.register_forward_pre_hook(hook(obs)))
     try:
-        run(layer, hidden)
+        run.feed(layer, hidden)
     finally:
         for h in handles:
             h.remove()
-    return {name: obs.result() for name, obs in observers.items()}
+    inputs = {name: obs.result() for name, obs in observers.items()}
+    if keep_rows:
+        for fed in inputs.values():
+            fed.sequences = fed.sequences.view(num_seqs, seq_len, -1)
+            fed.run = functools.partial(run.run_module, layer)
+    return inputs
 
 
 def observe_head(model: nn.Module, hidden: torch.Tensor, with_hessian: bool) -> GroupInputs:
@@ -199,10 +257,13 @@ def run_layers(model: nn.Module, methods: list[Method], samples: torch.Tensor | 
     for idx, layer in enumerate(tqdm(layers, desc="compressing layers", unit="layer", disable=not progress)):
         prefix = f"model.layers.{idx}"
         for method in methods:
-            inputs = None
-            if hidden is not None:
-                inputs = observe_inputs(layer, runner, hidden, NEEDS_HESSIAN in method.needs)
-            reports += method.apply_layer(layer, prefix, inputs)
+            if hidden is None:
+                reports += method.apply_layer(layer, prefix, None)
+                continue
+            # a sequential method sees each group's inputs through the groups it has already compressed
+            for groups in ([(g,) for g in layer.linear_groups] if method.is_sequential else [layer.linear_groups]):
+                inputs = observe_inputs(layer, runner, hidden, method.needs, groups)
+                reports += method.apply_layer(layer, prefix, inputs)
         if hidden is not None:
             hidden = runner(layer, hidden)
     for method in methods:

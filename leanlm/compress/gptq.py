@@ -11,7 +11,7 @@ import torch
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_STATS, MethodConfig, register_method
 from leanlm.compress.hessian import inverse_cholesky_upper, prepare_hessian
-from leanlm.compress.quant import QParams, QuantSpec, compute_qparams, quantize
+from leanlm.compress.quant import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
 from leanlm.compress.quantizer import LinearQuantizer
 from leanlm.compress.scheme import IntScheme, build_module
 
@@ -21,6 +21,8 @@ class GPTQConfig(MethodConfig, IntScheme):
     damp_percent: float = 0.01  # of the mean Hessian diagonal, added to the diagonal
     block_size: int = 128  # columns per lazy batch update (rounded to a multiple of group_size)
     act_order: bool = True  # quantize columns by decreasing H_ii (the "desc_act" of GPTQ checkpoints)
+    shrink_search: bool = True  # each group's range shrunk to the least |w - q|^2.4 (quant.shrink_qparams)
+    true_sequential: bool = False  # fit each linear group to inputs that the layer's quantized groups produce
 
     name = "gptq"
 
@@ -57,7 +59,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) 
     codes = torch.empty(n, k, dtype=torch.int16)
     q_all = torch.empty_like(w)
     scales, zeros = [], []
-    qp = compute_qparams(w, spec) if group is None else None  # per channel: fixed up front, as in GPTQ
+    find_qparams = shrink_qparams if cfg.shrink_search else compute_qparams
+    qp = find_qparams(w, spec) if group is None else None  # per channel: fixed up front, as in GPTQ
     col_spec = QuantSpec(spec.bits, spec.symmetric)  # one column [N, 1] against per-row parameters
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
@@ -67,7 +70,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) 
         for i in range(b1 - b0):
             col = b0 + i
             if group is not None and col % group == 0:  # parameters from the group's already-updated columns
-                qp = compute_qparams(w_blk[:, i : i + group], QuantSpec(spec.bits, spec.symmetric))
+                qp = find_qparams(w_blk[:, i : i + group], QuantSpec(spec.bits, spec.symmetric))
                 scales.append(qp.scale)
                 zeros.append(qp.zero)
             x = w_blk[:, i : i + 1]
@@ -101,6 +104,10 @@ def layer_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tenso
 @register_method(GPTQConfig)
 class GPTQ(LinearQuantizer):
     needs = frozenset({NEEDS_HESSIAN, NEEDS_STATS})
+
+    @property
+    def is_sequential(self) -> bool:
+        return self.config.true_sequential
 
     def quantize_linear(self, linear, inputs):
         cfg = self.config

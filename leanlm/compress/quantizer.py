@@ -15,8 +15,11 @@ from leanlm.compress.scheme import linear_report
 
 def group_linears(layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None,
                   ) -> Iterator[tuple[str, str, nn.Module, GroupInputs | None]]:
-    """(name in layer, full name, module, what fed it) for every linear of the layer, in group order."""
+    """(name in layer, full name, module, what fed it) for every linear of the layer, in group order; with
+    inputs, only the groups they hold (a sequential method gets one group at a time)."""
     for group in layer.linear_groups:
+        if inputs is not None and group.linears[0] not in inputs:
+            continue
         fed = None if inputs is None else inputs[group.linears[0]]
         for name in group.linears:
             yield name, f"{prefix}.{name}", layer.get_submodule(name), fed

@@ -14,6 +14,7 @@ def test_recipes_behind_the_methods():
     sq = build_recipe("smoothquant", alpha=0.8)
     assert sq[0] == SmoothQuantConfig(alpha=0.8) and sq[1].act_bits == 8 and sq[1].group_size is None
     assert build_recipe("gptq", group_size=0)[0] == GPTQConfig(bits=4, group_size=None)
+    assert build_recipe("gptq", true_sequential=True)[0].true_sequential
     assert build_recipe("rtn", quantize_lm_head=True)[0].ignore == ()
 
 

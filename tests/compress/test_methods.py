@@ -8,7 +8,8 @@ import torch
 from leanlm.compress import (
     AWQConfig, FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SmoothQuantConfig, compress,
 )
-from leanlm.compress.awq import search_scales
+from leanlm.compress.awq import inspected_module, search_block_scales, search_scales
+from leanlm.compress.calibration import LayerRunner
 from leanlm.compress.gptq import gptq_quantize, layer_error
 from leanlm.compress.qlinear import QuantLinear
 from leanlm.compress.quant import fake_quantize, sqnr_db
@@ -58,14 +59,15 @@ def test_smoothing_scales_formula():
 
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (3, 32), (4, None), (8, None)])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_layer_error_is_at_most_rtn(bits, group_size, act_order):
+@pytest.mark.parametrize("shrink", [False, True])
+def test_gptq_layer_error_is_at_most_rtn(bits, group_size, act_order, shrink):
     gen = torch.Generator().manual_seed(bits)
     k = 128
     x = torch.randn(2048, k, generator=gen) @ (torch.randn(k, k, generator=gen) / k**0.5)  # correlated inputs
     x[:, :4] *= 10
     w = torch.randn(64, k, generator=gen) / k**0.5
     hessian = 2 * x.t() @ x / x.shape[0]
-    cfg = GPTQConfig(bits=bits, group_size=group_size, act_order=act_order and bits <= 4)
+    cfg = GPTQConfig(bits=bits, group_size=group_size, act_order=act_order and bits <= 4, shrink_search=shrink)
     result = gptq_quantize(w, hessian, cfg)
     rtn = fake_quantize(w, cfg.spec(k))
     gptq_err, rtn_err = layer_error(w, result.dequantized, hessian), layer_error(w, rtn, hessian)
@@ -78,9 +80,10 @@ def test_gptq_layer_error_is_at_most_rtn(bits, group_size, act_order):
     assert torch.allclose(module.dequantized_weight(), result.dequantized, atol=1e-5)
 
 
-def test_gptq_through_compress_beats_rtn_per_layer(tiny_model, calib):
+@pytest.mark.parametrize("true_sequential", [False, True])
+def test_gptq_through_compress_beats_rtn_per_layer(tiny_model, calib, true_sequential):
     reports = {}
-    for cfg in (RTNConfig(bits=3, group_size=32), GPTQConfig(bits=3, group_size=32)):
+    for cfg in (RTNConfig(bits=3, group_size=32), GPTQConfig(bits=3, group_size=32, true_sequential=true_sequential)):
         model = tiny_model()
         reports[cfg.name] = {r.name: r.rel_error for r in compress(model, [cfg], calib, progress=False).linears}
         assert all(isinstance(model.get_submodule(n), QuantLinear) for n in reports[cfg.name])
@@ -88,6 +91,35 @@ def test_gptq_through_compress_beats_rtn_per_layer(tiny_model, calib):
     better = sum(reports["gptq"][n] <= reports["rtn"][n] for n in reports["rtn"])
     assert better >= 12  # per linear, on the layer's own calibration inputs
     assert sum(reports["gptq"].values()) < sum(reports["rtn"].values())
+
+
+def test_observing_one_group_stops_early_and_sees_what_the_full_pass_sees(tiny_model, calib):
+    from leanlm.compress.calibration import observe_inputs
+
+    model = tiny_model(torch.float64)
+    layer = model.model.layers[0]
+    runner = LayerRunner(model, calib.shape[1], 2)
+    hidden = model.model.embed_tokens(calib)
+    full = observe_inputs(layer, runner, hidden, frozenset({"hessian"}))
+    calls = []
+    layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: calls.append(1))
+    for group in layer.linear_groups:
+        one = observe_inputs(layer, runner, hidden, frozenset({"hessian"}), (group,))
+        (name, fed), = one.items()
+        assert torch.allclose(fed.hessian, full[name].hessian, atol=1e-10) and fed.num_tokens == full[name].num_tokens
+    assert len(calls) == 2  # down_proj ran only when its own group was observed (2 chunks of 2 samples)
+
+
+def test_true_sequential_gptq_fits_o_proj_to_the_quantized_attention(tiny_model, calib):
+    """The two schemes differ exactly from o_proj on: q/k/v see the same inputs either way."""
+    weights = {}
+    for seq in (False, True):
+        model = tiny_model()
+        compress(model, [GPTQConfig(bits=3, group_size=32, true_sequential=seq)], calib, progress=False)
+        attn = model.model.layers[0].self_attn
+        weights[seq] = (attn.q_proj.dequantized_weight(), attn.o_proj.dequantized_weight())
+    assert torch.equal(weights[False][0], weights[True][0])
+    assert not torch.equal(weights[False][1], weights[True][1])
 
 
 def test_awq_scale_search_protects_salient_channels():
@@ -113,6 +145,50 @@ def test_awq_then_rtn_beats_rtn_on_model(tiny_model, calib):
         compress(model, recipe, calib, progress=False)
         out[name] = sqnr_db(ref, dense_logits(model, calib))
     assert out["awq"] > out["rtn"]
+
+
+def test_awq_inspects_the_block_a_group_feeds():
+    assert inspected_module(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")) == "self_attn"
+    assert inspected_module(("mlp.gate_proj", "mlp.up_proj")) == "mlp"
+    assert inspected_module(("mlp.down_proj",)) == "mlp.down_proj"
+
+
+def test_run_module_pieces_make_the_layer(tiny_model, calib):
+    """The runner's submodule calls (attention with its context, the MLP) rebuild the layer's own output."""
+    model = tiny_model(torch.float64)
+    layer = model.model.layers[0]
+    runner = LayerRunner(model, calib.shape[1], 2)
+    h = model.model.embed_tokens(calib)  # [S, T, d]
+    h = h + runner.run_module(layer, layer.self_attn, layer.input_layernorm(h))
+    h = h + runner.run_module(layer, layer.mlp, layer.post_attention_layernorm(h))
+    assert torch.allclose(h, runner(layer, model.model.embed_tokens(calib)), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("duo", [False, True])
+def test_awq_block_search_beats_plain_rounding_on_the_attention_output(tiny_model, calib, duo):
+    model = _spiky(tiny_model())
+    layer = model.model.layers[0]
+    runner = LayerRunner(model, calib.shape[1], calib.shape[0])
+    x = layer.input_layernorm(model.model.embed_tokens(calib))  # [S, T, d]: what feeds q/k/v
+    linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    cfg = AWQConfig(bits=3, group_size=32, duo_scaling=duo)
+    before = [lin.weight for lin in linears]
+    copies = [w.detach().clone() for w in before]
+    block = lambda: runner.run_module(layer, layer.self_attn, x)
+    ref = block()
+    s = search_block_scales(linears, block, x.abs().mean(dim=(0, 1)), cfg)
+    assert all(torch.equal(lin.weight, w) for lin, w in zip(linears, copies))  # the search restores the weights
+
+    def loss(scales):
+        for lin, w in zip(linears, before):
+            lin.weight = torch.nn.Parameter(fake_quantize(w * scales, cfg.spec(w.shape[1])) / scales)
+        out = (block() - ref).pow(2).mean().item()
+        for lin, w in zip(linears, before):
+            lin.weight = w
+        return out
+
+    assert loss(s) < 0.9 * loss(torch.ones_like(s))  # spiky channels: a real gain over plain rounding
+    assert s[[5, 17]].min() > s.median()  # by scaling up the salient channels
 
 
 def test_llm_int8_finds_outlier_columns_from_calibration(tiny_model, calib):
