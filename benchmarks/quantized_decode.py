@@ -4,7 +4,8 @@ engines next to llama.cpp running its own Q8_0 and Q4_1 of the same model (llama
     python benchmarks/quantized_decode.py --doc docs/quantization.md
 
 Every layer and the output head are quantized in our int8/int4 checkpoints, as in llama.cpp's files (the
-int4 checkpoint keeps the head at int8, as llama.cpp's Q4_1 file keeps it at Q8_0). Each repetition records
+int4 checkpoint keeps the head at int8, as llama.cpp's Q4_1 file keeps it at Q8_0; a second int4 row has it at
+int4 too). Each repetition records
 the CPU share other processes took (from /proc/stat) and contaminated repetitions are discarded.
 """
 
@@ -30,6 +31,7 @@ WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wik
 RECIPES = {
     "int8": [RTNConfig(bits=8, group_size=None, ignore=())],
     "int4": [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())],  # head at int8
+    "int4-head4": [RTNConfig(bits=4, group_size=64, ignore=())],  # the head at int4 too
 }
 
 
@@ -73,6 +75,8 @@ def main() -> None:
                                                     progress=False)),
         "leanlm int4 g64": LeanLMRunner(LLM(str(quantized_dir(args.model, "int4", root)), dtype="bfloat16",
                                             progress=False)),
+        "leanlm int4 g64, head int4": LeanLMRunner(LLM(str(quantized_dir(args.model, "int4-head4", root)),
+                                                       dtype="bfloat16", progress=False)),
     }
     ctx = args.prompt_len + args.output_len + 16
     q8 = llama_q8_0(gguf, root)
