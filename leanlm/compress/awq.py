@@ -5,7 +5,6 @@ then search a per-group clipping range. A quantizer (RTN) follows."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,13 +99,6 @@ def search_block_scales(linears: list[nn.Linear], block: Callable[[], torch.Tens
     return best_s
 
 
-def inspected_module(linears: tuple[str, ...]) -> str:
-    """The module whose output scores a group's scales: the smallest one holding all of the group's linears
-    (attention for q/k/v, the MLP for gate/up, a lone linear itself), AutoAWQ's `module2inspect`. Its input
-    is the group's input in the Llama family's declared structure."""
-    return ".".join(os.path.commonprefix([name.split(".") for name in linears]))
-
-
 def search_clip(weight: torch.Tensor, x: torch.Tensor, cfg: AWQConfig) -> torch.Tensor:
     """Per (row, group) clipping bound [N, G, 1] minimising the group-partial output error on rows x [n, K]."""
     spec = cfg.spec(weight.shape[1])
@@ -142,7 +134,7 @@ class AWQ(Method):
             linears = [layer.get_submodule(n) for n in group.linears]
             w_mean = weight_mean([lin.weight for lin in linears], cfg) if cfg.duo_scaling else None
             if cfg.block_loss:
-                module = layer.get_submodule(inspected_module(group.linears))
+                module = layer.get_submodule(group.block)
                 seqs = fed.sequences[: max(1, cfg.max_search_rows // fed.sequences.shape[1])]  # [S', T, K]
                 s = search_block_scales(linears, lambda: fed.run(module, seqs), fed.mean_abs, cfg, w_mean)
             else:

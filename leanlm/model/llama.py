@@ -74,7 +74,16 @@ class LinearGroup:
 
     producer: str  # submodule whose output is the group's input: a norm, or a linear
     linears: tuple[str, ...]  # submodule names, relative to the layer
+    # the block whose output AWQ scores the group's scales on, fed by the group's input (AutoAWQ's
+    # module2inspect): attention for q/k/v, the MLP for gate/up; "" = the group's one linear itself
+    block: str = ""
     can_fold: bool = True  # False when producer's output channels do not map 1:1 to the inputs (GQA v -> o)
+
+    def __post_init__(self) -> None:
+        if not self.block:
+            if len(self.linears) != 1:
+                raise ValueError(f"a group of several linears {self.linears} must name the block they feed")
+            object.__setattr__(self, "block", self.linears[0])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -82,10 +91,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         # v_proj's output channels reach o_proj one-to-one only without grouped-query attention.
         self.linear_groups = (
-            LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
             LinearGroup("self_attn.v_proj", ("self_attn.o_proj",),
                         can_fold=config.num_attention_heads == config.num_key_value_heads),
-            LinearGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            LinearGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
             LinearGroup("mlp.up_proj", ("mlp.down_proj",)),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

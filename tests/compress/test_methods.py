@@ -8,12 +8,13 @@ import torch
 from leanlm.compress import (
     AWQConfig, FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SmoothQuantConfig, compress,
 )
-from leanlm.compress.awq import inspected_module, search_block_scales, search_scales
+from leanlm.compress.awq import search_block_scales, search_scales
 from leanlm.compress.calibration import LayerRunner
 from leanlm.compress.gptq import gptq_quantize, layer_error
 from leanlm.compress.qlinear import QuantLinear
 from leanlm.compress.quant import fake_quantize, sqnr_db
 from leanlm.compress.smoothquant import smoothing_scales
+from leanlm.model.llama import LinearGroup
 from tests.compress.conftest import dense_logits
 
 
@@ -147,10 +148,13 @@ def test_awq_then_rtn_beats_rtn_on_model(tiny_model, calib):
     assert out["awq"] > out["rtn"]
 
 
-def test_awq_inspects_the_block_a_group_feeds():
-    assert inspected_module(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")) == "self_attn"
-    assert inspected_module(("mlp.gate_proj", "mlp.up_proj")) == "mlp"
-    assert inspected_module(("mlp.down_proj",)) == "mlp.down_proj"
+def test_awq_inspects_the_block_a_group_feeds(tiny_model):
+    blocks = {g.linears: g.block for g in tiny_model().model.layers[0].linear_groups}
+    assert blocks[("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")] == "self_attn"
+    assert blocks[("mlp.gate_proj", "mlp.up_proj")] == "mlp"
+    assert blocks[("mlp.down_proj",)] == "mlp.down_proj"
+    with pytest.raises(ValueError, match="block"):
+        LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj"))
 
 
 def test_run_module_pieces_make_the_layer(tiny_model, calib):
