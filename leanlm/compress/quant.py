@@ -89,19 +89,21 @@ def shrink_qparams(x: torch.Tensor, spec: QuantSpec, max_shrink: float = 0.2, n_
     """Like compute_qparams, but each unit's range [lo, hi] shrinks by the factor in 1, 1 - max_shrink / n_grid,
     ..., 1 - max_shrink that minimises sum |x - fake_quantize(x)|^norm over the unit: clipping a few
     outliers buys a finer grid for the rest (the `mse` grid of the GPTQ reference quantizer)."""
-    xg = grouped(x.float(), spec)
+    xf = x.float()
+    xg = grouped(xf, spec)
     lo = _reduce(xg, spec, lambda t, **kw: t.amin(**kw)).clamp_max(0)
     hi = _reduce(xg, spec, lambda t, **kw: t.amax(**kw)).clamp_min(0)
-    best, best_err = None, None
-    for i in range(n_grid + 1):
+
+    def error(qp: QParams) -> torch.Tensor:  # per unit
+        diff = grouped(fake_quantize(xf, spec, qp), spec) - xg
+        return _reduce(diff.abs().pow(norm), spec, lambda t, **kw: t.sum(**kw))
+
+    best = qparams_from_range(lo, hi, spec)
+    best_err = error(best)
+    for i in range(1, n_grid + 1):
         p = 1 - max_shrink * i / n_grid
         qp = qparams_from_range(p * lo, p * hi, spec)
-        q = torch.round(xg / qp.scale) + (0 if qp.zero is None else qp.zero)
-        q = q.clamp(spec.qmin, spec.qmax) - (0 if qp.zero is None else qp.zero)
-        err = _reduce((q * qp.scale - xg).abs().pow(norm), spec, lambda t, **kw: t.sum(**kw))
-        if best is None:
-            best, best_err = qp, err
-            continue
+        err = error(qp)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = QParams(torch.where(better, qp.scale, best.scale),
