@@ -33,11 +33,18 @@ def is_available() -> bool:
     return _KERNEL.is_available()
 
 
+def supports_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Head shapes the kernels handle: a head dim that is a multiple of 32 up to 256, at most MAX_GROUP query
+    heads per KV head."""
+    return (
+        head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM
+        and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+    )  # fmt: skip
+
+
 def should_use(q: torch.Tensor, k_cache: torch.Tensor, k_scales: torch.Tensor | None = None) -> bool:
     """bf16 queries on the CPU over a bf16 cache, or an int8 one with its scales, with a head dim the kernel
     handles (a multiple of 32, at most 256)."""
-    head_dim = k_cache.shape[-1]
-    group = q.shape[1] // k_cache.shape[1]
     if k_scales is None:
         kernel_ok = k_cache.dtype == torch.bfloat16 and is_available()
     else:
@@ -46,9 +53,7 @@ def should_use(q: torch.Tensor, k_cache: torch.Tensor, k_scales: torch.Tensor | 
         kernel_ok
         and q.dtype == torch.bfloat16
         and q.device.type == "cpu"
-        and head_dim % 32 == 0
-        and head_dim <= MAX_HEAD_DIM
-        and group <= MAX_GROUP
+        and supports_heads(q.shape[1], k_cache.shape[1], k_cache.shape[-1])
         and k_cache.is_contiguous()
     )
 

@@ -181,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
             or self.model.norm.weight.dtype != torch.bfloat16 or not self.model.norm.weight.is_contiguous() or self.model.embed_tokens.weight.dtype != torch.bfloat16
             or not self.model.norm.weight.is_cpu or not cpu_decode.is_available()
             or rotary.cos.dtype != torch.float32 or not rotary.cos.is_cpu
-            or not paged_attention_fits(cfg)
+            or not paged_attention.supports_heads(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                  cfg.head_dim)
         ):  # fmt: skip
             return None
         native: list[cpu_decode.NativeLayer] = []
@@ -200,15 +201,6 @@ class LlamaForCausalLM(nn.Module):
             native, self.model.norm.weight, rotary.cos, rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
         )  # fmt: skip
-
-
-def paged_attention_fits(config: ModelConfig) -> bool:
-    """Head shapes the native paged decode kernel handles."""
-    group = config.num_attention_heads // config.num_key_value_heads
-    return (
-        config.head_dim % 32 == 0 and config.head_dim <= paged_attention.MAX_HEAD_DIM
-        and config.num_attention_heads % config.num_key_value_heads == 0 and group <= paged_attention.MAX_GROUP
-    )  # fmt: skip
 
 
 def build_model(
