@@ -176,13 +176,13 @@ class LlamaForCausalLM(nn.Module):
         bf16 or int8 cache, bf16 norms, and linears that are bf16, int8 weight-only or group-wise int2-4."""
         layers, rotary, cfg = self.model.layers, self.rotary_emb, self.config
         attn0 = layers[0].self_attn if len(layers) else None
+        norm = self.model.norm.weight
         if (
-            attn0 is None or rotary is None or attn0.backend.name != "cpu"
-            or self.model.norm.weight.dtype != torch.bfloat16 or not self.model.norm.weight.is_contiguous() or self.model.embed_tokens.weight.dtype != torch.bfloat16
-            or not self.model.norm.weight.is_cpu or not cpu_decode.is_available()
+            attn0 is None or rotary is None or attn0.backend.name != "cpu" or not cpu_decode.is_available()
+            or norm.dtype != torch.bfloat16 or not norm.is_cpu or not norm.is_contiguous()
+            or self.model.embed_tokens.weight.dtype != torch.bfloat16
             or rotary.cos.dtype != torch.float32 or not rotary.cos.is_cpu
-            or not paged_attention.supports_heads(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                  cfg.head_dim)
+            or not paged_attention.supports_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         ):  # fmt: skip
             return None
         native: list[cpu_decode.NativeLayer] = []
@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
                 return None
             native.append(spec)
         return cpu_decode.DecodeLayers(
-            native, self.model.norm.weight, rotary.cos, rotary.sin, cfg.num_attention_heads,
+            native, norm, rotary.cos, rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
         )  # fmt: skip
 
