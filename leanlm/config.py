@@ -186,8 +186,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # KV storage: auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2 (8-bit, a float32 scale per token and KV head)
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    # Speculative decoding: the proposer (ngram: prompt lookup); None decodes one token per step
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # most draft tokens verified per request and step
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            self.speculative_config  # parses and validates the proposer name
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -205,6 +210,55 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How speculative decoding proposes and how much it verifies (Leviathan et al. 2023, Chen et al. 2023).
+
+    The number of draft tokens adapts to each request's acceptance rate: k maximizes expected tokens per unit
+    of step cost, where one step costs 1 + verify_overhead (when k > 0) + draft_cost * k.
+    """
+
+    method: str  # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail
+    num_speculative_tokens: int = 4  # most draft tokens per request and step (k)
+    prompt_lookup_min: int = 1  # ngram: shortest tail n-gram that may match
+    prompt_lookup_max: int = 4  # ngram: longest tail n-gram tried first
+    adaptive: bool = True  # adapt k to each request's acceptance rate; False always proposes up to k
+    max_batch_size: int = 8  # steps sampling more requests than this do not speculate: verification stops paying
+    verify_overhead: float = 0.2  # a verifying step's extra cost over a plain decode step (relative)
+    draft_cost: float = 0.05  # each draft token's extra cost (proposing it and verifying its row), relative
+    probe_interval: int = 16  # steps a request waits at k = 0 before proposing again to re-measure acceptance
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.verify_overhead < 0 or self.draft_cost < 0:
+            raise ValueError("verify_overhead and draft_cost are relative costs and must be >= 0")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+
+    @classmethod
+    def parse(cls, spec: str, num_speculative_tokens: int = 4) -> SpeculativeConfig:
+        """From the CLI form: 'ngram'."""
+        return cls(method=spec.strip(), num_speculative_tokens=num_speculative_tokens)
 
 
 @dataclass(frozen=True)

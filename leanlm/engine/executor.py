@@ -48,7 +48,8 @@ class IsolatingExecutor:
                     request.request_id, "it shared KV blocks with a request that failed in the same step; retry it"
                 )
                 continue
-            alone = SchedulerOutput([request], [so.num_scheduled_tokens[idx]], [so.block_ids[idx]])
+            spec = [so.spec_token_ids[idx]] if so.spec_token_ids else []
+            alone = SchedulerOutput([request], [so.num_scheduled_tokens[idx]], [so.block_ids[idx]], spec_token_ids=spec)
             try:
                 out = self.runner.execute(alone)
             except Exception as exc:

@@ -12,8 +12,10 @@ import torch
 
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
+from leanlm.engine.spec_decode import SpecDecoder
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
@@ -49,8 +51,29 @@ class _BatchLayout:
     query_lens: list[int]  # per request
     row_starts: list[int]  # per request: its first row in the batch
     seq_lens: list[int]  # per request: tokens with KV after this step
-    sample_rows: list[int]  # requests whose chunk ends at their last token
-    sample_token_idx: list[int]  # batch row of each sampling request's last token
+    sample_rows: list[int]  # requests whose chunk ends at their last token (and drafts, if any)
+    sample_token_idx: list[int]  # batch rows that give logits: per sampling request, its last token's row
+    # and its drafts' rows (1 + drafts rows each, consecutive)
+
+
+def _attention_entries(so: SchedulerOutput, layout: _BatchLayout) -> tuple[list[int], list[int], list[list[int]]]:
+    """(query_lens, seq_lens, block_ids) for the forward context. A request verifying drafts enters as one
+    decode entry per token (token j sees the cache up to itself): the same causal attention as a chunk, but
+    every row is computed exactly as a plain decode step computes it, so greedy speculation reproduces plain
+    greedy decoding token for token, and the batch can stay on the decode kernels."""
+    if not any(so.spec_token_ids):
+        return layout.query_lens, layout.seq_lens, so.block_ids
+    query_lens, seq_lens, block_ids = [], [], []
+    for i, (n, seq_len, blocks) in enumerate(zip(layout.query_lens, layout.seq_lens, so.block_ids)):
+        if so.num_spec_tokens(i):
+            query_lens += [1] * n
+            seq_lens += range(seq_len - n + 1, seq_len + 1)
+            block_ids += [blocks] * n
+        else:
+            query_lens.append(n)
+            seq_lens.append(seq_len)
+            block_ids.append(blocks)
+    return query_lens, seq_lens, block_ids
 
 
 class ModelRunner:
@@ -83,6 +106,9 @@ class ModelRunner:
         tensors = (self.kv_cache,) if self.kv_scales is None else (self.kv_cache, self.kv_scales)
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        spec = engine_config.speculative_config
+        self.spec_decoder = SpecDecoder(spec) if spec is not None else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -91,8 +117,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         layout = self._layout(scheduler_output)
         ctx = build_forward_context(
-            layout.query_lens, layout.seq_lens, scheduler_output.block_ids, self.block_size,
-            self.config.num_key_value_heads, self.device,
+            *_attention_entries(scheduler_output, layout), self.block_size, self.config.num_key_value_heads,
+            self.device,
         )
         with forward_context(ctx):
             hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
@@ -100,26 +126,45 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(requests)
         if layout.sample_rows:
-            sample_reqs = [requests[i] for i in layout.sample_rows]
-            logits = self.model.compute_logits(hidden[layout.sample_token_idx]).float()  # [Bs, V]
-            metadata = SamplingMetadata.from_requests(
-                sample_reqs, self.config.vocab_size, self.device, self.config.eos_token_ids
-            )
-            out = self.sampler(logits, metadata)
-            token_ids = out.sampled_token_ids.tolist()
-            lp_dicts = None
-            if out.logprobs is not None:
-                ks = [r.sampling_params.logprobs or 0 for r in sample_reqs]
-                lp_dicts = logprobs_to_dicts(out.logprobs, ks)
-            for j, row in enumerate(layout.sample_rows):
-                sampled[row] = [token_ids[j]]
-                if lp_dicts is not None and sample_reqs[j].sampling_params.logprobs is not None:
-                    logprobs[row] = [lp_dicts[j]]
+            logits = self.model.compute_logits(hidden[layout.sample_token_idx]).float()  # [rows, V]
+            self._sample(scheduler_output, layout.sample_rows, logits, sampled, logprobs)
         scored = [self._prompt_logprobs(r, n, hidden, start) for r, n, start in zip(
             requests, layout.query_lens, layout.row_starts)]
         prompt_logprobs = [entries for entries, _ in scored]
         prompt_logprobs_full = [full for _, full in scored]
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full)
+        spec_token_ids = None
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(scheduler_output.finished_request_ids)
+            spec_token_ids = self.spec_decoder.propose(requests, sampled)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids)
+
+    def _sample(self, so: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor,
+                sampled: list[list[int]], logprobs: list[list[dict[int, float]] | None]) -> None:
+        """Fill `sampled` and `logprobs` for the sampling requests from their logit rows: one token each, or,
+        in a step that verifies drafts, the accepted drafts plus one token each."""
+        sample_reqs = [so.scheduled_requests[i] for i in sample_rows]
+        drafts = [so.spec_token_ids[i] if so.spec_token_ids else [] for i in sample_rows]
+        rows_per_req = [len(d) + 1 for d in drafts]
+        row_reqs = [r for r, n in zip(sample_reqs, rows_per_req) for _ in range(n)]
+        metadata = SamplingMetadata.from_requests(row_reqs, self.config.vocab_size, self.device,
+                                                  self.config.eos_token_ids)
+        if len(row_reqs) == len(sample_reqs):  # no drafts: one row per request
+            out = self.sampler(logits, metadata)
+            token_ids = [[t] for t in out.sampled_token_ids.tolist()]
+            lp = out.logprobs
+        else:
+            verified = self.rejection_sampler(logits, metadata, drafts)
+            token_ids, lp = verified.token_ids, verified.logprobs
+            self.spec_decoder.observe(sample_reqs, drafts, verified.num_accepted)
+        lp_dicts = None
+        if lp is not None:
+            lp_dicts = logprobs_to_dicts(lp, [r.sampling_params.logprobs or 0 for r in row_reqs])
+        first_row = 0
+        for j, row in enumerate(sample_rows):
+            sampled[row] = token_ids[j]
+            if lp_dicts is not None and sample_reqs[j].sampling_params.logprobs is not None:
+                logprobs[row] = lp_dicts[first_row : first_row + len(token_ids[j])]
+            first_row += rows_per_req[j]
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []
@@ -128,12 +173,15 @@ class ModelRunner:
         for i, (req, n) in enumerate(zip(so.scheduled_requests, so.num_scheduled_tokens)):
             row_starts.append(len(ids))
             start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + n])
+            num_drafts = so.num_spec_tokens(i)
+            ids.extend(req.all_token_ids[start : start + n - num_drafts])
+            if num_drafts:
+                ids.extend(so.spec_token_ids[i])  # drafts follow the last real token
             positions.extend(range(start, start + n))
             seq_lens.append(start + n)
-            if start + n == req.num_tokens:
+            if start + n - num_drafts == req.num_tokens:
                 sample_rows.append(i)
-                sample_idx.append(len(ids) - 1)
+                sample_idx.extend(range(len(ids) - 1 - num_drafts, len(ids)))
         as_long = dict(dtype=torch.long, device=self.device)
         return _BatchLayout(
             input_ids=torch.tensor(ids, **as_long),

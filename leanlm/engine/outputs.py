@@ -17,8 +17,13 @@ class SchedulerOutput:
     scheduled_requests: list[Request]  # running requests that compute tokens this step
     num_scheduled_tokens: list[int]  # per request: tokens to compute, from request.num_computed_tokens on
     block_ids: list[list[int]]  # per request: its KV block ids, covering num_computed + num_scheduled tokens
+    # per request: draft tokens to verify, the last len() of its scheduled tokens (they follow all_token_ids)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted during this schedule()
     finished_request_ids: list[str] = field(default_factory=list)  # finished since the last schedule()
+
+    def num_spec_tokens(self, idx: int) -> int:
+        return len(self.spec_token_ids[idx]) if self.spec_token_ids else 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -41,6 +46,8 @@ class ModelRunnerOutput:
     prompt_logprobs: list[list[dict[int, float] | None] | None]
     # Per request, with full_prompt_logprobs: the same positions' whole log-softmax, [n, V] float32 on CPU.
     prompt_logprobs_full: list[torch.Tensor | None] | None = None
+    # Per request: draft tokens proposed for the next step (speculative decoding); None when nothing proposes.
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

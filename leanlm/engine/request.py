@@ -57,6 +57,11 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens for the next step (they follow all_token_ids, unverified), and
+        # how many drafts were verified / accepted so far.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it failed, when status is FINISHED_ERROR

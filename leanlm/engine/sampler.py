@@ -34,16 +34,12 @@ class Sampler:
         return self.sample(logits, metadata)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        # Copy to float32: the steps below edit in place, and low precision would distort the softmax.
-        logits = logits.to(dtype=torch.float32, copy=True)  # [B, V]
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # vLLM's default: logprobs of the raw model distribution, before any processing.
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        apply_min_tokens(logits, metadata)
-        apply_logit_bias(logits, metadata)
-        logits = apply_penalties(logits, metadata)
-        sampled = self._sample_processed(logits, metadata)
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        # A float32 copy: the steps below edit in place, and low precision would distort the softmax.
+        sampled = self._sample_processed(process_logits(logits, metadata), metadata)
         if metadata.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
@@ -53,13 +49,27 @@ class Sampler:
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before temperature edits logits
-        logits.div_(metadata.temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
-        probs = torch.softmax(logits, dim=-1)  # [B, V]
-        if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
-        sampled = exponential_race(probs, metadata.generators)
+        sampled = exponential_race(target_probs(logits, metadata), metadata.generators)
         return sampled if greedy is None else torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Raw logits -> the logits the rows sample from: a float32 copy with min-tokens, logit bias and penalties."""
+    logits = logits.to(dtype=torch.float32, copy=True)  # [B, V]
+    apply_min_tokens(logits, metadata)
+    apply_logit_bias(logits, metadata)
+    return apply_penalties(logits, metadata)
+
+
+def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Processed logits -> each random row's sampling distribution [B, V] (temperature, top-k, top-p, min-p),
+    unnormalized where min-p dropped mass. Edits `logits` in place. Greedy rows are meaningless here."""
+    logits.div_(metadata.temperature.unsqueeze(1))
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    if metadata.min_p is not None:
+        probs = apply_min_p(probs, metadata.min_p)
+    return probs
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

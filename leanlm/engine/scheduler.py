@@ -130,7 +130,11 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            spec = self._schedulable_drafts(request, num_new, budget - num_new)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) if spec else None
+            if block_ids is None:
+                spec = []  # drafts never cost a preemption: retry without them
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 # The victim is the newest running request: never one already scheduled in this step,
                 # since those come before `idx`.
@@ -142,10 +146,23 @@ class Scheduler:
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself; it was the last running one
-            self._add_to_output(output, request, num_new, block_ids)
-            budget -= num_new
+            self._add_to_output(output, request, num_new + len(spec), block_ids, spec)
+            budget -= num_new + len(spec)
             idx += 1
         return budget
+
+    def _schedulable_drafts(self, request: Request, num_new: int, budget_left: int) -> list[int]:
+        """The request's draft tokens that may run this step: only with its whole remainder scheduled (the
+        drafts follow its last token), within the budget, and only as many as could still be kept (an accepted
+        draft plus the token sampled after it must fit in max_tokens and the context)."""
+        spec = request.spec_token_ids
+        request.spec_token_ids = []  # consumed: a draft is verified once
+        if not spec or num_new < request.num_tokens - request.num_computed_tokens:
+            return []
+        room = min(
+            request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens
+        ) - 1
+        return spec[: max(0, min(len(spec), room, budget_left))]
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FIFO while the budget, max_num_seqs and the pool allow."""
@@ -197,6 +214,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV and put it at the front of the waiting queue."""
         self.kv_cache_manager.free(request, keep_hashes=True)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -204,10 +222,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     @staticmethod
-    def _add_to_output(output: SchedulerOutput, request: Request, num_new: int, block_ids: list[int]) -> None:
+    def _add_to_output(
+        output: SchedulerOutput, request: Request, num_new: int, block_ids: list[int], spec: list[int] | None = None
+    ) -> None:
         output.scheduled_requests.append(request)
         output.num_scheduled_tokens.append(num_new)
         output.block_ids.append(block_ids)
+        output.spec_token_ids.append(spec or [])
 
     # ---- update --------------------------------------------------------------------------------------
 
@@ -220,7 +241,13 @@ class Scheduler:
         for idx, request in enumerate(scheduler_output.scheduled_requests):
             if request.is_finished:
                 continue  # aborted between schedule() and update()
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx]
+            sampled = runner_output.sampled_token_ids[idx]
+            num_drafts = scheduler_output.num_spec_tokens(idx)
+            # Drafts the verification rejected have KV in the cache that later tokens overwrite.
+            num_rejected = num_drafts - (len(sampled) - 1) if num_drafts else 0
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx] - num_rejected
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_tokens += num_drafts - num_rejected
             prompt_logprobs = runner_output.prompt_logprobs[idx] if runner_output.prompt_logprobs else None
             if prompt_logprobs:
                 # The runner emits only entries not recorded yet (a preempted request recomputes its
@@ -229,9 +256,10 @@ class Scheduler:
             full = runner_output.prompt_logprobs_full[idx] if runner_output.prompt_logprobs_full else None
             if full is not None:
                 request.prompt_logprobs_full.append(full)  # same rows as the entries just recorded
-            sampled = runner_output.sampled_token_ids[idx]
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
             finished = self._append_tokens(request, sampled, logprobs)
+            if not finished and runner_output.spec_token_ids is not None:
+                request.spec_token_ids = runner_output.spec_token_ids[idx]
             if sampled or finished:
                 changed.append(request)
         return changed
