@@ -186,7 +186,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # KV storage: auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2 (8-bit, a float32 scale per token and KV head)
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
-    # Speculative decoding: the proposer (ngram: prompt lookup); None decodes one token per step
+    # Speculative decoding: ngram (prompt lookup) | draft:MODEL | self:K (the first K layers); None: one token a step
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per request and step
 
@@ -218,7 +218,7 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,11 @@ class SpeculativeConfig:
     of step cost, where one step costs 1 + verify_overhead (when k > 0) + draft_cost * k.
     """
 
-    method: str  # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail
+    # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail; draft: a smaller
+    # model with the same tokenizer; self: the target's own first layers with its final norm and head
+    method: str
+    draft_model: str | None = None  # draft: a bundled name, GGUF file or HF directory (a quantized copy works)
+    num_draft_layers: int | None = None  # self: how many of the target's first layers draft
     num_speculative_tokens: int = 4  # most draft tokens per request and step (k)
     prompt_lookup_min: int = 1  # ngram: shortest tail n-gram that may match
     prompt_lookup_max: int = 4  # ngram: longest tail n-gram tried first
@@ -244,6 +248,12 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(SPECULATIVE_METHODS)}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model goes with method 'draft' (and only with it): use --speculative draft:MODEL")
+        if (self.method == "self") != (self.num_draft_layers is not None):
+            raise ValueError("a layer count goes with method 'self' (and only with it): use --speculative self:K")
+        if self.num_draft_layers is not None and self.num_draft_layers < 1:
+            raise ValueError(f"self-speculation needs at least 1 draft layer, got {self.num_draft_layers}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
@@ -255,10 +265,26 @@ class SpeculativeConfig:
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
 
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model that writes KV for them: the scheduler reserves lookahead slots."""
+        return self.method in ("draft", "self")
+
     @classmethod
     def parse(cls, spec: str, num_speculative_tokens: int = 4) -> SpeculativeConfig:
-        """From the CLI form: 'ngram'."""
-        return cls(method=spec.strip(), num_speculative_tokens=num_speculative_tokens)
+        """From the CLI form: 'ngram', 'draft:MODEL' or 'self:K'."""
+        method, _, arg = spec.strip().partition(":")
+        if method == "draft":
+            if not arg:
+                raise ValueError("--speculative draft needs a model: draft:MODEL (a name, GGUF file or directory)")
+            return cls(method, draft_model=arg, num_speculative_tokens=num_speculative_tokens)
+        if method == "self":
+            if not arg.isdigit():
+                raise ValueError(f"--speculative self needs a layer count: self:K, got {spec!r}")
+            return cls(method, num_draft_layers=int(arg), num_speculative_tokens=num_speculative_tokens)
+        if arg:
+            raise ValueError(f"speculative method {method!r} takes no argument, got {spec!r}")
+        return cls(method, num_speculative_tokens=num_speculative_tokens)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,14 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, attention_backend,
                           quantized=checkpoint.quantized)
-        self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype)
+        del checkpoint
+        draft = None
+        spec = self.engine_config.speculative_config
+        if spec is not None and spec.method == "draft":
+            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress)
+            draft = build_model(draft_checkpoint.config, draft_checkpoint.state_dict, self.dtype, self.device,
+                                attention_backend, quantized=draft_checkpoint.quantized)
+        self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft)
 
     def get_tokenizer(self):
         return self.tokenizer

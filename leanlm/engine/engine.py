@@ -33,6 +33,7 @@ class LLMEngine:
         engine_config: EngineConfig,
         device: torch.device,
         model_dtype: torch.dtype,  # compute dtype; the KV cache stores it unless engine_config.kv_cache_dtype is 8-bit
+        draft_model: LlamaForCausalLM | None = None,  # speculative 'draft:MODEL': the loaded draft
     ) -> None:
         self.model_config = model.config
         self.engine_config = engine_config
@@ -40,7 +41,7 @@ class LLMEngine:
         self.device = device
         context = self.model_config.max_position_embeddings
         self.max_model_len = min(engine_config.max_model_len or context, context)
-        self.model_runner = ModelRunner(model, engine_config, device, model_dtype)
+        self.model_runner = ModelRunner(model, engine_config, device, model_dtype, draft_model, self.max_model_len)
         pool = BlockPool(self.model_runner.num_blocks, enable_prefix_caching=engine_config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, engine_config.block_size)
         self.output_processor = OutputProcessor(tokenizer)

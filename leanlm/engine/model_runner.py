@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.config import EngineConfig, ModelConfig
+from leanlm.engine.draft_proposer import DraftProposer
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
@@ -83,6 +84,8 @@ class ModelRunner:
         engine_config: EngineConfig,
         device: torch.device,
         model_dtype: torch.dtype,
+        draft_model: LlamaForCausalLM | None = None,  # speculative 'draft': the model that proposes
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.config: ModelConfig = model.config
@@ -107,8 +110,28 @@ class ModelRunner:
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
+
+    def _spec_decoder(self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None,
+                      max_model_len: int | None) -> SpecDecoder | None:
         spec = engine_config.speculative_config
-        self.spec_decoder = SpecDecoder(spec) if spec is not None else None
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "self":
+            draft = DraftProposer(self.model.first_layers(spec.num_draft_layers), self.block_size, self.device)
+        elif spec.method == "draft":
+            if draft_model is None:
+                raise ValueError("speculative 'draft' needs the draft model: load it with LLM(speculative='draft:MODEL')")
+            if draft_model.config.vocab_size != self.config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
+                    f"({self.config.vocab_size}); a draft must share the target's tokenizer"
+                )
+            dtype = self.kv_cache_dtype if not is_quantized(self.kv_cache_dtype) else draft_model.model.norm.weight.dtype
+            draft = DraftProposer(draft_model, self.block_size, self.device, num_blocks=self.num_blocks, dtype=dtype)
+            self.kv_cache_bytes += draft.kv_cache_bytes
+        return SpecDecoder(spec, draft, self.block_size, max_model_len)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -116,12 +139,12 @@ class ModelRunner:
         if not requests:
             return ModelRunnerOutput([], [], [])
         layout = self._layout(scheduler_output)
-        ctx = build_forward_context(
-            *_attention_entries(scheduler_output, layout), self.block_size, self.config.num_key_value_heads,
-            self.device,
-        )
+        entries = _attention_entries(scheduler_output, layout)
+        ctx = build_forward_context(*entries, self.block_size, self.config.num_key_value_heads, self.device)
         with forward_context(ctx):
             hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
+        if self.spec_decoder is not None:
+            self.spec_decoder.follow(layout.input_ids, layout.positions, *entries)
 
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(requests)
@@ -135,7 +158,7 @@ class ModelRunner:
         spec_token_ids = None
         if self.spec_decoder is not None:
             self.spec_decoder.forget(scheduler_output.finished_request_ids)
-            spec_token_ids = self.spec_decoder.propose(requests, sampled)
+            spec_token_ids = self.spec_decoder.propose(requests, sampled, scheduler_output.block_ids)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids)
 
     def _sample(self, so: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor,
@@ -153,7 +176,8 @@ class ModelRunner:
             token_ids = [[t] for t in out.sampled_token_ids.tolist()]
             lp = out.logprobs
         else:
-            verified = self.rejection_sampler(logits, metadata, drafts)
+            draft_probs = self.spec_decoder.draft_probs(sample_reqs, drafts)
+            verified = self.rejection_sampler(logits, metadata, drafts, draft_probs)
             token_ids, lp = verified.token_ids, verified.logprobs
             self.spec_decoder.observe(sample_reqs, drafts, verified.num_accepted)
         lp_dicts = None

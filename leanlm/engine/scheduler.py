@@ -47,6 +47,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_checker = stop_checker
+        spec = engine_config.speculative_config
+        # Model drafts write KV for up to k tokens past a request's last one: reserve those slots with each step.
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_model else 0
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -131,7 +134,7 @@ class Scheduler:
                 idx += 1
                 continue
             spec = self._schedulable_drafts(request, num_new, budget - num_new)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) if spec else None
+            block_ids = self._allocate_with_lookahead(request, num_new, spec)
             if block_ids is None:
                 spec = []  # drafts never cost a preemption: retry without them
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -150,6 +153,16 @@ class Scheduler:
             budget -= num_new + len(spec)
             idx += 1
         return budget
+
+    def _allocate_with_lookahead(self, request: Request, num_new: int, spec: list[int]) -> list[int] | None:
+        """Slots for the step's tokens and drafts, plus lookahead slots for the next drafts when the step samples;
+        without the lookahead if the pool is short. None when even the drafts do not fit (nothing changed)."""
+        samples = num_new == request.num_tokens - request.num_computed_tokens
+        if samples and self.num_lookahead_tokens:
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(spec) + self.num_lookahead_tokens)
+            if block_ids is not None:
+                return block_ids
+        return self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) if spec else None
 
     def _schedulable_drafts(self, request: Request, num_new: int, budget_left: int) -> list[int]:
         """The request's draft tokens that may run this step: only with its whole remainder scheduled (the

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from leanlm.config import SpeculativeConfig
+from leanlm.engine.draft_proposer import DraftJob, DraftProposer
 from leanlm.engine.ngram_proposer import NgramProposer
 from leanlm.engine.request import Request
 
@@ -49,10 +52,20 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    """Owns the proposer (prompt lookup, or a draft model), each request's acceptance estimate and the draft
+    distributions that verification of model drafts needs."""
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None, block_size: int = 16,
+                 max_model_len: int | None = None) -> None:
+        if config.uses_model and draft is None:
+            raise ValueError(f"speculative method {config.method!r} needs a draft model")
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if not config.uses_model else None
+        self.draft = draft if config.uses_model else None
+        self.block_size = block_size
+        self.max_model_len = max_model_len
         self._acceptance: dict[str, _Acceptance] = {}
+        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V], random requests' model drafts
         self._num_steps = self._num_drafts = self._num_accepted = 0
 
     def stats(self) -> SpecStats:
@@ -61,6 +74,13 @@ class SpecDecoder:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._acceptance.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
+
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+               block_ids: list[list[int]]) -> None:
+        """A separate draft model runs over the target's batch to keep its KV cache in step."""
+        if self.draft is not None:
+            self.draft.follow(input_ids, positions, query_lens, seq_lens, block_ids)
 
     def observe(self, requests: list[Request], verified: list[list[int]], num_accepted: list[int]) -> None:
         """Record one step's verification: drafts verified and accepted per request."""
@@ -72,17 +92,61 @@ class SpecDecoder:
                 self._num_accepted += accepted
                 self._acceptance.setdefault(request.request_id, _Acceptance()).observe(len(drafts), accepted)
 
-    def propose(self, requests: list[Request], sampled: list[list[int]]) -> list[list[int]]:
-        """Drafts for the next step of each request that just got tokens (`sampled`, not yet appended)."""
+    def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> torch.Tensor | None:
+        """The draft distribution behind each verification row [sum(len(d) + 1), V] (zeros for greedy requests
+        and bonus rows); None when every draft is certain (prompt lookup). Consumes what propose() stored."""
+        if self.draft is None:
+            return None
+        stored = [self._draft_probs.pop(r.request_id, None) for r in requests]
+        some = next((q for q in stored if q is not None), None)
+        if some is None:
+            return None  # every drafting request is greedy: the greedy rule needs no q
+        rows = []
+        for request, d, q in zip(requests, drafts, stored):
+            if d and q is None and not request.sampling_params.is_greedy:
+                raise RuntimeError(f"request {request.request_id!r}: sampled drafts without their distribution")
+            block = torch.zeros(len(d) + 1, some.shape[-1], dtype=torch.float32, device=some.device)
+            if q is not None and d:
+                block[: len(d)] = q[: len(d)]  # the scheduler may have cut the drafts short
+            rows.append(block)
+        return torch.cat(rows)
+
+    def propose(self, requests: list[Request], sampled: list[list[int]],
+                block_ids: list[list[int]] | None = None) -> list[list[int]]:
+        """Drafts for the next step of each request that just got tokens (`sampled`, not yet appended). Model
+        drafts write KV at the positions they take, so they stop where the request's blocks (`block_ids`) end."""
         out: list[list[int]] = [[] for _ in requests]
         if sum(1 for s in sampled if s) > self.config.max_batch_size:
             return out
+        jobs: list[tuple[int, DraftJob]] = []
         for i, (request, new_tokens) in enumerate(zip(requests, sampled)):
-            if new_tokens and self.can_speculate(request, len(new_tokens)):
-                k = self.num_drafts(request.request_id)
-                if k:
-                    out[i] = self.proposer.propose(request.all_token_ids + new_tokens, k)
+            if not new_tokens or not self.can_speculate(request, len(new_tokens)):
+                continue
+            k = min(self.num_drafts(request.request_id), self._room(request, len(new_tokens)))
+            if k <= 0:
+                continue
+            if self.ngram is not None:
+                out[i] = self.ngram.propose(request.all_token_ids + new_tokens, k)
+                continue
+            position = request.num_tokens + len(new_tokens) - 1
+            k = min(k, len(block_ids[i]) * self.block_size - position)
+            if k > 0:
+                jobs.append((i, DraftJob(request, new_tokens[-1], position, k, block_ids[i])))
+        if jobs:
+            drafts = self.draft.propose([job for _, job in jobs])
+            for (i, job), tokens, q in zip(jobs, drafts.token_ids, drafts.probs):
+                out[i] = tokens
+                if q is not None:
+                    self._draft_probs[job.request.request_id] = q
         return out
+
+    def _room(self, request: Request, num_new_tokens: int) -> int:
+        """Drafts that could still be kept: an accepted draft and the token after it must fit max_tokens and
+        the context (the scheduler cuts the same way)."""
+        room = request.sampling_params.max_tokens - request.num_output_tokens - num_new_tokens - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens - num_new_tokens - 1)
+        return room
 
     def num_drafts(self, request_id: str) -> int:
         """k maximizing expected tokens per unit cost, E(k) / C(k): E(k) = (1 - a^(k+1)) / (1 - a) tokens for

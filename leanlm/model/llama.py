@@ -5,6 +5,8 @@ Module and weight names follow HF's LlamaForCausalLM, so HF state dicts load as 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +165,23 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales = k_cache, v_cache, k_scales, v_scales
         self.refresh_native_decode()
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """This model cut after `num_layers` decoder layers, then its final norm and head (the early-exit draft
+        of self-speculation). Every module, and so every weight and bound KV cache, is shared: nothing is copied.
+        """
+        if not 1 <= num_layers < self.config.num_hidden_layers:
+            raise ValueError(
+                f"a draft of the first {num_layers} layers needs 1 <= layers < {self.config.num_hidden_layers}"
+            )
+        config = dataclasses.replace(self.config, num_hidden_layers=num_layers)
+        with torch.device("meta"):
+            draft = LlamaForCausalLM(config)
+        draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
+        draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
+        draft.lm_head, draft.rotary_emb = self.lm_head, self.rotary_emb
+        draft.refresh_native_decode()
+        return draft.eval()
 
     def refresh_native_decode(self) -> None:
         """(Re)bind the native decode loop to the current weights and KV cache, or drop it where it does not

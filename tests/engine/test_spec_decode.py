@@ -12,11 +12,13 @@ import torch
 
 from leanlm.config import EngineConfig, SpeculativeConfig
 from leanlm.engine.block_pool import BlockPool
+from leanlm.engine.engine import LLMEngine
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.outputs import ModelRunnerOutput
 from leanlm.engine.request import Request
 from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.spec_decode import SpecDecoder
+from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 from tests.engine.test_engine import dense_greedy, dense_reference
@@ -90,6 +92,21 @@ def _spec_engine(make_tiny_engine, *, max_batch_size=8, adaptive=True, **options
     return engine
 
 
+def _draft_engine(tokenizer, noise: float = 0.3, *, adaptive=True, max_batch_size=8, **options) -> LLMEngine:
+    """The tiny target with a draft model: its own weights plus noise (accepted often, not always)."""
+    config = tiny_config(tokenizer.vocab_size)
+    weights = tiny_state_dict(config)
+    gen = torch.Generator().manual_seed(5)
+    noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in weights.items()}
+    target, draft = build_model(config, weights, torch.float64), build_model(config, noisy, torch.float64)
+    engine = LLMEngine(target, tokenizer, EngineConfig(speculative="draft:noisy-copy", **options),
+                       torch.device("cpu"), torch.float64, draft)
+    runner = engine.model_runner
+    config = SpeculativeConfig("draft", draft_model="noisy-copy", adaptive=adaptive, max_batch_size=max_batch_size)
+    runner.spec_decoder = SpecDecoder(config, runner.spec_decoder.draft, runner.block_size, engine.max_model_len)
+    return engine
+
+
 def _repetitive_prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     motif = [rng.randrange(3, vocab) for _ in range(7)]
@@ -97,8 +114,15 @@ def _repetitive_prompts(vocab: int) -> list[list[int]]:
     return [motif * 4, [rng.randrange(3, vocab) for _ in range(13)], motif * 2 + [rng.randrange(3, vocab)], few]
 
 
-def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(make_tiny_engine, tokenizer):
-    engine = _spec_engine(make_tiny_engine, block_size=4, num_kv_blocks=30, max_num_batched_tokens=12)
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
+def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(make_tiny_engine, tokenizer, proposer):
+    options = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=12)
+    if proposer == "ngram":
+        engine = _spec_engine(make_tiny_engine, **options)
+    elif proposer == "draft":
+        engine = _draft_engine(tokenizer, **options)
+    else:
+        engine = make_tiny_engine(speculative="self:1", **options)
     prompts = _repetitive_prompts(tokenizer.vocab_size)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     outputs = run_to_completion(engine)
@@ -107,7 +131,9 @@ def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(ma
     for request_id, prompt in zip(ids, prompts):
         assert outputs[request_id].outputs[0].token_ids == dense_greedy(hf, prompt, GREEDY.max_tokens)
     stats = engine.model_runner.spec_decoder.stats()
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert stats.num_draft_tokens > stats.num_accepted_tokens
+    if proposer != "self":  # the tiny model's first layer alone drafts badly, and k drops to 0
+        assert stats.num_accepted_tokens > 0
     assert engine.scheduler.stats().num_preemptions > 0
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
@@ -150,12 +176,18 @@ class FixedProposer:
         return self.drafts[:k]
 
 
-def test_sampled_speculation_keeps_the_target_distribution(make_tiny_engine, tokenizer):
-    """Token 2 of each request, sampled (temperature 1, top-k 3) through verification of a fixed draft,
-    against the exact conditional distribution from a dense float64 forward, per value of token 1."""
+@pytest.mark.parametrize("proposer", ["fixed", "draft"])
+def test_sampled_speculation_keeps_the_target_distribution(make_tiny_engine, tokenizer, proposer):
+    """Token 2 of each request, sampled (temperature 1, top-k 3) through verification of a draft (a fixed token,
+    or one the draft model samples from its own q), against the exact conditional distribution from a dense
+    float64 forward, per value of token 1."""
+    torch.manual_seed(0)  # reproducible draws; the test's power is shown in test_rejection_sampler.py
     num_requests = 600
-    engine = _spec_engine(make_tiny_engine, max_batch_size=num_requests, adaptive=False, max_num_seqs=num_requests,
-                          num_kv_blocks=num_requests * 3 + 8, max_num_batched_tokens=8192)
+    options = dict(max_num_seqs=num_requests, num_kv_blocks=num_requests * 3 + 8, max_num_batched_tokens=8192)
+    if proposer == "fixed":
+        engine = _spec_engine(make_tiny_engine, max_batch_size=num_requests, adaptive=False, **options)
+    else:
+        engine = _draft_engine(tokenizer, max_batch_size=num_requests, adaptive=False, **options)
     prompt = _repetitive_prompts(tokenizer.vocab_size)[1]
     config = tiny_config(tokenizer.vocab_size)
     hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
@@ -168,7 +200,8 @@ def test_sampled_speculation_keeps_the_target_distribution(make_tiny_engine, tok
 
     first_tokens, _ = top3(prompt)
     drafts = [top3(prompt + [first_tokens[0]])[0][1], first_tokens[0]]  # a likely token, then an arbitrary one
-    engine.model_runner.spec_decoder.proposer = FixedProposer(drafts)
+    if proposer == "fixed":
+        engine.model_runner.spec_decoder.ngram = FixedProposer(drafts)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)  # room for one draft
     ids = [engine.add_request(prompt, params) for _ in range(num_requests)]
     outputs = run_to_completion(engine)
@@ -230,3 +263,29 @@ def test_real_model_greedy_speculation_is_token_identical():
     assert spec.token_ids == plain.token_ids
     stats = spec_llm.llm_engine.model_runner.spec_decoder.stats()
     assert stats.num_accepted_tokens > 10
+
+
+def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
+    with pytest.raises(ValueError, match="draft:MODEL"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(ValueError, match="self:K"):
+        EngineConfig(speculative="self:x")
+    assert EngineConfig(speculative="self:3").speculative_config.num_draft_layers == 3
+    assert EngineConfig(speculative="draft:some/dir").speculative_config.draft_model == "some/dir"
+    with pytest.raises(ValueError, match="first 2 layers"):
+        make_tiny_engine(speculative="self:2", num_kv_blocks=16)
+    decoder = SpecDecoder(SpeculativeConfig("ngram"))
+    requests = [Request(str(i), [5, 6, 5], SamplingParams()) for i in range(2)]
+    assert decoder.draft_probs(requests, [[5, 6]] * 2) is None  # prompt lookup: certain drafts
+
+
+def test_model_drafts_get_lookahead_slots():
+    config = EngineConfig(block_size=4, num_kv_blocks=16, speculative="self:1", num_speculative_tokens=3)
+    sched = Scheduler(config, KVCacheManager(BlockPool(16), 4), 1000, eos_token_ids=[0])
+    request = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=10))
+    sched.add_request(request)
+    out = sched.schedule()  # admitted without lookahead: its first drafts stop where its blocks end
+    assert len(out.block_ids[0]) == 1
+    sched.update(out, ModelRunnerOutput([[7]], [None], [None], spec_token_ids=[[]]))
+    out = sched.schedule()  # token 7 at position 4 plus 3 lookahead slots: positions up to 7, two blocks
+    assert len(out.block_ids[0]) == 2
