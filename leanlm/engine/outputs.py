@@ -19,6 +19,8 @@ class SchedulerOutput:
     block_ids: list[list[int]]  # per request: its KV block ids, covering num_computed + num_scheduled tokens
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted during this schedule()
     finished_request_ids: list[str] = field(default_factory=list)  # finished since the last schedule()
+    # (src, dst) KV block ids to copy before the forward: copy-on-write of blocks shared by forks
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
