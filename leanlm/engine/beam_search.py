@@ -1,18 +1,16 @@
-"""Beam search (beam width, length penalty, early stopping; the rules of HF transformers' `_beam_search`) driven
-over the engine's own requests, on copy-on-write shared KV blocks: the prompt and every shared prefix are
-computed once.
+"""Beam search (beam width, length penalty, early stopping: the rules of HF transformers' `_beam_search`) over
+the engine's own requests, on copy-on-write shared KV blocks, so the prompt and shared prefixes are computed once.
 
-Design: a beam is one engine request per round. It computes one token (max_tokens reaches its output length
-+ 1), asks for its top-C logprobs (raw log-softmax) and, being made with `keeps_kv`, keeps its blocks once it
-finishes. When every beam of a prompt has finished its round, the search picks the next beams and starts each
-as a fork of its parent (`Scheduler.fork_request`): a new request whose tokens are the parent's with the
-sampled token replaced by the chosen one, whose computed tokens are the parent's, holding the parent's blocks;
-then the parents release theirs. The fork's one new token lands in the shared partially filled last block, so
-the first fork to run copies that block (one block per fork, never the prefix); the last one writes in place.
-Rounds of one-token requests keep `LLMEngine.step()` unchanged (schedule, execute, update) and let chunked
-prefill, prefix caching and preemption (a preempted fork recomputes, or hits its parent's cached blocks) work
-on beams as on any request; the alternative, long-lived beams, would decode past a round while waiting for
-their siblings.
+Design. A beam is one engine request per round: it computes one token (max_tokens = its output length + 1),
+returns its top-C logprobs (raw log-softmax), and, made with `keeps_kv`, keeps its blocks once finished. When
+every beam of a prompt has finished the round, the search ranks the candidates and starts each next beam as a
+fork of its parent (`Scheduler.fork_request`): a new request with the parent's tokens, the last (greedy, unused)
+one replaced by the chosen token, and the parent's computed tokens and blocks; then the parents release theirs.
+The chosen token goes into the parent's partially filled last block, so every fork but the last to run copies
+that one block (`SchedulerOutput.blocks_to_copy`); the prefix stays shared. One-token rounds keep
+`LLMEngine.step()` as it is (schedule, execute, update), and chunked prefill, prefix caching and preemption
+work on beams as on any request. Long-lived beam requests would instead need the scheduler to stop each one at
+the end of a round until its siblings catch up (a preempted sibling recomputes for several steps).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tqdm.auto import tqdm
 
@@ -51,7 +50,9 @@ class BeamSearchParams:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number (1.0 = average logprob), got {self.length_penalty!r}")
+            raise ValueError(
+                f"length_penalty must be a finite number (1.0 scores the average logprob), got {self.length_penalty!r}"
+            )
         if not isinstance(self.early_stopping, bool):
             raise ValueError(f"early_stopping must be True or False, got {self.early_stopping!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -67,8 +68,8 @@ class BeamSearchParams:
 class BeamSearchSequence:
     """One hypothesis: generated tokens (the EOS that ended it included) and how they scored."""
 
-    token_ids: list[int]
-    text: str
+    token_ids: list[int]  # generated tokens, prompt excluded
+    text: str  # token_ids decoded (special tokens skipped unless skip_special_tokens=False)
     cumulative_logprob: float  # sum of the tokens' logprobs under the model
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # 'stop' (ended by EOS) or 'length' (max_tokens or the context limit)
@@ -78,9 +79,17 @@ class BeamSearchSequence:
 class BeamSearchOutput:
     """The result of one prompt: up to beam_width hypotheses, best score first."""
 
-    prompt: str | None
+    prompt: str | None  # the prompt's text, None when it was given as token ids
     prompt_token_ids: list[int]
-    sequences: list[BeamSearchSequence]
+    sequences: list[BeamSearchSequence]  # best score first
+
+
+class _Hypothesis(NamedTuple):
+    """An ended beam."""
+
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
+    token_ids: list[int]
+    cumulative_logprob: float
 
 
 @dataclass
@@ -101,7 +110,7 @@ class _Group:
     prompt_token_ids: list[int]
     max_tokens: int  # params.max_tokens, capped by the context
     beams: list[_Beam] = field(default_factory=list)
-    finished: list[tuple[float, list[int], float]] = field(default_factory=list)  # (score, tokens, cum), best first
+    finished: list[_Hypothesis] = field(default_factory=list)  # at most beam_width, best first
     num_generated: int = 0  # tokens in every live beam
     is_done: bool = False
 
@@ -130,6 +139,7 @@ class BeamSearch:
         self._waiting: deque[_Group] = deque()
         self._active: list[_Group] = []
         self._ids = itertools.count()
+        self._request_ids: set[str] = set()  # requests submitted and not yet released: abort() ends them
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._active)
@@ -148,6 +158,7 @@ class BeamSearch:
             group = self._waiting.popleft()
             request = self._new_request(group)
             self.engine.scheduler.add_request(request)
+            self._request_ids.add(request.request_id)
             group.beams = [_Beam(request, 0.0)]
             self._active.append(group)
         if not self._active:
@@ -167,10 +178,10 @@ class BeamSearch:
     def abort(self) -> None:
         """Drop every search: abort running beams and release the blocks of finished ones."""
         scheduler = self.engine.scheduler
-        for group in self._active:
-            for beam in group.beams:
-                scheduler.abort_request(beam.request.request_id)
-                scheduler.release_kv(beam.request.request_id)
+        for request_id in self._request_ids:
+            scheduler.abort_request(request_id)
+            scheduler.release_kv(request_id)
+        self._request_ids.clear()
         self._active.clear()
         self._waiting.clear()
 
@@ -221,13 +232,14 @@ class BeamSearch:
                     next_beams.append((cum, beam, token_id))
             elif rank < width:  # only the top beam_width candidates may end; the rest are spares
                 tokens = _tokens_with(beam.request, token_id)
-                group.finished.append((cum / len(tokens) ** self.params.length_penalty, tokens, cum))
-        group.finished = sorted(group.finished, key=lambda f: -f[0])[:width]
+                group.finished.append(_Hypothesis(cum / len(tokens) ** self.params.length_penalty, tokens, cum))
+        group.finished = sorted(group.finished, key=lambda h: -h.score)[:width]
         group.is_done = is_last or not next_beams or self._cannot_improve(group, next_beams[0][0])
         old_beams = group.beams
-        group.beams = [] if group.is_done else [self._fork(group, beam, token_id, cum) for cum, beam, token_id in next_beams]
+        group.beams = [] if group.is_done else [self._fork(group, b, token_id, cum) for cum, b, token_id in next_beams]
         for beam in old_beams:  # after the forks took their references
             self.engine.scheduler.release_kv(beam.request.request_id)
+            self._request_ids.discard(beam.request.request_id)
 
     def _cannot_improve(self, group: _Group, best_live_cum: float) -> bool:
         """beam_width hypotheses ended and (early_stopping, or HF's heuristic) the best live beam, scored at its
@@ -236,7 +248,7 @@ class BeamSearch:
             return False
         if self.params.early_stopping:
             return True
-        return best_live_cum / group.num_generated ** self.params.length_penalty <= group.finished[-1][0]
+        return best_live_cum / group.num_generated ** self.params.length_penalty <= group.finished[-1].score
 
     def _fork(self, group: _Group, parent: _Beam, token_id: int, cumulative_logprob: float) -> _Beam:
         """The parent's tokens with its sampled last token replaced by `token_id`; KV shared up to it."""
@@ -244,6 +256,7 @@ class BeamSearch:
         child.append_output_token_ids(_tokens_with(parent.request, token_id))
         child.num_computed_tokens = parent.request.num_computed_tokens  # all but the new token
         self.engine.scheduler.fork_request(parent.request, child)
+        self._request_ids.add(child.request_id)
         return _Beam(child, cumulative_logprob)
 
     def _new_request(self, group: _Group) -> Request:

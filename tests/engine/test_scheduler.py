@@ -386,6 +386,29 @@ def test_forks_share_the_parent_kv_and_copy_its_last_block():
     assert_all_blocks_free(sched)
 
 
+def test_held_blocks_are_evicted_before_running_requests_are_preempted():
+    sched = make_scheduler(num_blocks=4)
+    runner = FakeRunner(4)
+    parent = Request("p", list(range(6)), SamplingParams(max_tokens=1), keeps_kv=True)
+    sched.add_request(parent)
+    run(sched, runner)  # p holds blocks 0 and 1 (block 0 cached)
+    other = make_request("o", range(100, 111), max_tokens=2)  # 11 tokens: 3 blocks, only 2 free
+    sched.add_request(other)
+    trace, out, _ = step(sched, runner)
+    assert trace == [("o", 11)] and out.preempted_request_ids == [] and sched.num_preemptions == 1
+    assert parent.num_computed_tokens == 0 and sched.kv_cache_manager.get_block_ids("p") == []
+    # A fork of the evicted parent recomputes from the queue's head, reviving p's cached block 0.
+    child = make_request("c", range(6), max_tokens=2)
+    child.append_output_token_ids(500)
+    child.num_computed_tokens = parent.num_computed_tokens
+    sched.fork_request(parent, child)
+    assert sched.waiting[0] is child
+    assert sched.release_kv("p")
+    run(sched, runner)
+    assert child.output_token_ids == [500, 501] and child.num_cached_tokens == 4
+    assert_all_blocks_free(sched)
+
+
 def test_fork_refuses_a_parent_without_kv():
     sched = make_scheduler()
     parent = make_request("p", range(6), max_tokens=1)
