@@ -48,12 +48,10 @@ class IsolatingExecutor:
                     request.request_id, "it shared KV blocks with a request that failed in the same step; retry it"
                 )
                 continue
-            # Its own copy-on-write copies (done already if the batch got that far: copies are idempotent).
-            copies = [(src, dst) for src, dst in so.blocks_to_copy if dst in so.block_ids[idx]]
-            alone = SchedulerOutput(
-                [request], [so.num_scheduled_tokens[idx]], [so.block_ids[idx]], blocks_to_copy=copies
-            )
+            alone = SchedulerOutput([request], [so.num_scheduled_tokens[idx]], [so.block_ids[idx]])
             try:
+                # Its own copy-on-write copies (done already if the batch got that far: copies are idempotent).
+                alone.blocks_to_copy = [(src, dst) for src, dst in so.blocks_to_copy if dst in so.block_ids[idx]]
                 out = self.runner.execute(alone)
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)

@@ -58,12 +58,12 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
         self.num_preemptions = 0
-        # Once finished by a stop or length condition, keep the KV blocks for forks (beam search) until
-        # Scheduler.release_kv; aborted and failed requests free them anyway.
-        self.keeps_kv = keeps_kv
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it failed, when status is FINISHED_ERROR
+        # Once finished by a stop or length condition, keep the KV blocks for forks (beam search) until
+        # Scheduler.release_kv; aborted and failed requests free them anyway.
+        self.keeps_kv = keeps_kv
         # Logprobs: one dict per generated token / per prompt position (None at position 0).
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = []

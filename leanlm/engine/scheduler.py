@@ -168,9 +168,10 @@ class Scheduler:
                 idx += 1
                 continue
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            while block_ids is None and self._evict_held():
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
+                if self._evict_held():  # idle KV of finished keeps_kv requests goes before running requests
+                    block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                    continue
                 # The victim is the newest running request: never one already scheduled in this step,
                 # since those come before `idx`.
                 victim = self.running.pop()
