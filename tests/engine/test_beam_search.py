@@ -161,6 +161,7 @@ def test_forked_requests_see_the_same_logits_as_a_fresh_run(tokenizer, tiny, kv_
         (4, 0.5, False, {"max_num_batched_tokens": 8}, True),  # chunked prefill
         (3, 2.0, True, {}, True),
         (4, -1.0, False, {"num_kv_blocks": 14, "max_num_seqs": 8}, True),  # forks get preempted and recompute
+        (2, 0.0, False, {"num_kv_blocks": 10, "enable_prefix_caching": False}, True),  # forks share by ref count only
     ],
 )
 def test_beam_search_equals_a_dense_reference(tokenizer, tiny, width, length_penalty, early_stopping, options,
