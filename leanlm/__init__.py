@@ -3,8 +3,8 @@
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput", "load_model",
-           "save_checkpoint"]  # compress() lives in leanlm.compress (the subpackage of that name)
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "ModelConfig", "RequestOutput",
+           "CompletionOutput", "load_model", "save_checkpoint"]  # compress() lives in leanlm.compress (the subpackage of that name)
 __version__ = "0.1.0"
 
 
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from leanlm import llm
 
         return getattr(llm, name)
+    if name == "BeamSearchParams":
+        from leanlm.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "save_checkpoint":
         from leanlm.compress.checkpoint import save_checkpoint
 

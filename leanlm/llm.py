@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leanlm.config import EngineConfig, parse_dtype
+from leanlm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from leanlm.engine.engine import LLMEngine
 from leanlm.engine.outputs import RequestOutput
 from leanlm.kernels.build import cpu_flags
@@ -107,6 +108,13 @@ class LLM:
             for (text, token_ids), sp in zip(tokenized, params_list)
         ]
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (batched, on copy-on-write shared KV blocks); outputs in input order,
+        each with up to beam_width hypotheses, best score first."""
+        return BeamSearch(self.llm_engine, params).run(_as_prompt_list(prompts), use_tqdm)
 
     def score(self, token_id_lists: Sequence[Sequence[int]], use_tqdm: bool = True) -> list[torch.Tensor]:
         """Full next-token distributions of each sequence, through the same batched paged forward as

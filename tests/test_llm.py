@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm import LLM, SamplingParams
+from leanlm import LLM, BeamSearchParams, SamplingParams
 from leanlm.loading import ModelLoadError
 
 TEXTS = [
@@ -87,6 +87,31 @@ def test_chat_answers_sensibly(llm):
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not by length
     assert "<|im_end|>" not in out.outputs[0].text
+
+
+def test_beam_search_beats_greedy_and_matches_hf(llm, hf_smollm):
+    tok = llm.get_tokenizer()
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]), add_special_tokens=False)
+    prompts = [tok.encode("The capital of France is"), chat]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=12), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.sequences) == 4 and "Paris" in out.sequences[0].text
+        scores = [s.score for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+        best = out.sequences[0]
+        greedy = llm.generate([prompt], SamplingParams(max_tokens=len(best.token_ids), temperature=0.0, ignore_eos=True,
+                                                       logprobs=0), use_tqdm=False)[0].outputs[0]
+        assert best.cumulative_logprob >= greedy.cumulative_logprob - 1e-4
+    assert outs[1].sequences[0].finish_reason == "stop" and "<|im_end|>" not in outs[1].sequences[0].text
+    # HF transformers' own beam search finds the same hypotheses in the same order.
+    eos = list(llm.llm_engine.eos_token_ids)
+    with torch.no_grad():
+        ref = hf_smollm.generate(torch.tensor([prompts[0]]), num_beams=4, num_return_sequences=4, max_new_tokens=12,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    assert [s.token_ids for s in outs[0].sequences] == [row[len(prompts[0]):] for row in ref.tolist()]
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    assert all(block.ref_cnt == 0 for block in engine.kv_cache_manager.block_pool.blocks)
 
 
 def test_sampling_with_seed_is_reproducible_and_detokenizes_cleanly(llm):

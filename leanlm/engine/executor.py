@@ -51,6 +51,8 @@ class IsolatingExecutor:
             spec = [so.spec_token_ids[idx]] if so.spec_token_ids else []
             alone = SchedulerOutput([request], [so.num_scheduled_tokens[idx]], [so.block_ids[idx]], spec_token_ids=spec)
             try:
+                # Its own copy-on-write copies (done already if the batch got that far: copies are idempotent).
+                alone.blocks_to_copy = [(src, dst) for src, dst in so.blocks_to_copy if dst in so.block_ids[idx]]
                 out = self.runner.execute(alone)
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)

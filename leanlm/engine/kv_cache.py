@@ -1,5 +1,5 @@
-"""KVCacheManager: which blocks each request holds, and automatic prefix caching over chained block hashes
-(PagedAttention, Kwon et al. 2023; the hash-chain prefix cache of vLLM v1)."""
+"""KVCacheManager: which blocks each request holds, automatic prefix caching over chained block hashes, and
+forks that share blocks copy-on-write (PagedAttention, Kwon et al. 2023; the hash-chain prefix cache of vLLM v1)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class KVCacheManager:
 
     Invariant: request r holds blocks covering its first `r.num_computed_tokens` tokens (plus whatever was
     allocated for the step being run); `_num_cached_blocks[r]` leading blocks are registered in the cache.
+    Copy-on-write: a block several requests hold (a fork's, or a prefix hit's) is never written; only a
+    fork can share a partially filled block, and allocate_slots swaps it for a private copy before a write.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int) -> None:
@@ -37,6 +39,8 @@ class KVCacheManager:
         self._req_to_hashes: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # tokens of admitted requests that were looked up
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
+        # (src, dst) block ids whose KV the runner must copy before the next forward; take_block_copies drains it
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -94,12 +98,15 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_new_blocks = max(0, self.num_blocks_for(num_total) - len(blocks) - len(new_computed_blocks))
+        cow_idx = self._shared_write_block(request, blocks) if num_new_tokens > 0 else None
         # Free prefix-hit blocks leave the free queue when touched, so they cannot also be handed out new.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_revived:
+        if num_new_blocks + (cow_idx is not None) > self.block_pool.num_free_blocks - num_revived:
             return None
         if not blocks:
             self._record_lookup(request, len(new_computed_blocks))
+        if cow_idx is not None:
+            blocks = self._copy_on_write(blocks, cow_idx)
         self.block_pool.touch(new_computed_blocks)  # before get_new_blocks, which could evict them
         blocks = blocks + list(new_computed_blocks) + self.block_pool.get_new_blocks(num_new_blocks)
         self._req_to_blocks[request_id] = blocks
@@ -107,6 +114,39 @@ class KVCacheManager:
             self._num_cached_blocks[request_id] = len(new_computed_blocks)
         self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
         return [block.block_id for block in blocks]
+
+    def fork(self, parent: Request, child: Request) -> list[int]:
+        """Let `child` hold the blocks with parent's KV for child's first `num_computed_tokens` tokens, one more
+        reference each; those tokens must be parent's first tokens, with KV computed. A write into a block both
+        hold copies it first (allocate_slots), so neither sees the other's later tokens. Full blocks keep their
+        hashes (the child shares parent's prefix-cache entries). Returns the child's block ids."""
+        num_computed = child.num_computed_tokens
+        if self._req_to_blocks.get(child.request_id):
+            raise RuntimeError(f"request {child.request_id!r} already holds blocks; fork only into a new request")
+        if num_computed > parent.num_computed_tokens:
+            raise ValueError(
+                f"cannot fork {num_computed} computed tokens from request {parent.request_id!r}, which has KV for "
+                f"only {parent.num_computed_tokens}"
+            )
+        if child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]:
+            raise ValueError(f"the fork's first {num_computed} tokens differ from request {parent.request_id!r}'s")
+        parent_blocks = self._req_to_blocks.get(parent.request_id, [])
+        blocks = parent_blocks[: self.num_blocks_for(num_computed)]
+        if len(blocks) < self.num_blocks_for(num_computed):
+            raise RuntimeError(f"request {parent.request_id!r} holds no KV blocks for its computed tokens")
+        self.block_pool.touch(blocks)
+        self._req_to_blocks[child.request_id] = list(blocks)
+        num_full = num_computed // self.block_size  # the child writes no token into these
+        if parent.request_id in self._req_to_hashes:
+            self._req_to_hashes[child.request_id] = self._req_to_hashes[parent.request_id][:num_full]
+        self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks.get(parent.request_id, 0), num_full)
+        return [block.block_id for block in blocks]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies recorded since the last call; the runner must do them before the forward
+        that writes the new tokens. Copies are idempotent: nobody writes a src block's already computed slots."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
         """Release the request's blocks tail-first (its tail is evicted before its shareable head) and
@@ -134,6 +174,23 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         return self.block_pool.reset_prefix_cache()
+
+    def _shared_write_block(self, request: Request, blocks: list[KVBlock]) -> int | None:
+        """Index of the block the request's next token goes into when it is partially filled and held by
+        others too (a fork's last block); None otherwise. Full shared blocks are never written again."""
+        block_idx, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset and block_idx < len(blocks) and self.block_pool.is_shared(blocks[block_idx]):
+            return block_idx
+        return None
+
+    def _copy_on_write(self, blocks: list[KVBlock], block_idx: int) -> list[KVBlock]:
+        """Swap blocks[block_idx] (shared) for a fresh block that will get its KV copied; drop one reference on
+        the shared block (it stays held by the others, so it cannot reach the free queue here)."""
+        shared = blocks[block_idx]
+        (fresh,) = self.block_pool.get_new_blocks(1)
+        self.block_pool.free_blocks([shared])
+        self._block_copies.append((shared.block_id, fresh.block_id))
+        return blocks[:block_idx] + [fresh] + blocks[block_idx + 1 :]
 
     def _record_lookup(self, request: Request, num_hit_blocks: int) -> None:
         """Hit-rate counters, in tokens. Counted when a request is admitted, not per lookup, so a queue head

@@ -136,6 +136,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         requests = scheduler_output.scheduled_requests
+        self._copy_blocks(scheduler_output.blocks_to_copy)  # copy-on-write, before the forward writes
         if not requests:
             return ModelRunnerOutput([], [], [])
         layout = self._layout(scheduler_output)
@@ -189,6 +190,15 @@ class ModelRunner:
             if lp_dicts is not None and sample_reqs[j].sampling_params.logprobs is not None:
                 logprobs[row] = lp_dicts[first_row : first_row + len(token_ids[j])]
             first_row += rows_per_req[j]
+
+    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """KV (and 8-bit scales) of block src into block dst, in every layer, for each (src, dst) pair."""
+        if not blocks_to_copy:
+            return
+        src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device) for ids in zip(*blocks_to_copy))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, n, Hkv, bs, D]
+        if self.kv_scales is not None:
+            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]  # [L, 2, n, Hkv, bs]
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []

@@ -62,6 +62,8 @@ class OutputProcessor:
 
     def check_stop(self, request: Request) -> str | None:
         """Scheduler hook, after each new token: the stop string that now ends the text, if any."""
+        if request.request_id not in self._children:
+            return None  # an engine-internal request (a beam search round) has no text or stop strings
         _, child = self._children[request.request_id]
         new_text = self._catch_up(child)
         params = request.sampling_params

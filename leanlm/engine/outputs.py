@@ -21,6 +21,8 @@ class SchedulerOutput:
     spec_token_ids: list[list[int]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted during this schedule()
     finished_request_ids: list[str] = field(default_factory=list)  # finished since the last schedule()
+    # (src, dst) KV block ids to copy before the forward: copy-on-write of blocks shared by forks
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     def num_spec_tokens(self, idx: int) -> int:
         return len(self.spec_token_ids[idx]) if self.spec_token_ids else 0

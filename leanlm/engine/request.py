@@ -45,6 +45,7 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         device: torch.device | str = "cpu",
+        keeps_kv: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
@@ -65,6 +66,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it failed, when status is FINISHED_ERROR
+        # Once finished by a stop or length condition, keep the KV blocks for forks (beam search) until
+        # Scheduler.release_kv; aborted and failed requests free them anyway.
+        self.keeps_kv = keeps_kv
         # Logprobs: one dict per generated token / per prompt position (None at position 0).
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = []

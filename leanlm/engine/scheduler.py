@@ -55,6 +55,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule(), for the runner
         self._finished_in_schedule: list[Request] = []  # failed outside update(); the next update() reports them
+        # Finished requests made with keeps_kv: they hold their blocks (for fork_request) until release_kv, or
+        # until the pool runs short (then num_computed_tokens drops to 0, as for a preempted request).
+        self.kv_held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: Counter[str] = Counter()
 
@@ -87,7 +90,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.kv_held:
             raise ValueError(f"request id {request.request_id!r} is already in the engine; use a unique id")
         if request.is_finished:
             raise ValueError(f"request {request.request_id!r} is already finished ({request.status.name})")
@@ -111,6 +114,39 @@ class Scheduler:
             self._fail_in_schedule(request, message)
         return request
 
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start `child` running on the KV `parent` computed for child's first num_computed_tokens tokens, shared
+        copy-on-write (KVCacheManager.fork). `parent` is running, or finished and held (keeps_kv). A fork runs at
+        once, even past max_num_seqs: its blocks are already taken. With num_computed_tokens 0 (copied from a
+        held parent whose blocks were evicted) it waits at the queue's head and recomputes instead."""
+        if child.request_id in self.requests or child.request_id in self.kv_held:
+            raise ValueError(f"request id {child.request_id!r} is already in the engine; use a unique id")
+        if child.is_finished:
+            raise ValueError(f"request {child.request_id!r} is already finished ({child.status.name})")
+        if parent.request_id not in self.kv_held and parent.status != RequestStatus.RUNNING:
+            raise ValueError(
+                f"request {parent.request_id!r} holds no KV to fork ({parent.status.name}); fork a running request "
+                f"or a finished one made with keeps_kv=True"
+            )
+        self.requests[child.request_id] = child
+        if child.num_computed_tokens == 0:
+            # Nothing to share (the parent's blocks were evicted): it recomputes, like a preempted request.
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        self.kv_cache_manager.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = time.monotonic()
+        self.running.append(child)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished keeps_kv request still holds. False when it holds none here."""
+        request = self.kv_held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv_cache_manager.free(request)
+        return True
+
     # ---- schedule ------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -120,6 +156,7 @@ class Scheduler:
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget)
         output.finished_request_ids = self._finished_ids
+        output.blocks_to_copy = self.kv_cache_manager.take_block_copies()
         self._finished_ids = []
         return output
 
@@ -139,6 +176,9 @@ class Scheduler:
                 spec = []  # drafts never cost a preemption: retry without them
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
+                if self._evict_held():  # idle KV of finished keeps_kv requests goes before running requests
+                    block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                    continue
                 # The victim is the newest running request: never one already scheduled in this step,
                 # since those come before `idx`.
                 victim = self.running.pop()
@@ -188,6 +228,8 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             block_ids = kv.allocate_slots(request, num_new, hit_blocks)
             if block_ids is None:
+                if self._evict_held():
+                    continue  # look up again: the freed blocks may hold its prefix
                 if not self.running:
                     # Nothing will ever free a block for it: fail it rather than wait forever.
                     self._fail_in_schedule(request, self._too_big_message(request, num_hit_tokens + num_new))
@@ -223,6 +265,17 @@ class Scheduler:
         request.error = message
         self._finish(request, RequestStatus.FINISHED_ERROR)
         self._finished_in_schedule.append(request)
+
+    def _evict_held(self) -> bool:
+        """Free the blocks of the oldest held request that has any (idle KV goes before running requests are
+        preempted); a fork of it recomputes. Returns False when no held request holds blocks."""
+        for request in self.kv_held.values():
+            if request.num_computed_tokens > 0:
+                self.kv_cache_manager.free(request, keep_hashes=True)
+                request.num_computed_tokens = 0
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV and put it at the front of the waiting queue."""
@@ -324,7 +377,10 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+        if request.keeps_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.kv_held[request.request_id] = request  # its blocks stay taken until release_kv
+        else:
+            self.kv_cache_manager.free(request)
         request.status = status
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]

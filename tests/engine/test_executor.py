@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
@@ -96,3 +97,39 @@ def test_a_batch_error_of_a_lone_request_still_fails_only_it(make_tiny_engine, t
     assert len(run_to_completion(engine)["ok"].outputs[0].token_ids) == 3
 
 
+
+
+def test_isolated_forks_keep_their_block_copies(make_tiny_engine, tokenizer, monkeypatch):
+    """Beam forks that copy-on-write in a batch that raises: each re-run alone carries its own copies, and the
+    search ends as it does without the failure."""
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    prompt = _prompts(tokenizer.vocab_size, lengths=(6,))[0]  # 6 tokens: the forks share a half-full block
+    (expected,) = BeamSearch(make_tiny_engine(block_size=4), params).run([prompt])
+
+    engine = make_tiny_engine(block_size=4)
+    _poison_forward(engine, monkeypatch)
+    calls = []
+    real_execute = engine.model_runner.execute
+
+    def execute(so):
+        calls.append((so.block_ids, so.blocks_to_copy))
+        return real_execute(so)
+
+    monkeypatch.setattr(engine.model_runner, "execute", execute)
+    search = BeamSearch(engine, params)
+    search.add(prompt, 0)
+    assert search.step() == []  # the prompt's round; its three forks now hold its blocks
+    bad = engine.add_request([POISON] * 3, SamplingParams(max_tokens=2))
+    calls.clear()
+    outputs = search.step()
+    (batch_ids, batch_copies), *alone = calls
+    assert len(batch_copies) == 2 and len(alone) == 4  # two forks copy, the third writes in place; + the poison
+    for block_ids, copies in alone:
+        assert copies == [(src, dst) for src, dst in batch_copies if dst in block_ids[0]]
+    assert sorted(c for _, copies in alone for c in copies) == sorted(batch_copies)
+    while search.has_unfinished():
+        outputs += search.step()
+    assert engine.executor.num_isolations == 1
+    assert [s.token_ids for s in outputs[0][1].sequences] == [s.token_ids for s in expected.sequences]
+    assert bad not in engine.output_processor.parent_ids() and not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks

@@ -192,3 +192,120 @@ def test_lookup_after_allocation_is_refused():
     admit(kv, req)
     with pytest.raises(RuntimeError, match="already holds blocks"):
         kv.get_computed_blocks(req)
+
+
+# ---- fork and copy-on-write -------------------------------------------------------------------------
+
+
+def fork_of(parent, child_id, new_token):
+    """A request with the parent's computed tokens plus one new token, computed up to it (as beam search)."""
+    child = make_request(child_id, parent.all_token_ids[: parent.num_computed_tokens] + [new_token])
+    child.num_computed_tokens = parent.num_computed_tokens
+    return child
+
+
+def ref_cnts(kv):
+    return [blk.ref_cnt for blk in kv.block_pool.blocks]
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    kv = make_manager()
+    parent = make_request("p", list(range(6)))
+    assert kv.allocate_slots(parent, 6) == [0, 1]
+    parent.num_computed_tokens = 6
+    a, b = fork_of(parent, "a", 100), fork_of(parent, "b", 101)
+    assert kv.fork(parent, a) == [0, 1] and kv.fork(parent, b) == [0, 1]
+    assert ref_cnts(kv)[:3] == [3, 3, 0] and kv.num_free_blocks == 6
+    # a writes slot 6, inside block 1 which p and b hold too: it gets a fresh copy of block 1.
+    assert kv.allocate_slots(a, 1) == [0, 2]
+    assert kv.take_block_copies() == [(1, 2)]
+    assert kv.take_block_copies() == []  # drained
+    assert ref_cnts(kv)[:3] == [3, 2, 1]
+    kv.free(parent)  # block 1 is now b's alone: b writes in place, no copy
+    assert kv.allocate_slots(b, 1) == [0, 1]
+    assert kv.take_block_copies() == []
+    assert ref_cnts(kv)[:3] == [2, 1, 1]
+    kv.free(a)
+    kv.free(b)
+    assert ref_cnts(kv) == [0] * 8 and kv.num_free_blocks == 8
+
+
+def test_fork_at_a_block_boundary_shares_full_blocks_only():
+    kv = make_manager()
+    parent = make_request("p", list(range(8)))
+    kv.allocate_slots(parent, 8)
+    parent.num_computed_tokens = 8
+    child = fork_of(parent, "c", 100)
+    assert kv.fork(parent, child) == [0, 1]
+    assert kv.allocate_slots(child, 1) == [0, 1, 2]  # its token starts a new block: nothing to copy
+    assert kv.take_block_copies() == []
+    assert ref_cnts(kv)[:3] == [2, 2, 1]
+
+
+def test_a_running_parent_copies_too_when_it_writes_first():
+    kv = make_manager()
+    parent = make_request("p", list(range(5)))
+    kv.allocate_slots(parent, 5)
+    parent.num_computed_tokens = 5
+    child = fork_of(parent, "c", 100)
+    kv.fork(parent, child)
+    parent.append_output_token_ids(7)
+    assert kv.allocate_slots(parent, 1) == [0, 2]
+    assert kv.take_block_copies() == [(1, 2)]
+    assert kv.allocate_slots(child, 1) == [0, 1]  # the shared block is the child's alone now
+    assert ref_cnts(kv)[:3] == [2, 1, 1]
+
+
+def test_fork_keeps_the_prefix_cache_hashes():
+    kv = make_manager()
+    parent = make_request("p", list(range(10)))
+    kv.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    child = fork_of(parent, "c", 100)
+    kv.fork(parent, child)
+    assert kv.allocate_slots(child, 1) == [0, 1, 3]
+    assert kv.take_block_copies() == [(2, 3)]
+    child.num_computed_tokens = 11
+    child.append_output_token_ids(101)  # 12 tokens: the copied block 3 fills up and is cached under c's tokens
+    assert kv.allocate_slots(child, 1) == [0, 1, 3]
+    h1 = hash_block_tokens(hash_block_tokens(None, [0, 1, 2, 3]), [4, 5, 6, 7])
+    assert kv.block_pool.blocks[3].block_hash == hash_block_tokens(h1, [8, 9, 100, 101])
+    kv.free(parent)
+    kv.free(child)
+    # A new request with the child's tokens hits all three blocks.
+    again = make_request("again", list(range(10)) + [100, 101, 5])
+    assert admit(kv, again) == ([0, 1, 3, 4], 12)
+
+
+def test_copy_on_write_that_finds_no_block_changes_nothing():
+    kv = make_manager(num_blocks=2)
+    parent = make_request("p", list(range(6)))
+    kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    child = fork_of(parent, "c", 100)
+    kv.fork(parent, child)
+    assert kv.allocate_slots(child, 1) is None  # the copy needs a third block
+    assert kv.get_block_ids("c") == [0, 1] and ref_cnts(kv) == [2, 2]
+    assert kv.take_block_copies() == []
+    kv.free(parent)
+    assert kv.allocate_slots(child, 1) == [0, 1]  # alone now: writes in place
+
+
+def test_fork_refuses_tokens_or_counts_that_do_not_match():
+    kv = make_manager()
+    parent = make_request("p", list(range(6)))
+    kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    other = make_request("x", [9, 9, 9, 9, 9, 9, 9])
+    other.num_computed_tokens = 6
+    with pytest.raises(ValueError, match="differ"):
+        kv.fork(parent, other)
+    ahead = make_request("y", list(range(8)))
+    ahead.num_computed_tokens = 7
+    with pytest.raises(ValueError, match="has KV for only 6"):
+        kv.fork(parent, ahead)
+    child = fork_of(parent, "c", 100)
+    kv.fork(parent, child)
+    with pytest.raises(RuntimeError, match="already holds blocks"):
+        kv.fork(parent, child)
+    assert ref_cnts(kv)[:2] == [2, 2]

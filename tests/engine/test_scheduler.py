@@ -30,6 +30,12 @@ class FakeRunner:
 
     def execute(self, out):
         batch = list(zip(out.scheduled_requests, out.num_scheduled_tokens, out.block_ids))
+        for src, dst in out.blocks_to_copy:  # copy-on-write, before any write
+            for offset in range(self.block_size):
+                if (src, offset) in self.slots:
+                    self.slots[(dst, offset)] = self.slots[(src, offset)]
+                else:
+                    self.slots.pop((dst, offset), None)
         # Like the real runner: every scheduled token's KV is written before any attention reads.
         for req, num, block_ids in batch:
             assert len(block_ids) * self.block_size >= req.num_computed_tokens + num
@@ -330,6 +336,86 @@ def test_generation_outgrowing_the_pool_errors_instead_of_looping():
     assert "needs 5 KV blocks for 17 tokens" in req.error
     assert req.output_token_ids == [15, 16]
     assert_all_blocks_free(sched)
+
+
+def test_keeps_kv_request_holds_its_blocks_until_released():
+    sched = make_scheduler()
+    runner = FakeRunner(4)
+    req = Request("a", list(range(6)), SamplingParams(max_tokens=1), keeps_kv=True)
+    sched.add_request(req)
+    run(sched, runner)
+    assert req.status == RequestStatus.FINISHED_LENGTH and not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.get_block_ids("a") == [0, 1] and "a" in sched.kv_held
+    with pytest.raises(ValueError, match="already in the engine"):
+        sched.add_request(make_request("a", [1]))
+    assert sched.release_kv("a") and not sched.release_kv("a")
+    assert_all_blocks_free(sched)
+
+
+def test_aborted_keeps_kv_request_frees_at_once():
+    sched = make_scheduler()
+    runner = FakeRunner(4)
+    sched.add_request(Request("a", list(range(6)), SamplingParams(max_tokens=5), keeps_kv=True))
+    step(sched, runner)
+    sched.abort_request("a")
+    assert sched.kv_held == {}
+    assert_all_blocks_free(sched)
+
+
+def test_forks_share_the_parent_kv_and_copy_its_last_block():
+    """Two forks of a finished parent, each with its own next token: the fake runner checks every slot they
+    read, so a missing or wrong copy, or a write into the shared block, fails."""
+    sched = make_scheduler()
+    runner = FakeRunner(4)
+    parent = Request("p", list(range(6)), SamplingParams(max_tokens=1), keeps_kv=True)
+    sched.add_request(parent)
+    run(sched, runner)
+    children = []
+    for child_id, token in (("c0", 500), ("c1", 600)):
+        child = make_request(child_id, parent.all_token_ids[:6], max_tokens=3)
+        child.append_output_token_ids(token)
+        child.num_computed_tokens = 6
+        sched.fork_request(parent, child)
+        children.append(child)
+    assert sched.release_kv("p")
+    trace, out, _ = step(sched, runner)
+    assert trace == [("c0", 1), ("c1", 1)]
+    assert out.block_ids == [[0, 2], [0, 1]] and out.blocks_to_copy == [(1, 2)]
+    run(sched, runner)
+    assert [c.output_token_ids for c in children] == [[500, 501, 502], [600, 601, 602]]
+    assert_all_blocks_free(sched)
+
+
+def test_held_blocks_are_evicted_before_running_requests_are_preempted():
+    sched = make_scheduler(num_blocks=4)
+    runner = FakeRunner(4)
+    parent = Request("p", list(range(6)), SamplingParams(max_tokens=1), keeps_kv=True)
+    sched.add_request(parent)
+    run(sched, runner)  # p holds blocks 0 and 1 (block 0 cached)
+    other = make_request("o", range(100, 111), max_tokens=2)  # 11 tokens: 3 blocks, only 2 free
+    sched.add_request(other)
+    trace, out, _ = step(sched, runner)
+    assert trace == [("o", 11)] and out.preempted_request_ids == [] and sched.num_preemptions == 1
+    assert parent.num_computed_tokens == 0 and sched.kv_cache_manager.get_block_ids("p") == []
+    # A fork of the evicted parent recomputes from the queue's head, reviving p's cached block 0.
+    child = make_request("c", range(6), max_tokens=2)
+    child.append_output_token_ids(500)
+    child.num_computed_tokens = parent.num_computed_tokens
+    sched.fork_request(parent, child)
+    assert sched.waiting[0] is child
+    assert sched.release_kv("p")
+    run(sched, runner)
+    assert child.output_token_ids == [500, 501] and child.num_cached_tokens == 4
+    assert_all_blocks_free(sched)
+
+
+def test_fork_refuses_a_parent_without_kv():
+    sched = make_scheduler()
+    parent = make_request("p", range(6), max_tokens=1)
+    sched.add_request(parent)  # waiting: no blocks yet
+    child = make_request("c", range(6))
+    with pytest.raises(ValueError, match="holds no KV to fork"):
+        sched.fork_request(parent, child)
 
 
 def test_duplicate_request_id_is_refused():
