@@ -57,6 +57,11 @@ class DraftProposer:
             model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])])
             self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write of the target's blocks, mirrored in a separate draft's own cache."""
+        if self.owns_cache:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, n, Hkv, bs, D]
+
     @torch.inference_mode()
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                block_ids: list[list[int]]) -> None:

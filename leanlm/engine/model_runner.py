@@ -199,6 +199,8 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, n, Hkv, bs, D]
         if self.kv_scales is not None:
             self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]  # [L, 2, n, Hkv, bs]
+        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+            self.spec_decoder.draft.copy_blocks(src, dst)  # a draft model's cache mirrors the block ids
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []
