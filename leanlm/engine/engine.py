@@ -109,8 +109,12 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.output_processor.add(request_id, prompt_text, children)
-        for child in children:
-            self.scheduler.add_request(child)
+        if len(children) > 1 and params.prompt_logprobs is None:
+            # Parallel sampling: one prompt computation, its KV blocks shared copy-on-write by all n.
+            self.scheduler.add_sampling_group(children[0], children[1:])
+        else:
+            for child in children:
+                self.scheduler.add_request(child)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

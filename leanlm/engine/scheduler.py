@@ -58,6 +58,9 @@ class Scheduler:
         # Finished requests made with keeps_kv: they hold their blocks (for fork_request) until release_kv, or
         # until the pool runs short (then num_computed_tokens drops to 0, as for a preempted request).
         self.kv_held: dict[str, Request] = {}
+        # Parallel sampling: parent request id -> siblings (in self.requests, in no queue) that fork its KV once
+        # it has computed all but its prompt's last token.
+        self._pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.num_finished: Counter[str] = Counter()
 
@@ -113,6 +116,32 @@ class Scheduler:
             self.kv_cache_manager.uncache_uncomputed(request)
             self._fail_in_schedule(request, message)
         return request
+
+    def add_sampling_group(self, first: Request, siblings: list[Request]) -> None:
+        """n samples of one prompt that share its KV: `first` computes the prompt; each sibling then forks the
+        blocks of all but the prompt's last token (copy-on-write), computes that token itself and samples its
+        own first token from it. Should `first` finish before that, the siblings run on their own."""
+        for request in (first, *siblings):
+            if request.prompt_token_ids != first.prompt_token_ids:
+                raise ValueError("a sampling group shares one prompt")
+        self.add_request(first)
+        for sibling in siblings:
+            if sibling.request_id in self.requests:
+                raise ValueError(f"request id {sibling.request_id!r} is already in the engine; use a unique id")
+            self.requests[sibling.request_id] = sibling
+        self._pending_forks[first.request_id] = list(siblings)
+
+    def _fork_siblings(self, parent: Request) -> None:
+        """Start the siblings waiting on `parent` now that its prompt (but the last token) has KV."""
+        for sibling in self._pending_forks.pop(parent.request_id, []):
+            del self.requests[sibling.request_id]  # fork_request admits it again
+            sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
+            self.fork_request(parent, sibling)
+
+    def _release_siblings(self, parent: Request) -> None:
+        """`parent` ended before its siblings could fork: they compute the prompt themselves."""
+        for sibling in self._pending_forks.pop(parent.request_id, []):
+            self.waiting.appendleft(sibling)
 
     def fork_request(self, parent: Request, child: Request) -> None:
         """Start `child` running on the KV `parent` computed for child's first num_computed_tokens tokens, shared
@@ -266,6 +295,14 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR)
         self._finished_in_schedule.append(request)
 
+    def _drop_pending_sibling(self, request: Request) -> bool:
+        """Remove a sibling still waiting to fork (it is in no queue); False if it is not one."""
+        for siblings in self._pending_forks.values():
+            if request in siblings:
+                siblings.remove(request)
+                return True
+        return False
+
     def _evict_held(self) -> bool:
         """Free the blocks of the oldest held request that has any (idle KV goes before running requests are
         preempted); a fork of it recomputes. Returns False when no held request holds blocks."""
@@ -312,6 +349,8 @@ class Scheduler:
             # Drafts the verification rejected have KV in the cache that later tokens overwrite.
             num_rejected = num_drafts - (len(sampled) - 1) if num_drafts else 0
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx] - num_rejected
+            if request.request_id in self._pending_forks and request.num_computed_tokens >= request.num_prompt_tokens - 1:
+                self._fork_siblings(request)
             request.num_draft_tokens += num_drafts
             request.num_accepted_tokens += num_drafts - num_rejected
             prompt_logprobs = runner_output.prompt_logprobs[idx] if runner_output.prompt_logprobs else None
@@ -375,8 +414,9 @@ class Scheduler:
         """Move an unfinished request out of the queues, free its blocks and record it."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif not self._drop_pending_sibling(request):
             self.waiting.remove(request)
+        self._release_siblings(request)
         if request.keeps_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.kv_held[request.request_id] = request  # its blocks stay taken until release_kv
         else:
