@@ -186,7 +186,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # KV storage: auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2 (8-bit, a float32 scale per token and KV head)
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
-    # Speculative decoding: ngram (prompt lookup) | draft:MODEL | self:K (the first K layers); None: one token a step
+    # Speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the
+    # target's first K layers); None decodes one token a step
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per request and step
 
@@ -218,7 +219,7 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "self")
+SPECULATIVE_METHODS = ("ngram", "draft", "self", "lookahead")
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ class SpeculativeConfig:
     """
 
     # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail; draft: a smaller
-    # model with the same tokenizer; self: the target's own first layers with its final norm and head
+    # model with the same tokenizer; self: the target's own first layers with its final norm and head;
+    # lookahead: Jacobi iteration of the target itself plus an n-gram pool (no draft model)
     method: str
     draft_model: str | None = None  # draft: a bundled name, GGUF file or HF directory (a quantized copy works)
     num_draft_layers: int | None = None  # self: how many of the target's first layers draft
@@ -272,7 +274,7 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, spec: str, num_speculative_tokens: int = 4) -> SpeculativeConfig:
-        """From the CLI form: 'ngram', 'draft:MODEL' or 'self:K'."""
+        """From the CLI form: 'ngram', 'lookahead', 'draft:MODEL' or 'self:K'."""
         method, _, arg = spec.strip().partition(":")
         if method == "draft":
             if not arg:

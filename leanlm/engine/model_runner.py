@@ -180,7 +180,7 @@ class ModelRunner:
             draft_probs = self.spec_decoder.draft_probs(sample_reqs, drafts)
             verified = self.rejection_sampler(logits, metadata, drafts, draft_probs)
             token_ids, lp = verified.token_ids, verified.logprobs
-            self.spec_decoder.observe(sample_reqs, drafts, verified.num_accepted)
+            self.spec_decoder.observe(sample_reqs, drafts, verified.num_accepted, verified.predictions)
         lp_dicts = None
         if lp is not None:
             lp_dicts = logprobs_to_dicts(lp, [r.sampling_params.logprobs or 0 for r in row_reqs])

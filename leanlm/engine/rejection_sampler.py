@@ -27,6 +27,7 @@ class VerifyOutput:
 
     token_ids: list[list[int]]
     num_accepted: list[int]  # per request: drafts accepted
+    predictions: list[list[int]]  # per request: the target's argmax at each of its rows (Jacobi iterates)
     logprobs: LogprobsTensors | None  # per row (all requests' rows, in order), scored against the raw logits
 
 
@@ -77,7 +78,7 @@ class RejectionSampler:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, row_tokens, metadata.max_num_logprobs)
-        return self._assemble(accept.tolist(), row_tokens.tolist(), counts, logprobs)
+        return self._assemble(accept.tolist(), row_tokens.tolist(), greedy.tolist(), counts, logprobs)
 
     @staticmethod
     def _uniforms(num_rows: int, metadata: SamplingMetadata, device: torch.device) -> torch.Tensor:
@@ -88,9 +89,9 @@ class RejectionSampler:
         return u
 
     @staticmethod
-    def _assemble(accept: list[bool], row_tokens: list[int], counts: list[int],
+    def _assemble(accept: list[bool], row_tokens: list[int], greedy: list[int], counts: list[int],
                   logprobs: LogprobsTensors | None) -> VerifyOutput:
-        token_ids, num_accepted = [], []
+        token_ids, num_accepted, predictions = [], [], []
         start = 0
         for count in counts:
             num = 0
@@ -98,5 +99,6 @@ class RejectionSampler:
                 num += 1
             token_ids.append(row_tokens[start : start + num + 1])
             num_accepted.append(num)
+            predictions.append(greedy[start : start + count])
             start += count
-        return VerifyOutput(token_ids, num_accepted, logprobs)
+        return VerifyOutput(token_ids, num_accepted, predictions, logprobs)

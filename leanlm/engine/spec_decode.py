@@ -11,6 +11,7 @@ import torch
 
 from leanlm.config import SpeculativeConfig
 from leanlm.engine.draft_proposer import DraftJob, DraftProposer
+from leanlm.engine.lookahead_proposer import LookaheadProposer
 from leanlm.engine.ngram_proposer import NgramProposer
 from leanlm.engine.request import Request
 
@@ -60,7 +61,9 @@ class SpecDecoder:
         if config.uses_model and draft is None:
             raise ValueError(f"speculative method {config.method!r} needs a draft model")
         self.config = config
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if not config.uses_model else None
+        is_ngram = config.method == "ngram"
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if is_ngram else None
+        self.lookahead = LookaheadProposer(config.prompt_lookup_max) if config.method == "lookahead" else None
         self.draft = draft if config.uses_model else None
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -75,6 +78,8 @@ class SpecDecoder:
         for request_id in request_ids:
             self._acceptance.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
+        if self.lookahead is not None:
+            self.lookahead.forget(request_ids)
 
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                block_ids: list[list[int]]) -> None:
@@ -82,15 +87,20 @@ class SpecDecoder:
         if self.draft is not None:
             self.draft.follow(input_ids, positions, query_lens, seq_lens, block_ids)
 
-    def observe(self, requests: list[Request], verified: list[list[int]], num_accepted: list[int]) -> None:
-        """Record one step's verification: drafts verified and accepted per request."""
+    def observe(self, requests: list[Request], verified: list[list[int]], num_accepted: list[int],
+                predictions: list[list[int]] | None = None) -> None:
+        """Record one step's verification: drafts verified and accepted per request, and (for Jacobi drafts)
+        the target's argmax at each verified row. Call before the step's tokens are appended."""
         if any(verified):
             self._num_steps += 1
-        for request, drafts, accepted in zip(requests, verified, num_accepted):
+        for i, (request, drafts, accepted) in enumerate(zip(requests, verified, num_accepted)):
             if drafts:
                 self._num_drafts += len(drafts)
                 self._num_accepted += accepted
                 self._acceptance.setdefault(request.request_id, _Acceptance()).observe(len(drafts), accepted)
+                if self.lookahead is not None and predictions is not None:
+                    inputs = [request.all_token_ids[-1], *drafts]
+                    self.lookahead.observe(request.request_id, inputs, predictions[i], accepted)
 
     def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> torch.Tensor | None:
         """The draft distribution behind each verification row [sum(len(d) + 1), V] (zeros for greedy requests
@@ -127,6 +137,9 @@ class SpecDecoder:
                 continue
             if self.ngram is not None:
                 out[i] = self.ngram.propose(request.all_token_ids + new_tokens, k)
+                continue
+            if self.lookahead is not None:
+                out[i] = self.lookahead.propose(request.request_id, request.all_token_ids + new_tokens, k)
                 continue
             position = request.num_tokens + len(new_tokens) - 1
             k = min(k, len(block_ids[i]) * self.block_size - position)

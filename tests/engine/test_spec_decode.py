@@ -114,11 +114,13 @@ def _repetitive_prompts(vocab: int) -> list[list[int]]:
     return [motif * 4, [rng.randrange(3, vocab) for _ in range(13)], motif * 2 + [rng.randrange(3, vocab)], few]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
+@pytest.mark.parametrize("proposer", ["ngram", "lookahead", "draft", "self"])
 def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(make_tiny_engine, tokenizer, proposer):
     options = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=12)
     if proposer == "ngram":
         engine = _spec_engine(make_tiny_engine, **options)
+    elif proposer == "lookahead":
+        engine = make_tiny_engine(speculative="lookahead", **options)
     elif proposer == "draft":
         engine = _draft_engine(tokenizer, **options)
     else:
@@ -271,6 +273,9 @@ def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
     with pytest.raises(ValueError, match="self:K"):
         EngineConfig(speculative="self:x")
     assert EngineConfig(speculative="self:3").speculative_config.num_draft_layers == 3
+    assert EngineConfig(speculative="lookahead").speculative_config.method == "lookahead"
+    with pytest.raises(ValueError, match="takes no argument"):
+        EngineConfig(speculative="lookahead:3")
     assert EngineConfig(speculative="draft:some/dir").speculative_config.draft_model == "some/dir"
     with pytest.raises(ValueError, match="first 2 layers"):
         make_tiny_engine(speculative="self:2", num_kv_blocks=16)
