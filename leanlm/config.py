@@ -190,6 +190,7 @@ class EngineConfig:
     # target's first K layers); None decodes one token a step
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per request and step
+    speculative_max_batch_size: int = 8  # steps sampling more requests than this do not speculate
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
@@ -216,7 +217,8 @@ class EngineConfig:
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:
             return None
-        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
+        return dataclasses.replace(SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens),
+                                   max_batch_size=self.speculative_max_batch_size)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "lookahead")
@@ -242,7 +244,9 @@ class SpeculativeConfig:
     adaptive: bool = True  # adapt k to each request's acceptance rate; False always proposes up to k
     max_batch_size: int = 8  # steps sampling more requests than this do not speculate: verification stops paying
     verify_overhead: float = 0.2  # a verifying step's extra cost over a plain decode step (relative)
-    draft_cost: float = 0.05  # each draft token's extra cost (proposing it and verifying its row), relative
+    # each draft token's extra cost (proposing it and verifying its row), relative to a target step; None: 0.05
+    # for n-gram drafts, and for a draft model its weight bytes over the target's (decode reads every weight)
+    draft_cost: float | None = None
     probe_interval: int = 16  # steps a request waits at k = 0 before proposing again to re-measure acceptance
 
     def __post_init__(self) -> None:
@@ -262,7 +266,7 @@ class SpeculativeConfig:
             )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.verify_overhead < 0 or self.draft_cost < 0:
+        if self.verify_overhead < 0 or (self.draft_cost is not None and self.draft_cost < 0):
             raise ValueError("verify_overhead and draft_cost are relative costs and must be >= 0")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")

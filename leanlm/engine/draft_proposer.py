@@ -1,11 +1,13 @@
 """DraftProposer: draft tokens from a smaller causal LM, run autoregressively over the target's block layout.
 
 Two kinds of draft (Leviathan et al. 2023; self-speculation as in LayerSkip, Elhoushi et al. 2024):
-- a separate model with the same tokenizer: its own KV cache, indexed by the target's block ids, kept in step
-  by running it over every batch the target runs (`follow`);
+- a separate model with the same tokenizer: its own KV cache, indexed by the target's block ids. It catches up
+  lazily: each proposal first feeds it the request's tokens it has no KV for (the prompt on the first one; after
+  that at most one, the last accepted draft), so it never runs on steps where nothing is proposed;
 - the target's first K layers with its final norm and head: it reads and writes the target's own cache for
   those layers, where the target has already written exactly what the draft would.
-Draft KV written for draft tokens is scratch: the target's verification step rewrites those slots.
+Draft KV written for draft tokens is scratch past the accepted ones: verification rewrites the target's, and a
+separate draft knows which of its own it can keep by comparing what it drafted with what was accepted.
 """
 
 from __future__ import annotations
@@ -23,13 +25,35 @@ from leanlm.model.llama import LlamaForCausalLM
 
 @dataclass
 class DraftJob:
-    """One request's proposal: continue from `token_id` at `position` for `num_tokens` tokens."""
+    """One request's proposal: continue its tokens (`token_ids`, the newest at `position`, no KV yet) for
+    `num_tokens` tokens."""
 
     request: Request
-    token_id: int  # the request's last token (sampled this step, KV not yet written)
-    position: int
+    token_ids: list[int]  # prompt and output so far, the step's new tokens included
     num_tokens: int
     block_ids: list[int]  # covering position + num_tokens - 1
+
+    @property
+    def position(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@dataclass
+class _DraftKV:
+    """What a separate draft wrote for one request: valid KV for positions < num_valid, and the tokens it
+    wrote from `position` on at its last proposal (valid as far as they match the request's tokens)."""
+
+    num_preemptions: int  # a preemption frees the blocks: the draft's KV goes with them
+    num_valid: int
+    position: int
+    tokens: list[int]
+
+    def valid_until(self, token_ids: list[int]) -> int:
+        matched = 0
+        while (matched < len(self.tokens) and self.position + matched < len(token_ids)
+               and token_ids[self.position + matched] == self.tokens[matched]):  # fmt: skip
+            matched += 1
+        return self.position + matched if matched else min(self.num_valid, self.position)
 
 
 @dataclass
@@ -41,10 +65,13 @@ class Drafts:
 
 class DraftProposer:
     def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
-                 num_blocks: int | None = None, dtype: torch.dtype | None = None) -> None:
+                 num_blocks: int | None = None, dtype: torch.dtype | None = None,
+                 relative_cost: float = 0.0) -> None:
         """`num_blocks` given: a separate draft with its own cache of that many blocks (the target's count)
-        in `dtype`; None: the model already reads a bound cache (self-speculation)."""
+        in `dtype`; None: the model already reads a bound cache (self-speculation). `relative_cost`: one draft
+        step's cost relative to one target step."""
         self.model = model
+        self.relative_cost = relative_cost
         self.block_size = block_size
         self.device = device
         self.num_kv_heads = model.config.num_key_value_heads
@@ -56,47 +83,74 @@ class DraftProposer:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, N, Hkv, bs, D]
             model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])])
             self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self._written: dict[str, _DraftKV] = {}  # request id -> what a separate draft last wrote for it
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write of the target's blocks, mirrored in a separate draft's own cache."""
         if self.owns_cache:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, n, Hkv, bs, D]
 
-    @torch.inference_mode()
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-               block_ids: list[list[int]]) -> None:
-        """Run a separate draft over the target's batch so its cache holds every token the target's does."""
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._written.pop(request_id, None)
+
+    def _catch_up(self, job: DraftJob) -> int:
+        """First position the draft has no valid KV for: the target's cache is the draft's for self-speculation;
+        a separate draft knows what it wrote."""
         if not self.owns_cache:
-            return
-        ctx = build_forward_context(query_lens, seq_lens, block_ids, self.block_size, self.num_kv_heads, self.device)
-        with forward_context(ctx):
-            self.model(input_ids, positions)
+            return job.position
+        written = self._written.get(job.request.request_id)
+        if written is None or written.num_preemptions != job.request.num_preemptions:
+            return 0
+        return min(written.valid_until(job.token_ids), job.position)
 
     @torch.inference_mode()
     def propose(self, jobs: list[DraftJob]) -> Drafts:
-        """Decode every job's tokens, one batched draft step per draft position."""
+        """Decode every job's tokens, one batched draft step per draft position; the first step also feeds each
+        job the tokens the draft has not seen yet (as decode entries when few, so it stays on the decode kernels)."""
         tokens: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
-        last = [job.token_id for job in jobs]
+        starts = [self._catch_up(job) for job in jobs]
+        inputs = [job.token_ids[start:] for job, start in zip(jobs, starts)]  # step 0: catch-up + newest token
         for step in range(max((job.num_tokens for job in jobs), default=0)):
             active = [i for i, job in enumerate(jobs) if job.num_tokens > step]
-            positions = [jobs[i].position + step for i in active]
-            ctx = build_forward_context([1] * len(active), [p + 1 for p in positions],
-                                        [jobs[i].block_ids for i in active], self.block_size, self.num_kv_heads,
-                                        self.device)  # fmt: skip
-            as_long = dict(dtype=torch.long, device=self.device)
-            with forward_context(ctx):
-                hidden = self.model(torch.tensor([last[i] for i in active], **as_long),
-                                    torch.tensor(positions, **as_long))  # fmt: skip
-            logits = self.model.compute_logits(hidden).float()  # [B, V]
+            first = [jobs[i].position + step - len(inputs[i]) + 1 for i in active]
+            logits = self._forward([inputs[i] for i in active], first, [jobs[i].block_ids for i in active])
             requests = [jobs[i].request for i in active]
             sampled, q = self._sample(logits, requests)
             for row, i in enumerate(active):
                 tokens[i].append(sampled[row])
-                last[i] = sampled[row]
+                inputs[i] = [sampled[row]]
                 if q is not None and not requests[row].sampling_params.is_greedy:
                     probs[i].append(q[row])
+        if self.owns_cache:
+            for job, start, drafted in zip(jobs, starts, tokens):
+                # KV now valid below `position`; from it on, the newest token then all drafts but the last
+                written = [job.token_ids[-1], *drafted[:-1]]
+                self._written[job.request.request_id] = _DraftKV(job.request.num_preemptions, job.position,
+                                                                 job.position, written)
         return Drafts(tokens, [torch.stack(p) if p else None for p in probs])
+
+    def _forward(self, inputs: list[list[int]], first_positions: list[int], block_ids: list[list[int]]) -> torch.Tensor:
+        """Logits [B, V] after each request's input run (its tokens at first_position on)."""
+        query_lens, seq_lens, blocks, ids, positions, last_rows = [], [], [], [], [], []
+        for tokens, first, table in zip(inputs, first_positions, block_ids):
+            if len(tokens) <= 8:  # one decode entry per token: the draft's native decode loop applies
+                query_lens += [1] * len(tokens)
+                seq_lens += range(first + 1, first + len(tokens) + 1)
+                blocks += [table] * len(tokens)
+            else:  # a prompt to catch up on: one chunk
+                query_lens.append(len(tokens))
+                seq_lens.append(first + len(tokens))
+                blocks.append(table)
+            ids += tokens
+            positions += range(first, first + len(tokens))
+            last_rows.append(len(ids) - 1)
+        ctx = build_forward_context(query_lens, seq_lens, blocks, self.block_size, self.num_kv_heads, self.device)
+        as_long = dict(dtype=torch.long, device=self.device)
+        with forward_context(ctx):
+            hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))  # [T, hidden]
+        return self.model.compute_logits(hidden[last_rows]).float()  # [B, V]
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
         """Each request's own settings applied to the draft's logits: greedy rows take the argmax, random rows

@@ -57,6 +57,13 @@ class _BatchLayout:
     # and its drafts' rows (1 + drafts rows each, consecutive)
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: parameters and buffers (quantized layers keep their weights in buffers),
+    without the rotary tables."""
+    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if "rotary" not in name)]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
 def _attention_entries(so: SchedulerOutput, layout: _BatchLayout) -> tuple[list[int], list[int], list[list[int]]]:
     """(query_lens, seq_lens, block_ids) for the forward context. A request verifying drafts enters as one
     decode entry per token (token j sees the cache up to itself): the same causal attention as a chunk, but
@@ -119,7 +126,8 @@ class ModelRunner:
             return None
         draft = None
         if spec.method == "self":
-            draft = DraftProposer(self.model.first_layers(spec.num_draft_layers), self.block_size, self.device)
+            draft = DraftProposer(self.model.first_layers(spec.num_draft_layers), self.block_size, self.device,
+                                  relative_cost=spec.num_draft_layers / self.config.num_hidden_layers)
         elif spec.method == "draft":
             if draft_model is None:
                 raise ValueError("speculative 'draft' needs the draft model: load it with LLM(speculative='draft:MODEL')")
@@ -129,7 +137,8 @@ class ModelRunner:
                     f"({self.config.vocab_size}); a draft must share the target's tokenizer"
                 )
             dtype = self.kv_cache_dtype if not is_quantized(self.kv_cache_dtype) else draft_model.model.norm.weight.dtype
-            draft = DraftProposer(draft_model, self.block_size, self.device, num_blocks=self.num_blocks, dtype=dtype)
+            draft = DraftProposer(draft_model, self.block_size, self.device, num_blocks=self.num_blocks, dtype=dtype,
+                                  relative_cost=_weight_bytes(draft_model) / _weight_bytes(self.model))
             self.kv_cache_bytes += draft.kv_cache_bytes
         return SpecDecoder(spec, draft, self.block_size, max_model_len)
 
@@ -144,8 +153,6 @@ class ModelRunner:
         ctx = build_forward_context(*entries, self.block_size, self.config.num_key_value_heads, self.device)
         with forward_context(ctx):
             hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
-        if self.spec_decoder is not None:
-            self.spec_decoder.follow(layout.input_ids, layout.positions, *entries)
 
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(requests)

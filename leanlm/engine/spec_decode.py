@@ -67,6 +67,11 @@ class SpecDecoder:
         self.draft = draft if config.uses_model else None
         self.block_size = block_size
         self.max_model_len = max_model_len
+        # Step cost model: a draft model costs its weight-byte ratio per draft token.
+        self.draft_cost = config.draft_cost
+        if self.draft_cost is None:
+            self.draft_cost = self.draft.relative_cost if self.draft is not None else 0.05
+        self.verify_overhead = config.verify_overhead
         self._acceptance: dict[str, _Acceptance] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V], random requests' model drafts
         self._num_steps = self._num_drafts = self._num_accepted = 0
@@ -80,6 +85,8 @@ class SpecDecoder:
             self._draft_probs.pop(request_id, None)
         if self.lookahead is not None:
             self.lookahead.forget(request_ids)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
 
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                block_ids: list[list[int]]) -> None:
@@ -144,7 +151,7 @@ class SpecDecoder:
             position = request.num_tokens + len(new_tokens) - 1
             k = min(k, len(block_ids[i]) * self.block_size - position)
             if k > 0:
-                jobs.append((i, DraftJob(request, new_tokens[-1], position, k, block_ids[i])))
+                jobs.append((i, DraftJob(request, request.all_token_ids + new_tokens, k, block_ids[i])))
         if jobs:
             drafts = self.draft.propose([job for _, job in jobs])
             for (i, job), tokens, q in zip(jobs, drafts.token_ids, drafts.probs):
@@ -172,7 +179,7 @@ class SpecDecoder:
         a = min(state.rate, 0.999)
         best_k, best = 0, 1.0
         for k in range(1, cfg.num_speculative_tokens + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + cfg.verify_overhead + cfg.draft_cost * k)
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + self.verify_overhead + self.draft_cost * k)
             if value > best:
                 best_k, best = k, value
         if best_k == 0:

@@ -294,3 +294,18 @@ def test_model_drafts_get_lookahead_slots():
     sched.update(out, ModelRunnerOutput([[7]], [None], [None], spec_token_ids=[[]]))
     out = sched.schedule()  # token 7 at position 4 plus 3 lookahead slots: positions up to 7, two blocks
     assert len(out.block_ids[0]) == 2
+
+
+@pytest.mark.parametrize("num_kv_blocks", [64, 20])
+def test_a_draft_identical_to_the_target_is_always_accepted(tokenizer, num_kv_blocks):
+    """The draft's KV is right after catching up lazily, after partial acceptance and after preemption (20
+    blocks force it): a draft with the target's own weights proposes exactly the target's greedy tokens."""
+    engine = _draft_engine(tokenizer, noise=0.0, adaptive=False, block_size=4, num_kv_blocks=num_kv_blocks,
+                           max_num_batched_tokens=12)
+    for prompt in _repetitive_prompts(tokenizer.vocab_size):
+        engine.add_request(prompt, GREEDY)
+    run_to_completion(engine)
+    stats = engine.model_runner.spec_decoder.stats()
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
+    if num_kv_blocks == 20:
+        assert engine.scheduler.stats().num_preemptions > 0

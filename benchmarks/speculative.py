@@ -1,0 +1,313 @@
+"""Speculative decoding and parallel sampling on real models, in one run on this machine.
+
+    python benchmarks/speculative.py --doc docs/decoding.md
+
+1. Batch-1 latency per proposer (prompt lookup, lookahead, a draft model, self-speculation) on real prompts:
+   code editing, code completion, extractive text and open chat; greedy, up to 128 tokens (EOS may stop them),
+   prefix caching off. Speedup = the plain engine's wall time / the speculative one's for the same tokens
+   (checked identical). SmolLM2-135M (self-speculation, its int4 copy as draft) and the Qwen2.5-Coder pair
+   (0.5B drafting for 1.5B).
+2. Batches: 16 requests at once, plain vs prompt lookup with the engine's batch-size switch (on by default at
+   more than 8 requests) vs prompt lookup forced on.
+3. KV memory of n = 4 samples over a 512-token prompt vs four independent requests.
+Each timed repetition records the CPU share other processes took (/proc/stat); contaminated ones are discarded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from leanlm.analysis.bench import median, repeat
+from leanlm.analysis.markdown import replace_section
+from leanlm.compress import RTNConfig, compress, save_checkpoint
+from leanlm.llm import LLM
+from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.model.llama import build_model
+from leanlm.sampling_params import SamplingParams
+
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+SMOL, QWEN_SMALL, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
+
+CODE = '''import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Order:
+    order_id: int
+    customer: str
+    items: list
+    total: float
+    status: str
+
+
+def load_orders(path):
+    with open(path) as f:
+        rows = json.load(f)
+    orders = []
+    for row in rows:
+        orders.append(Order(row["order_id"], row["customer"], row["items"], row["total"], row["status"]))
+    return orders
+
+
+def filter_by_status(orders, status):
+    result = []
+    for order in orders:
+        if order.status == status:
+            result.append(order)
+    return result
+
+
+def total_by_customer(orders):
+    totals = {}
+    for order in orders:
+        totals[order.customer] = totals.get(order.customer, 0.0) + order.total
+    return totals
+'''
+
+
+def prompts(llm: LLM) -> dict[str, list[int]]:
+    """Token ids of each prompt kind, through the model's chat template where it is an instruction."""
+    tok = llm.get_tokenizer()
+    article = WIKITEXT.read_text()[3000:5200].strip()
+
+    def chat(text: str) -> list[int]:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tok.encode(rendered, add_special_tokens=False)
+
+    return {
+        "code edit": chat(f"Add type hints to every function of this module. Reply with the whole module.\n\n{CODE}"),
+        "code completion": tok.encode(CODE + "\n\ndef filter_by_customer(orders, customer):\n"),
+        "extractive": chat(f"{article}\n\nCopy the first three sentences of the text above exactly, word for word."),
+        "open chat": chat("Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    }
+
+
+@dataclass
+class LatencyRow:
+    model: str
+    proposer: str
+    prompt: str
+    num_tokens: int
+    seconds: float  # median wall time of one request
+    plain_seconds: float
+    speedup: float
+    acceptance: float  # accepted / proposed drafts
+    tokens_per_step: float  # generated tokens per verifying or plain step (1.0 without speculation)
+    identical: bool  # greedy output equal to the plain engine's
+    kept: int
+    discarded: int
+
+
+def time_prompts(llm: LLM, prompt_ids: dict[str, list[int]], reps: int, threshold: float) -> dict:
+    """Per prompt: (token ids, median seconds, kept, discarded, acceptance, tokens per step)."""
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    llm.generate(["warm up the kernels"], SamplingParams(max_tokens=8), use_tqdm=False)
+    out = {}
+    for name, ids in prompt_ids.items():
+        decoder = llm.llm_engine.model_runner.spec_decoder
+        before = decoder.stats() if decoder else None
+        tokens = []
+
+        def timed():
+            t0 = time.perf_counter()
+            tokens[:] = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+            return time.perf_counter() - t0
+
+        reps_out = repeat(timed, reps, threshold)
+        acceptance, per_step = 0.0, 1.0
+        if decoder is not None:
+            after = decoder.stats()
+            drafts = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            acceptance = accepted / drafts if drafts else 0.0
+            # every forward of a request yields its accepted drafts plus one token
+            per_step = len(tokens) * reps / max(len(tokens) * reps - accepted, 1)
+        out[name] = (list(tokens), median(reps_out.values), len(reps_out.values), len(reps_out.discarded),
+                     acceptance, per_step)
+        print(f"  {name}: {len(tokens)} tokens, {median(reps_out.values):.2f} s, acceptance {acceptance:.2f}",
+              flush=True)
+    return out
+
+
+def int4_copy(model: str, root: Path) -> Path:
+    """SmolLM2 quantized to int4 (group 64, head int8): a quantized copy of the target drafting for itself."""
+    out = root / f"{Path(model).name}-int4-draft"
+    if not (out / "quantization_config.json").is_file():
+        ckpt = load_checkpoint(model, progress=False)
+        net = build_model(ckpt.config, ckpt.state_dict, torch.float32)
+        compress(net, [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())], None,
+                 progress=False)
+        save_checkpoint(net, out, ckpt.tokenizer)
+    return out
+
+
+def latency_rows(model: str, setups: dict[str, str | None], reps: int, threshold: float) -> list[LatencyRow]:
+    rows, plain, prompt_ids = [], None, None
+    for proposer, spec in setups.items():
+        print(f"{model} / {proposer}", flush=True)
+        llm = LLM(model, dtype="bfloat16", progress=False, enable_prefix_caching=False, speculative=spec)
+        prompt_ids = prompt_ids or prompts(llm)
+        timed = time_prompts(llm, prompt_ids, reps, threshold)
+        if spec is None:
+            plain = timed
+        for name, (tokens, seconds, kept, discarded, acceptance, per_step) in timed.items():
+            base = plain[name]
+            rows.append(LatencyRow(model, proposer, name, len(tokens), seconds, base[1], base[1] / seconds,
+                                   acceptance, per_step, tokens == base[0], kept, discarded))
+        del llm
+        gc.collect()
+    return rows
+
+
+@dataclass
+class BatchRow:
+    setting: str
+    tokens_per_s: float
+    acceptance: float
+    kept: int
+    discarded: int
+
+
+def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
+    """16 code-completion requests at once on SmolLM2 (each a different cut of the module, so they differ)."""
+    rows = []
+    lines = CODE.splitlines()
+    batch = ["\n".join(lines[: 12 + i]) + "\n" for i in range(16)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for setting, options in (
+        ("plain", {}),
+        ("ngram, switch at 8 requests (default)", dict(speculative="ngram")),
+        ("ngram forced on (switch at 64)", dict(speculative="ngram", speculative_max_batch_size=64)),
+    ):
+        llm = LLM(SMOL, dtype="bfloat16", progress=False, enable_prefix_caching=False, **options)
+        llm.generate(batch[:2], SamplingParams(max_tokens=8), use_tqdm=False)
+        decoder = llm.llm_engine.model_runner.spec_decoder
+        before = decoder.stats() if decoder else None
+
+        def run():
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+        out = repeat(run, reps, threshold)
+        acceptance = 0.0
+        if decoder is not None:
+            after = decoder.stats()
+            drafts = after.num_draft_tokens - before.num_draft_tokens
+            acceptance = (after.num_accepted_tokens - before.num_accepted_tokens) / drafts if drafts else 0.0
+        rows.append(BatchRow(setting, median(out.values), acceptance, len(out.values), len(out.discarded)))
+        print(rows[-1], flush=True)
+        del llm
+        gc.collect()
+    return rows
+
+
+@dataclass
+class MemoryRow:
+    setting: str
+    peak_blocks: int  # most KV blocks held between steps
+    peak_mib: float
+
+
+def peak_blocks(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> int:
+    engine = llm.llm_engine
+    for ids, params in requests:
+        engine.add_request(ids, params)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.num_kv_blocks - engine.kv_cache_manager.num_free_blocks)
+    return peak
+
+
+def memory_rows() -> list[MemoryRow]:
+    tok = load_checkpoint(SMOL, progress=False).tokenizer
+    ids = tok.encode(WIKITEXT.read_text()[10_000:40_000], add_special_tokens=False)[:512]
+    sample = dict(max_tokens=64, temperature=0.8, ignore_eos=True)
+    rows = []
+    for setting, caching, requests in (
+        ("4 independent requests, prefix cache off", False, [(ids, SamplingParams(seed=i, **sample)) for i in range(4)]),
+        ("4 independent requests, prefix cache on", True, [(ids, SamplingParams(seed=i, **sample)) for i in range(4)]),
+        ("n = 4 (one request, forked KV), prefix cache off", False, [(ids, SamplingParams(n=4, seed=0, **sample))]),
+    ):
+        llm = LLM(SMOL, dtype="bfloat16", progress=False, enable_prefix_caching=caching)
+        blocks = peak_blocks(llm, requests)
+        per_block = llm.llm_engine.model_runner.kv_cache_bytes / llm.llm_engine.num_kv_blocks
+        rows.append(MemoryRow(setting, blocks, blocks * per_block / 2**20))
+        print(rows[-1], flush=True)
+        del llm
+    return rows
+
+
+def format_report(latency: list[LatencyRow], batches: list[BatchRow], memory: list[MemoryRow], args) -> str:
+    lines = [
+        f"Measured by `python benchmarks/speculative.py --reps {args.reps}` on this machine "
+        f"({torch.get_num_threads()} threads, bfloat16). Batch 1, greedy, up to 128 tokens, prefix caching off; "
+        "speedup = plain wall time / speculative wall time for the same request (median of the kept "
+        "repetitions); acceptance = accepted / proposed drafts; tokens/step = generated tokens per forward.",
+        "",
+        "| model | proposer | prompt | tokens | plain s | spec s | speedup | acceptance | tokens/step | identical | kept / discarded |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in latency:
+        if r.proposer == "plain":
+            continue
+        lines.append(f"| {r.model} | {r.proposer} | {r.prompt} | {r.num_tokens} | {r.plain_seconds:.2f} | "
+                     f"{r.seconds:.2f} | {r.speedup:.2f}x | {r.acceptance:.2f} | {r.tokens_per_step:.2f} | "
+                     f"{'yes' if r.identical else 'NO'} | {r.kept} / {r.discarded} |")
+    lines += ["", f"**Batches** ({SMOL}, 16 code-completion requests at once, 64 tokens each, greedy):", "",
+              "| setting | tokens/s | acceptance | kept / discarded |", "|---|---:|---:|---|"]
+    for b in batches:
+        lines.append(f"| {b.setting} | {b.tokens_per_s:.1f} | {b.acceptance:.2f} | {b.kept} / {b.discarded} |")
+    lines += ["", f"**KV memory of parallel sampling** ({SMOL}, a 512-token WikiText prompt, 64 sampled tokens "
+              "each, peak blocks of 16 tokens held between steps):", "",
+              "| setting | peak KV blocks | peak KV MiB | vs independent, no cache |", "|---|---:|---:|---:|"]
+    base = memory[0].peak_blocks if memory else 1
+    for m in memory:
+        lines.append(f"| {m.setting} | {m.peak_blocks} | {m.peak_mib:.1f} | {100 * (m.peak_blocks / base - 1):+.0f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threshold", type=float, default=0.10, help="other processes' CPU share that discards a rep")
+    ap.add_argument("--parts", default="smollm2,qwen,batch,memory")
+    ap.add_argument("--results-dir", default="bench-results/speculative")
+    ap.add_argument("--doc", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    root = Path(args.results_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    saved = root / "results.json"
+    results = json.loads(saved.read_text()) if saved.is_file() else {}
+    if "smollm2" in parts:
+        setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead", "self:24": "self:24",
+                  "self:16": "self:16", "draft: its int4 copy": f"draft:{int4_copy(SMOL, root)}"}
+        results["smollm2"] = [asdict(r) for r in latency_rows(SMOL, setups, args.reps, args.threshold)]
+    if "qwen" in parts:
+        setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead", f"draft: {QWEN_SMALL}": f"draft:{QWEN_SMALL}"}
+        results["qwen"] = [asdict(r) for r in latency_rows(QWEN, setups, args.reps, args.threshold)]
+    if "batch" in parts:
+        results["batch"] = [asdict(r) for r in batch_rows(args.reps, args.threshold)]
+    if "memory" in parts:
+        results["memory"] = [asdict(r) for r in memory_rows()]
+    saved.write_text(json.dumps(results, indent=2))
+    report = format_report([LatencyRow(**r) for r in results.get("smollm2", []) + results.get("qwen", [])],
+                           [BatchRow(**r) for r in results.get("batch", [])],
+                           [MemoryRow(**r) for r in results.get("memory", [])], args)
+    print(report)
+    if args.doc:
+        replace_section(Path(args.doc), "speculative-results", report)
+
+
+if __name__ == "__main__":
+    main()
