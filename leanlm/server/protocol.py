@@ -1,7 +1,8 @@
 """The OpenAI wire format: request schemas (pydantic, strict types) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as vLLM does, so clients that send newer parameters keep working; fields we do
-not support but that change the result (suffix, tools, best_of > n, ...) are refused with a 400.
+not support but that change the result (suffix, tools, ...) are refused with a 400. `best_of` samples best_of
+completions and returns the n with the highest mean token logprob.
 """
 
 from __future__ import annotations
@@ -116,8 +117,21 @@ class CompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         if self.suffix:
             raise UnsupportedParameterError("suffix", "suffix (fill-in-the-middle) is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise UnsupportedParameterError("best_of", "best_of other than n is not supported yet; leave it unset")
+        if self.best_of is not None and self.best_of < self.n:
+            raise UnsupportedParameterError(
+                "best_of", f"best_of ({self.best_of}) must be >= n ({self.n}): it is how many completions are "
+                f"sampled, n how many of them are returned"
+            )
+        if self.stream and self.num_samples > self.n:
+            raise UnsupportedParameterError(
+                "best_of", "best_of > n cannot be streamed (the best completions are known only at the end); "
+                "send stream: false, or leave best_of unset"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """Completions sampled per prompt: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
 
 
 class TextPart(_Strict):

@@ -4,6 +4,7 @@ their outputs into whole responses or server-sent-event streams. Knows nothing o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from leanlm.engine.async_engine import AsyncLLMEngine, RequestFailedError, RequestStream
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.server import responses
+from leanlm import selection
 from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
 
 
@@ -37,10 +39,13 @@ class Job:
     model: str
     streams: list[RequestStream]  # one per prompt, in prompt order
     prompt_texts: list[str]  # for echo
-    n: int
+    n: int  # completions returned per prompt
     num_top_logprobs: int | None  # None: no logprobs
     echo: bool
     include_usage: bool
+    # best_of > n: completions sampled per prompt, of which the n best are returned (usage counts them all, as
+    # OpenAI bills them); None when every sampled completion is returned
+    best_of: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def abort(self) -> None:
@@ -69,14 +74,21 @@ class OpenAIServing:
         request.check_supported()
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        num_samples = request.num_samples
+        # best_of ranks by mean token logprob: sample with logprobs even when the client asked for none.
+        logprobs = 0 if num_samples > request.n and request.logprobs is None else request.logprobs
         jobs_params = [
-            request.sampling_params(self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
-                                    request.logprobs, prompt_logprobs)
+            dataclasses.replace(
+                request.sampling_params(self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
+                                        logprobs, prompt_logprobs),
+                n=num_samples,
+            )
             for _, ids in prompts
         ]
         texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
         return self._start("cmpl", False, request.model, prompts, jobs_params, texts, request.n,
-                           request.logprobs, request.echo, request.include_usage_in_stream)
+                           request.logprobs, request.echo, request.include_usage_in_stream,
+                           best_of=num_samples if num_samples > request.n else None)
 
     def start_chat(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
@@ -108,7 +120,8 @@ class OpenAIServing:
             )
         return requested
 
-    def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage) -> Job:
+    def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage,
+               best_of: int | None = None) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
@@ -119,7 +132,7 @@ class OpenAIServing:
             for stream in streams:  # all prompts of a request are queued, or none is
                 stream.abort()
             raise
-        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage)
+        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage, best_of)
 
     # -- whole responses ------------------------------------------------------------------------------
 
@@ -129,7 +142,11 @@ class OpenAIServing:
         for prompt_idx, final in enumerate(finals):
             for completion in final.outputs:
                 _raise_if_failed(completion)
-                index = prompt_idx * job.n + completion.index
+            completions = final.outputs
+            if job.best_of is not None:  # the n with the highest mean token logprob, best first
+                completions = selection.best_of(completions).top(job.n)
+            for choice_idx, completion in enumerate(completions):
+                index = prompt_idx * job.n + choice_idx
                 choices.append(self._choice(job, prompt_idx, final, completion, index))
         body = responses.envelope(job.request_id, "chat.completion" if job.is_chat else "text_completion",
                                   job.model, job.created)
