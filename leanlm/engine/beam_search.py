@@ -154,6 +154,18 @@ class BeamSearch:
     def step(self) -> list[tuple[int, BeamSearchOutput]]:
         """Start waiting groups that fit, run one engine step, decide the rounds that completed. Returns
         (index, output) of the groups that finished."""
+        self.admit()
+        if not self._active:
+            return []
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("beam search lost its requests: every live beam must be running or waiting")
+        self.engine.step()  # beams are not in the OutputProcessor: their results are read off their requests
+        return self.collect()
+
+    def admit(self) -> None:
+        """Start the waiting groups that fit: their first round's requests enter the scheduler. `step` calls it;
+        a caller that runs the engine's steps itself (the async engine, among other requests) calls admit
+        before and collect after each engine step."""
         while self._waiting and len(self._active) < self.max_groups:
             group = self._waiting.popleft()
             request = self._new_request(group)
@@ -161,11 +173,10 @@ class BeamSearch:
             self._request_ids.add(request.request_id)
             group.beams = [_Beam(request, 0.0)]
             self._active.append(group)
-        if not self._active:
-            return []
-        if not self.engine.has_unfinished_requests():
-            raise RuntimeError("beam search lost its requests: every live beam must be running or waiting")
-        self.engine.step()  # beams are not in the OutputProcessor: their results are read off their requests
+
+    def collect(self) -> list[tuple[int, BeamSearchOutput]]:
+        """After an engine step: decide the rounds that completed (forking the next beams). Returns (index,
+        output) of the groups that finished. On a failed beam it aborts every search and raises."""
         done = []
         for group in self._active:
             if all(beam.request.is_finished for beam in group.beams):
