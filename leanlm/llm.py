@@ -17,7 +17,9 @@ from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
-from leanlm.selection import Extractor, Ranking, Scorer, VoteResult, best_of, majority_vote, make_extractor
+from leanlm.selection import (
+    Extractor, Ranking, Scorer, VoteResult, best_of, majority_vote, make_extractor, sampling_params_for_samples,
+)
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -123,7 +125,7 @@ class LLM:
     ) -> list[Ranking]:
         """Sample n completions per prompt and rank them, best first: by mean token logprob, or by
         `scorer(text, token_ids)` (higher is better). One Ranking per prompt, in input order."""
-        params = _selection_params(n, "n", sampling_params, needs_logprobs=scorer is None)
+        params = sampling_params_for_samples(n, "n", sampling_params, needs_logprobs=scorer is None)
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [best_of(out.outputs, scorer) for out in outputs]
 
@@ -135,7 +137,7 @@ class LLM:
         or whole match; or a callable returning the answer or None) and vote. One VoteResult per prompt: the
         winner, its support (votes / samples that gave an answer) and the samples that gave it."""
         make_extractor(extract)  # a bad regex fails before any generation
-        params = _selection_params(k, "k", sampling_params, needs_logprobs=True)  # logprobs break vote ties
+        params = sampling_params_for_samples(k, "k", sampling_params, needs_logprobs=True)  # logprobs break vote ties
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [majority_vote(out.outputs, extract) for out in outputs]
 
@@ -197,24 +199,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p, (str, list, tuple)):
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
-
-
-def _selection_params(num: int, name: str, params: SamplingParams | None, needs_logprobs: bool) -> SamplingParams:
-    """`params` asking for `num` samples per prompt (one request with n=num: the samples share the prompt's KV
-    blocks), with logprobs when the selection scores by them."""
-    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {num!r}")
-    params = SamplingParams() if params is None else params
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling_params must be one SamplingParams (it applies to every prompt), "
-                        f"got {type(params).__name__}")
-    if params.n not in (1, num):
-        raise ValueError(f"sampling_params.n={params.n} disagrees with {name}={num}; leave n at 1")
-    if num > 1 and params.is_greedy:
-        raise ValueError(f"greedy decoding (temperature {params.temperature}) makes all {num} samples identical; "
-                         f"set temperature > 0 (e.g. 0.7) to select among different samples")
-    logprobs = params.logprobs if params.logprobs is not None or not needs_logprobs else 0
-    return dataclasses.replace(params, n=num, logprobs=logprobs)
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -4,12 +4,14 @@ keep the most frequent). Pure functions over CompletionOutputs; generation lives
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from leanlm.engine.outputs import CompletionOutput
+from leanlm.sampling_params import SamplingParams
 
 # A user score of one completion: (text, generated token ids) -> higher is better.
 Scorer = Callable[[str, list[int]], float]
@@ -147,6 +149,25 @@ def majority_vote(completions: Sequence[CompletionOutput], extract: Extractor) -
     winner = order[0]
     return VoteResult(winner, len(voters[winner]) / num_voting, counts, tuple(voters[winner]), num_voting,
                       len(completions))
+
+
+def sampling_params_for_samples(num: int, name: str, params: SamplingParams | None,
+                                needs_logprobs: bool) -> SamplingParams:
+    """`params` asking for `num` samples per prompt (one request with n=num: the samples share the prompt's KV
+    blocks), with logprobs when the selection scores by them. `name` is the argument's name in messages."""
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {num!r}")
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be one SamplingParams (it applies to every prompt), "
+                        f"got {type(params).__name__}")
+    if params.n not in (1, num):
+        raise ValueError(f"sampling_params.n={params.n} disagrees with {name}={num}; leave n at 1")
+    if num > 1 and params.is_greedy:
+        raise ValueError(f"greedy decoding (temperature {params.temperature}) makes all {num} samples identical; "
+                         f"set temperature > 0 (e.g. 0.7) to select among different samples")
+    logprobs = params.logprobs if params.logprobs is not None or not needs_logprobs else 0
+    return dataclasses.replace(params, n=num, logprobs=logprobs)
 
 
 def _check_completions(completions: Sequence[CompletionOutput]) -> list[CompletionOutput]:
