@@ -196,10 +196,12 @@ class AsyncLLMEngine:
         if self._stopping or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
         text, token_ids = self.engine.tokenize_prompt(prompt)
-        search = BeamSearch(self.engine, params)  # checks beam_width against max_num_seqs; reads config only
+        request_id = request_id or uuid.uuid4().hex
+        # Its beams' request ids start with the search's own id, so concurrent searches never collide.
+        search = BeamSearch(self.engine, params, request_id_prefix=f"{request_id}#beam")  # reads config only
         search.add(token_ids, 0)  # validates and queues inside the search; the engine is not touched yet
         stream = self._open_stream(request_id, params.beam_width)
-        self._send(("beam", stream.request_id, search, text if text is not None else prompt_text))
+        self._send(("beam", request_id, search, text if text is not None else prompt_text))
         return stream
 
     def _open_stream(self, request_id: str | None, num_seqs: int) -> RequestStream:
@@ -267,7 +269,7 @@ class AsyncLLMEngine:
                 self._abort_all(items)
                 self._post(items)
                 return
-            self._admit_beam_searches()
+            self._admit_beam_searches(items)
             if engine.has_unfinished_requests():
                 try:
                     items.extend((out.request_id, out) for out in engine.step())
@@ -300,15 +302,20 @@ class AsyncLLMEngine:
                     items.append((command[1], output))
         return items
 
-    def _admit_beam_searches(self) -> None:
+    def _admit_beam_searches(self, items: list) -> None:
         """Start searches in arrival order while their beams fit in max_num_seqs together (started ones first:
         they stay at the front of the dict). A search that does not fit waits, and so do the ones behind it."""
         budget = self.engine.engine_config.max_num_seqs
-        for search, _ in self._beam_searches.values():
+        for request_id, (search, _) in list(self._beam_searches.items()):
             if search.params.beam_width > budget:
                 break
             budget -= search.params.beam_width
-            search.admit()
+            try:
+                search.admit()
+            except Exception as exc:  # e.g. a request id already in the engine: this search fails, alone
+                search.abort()
+                del self._beam_searches[request_id]
+                items.append((request_id, RequestFailedError(f"beam search failed: {exc}")))
 
     def _collect_beam_searches(self, items: list) -> None:
         """After a step: decide the beam rounds that completed; deliver finished searches, fail broken ones."""

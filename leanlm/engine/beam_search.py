@@ -120,7 +120,9 @@ class BeamSearch:
     False (each `step` is one engine step and returns the outputs that finished), or `abort` to drop them all.
     Groups run concurrently as long as their beams fit in max_num_seqs."""
 
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams, request_id_prefix: str = "beam") -> None:
+        """`request_id_prefix` starts the ids of the beams' requests; searches that share an engine need
+        different ones (the async engine uses each search's request id)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam search takes a BeamSearchParams, got {type(params).__name__}")
         max_num_seqs = engine.engine_config.max_num_seqs
@@ -139,6 +141,7 @@ class BeamSearch:
         self._waiting: deque[_Group] = deque()
         self._active: list[_Group] = []
         self._ids = itertools.count()
+        self.request_id_prefix = request_id_prefix
         self._request_ids: set[str] = set()  # requests submitted and not yet released: abort() ends them
 
     def has_unfinished(self) -> bool:
@@ -272,7 +275,7 @@ class BeamSearch:
 
     def _new_request(self, group: _Group) -> Request:
         return Request(
-            f"beam-{group.index}-{next(self._ids)}", group.prompt_token_ids, self._round_params(group.num_generated),
+            f"{self.request_id_prefix}-{group.index}-{next(self._ids)}", group.prompt_token_ids, self._round_params(group.num_generated),
             device=self.engine.device, keeps_kv=True,
         )
 

@@ -11,11 +11,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from leanlm import selection
 from leanlm.engine.async_engine import AsyncLLMEngine, RequestFailedError, RequestStream
 from leanlm.engine.beam_search import BeamSearchParams
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.server import responses
-from leanlm import selection
 from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
 
 

@@ -88,19 +88,20 @@ def test_stop_fails_open_streams_and_refuses_new_ones(make_tiny_engine):
     assert not running
 
 
-def test_beam_searches_run_between_steps_beside_sampling(make_tiny_engine):
+@pytest.mark.parametrize("max_num_seqs", [4, 8])  # 4: one width-3 search at a time; 8: two at once
+def test_beam_searches_run_between_steps_beside_sampling(make_tiny_engine, max_num_seqs):
     from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
 
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
     async def scenario(engine):
-        # Two searches of width 3 do not fit max_num_seqs=4 together: the later ones wait their turn.
+        # Searches start in arrival order while their widths fit max_num_seqs together; the rest wait.
         searches = [engine.add_beam_search(p, params) for p in prompts]
         sampled = engine.add_request([5, 6], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
         return [await s.result() for s in searches], await sampled.result()
 
-    engine, (beam_outputs, sampled) = _run(make_tiny_engine, scenario, max_queue=8, max_num_seqs=4)
+    engine, (beam_outputs, sampled) = _run(make_tiny_engine, scenario, max_queue=8, max_num_seqs=max_num_seqs)
     reference = BeamSearch(make_tiny_engine(max_num_seqs=4), params).run(prompts)
     for out, ref in zip(beam_outputs, reference):
         assert out.finished and [c.token_ids for c in out.outputs] == [s.token_ids for s in ref.sequences]
