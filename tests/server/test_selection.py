@@ -1,11 +1,13 @@
 """Selection on the server, with the real `openai` client against the real SmolLM2: best_of (sample best_of, return
-the n with the highest mean token logprob) and the 400s for what it cannot do."""
+the n with the highest mean token logprob), the use_beam_search extension (HF's hypotheses, run beside other
+requests, blocks freed on disconnect, a failure fails it alone), and the 400s for what neither can do."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.server.conftest import MODEL
+from tests.server.test_safety import tiny_engine_factory  # noqa: F401 (a fixture)
 
 
 def _mean(choice) -> float:
@@ -119,3 +121,18 @@ def test_beam_search_errors_are_400s(openai_client):
         with pytest.raises(openai.BadRequestError) as err:
             openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=beam, **kwargs)
         assert err.value.body["param"] == param, err.value.body
+
+
+def test_a_failing_beam_search_fails_alone(tiny_engine_factory):
+    from tests.server.conftest import serve_engine, wait_until
+    from tests.server.test_safety import POISON, _engine_is_idle, _request
+
+    beam = {"model": MODEL, "max_tokens": 8, "n": 2, "use_beam_search": True, "ignore_eos": True}
+    with serve_engine(tiny_engine_factory()) as server:
+        status, _, body = _request(server.url, "/v1/completions", beam | {"prompt": [11, POISON, 13]})
+        assert status == 500 and "poisoned token" in body["error"]["message"]
+        wait_until(lambda: _engine_is_idle(server.engine))
+        assert not server.engine.engine.scheduler.kv_held
+        status, _, body = _request(server.url, "/v1/completions", beam | {"prompt": [11, 12, 13]})
+        assert status == 200 and len(body["choices"]) == 2
+        assert _request(server.url, "/health")[0] == 200
