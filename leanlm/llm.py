@@ -17,6 +17,9 @@ from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
+from leanlm.selection import (
+    Extractor, Ranking, Scorer, VoteResult, best_of, majority_vote, make_extractor, sampling_params_for_samples,
+)
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -115,6 +118,28 @@ class LLM:
         """Beam search over each prompt (batched, on copy-on-write shared KV blocks); outputs in input order,
         each with up to beam_width hypotheses, best score first."""
         return BeamSearch(self.llm_engine, params).run(_as_prompt_list(prompts), use_tqdm)
+
+    def best_of_n(
+        self, prompts: Prompt | Sequence[Prompt], n: int, sampling_params: SamplingParams | None = None,
+        scorer: Scorer | None = None, use_tqdm: bool = True,
+    ) -> list[Ranking]:
+        """Sample n completions per prompt and rank them, best first: by mean token logprob, or by
+        `scorer(text, token_ids)` (higher is better). One Ranking per prompt, in input order."""
+        params = sampling_params_for_samples(n, "n", sampling_params, needs_logprobs=scorer is None)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [best_of(out.outputs, scorer) for out in outputs]
+
+    def majority_vote(
+        self, prompts: Prompt | Sequence[Prompt], k: int, sampling_params: SamplingParams | None,
+        extract: Extractor, use_tqdm: bool = True,
+    ) -> list[VoteResult]:
+        """Self-consistency: sample k completions per prompt, extract each one's answer (a regex: its first group
+        or whole match; or a callable returning the answer or None) and vote. One VoteResult per prompt: the
+        winner, its support (votes / samples that gave an answer) and the samples that gave it."""
+        make_extractor(extract)  # a bad regex fails before any generation
+        params = sampling_params_for_samples(k, "k", sampling_params, needs_logprobs=True)  # logprobs break vote ties
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [majority_vote(out.outputs, extract) for out in outputs]
 
     def score(self, token_id_lists: Sequence[Sequence[int]], use_tqdm: bool = True) -> list[torch.Tensor]:
         """Full next-token distributions of each sequence, through the same batched paged forward as

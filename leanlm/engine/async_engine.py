@@ -9,6 +9,11 @@ worker team, and once a process has more such workers than CPUs it stops spinnin
 every parallel op pays a futex wake-up (measured here: 2.4x slower batch-1 decode in a second thread after
 the main thread had loaded the model). `leanlm serve` therefore runs the engine loop in the main thread
 (`run_loop`) and the HTTP server in another; `start()` (a background thread) suits embedding and tests.
+
+Beam searches run on the same thread: a BeamSearch admits its round's requests before an engine step and decides
+the round after it (`admit` / `collect`), so its beams are ordinary scheduler requests batched with the rest.
+Searches start in arrival order while their beam widths fit in max_num_seqs together; each delivers one final
+output (beam search is not streamed), and aborting it frees every block its beams hold.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from leanlm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from leanlm.engine.engine import LLMEngine
-from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.engine.scheduler import SchedulerStats
 from leanlm.sampling_params import SamplingParams
 
@@ -114,7 +120,9 @@ class AsyncLLMEngine:
         self.output_listeners: list[OutputListener] = []
         self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
         self._num_seqs_in_flight = 0  # event-loop side: sum of num_seqs over _streams
-        self._commands: collections.deque[tuple] = collections.deque()  # ("add", ...) / ("abort", id)
+        self._commands: collections.deque[tuple] = collections.deque()  # ("add" | "beam", ...) / ("abort", id)
+        # Engine-thread side: request id -> (search, prompt text to report), in arrival order.
+        self._beam_searches: dict[str, tuple[BeamSearch, str | None]] = {}
         self._wakeup = threading.Condition()
         self._stopping = False
         self._loop_active = False  # run_loop is executing (in whichever thread)
@@ -175,7 +183,29 @@ class AsyncLLMEngine:
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
-        if self._num_seqs_in_flight + params.n > self.max_in_flight:
+        stream = self._open_stream(request_id, params.n)
+        self._send(("add", stream.request_id, token_ids, params, prompt_text))
+        return stream
+
+    def add_beam_search(
+        self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
+        prompt_text: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a beam search over one prompt; its stream yields one final RequestOutput whose
+        completions are the beam_width hypotheses, best score first (logprobs None). Raises like add_request."""
+        if self._stopping or self._loop is None:
+            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+        text, token_ids = self.engine.tokenize_prompt(prompt)
+        request_id = request_id or uuid.uuid4().hex
+        # Its beams' request ids start with the search's own id, so concurrent searches never collide.
+        search = BeamSearch(self.engine, params, request_id_prefix=f"{request_id}#beam")  # reads config only
+        search.add(token_ids, 0)  # validates and queues inside the search; the engine is not touched yet
+        stream = self._open_stream(request_id, params.beam_width)
+        self._send(("beam", request_id, search, text if text is not None else prompt_text))
+        return stream
+
+    def _open_stream(self, request_id: str | None, num_seqs: int) -> RequestStream:
+        if self._num_seqs_in_flight + num_seqs > self.max_in_flight:
             raise QueueFullError(
                 f"the server is at capacity ({self._num_seqs_in_flight} sequences in flight, limit "
                 f"{self.max_in_flight} = max_num_seqs + max_queue); retry later",
@@ -184,10 +214,9 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
-        stream = RequestStream(self, request_id, params.n)
+        stream = RequestStream(self, request_id, num_seqs)
         self._streams[request_id] = stream
-        self._num_seqs_in_flight += params.n
-        self._send(("add", request_id, token_ids, params, prompt_text))
+        self._num_seqs_in_flight += num_seqs
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -228,7 +257,8 @@ class AsyncLLMEngine:
         num_steps = 0
         while True:
             with self._wakeup:
-                while not self._commands and not engine.has_unfinished_requests() and not self._stopping:
+                while (not self._commands and not engine.has_unfinished_requests() and not self._beam_searches
+                       and not self._stopping):
                     self._wakeup.wait(self.idle_wait_s)
                     self.snapshot = self._take_snapshot(num_steps)  # keeps /health's heartbeat fresh
                 commands = list(self._commands)
@@ -239,6 +269,7 @@ class AsyncLLMEngine:
                 self._abort_all(items)
                 self._post(items)
                 return
+            self._admit_beam_searches(items)
             if engine.has_unfinished_requests():
                 try:
                     items.extend((out.request_id, out) for out in engine.step())
@@ -246,6 +277,7 @@ class AsyncLLMEngine:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._abort_all(items, RequestFailedError(f"engine step failed: {type(exc).__name__}: {exc}"))
                 num_steps += 1
+            self._collect_beam_searches(items)
             self.snapshot = self._take_snapshot(num_steps)
             self._post(items)
 
@@ -258,13 +290,52 @@ class AsyncLLMEngine:
                     self.engine.add_request(token_ids, params, request_id=request_id, prompt_text=prompt_text)
                 except Exception as exc:
                     items.append((request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")))
+            elif command[0] == "beam":
+                _, request_id, search, prompt_text = command
+                self._beam_searches[request_id] = (search, prompt_text)
+            elif command[1] in self._beam_searches:
+                self._beam_searches.pop(command[1])[0].abort()  # frees the blocks of running and held beams
+                items.append((command[1], RequestOutput(command[1], None, [], None, [], finished=True)))
             else:
                 output = self.engine.abort_request(command[1])
                 if output is not None:
                     items.append((command[1], output))
         return items
 
+    def _admit_beam_searches(self, items: list) -> None:
+        """Start searches in arrival order while their beams fit in max_num_seqs together (started ones first:
+        they stay at the front of the dict). A search that does not fit waits, and so do the ones behind it."""
+        budget = self.engine.engine_config.max_num_seqs
+        for request_id, (search, _) in list(self._beam_searches.items()):
+            if search.params.beam_width > budget:
+                break
+            budget -= search.params.beam_width
+            try:
+                search.admit()
+            except Exception as exc:  # e.g. a request id already in the engine: this search fails, alone
+                search.abort()
+                del self._beam_searches[request_id]
+                items.append((request_id, RequestFailedError(f"beam search failed: {exc}")))
+
+    def _collect_beam_searches(self, items: list) -> None:
+        """After a step: decide the beam rounds that completed; deliver finished searches, fail broken ones."""
+        for request_id, (search, prompt_text) in list(self._beam_searches.items()):
+            try:
+                done = search.collect()
+            except Exception as exc:  # a beam request failed in the step; collect already freed its blocks
+                search.abort()
+                del self._beam_searches[request_id]
+                items.append((request_id, RequestFailedError(f"beam search failed: {exc}")))
+                continue
+            if done:
+                del self._beam_searches[request_id]
+                items.append((request_id, _beam_output(request_id, prompt_text, done[0][1])))
+
     def _abort_all(self, items: list, error: BaseException | None = None) -> None:
+        for request_id, (search, _) in list(self._beam_searches.items()):
+            search.abort()
+            items.append((request_id, error or RequestOutput(request_id, None, [], None, [], finished=True)))
+        self._beam_searches.clear()
         for request_id in list(self.engine.output_processor.parent_ids()):
             output = self.engine.abort_request(request_id)
             if error is not None:
@@ -288,3 +359,13 @@ class AsyncLLMEngine:
             num_steps=num_steps,
             last_step_time=time.monotonic(),
         )
+
+
+def _beam_output(request_id: str, prompt_text: str | None, output: BeamSearchOutput) -> RequestOutput:
+    """A finished beam search as a RequestOutput: one completion per hypothesis, best score first."""
+    completions = [
+        CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids, logprobs=None,
+                         finish_reason=seq.finish_reason)
+        for i, seq in enumerate(output.sequences)
+    ]
+    return RequestOutput(request_id, prompt_text, output.prompt_token_ids, None, completions, finished=True)

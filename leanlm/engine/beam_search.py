@@ -120,7 +120,9 @@ class BeamSearch:
     False (each `step` is one engine step and returns the outputs that finished), or `abort` to drop them all.
     Groups run concurrently as long as their beams fit in max_num_seqs."""
 
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams, request_id_prefix: str = "beam") -> None:
+        """`request_id_prefix` starts the ids of the beams' requests; searches that share an engine need
+        different ones (the async engine uses each search's request id)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam search takes a BeamSearchParams, got {type(params).__name__}")
         max_num_seqs = engine.engine_config.max_num_seqs
@@ -139,6 +141,7 @@ class BeamSearch:
         self._waiting: deque[_Group] = deque()
         self._active: list[_Group] = []
         self._ids = itertools.count()
+        self.request_id_prefix = request_id_prefix
         self._request_ids: set[str] = set()  # requests submitted and not yet released: abort() ends them
 
     def has_unfinished(self) -> bool:
@@ -154,6 +157,18 @@ class BeamSearch:
     def step(self) -> list[tuple[int, BeamSearchOutput]]:
         """Start waiting groups that fit, run one engine step, decide the rounds that completed. Returns
         (index, output) of the groups that finished."""
+        self.admit()
+        if not self._active:
+            return []
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("beam search lost its requests: every live beam must be running or waiting")
+        self.engine.step()  # beams are not in the OutputProcessor: their results are read off their requests
+        return self.collect()
+
+    def admit(self) -> None:
+        """Start the waiting groups that fit: their first round's requests enter the scheduler. `step` calls it;
+        a caller that runs the engine's steps itself (the async engine, among other requests) calls admit
+        before and collect after each engine step."""
         while self._waiting and len(self._active) < self.max_groups:
             group = self._waiting.popleft()
             request = self._new_request(group)
@@ -161,11 +176,10 @@ class BeamSearch:
             self._request_ids.add(request.request_id)
             group.beams = [_Beam(request, 0.0)]
             self._active.append(group)
-        if not self._active:
-            return []
-        if not self.engine.has_unfinished_requests():
-            raise RuntimeError("beam search lost its requests: every live beam must be running or waiting")
-        self.engine.step()  # beams are not in the OutputProcessor: their results are read off their requests
+
+    def collect(self) -> list[tuple[int, BeamSearchOutput]]:
+        """After an engine step: decide the rounds that completed (forking the next beams). Returns (index,
+        output) of the groups that finished. On a failed beam it aborts every search and raises."""
         done = []
         for group in self._active:
             if all(beam.request.is_finished for beam in group.beams):
@@ -261,7 +275,7 @@ class BeamSearch:
 
     def _new_request(self, group: _Group) -> Request:
         return Request(
-            f"beam-{group.index}-{next(self._ids)}", group.prompt_token_ids, self._round_params(group.num_generated),
+            f"{self.request_id_prefix}-{group.index}-{next(self._ids)}", group.prompt_token_ids, self._round_params(group.num_generated),
             device=self.engine.device, keeps_kv=True,
         )
 

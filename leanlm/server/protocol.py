@@ -1,7 +1,8 @@
 """The OpenAI wire format: request schemas (pydantic, strict types) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as vLLM does, so clients that send newer parameters keep working; fields we do
-not support but that change the result (suffix, tools, best_of > n, ...) are refused with a 400.
+not support but that change the result (suffix, tools, ...) are refused with a 400. `best_of` samples best_of
+completions and returns the n with the highest mean token logprob.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    # Extensions (vLLM's names): beam search with best_of (else n) beams, the n best hypotheses returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
+    early_stopping: bool = False  # stop once beam-width hypotheses ended
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -116,8 +121,40 @@ class CompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         if self.suffix:
             raise UnsupportedParameterError("suffix", "suffix (fill-in-the-middle) is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise UnsupportedParameterError("best_of", "best_of other than n is not supported yet; leave it unset")
+        if self.best_of is not None and self.best_of < self.n:
+            raise UnsupportedParameterError(
+                "best_of", f"best_of ({self.best_of}) must be >= n ({self.n}): it is how many completions are "
+                f"sampled, n how many of them are returned"
+            )
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.stream and self.num_samples > self.n:
+            raise UnsupportedParameterError(
+                "best_of", "best_of > n cannot be streamed (the best completions are known only at the end); "
+                "send stream: false, or leave best_of unset"
+            )
+
+    def _check_beam_search(self) -> None:
+        """Beam search keeps the most likely hypotheses: what only sampling or streaming means is refused."""
+        if self.stream:
+            raise UnsupportedParameterError(
+                "stream", "beam search cannot be streamed (hypotheses change until the search ends); send "
+                "stream: false")
+        refused = {
+            "logprobs": self.logprobs is not None, "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+            "logit_bias": bool(self.logit_bias), "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0, "repetition_penalty": self.repetition_penalty != 1,
+            "min_tokens": self.min_tokens != 0,
+        }
+        for param, is_set in refused.items():
+            if is_set:
+                raise UnsupportedParameterError(
+                    param, f"{param} is not supported with use_beam_search; leave it unset or sample instead")
+
+    @property
+    def num_samples(self) -> int:
+        """Completions sampled per prompt: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
 
 
 class TextPart(_Strict):

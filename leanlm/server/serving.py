@@ -4,13 +4,16 @@ their outputs into whole responses or server-sent-event streams. Knows nothing o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from leanlm import selection
 from leanlm.engine.async_engine import AsyncLLMEngine, RequestFailedError, RequestStream
+from leanlm.engine.beam_search import BeamSearchParams
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.server import responses
 from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
@@ -37,10 +40,14 @@ class Job:
     model: str
     streams: list[RequestStream]  # one per prompt, in prompt order
     prompt_texts: list[str]  # for echo
-    n: int
+    n: int  # completions returned per prompt
     num_top_logprobs: int | None  # None: no logprobs
     echo: bool
     include_usage: bool
+    # best_of > n: completions sampled per prompt, of which the n best are returned (usage counts them all, as
+    # OpenAI bills them); None when every sampled completion is returned
+    best_of: int | None = None
+    is_beam_search: bool = False  # completions are beam hypotheses, best first
     created: int = field(default_factory=lambda: int(time.time()))
 
     def abort(self) -> None:
@@ -68,15 +75,39 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_supported()
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
+        if request.use_beam_search:
+            return self._start_beam_search(request, prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        num_samples = request.num_samples
+        # best_of ranks by mean token logprob: sample with logprobs even when the client asked for none.
+        logprobs = 0 if num_samples > request.n and request.logprobs is None else request.logprobs
         jobs_params = [
-            request.sampling_params(self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
-                                    request.logprobs, prompt_logprobs)
+            dataclasses.replace(
+                request.sampling_params(self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
+                                        logprobs, prompt_logprobs),
+                n=num_samples,
+            )
             for _, ids in prompts
         ]
         texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
         return self._start("cmpl", False, request.model, prompts, jobs_params, texts, request.n,
-                           request.logprobs, request.echo, request.include_usage_in_stream)
+                           request.logprobs, request.echo, request.include_usage_in_stream,
+                           best_of=num_samples if num_samples > request.n else None)
+
+    def _start_beam_search(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> Job:
+        """best_of (else n) beams per prompt; the async engine runs each search between its steps."""
+        params = [
+            BeamSearchParams(
+                beam_width=request.num_samples,
+                max_tokens=self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
+                length_penalty=request.length_penalty, early_stopping=request.early_stopping,
+                ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
+            )
+            for _, ids in prompts
+        ]
+        texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
+        return self._start("cmpl", False, request.model, prompts, params, texts, request.n, None, request.echo,
+                           False, is_beam_search=True)
 
     def start_chat(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
@@ -108,18 +139,21 @@ class OpenAIServing:
             )
         return requested
 
-    def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage) -> Job:
+    def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage,
+               best_of: int | None = None, is_beam_search: bool = False) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        add = self.engine.add_beam_search if is_beam_search else self.engine.add_request
         streams: list[RequestStream] = []
         try:
             for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{idx}"
-                streams.append(self.engine.add_request(ids, p, request_id=sub_id, prompt_text=text))
+                streams.append(add(ids, p, request_id=sub_id, prompt_text=text))
         except BaseException:
             for stream in streams:  # all prompts of a request are queued, or none is
                 stream.abort()
             raise
-        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage)
+        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage, best_of,
+                   is_beam_search)
 
     # -- whole responses ------------------------------------------------------------------------------
 
@@ -129,7 +163,12 @@ class OpenAIServing:
         for prompt_idx, final in enumerate(finals):
             for completion in final.outputs:
                 _raise_if_failed(completion)
-                index = prompt_idx * job.n + completion.index
+            completions = final.outputs  # beam hypotheses come best first: the n best are the first n
+            if job.best_of is not None:  # the n with the highest mean token logprob, best first
+                completions = selection.best_of(completions).top(job.n)
+            completions = completions[: job.n]
+            for choice_idx, completion in enumerate(completions):
+                index = prompt_idx * job.n + choice_idx
                 choices.append(self._choice(job, prompt_idx, final, completion, index))
         body = responses.envelope(job.request_id, "chat.completion" if job.is_chat else "text_completion",
                                   job.model, job.created)

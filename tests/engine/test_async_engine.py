@@ -86,3 +86,51 @@ def test_stop_fails_open_streams_and_refuses_new_ones(make_tiny_engine):
 
     _, running = _run(make_tiny_engine, scenario)
     assert not running
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 8])  # 4: one width-3 search at a time; 8: two at once
+def test_beam_searches_run_between_steps_beside_sampling(make_tiny_engine, max_num_seqs):
+    from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+    async def scenario(engine):
+        # Searches start in arrival order while their widths fit max_num_seqs together; the rest wait.
+        searches = [engine.add_beam_search(p, params) for p in prompts]
+        sampled = engine.add_request([5, 6], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+        return [await s.result() for s in searches], await sampled.result()
+
+    engine, (beam_outputs, sampled) = _run(make_tiny_engine, scenario, max_queue=8, max_num_seqs=max_num_seqs)
+    reference = BeamSearch(make_tiny_engine(max_num_seqs=4), params).run(prompts)
+    for out, ref in zip(beam_outputs, reference):
+        assert out.finished and [c.token_ids for c in out.outputs] == [s.token_ids for s in ref.sequences]
+        assert [c.index for c in out.outputs] == [0, 1, 2] and out.prompt_token_ids == ref.prompt_token_ids
+    alone = make_tiny_engine(max_num_seqs=4)
+    alone.add_request([5, 6], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+    from tests.conftest import run_to_completion
+
+    assert sampled.outputs[0].token_ids == next(iter(run_to_completion(alone).values())).outputs[0].token_ids
+    llm_engine = engine.engine
+    assert not llm_engine.scheduler.kv_held and llm_engine.kv_cache_manager.num_free_blocks == llm_engine.num_kv_blocks
+    assert engine.num_requests_in_flight == 0
+
+
+def test_aborting_a_beam_search_frees_its_blocks(make_tiny_engine):
+    from leanlm.engine.beam_search import BeamSearchParams
+
+    async def scenario(engine):
+        stream = engine.add_beam_search([5, 6, 7], BeamSearchParams(beam_width=2, max_tokens=400, ignore_eos=True))
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            engine.add_beam_search([5, 6], BeamSearchParams(beam_width=5))
+        await asyncio.sleep(0.2)  # some rounds run
+        stream.abort()
+        final = await stream.result()
+        return final
+
+    engine, final = _run(make_tiny_engine, scenario, max_num_seqs=4)
+    assert final.finished and final.outputs == []
+    llm_engine = engine.engine
+    assert not llm_engine.has_unfinished_requests() and not llm_engine.scheduler.kv_held
+    assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.num_kv_blocks
+    assert all(block.ref_cnt == 0 for block in llm_engine.kv_cache_manager.block_pool.blocks)

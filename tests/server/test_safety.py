@@ -112,7 +112,8 @@ INVALID = [
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 500}}, 400, None),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, None),
     ({"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
 ]
 
