@@ -24,9 +24,12 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.bench import median, repeat
+from leanlm.analysis.bench import median
+from leanlm.analysis.machine import CpuMonitor
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import RTNConfig, compress, save_checkpoint
+from leanlm.config import EngineConfig
+from leanlm.engine.engine import LLMEngine
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.llama import build_model
@@ -73,9 +76,8 @@ def total_by_customer(orders):
 '''
 
 
-def prompts(llm: LLM) -> dict[str, list[int]]:
+def prompts(tok) -> dict[str, list[int]]:
     """Token ids of each prompt kind, through the model's chat template where it is an instruction."""
-    tok = llm.get_tokenizer()
     article = WIKITEXT.read_text()[3000:5200].strip()
 
     def chat(text: str) -> list[int]:
@@ -106,39 +108,19 @@ class LatencyRow:
     discarded: int
 
 
-def time_prompts(llm: LLM, prompt_ids: dict[str, list[int]], reps: int, threshold: float) -> dict:
-    """Per prompt: (token ids, median seconds, kept, discarded, acceptance, tokens per step)."""
-    params = SamplingParams(max_tokens=128, temperature=0.0)
-    llm.generate(["warm up the kernels"], SamplingParams(max_tokens=8), use_tqdm=False)
-    out = {}
-    for name, ids in prompt_ids.items():
-        decoder = llm.llm_engine.model_runner.spec_decoder
-        before = decoder.stats() if decoder else None
-        tokens = []
-
-        def timed():
-            t0 = time.perf_counter()
-            tokens[:] = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
-            return time.perf_counter() - t0
-
-        reps_out = repeat(timed, reps, threshold)
-        acceptance, per_step = 0.0, 1.0
-        if decoder is not None:
-            after = decoder.stats()
-            drafts = after.num_draft_tokens - before.num_draft_tokens
-            accepted = after.num_accepted_tokens - before.num_accepted_tokens
-            acceptance = accepted / drafts if drafts else 0.0
-            # every forward of a request yields its accepted drafts plus one token
-            per_step = len(tokens) * reps / max(len(tokens) * reps - accepted, 1)
-        out[name] = (list(tokens), median(reps_out.values), len(reps_out.values), len(reps_out.discarded),
-                     acceptance, per_step)
-        print(f"  {name}: {len(tokens)} tokens, {median(reps_out.values):.2f} s, acceptance {acceptance:.2f}",
-              flush=True)
-    return out
+def generate(engine: LLMEngine, ids: list[int], params: SamplingParams) -> list[int]:
+    engine.model_runner.bind_kv_cache()  # the engines of one model share its weights
+    request_id = engine.add_request(ids, params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                tokens = out.outputs[0].token_ids
+    return tokens
 
 
-def int4_copy(model: str, root: Path) -> Path:
-    """SmolLM2 quantized to int4 (group 64, head int8): a quantized copy of the target drafting for itself."""
+def quantized_copy(model: str, root: Path) -> Path:
+    """The model quantized to int4 (group 64, head int8), as a cheaper draft."""
     out = root / f"{Path(model).name}-int4-draft"
     if not (out / "quantization_config.json").is_file():
         ckpt = load_checkpoint(model, progress=False)
@@ -149,22 +131,73 @@ def int4_copy(model: str, root: Path) -> Path:
     return out
 
 
+def load_net(model: str):
+    ckpt = load_checkpoint(model, progress=False)
+    return build_model(ckpt.config, ckpt.state_dict, torch.bfloat16, quantized=ckpt.quantized), ckpt.tokenizer
+
+
 def latency_rows(model: str, setups: dict[str, str | None], reps: int, threshold: float) -> list[LatencyRow]:
-    rows, plain, prompt_ids = [], None, None
-    for proposer, spec in setups.items():
-        print(f"{model} / {proposer}", flush=True)
-        llm = LLM(model, dtype="bfloat16", progress=False, enable_prefix_caching=False, speculative=spec)
-        prompt_ids = prompt_ids or prompts(llm)
-        timed = time_prompts(llm, prompt_ids, reps, threshold)
-        if spec is None:
-            plain = timed
-        for name, (tokens, seconds, kept, discarded, acceptance, per_step) in timed.items():
-            base = plain[name]
-            rows.append(LatencyRow(model, proposer, name, len(tokens), seconds, base[1], base[1] / seconds,
-                                   acceptance, per_step, tokens == base[0], kept, discarded))
-        del llm
-        gc.collect()
+    """Every setup is an engine over the same target weights (drafts loaded once each); repetitions interleave
+    the setups, so drift in the machine's speed hits all of them alike."""
+    print(model, flush=True)
+    net, tokenizer = load_net(model)
+    drafts = {spec: load_net(spec.split(":", 1)[1])[0] for spec in setups.values() if spec and spec.startswith("draft:")}
+    engines = {
+        name: LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20,
+                                                     speculative=spec),
+                        torch.device("cpu"), torch.bfloat16, drafts.get(spec))
+        for name, spec in setups.items()
+    }
+    prompt_ids = prompts(tokenizer)
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    longest = max(prompt_ids.values(), key=len)
+    for engine in engines.values():  # warm-up: kernels, and memory touched once
+        generate(engine, longest, SamplingParams(max_tokens=16))
+    times = {(n, p): [] for n in engines for p in prompt_ids}
+    discarded = {(n, p): 0 for n in engines for p in prompt_ids}
+    tokens, stats = {}, {}
+    for rep in range(reps):
+        for name, engine in engines.items():
+            decoder = engine.model_runner.spec_decoder
+            for prompt, ids in prompt_ids.items():
+                before = decoder.stats() if decoder else None
+                with CpuMonitor() as monitor:
+                    t0 = time.perf_counter()
+                    tokens[name, prompt] = generate(engine, ids, params)
+                    seconds = time.perf_counter() - t0
+                if monitor.sample.is_contaminated(threshold):
+                    discarded[name, prompt] += 1
+                else:
+                    times[name, prompt].append(seconds)
+                if decoder is not None:
+                    after = decoder.stats()
+                    old = stats.get((name, prompt), (0, 0))
+                    stats[name, prompt] = (old[0] + after.num_draft_tokens - before.num_draft_tokens,
+                                           old[1] + after.num_accepted_tokens - before.num_accepted_tokens)
+        print(f"  repetition {rep + 1} of {reps} done", flush=True)
+    rows = []
+    for name in engines:
+        for prompt in prompt_ids:
+            drafted, accepted = stats.get((name, prompt), (0, 0))
+            num = len(tokens[name, prompt])
+            seconds, plain = median(times[name, prompt]), median(times["plain", prompt])
+            rows.append(LatencyRow(model, name, prompt, num, seconds, plain, plain / seconds,
+                                   accepted / drafted if drafted else 0.0,
+                                   num * reps / max(num * reps - accepted, 1),  # a forward yields accepted + 1
+                                   tokens[name, prompt] == tokens["plain", prompt],
+                                   len(times[name, prompt]), discarded[name, prompt]))
+            print(f"  {rows[-1]}", flush=True)
+    del engines, drafts, net
+    gc.collect()
     return rows
+
+
+def prefault(gib: int) -> None:
+    """Write `gib` GiB once and free it. In this VM the first write to a page costs about 1.8 s per GiB; without
+    this, whichever engine runs first pays it for its KV pool and activations and looks up to 15% slower."""
+    if gib > 0:
+        block = torch.ones(gib << 28, dtype=torch.float32)
+        del block
 
 
 @dataclass
@@ -177,36 +210,54 @@ class BatchRow:
 
 
 def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
-    """16 code-completion requests at once on SmolLM2 (each a different cut of the module, so they differ)."""
-    rows = []
+    """16 code-completion requests at once on SmolLM2 (each a different cut of the module, so they differ); the
+    three engines share the weights and their repetitions interleave."""
+    net, tokenizer = load_net(SMOL)
     lines = CODE.splitlines()
-    batch = ["\n".join(lines[: 12 + i]) + "\n" for i in range(16)]
+    batch = [tokenizer.encode("\n".join(lines[: 12 + i]) + "\n") for i in range(16)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    for setting, options in (
-        ("plain", {}),
-        ("ngram, switch at 8 requests (default)", dict(speculative="ngram")),
-        ("ngram forced on (switch at 64)", dict(speculative="ngram", speculative_max_batch_size=64)),
-    ):
-        llm = LLM(SMOL, dtype="bfloat16", progress=False, enable_prefix_caching=False, **options)
-        llm.generate(batch[:2], SamplingParams(max_tokens=8), use_tqdm=False)
-        decoder = llm.llm_engine.model_runner.spec_decoder
-        before = decoder.stats() if decoder else None
+    settings = {
+        "plain": {},
+        "ngram, switch at 8 requests (default)": dict(speculative="ngram"),
+        "ngram forced on (switch at 64)": dict(speculative="ngram", speculative_max_batch_size=64),
+    }
+    engines = {name: LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False,
+                                                            kv_cache_memory_bytes=512 << 20, **options),
+                               torch.device("cpu"), torch.bfloat16)
+               for name, options in settings.items()}
 
-        def run():
-            t0 = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
-            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    def run(engine: LLMEngine) -> float:
+        engine.model_runner.bind_kv_cache()
+        t0 = time.perf_counter()
+        for ids in batch:
+            engine.add_request(ids, params)
+        num_tokens = 0
+        while engine.has_unfinished_requests():
+            num_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return num_tokens / (time.perf_counter() - t0)
 
-        out = repeat(run, reps, threshold)
+    for engine in engines.values():
+        run(engine)  # warm-up
+    values = {name: [] for name in engines}
+    discarded = dict.fromkeys(engines, 0)
+    before = {name: e.model_runner.spec_decoder.stats() for name, e in engines.items() if e.model_runner.spec_decoder}
+    for _ in range(reps):
+        for name, engine in engines.items():
+            with CpuMonitor() as monitor:
+                value = run(engine)
+            if monitor.sample.is_contaminated(threshold):
+                discarded[name] += 1
+            else:
+                values[name].append(value)
+    rows = []
+    for name, engine in engines.items():
         acceptance = 0.0
-        if decoder is not None:
-            after = decoder.stats()
-            drafts = after.num_draft_tokens - before.num_draft_tokens
-            acceptance = (after.num_accepted_tokens - before.num_accepted_tokens) / drafts if drafts else 0.0
-        rows.append(BatchRow(setting, median(out.values), acceptance, len(out.values), len(out.discarded)))
+        if name in before:
+            after = engine.model_runner.spec_decoder.stats()
+            drafts = after.num_draft_tokens - before[name].num_draft_tokens
+            acceptance = (after.num_accepted_tokens - before[name].num_accepted_tokens) / drafts if drafts else 0.0
+        rows.append(BatchRow(name, median(values[name]), acceptance, len(values[name]), discarded[name]))
         print(rows[-1], flush=True)
-        del llm
-        gc.collect()
     return rows
 
 
@@ -281,6 +332,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threshold", type=float, default=0.10, help="other processes' CPU share that discards a rep")
     ap.add_argument("--parts", default="smollm2,qwen,batch,memory")
+    ap.add_argument("--prefault-gib", type=int, default=8,
+                    help="touch this much memory first: a VM's first touch of a page is slow, later reuse is not")
     ap.add_argument("--results-dir", default="bench-results/speculative")
     ap.add_argument("--doc", default=None)
     args = ap.parse_args()
@@ -289,12 +342,15 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     saved = root / "results.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
+    prefault(args.prefault_gib)
     if "smollm2" in parts:
         setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead", "self:24": "self:24",
-                  "self:16": "self:16", "draft: its int4 copy": f"draft:{int4_copy(SMOL, root)}"}
+                  "self:16": "self:16", "draft: its int4 copy": f"draft:{quantized_copy(SMOL, root)}"}
         results["smollm2"] = [asdict(r) for r in latency_rows(SMOL, setups, args.reps, args.threshold)]
     if "qwen" in parts:
-        setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead", f"draft: {QWEN_SMALL}": f"draft:{QWEN_SMALL}"}
+        setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead",
+                  f"draft: {QWEN_SMALL}": f"draft:{QWEN_SMALL}",
+                  f"draft: {QWEN_SMALL} int4": f"draft:{quantized_copy(QWEN_SMALL, root)}"}
         results["qwen"] = [asdict(r) for r in latency_rows(QWEN, setups, args.reps, args.threshold)]
     if "batch" in parts:
         results["batch"] = [asdict(r) for r in batch_rows(args.reps, args.threshold)]

@@ -245,7 +245,8 @@ class SpeculativeConfig:
     max_batch_size: int = 8  # steps sampling more requests than this do not speculate: verification stops paying
     verify_overhead: float = 0.2  # a verifying step's extra cost over a plain decode step (relative)
     # each draft token's extra cost (proposing it and verifying its row), relative to a target step; None: 0.05
-    # for n-gram drafts, and for a draft model its weight bytes over the target's (decode reads every weight)
+    # for n-gram drafts, and for a draft model its measured step time over the target's (before 3 of each are
+    # measured: its weight bytes over the target's, as a decode step reads every weight)
     draft_cost: float | None = None
     probe_interval: int = 16  # steps a request waits at k = 0 before proposing again to re-measure acceptance
 

@@ -12,15 +12,21 @@ separate draft knows which of its own it can keep by comparing what it drafted w
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from leanlm.engine.request import Request
+from leanlm.kernels import cpu_decode
 from leanlm.engine.sampler import exponential_race, process_logits, target_probs
 from leanlm.engine.sampling_metadata import SamplingMetadata
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaForCausalLM
+
+
+_DECODE_ROWS = cpu_decode.MAX_ROWS  # decode entries the native decode loop takes in one call
+_CHUNK_MIN = 64  # unseen tokens past which one prefill chunk beats groups of decode entries
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Drafts:
     token_ids: list[list[int]]  # per job
     probs: list[torch.Tensor | None]  # per job: [num_tokens, V] the draft distribution behind each random
     # request's tokens; None for greedy requests (their drafts are the draft's argmax)
+    step_seconds: float | None = None  # mean time of the batched draft steps after the first (which also catches
+    # up on unseen tokens); None when there was only one
 
 
 class DraftProposer:
@@ -84,6 +92,15 @@ class DraftProposer:
             model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])])
             self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self._written: dict[str, _DraftKV] = {}  # request id -> what a separate draft last wrote for it
+
+    def rebind(self) -> None:
+        """After the target's cache was (re)bound: a separate draft binds its own cache again, a self-draft
+        rebuilds its native loop over the target's layers (it holds their cache pointers)."""
+        if self.owns_cache:
+            layers = range(self.kv_cache.shape[0])
+            self.model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers])
+        else:
+            self.model.refresh_native_decode()
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write of the target's blocks, mirrored in a separate draft's own cache."""
@@ -111,8 +128,14 @@ class DraftProposer:
         tokens: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
         starts = [self._catch_up(job) for job in jobs]
-        inputs = [job.token_ids[start:] for job, start in zip(jobs, starts)]  # step 0: catch-up + newest token
-        for step in range(max((job.num_tokens for job in jobs), default=0)):
+        for job, start in zip(jobs, starts):
+            self._feed_backlog(job, start)
+        # step 0: the newest token, after the last few unseen ones
+        inputs = [job.token_ids[max(start, job.position - _DECODE_ROWS + 1):] for job, start in zip(jobs, starts)]
+        num_steps = max((job.num_tokens for job in jobs), default=0)
+        for step in range(num_steps):
+            if step == 1:
+                started = time.perf_counter()
             active = [i for i, job in enumerate(jobs) if job.num_tokens > step]
             first = [jobs[i].position + step - len(inputs[i]) + 1 for i in active]
             logits = self._forward([inputs[i] for i in active], first, [jobs[i].block_ids for i in active])
@@ -129,13 +152,24 @@ class DraftProposer:
                 written = [job.token_ids[-1], *drafted[:-1]]
                 self._written[job.request.request_id] = _DraftKV(job.request.num_preemptions, job.position,
                                                                  job.position, written)
-        return Drafts(tokens, [torch.stack(p) if p else None for p in probs])
+        step_seconds = (time.perf_counter() - started) / (num_steps - 1) if num_steps > 1 else None
+        return Drafts(tokens, [torch.stack(p) if p else None for p in probs], step_seconds)
 
-    def _forward(self, inputs: list[list[int]], first_positions: list[int], block_ids: list[list[int]]) -> torch.Tensor:
+    def _feed_backlog(self, job: DraftJob, start: int) -> None:
+        """Write the draft KV of a long run of unseen tokens (a prompt; the output of a stretch without drafts)
+        before the batched steps: one chunk when long, else groups of decode entries the native loop takes."""
+        end = max(start, job.position - _DECODE_ROWS + 1)  # the last few go with the first step
+        while start < end:
+            size = end - start if end - start > _CHUNK_MIN else min(_DECODE_ROWS, end - start)
+            self._forward([job.token_ids[start : start + size]], [start], [job.block_ids], logits=False)
+            start += size
+
+    def _forward(self, inputs: list[list[int]], first_positions: list[int], block_ids: list[list[int]],
+                 logits: bool = True) -> torch.Tensor | None:
         """Logits [B, V] after each request's input run (its tokens at first_position on)."""
         query_lens, seq_lens, blocks, ids, positions, last_rows = [], [], [], [], [], []
         for tokens, first, table in zip(inputs, first_positions, block_ids):
-            if len(tokens) <= 8:  # one decode entry per token: the draft's native decode loop applies
+            if len(tokens) <= _DECODE_ROWS:  # one decode entry per token: the draft's native decode loop applies
                 query_lens += [1] * len(tokens)
                 seq_lens += range(first + 1, first + len(tokens) + 1)
                 blocks += [table] * len(tokens)
@@ -150,7 +184,7 @@ class DraftProposer:
         as_long = dict(dtype=torch.long, device=self.device)
         with forward_context(ctx):
             hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))  # [T, hidden]
-        return self.model.compute_logits(hidden[last_rows]).float()  # [B, V]
+        return self.model.compute_logits(hidden[last_rows]).float() if logits else None  # [B, V]
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
         """Each request's own settings applied to the draft's logits: greedy rows take the argmax, random rows

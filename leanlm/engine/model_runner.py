@@ -6,6 +6,7 @@ from the same forward (logits at position p against prompt token p+1).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,17 +108,25 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=device)  # [L, 2, N, Hkv, bs, D]
         # 8-bit caches: one scale per (token, KV head) beside the values; float caches have none
         self.kv_scales: torch.Tensor | None = None  # [L, 2, N, Hkv, bs] float32
-        layers = range(shape[0])
-        scales = None
         if is_quantized(self.kv_cache_dtype):
             self.kv_scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
-            scales = [(self.kv_scales[i, 0], self.kv_scales[i, 1]) for i in layers]
-        model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers], scales)
+        self.spec_decoder: SpecDecoder | None = None
+        self.bind_kv_cache()
         tensors = (self.kv_cache,) if self.kv_scales is None else (self.kv_cache, self.kv_scales)
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
+
+    def bind_kv_cache(self) -> None:
+        """Point the model's attention layers at this runner's KV cache. Done on construction; call it again
+        before using this runner when another runner over the same model (weights shared between engines, as
+        a benchmark comparing engine settings does) ran since."""
+        layers = range(self.kv_cache.shape[0])
+        scales = None if self.kv_scales is None else [(self.kv_scales[i, 0], self.kv_scales[i, 1]) for i in layers]
+        self.model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers], scales)
+        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+            self.spec_decoder.draft.rebind()
 
     def _spec_decoder(self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None,
                       max_model_len: int | None) -> SpecDecoder | None:
@@ -151,8 +160,11 @@ class ModelRunner:
         layout = self._layout(scheduler_output)
         entries = _attention_entries(scheduler_output, layout)
         ctx = build_forward_context(*entries, self.block_size, self.config.num_key_value_heads, self.device)
+        started = time.perf_counter()
         with forward_context(ctx):
             hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
+        if self.spec_decoder is not None and ctx.is_all_decode:
+            self.spec_decoder.record_target_step(time.perf_counter() - started)
 
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(requests)

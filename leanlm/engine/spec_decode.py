@@ -29,6 +29,7 @@ class _Acceptance:
     accepted: float = _PRIOR_DRAFTS * _PRIOR_RATE
     rejected: float = _PRIOR_DRAFTS * (1 - _PRIOR_RATE)
     steps_off: int = 0  # consecutive steps at k = 0
+    num_failed_probes: int = 0  # probes in a row after which k stayed 0: each doubles the wait for the next
 
     @property
     def rate(self) -> float:
@@ -37,6 +38,18 @@ class _Acceptance:
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         self.accepted = _DECAY * self.accepted + num_accepted
         self.rejected = _DECAY * self.rejected + (1.0 if num_accepted < num_drafts else 0.0)
+
+
+@dataclass
+class _Mean:
+    """A decayed running mean."""
+
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, decay: float = 0.9) -> None:
+        self.value = x if self.count == 0 else decay * self.value + (1 - decay) * x
+        self.count += 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,10 @@ class SpecDecoder:
         if self.draft_cost is None:
             self.draft_cost = self.draft.relative_cost if self.draft is not None else 0.05
         self.verify_overhead = config.verify_overhead
+        # Measured seconds (decayed means) of a target decode forward and of one batched draft step: once both
+        # are known they replace the weight-byte prior of a draft model's cost (Python overhead included).
+        self._target_seconds = _Mean()
+        self._draft_step_seconds = _Mean()
         self._acceptance: dict[str, _Acceptance] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V], random requests' model drafts
         self._num_steps = self._num_drafts = self._num_accepted = 0
@@ -154,11 +171,22 @@ class SpecDecoder:
                 jobs.append((i, DraftJob(request, request.all_token_ids + new_tokens, k, block_ids[i])))
         if jobs:
             drafts = self.draft.propose([job for _, job in jobs])
+            if drafts.step_seconds is not None:
+                self._draft_step_seconds.add(drafts.step_seconds)
+                self._update_draft_cost()
             for (i, job), tokens, q in zip(jobs, drafts.token_ids, drafts.probs):
                 out[i] = tokens
                 if q is not None:
                     self._draft_probs[job.request.request_id] = q
         return out
+
+    def record_target_step(self, seconds: float) -> None:
+        """The target's forward time for a decode or verification step."""
+        self._target_seconds.add(seconds)
+
+    def _update_draft_cost(self) -> None:
+        if self.config.draft_cost is None and self._target_seconds.count >= 3 and self._draft_step_seconds.count >= 3:
+            self.draft_cost = self._draft_step_seconds.value / self._target_seconds.value
 
     def _room(self, request: Request, num_new_tokens: int) -> int:
         """Drafts that could still be kept: an accepted draft and the token after it must fit max_tokens and
@@ -171,7 +199,8 @@ class SpecDecoder:
     def num_drafts(self, request_id: str) -> int:
         """k maximizing expected tokens per unit cost, E(k) / C(k): E(k) = (1 - a^(k+1)) / (1 - a) tokens for
         per-draft acceptance a, C(k) = 1 + verify_overhead + draft_cost * k (C(0) = 1). At k = 0 a request
-        proposes again after probe_interval steps, to re-measure."""
+        proposes one draft again after probe_interval steps to re-measure, waiting twice as long after each probe
+        that left k at 0 (up to 16 times)."""
         cfg = self.config
         if not cfg.adaptive:
             return cfg.num_speculative_tokens
@@ -184,10 +213,12 @@ class SpecDecoder:
                 best_k, best = k, value
         if best_k == 0:
             state.steps_off += 1
-            if state.steps_off < cfg.probe_interval:
+            if state.steps_off < cfg.probe_interval << min(state.num_failed_probes, 4):
                 return 0
-            best_k = 1
-        state.steps_off = 0
+            state.num_failed_probes += 1
+            state.steps_off = 0
+            return 1
+        state.steps_off = state.num_failed_probes = 0
         return best_k
 
     @staticmethod

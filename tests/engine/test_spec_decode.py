@@ -231,6 +231,7 @@ def test_adaptive_k_follows_acceptance_and_probes_again():
     for _ in range(30):
         decoder.observe([request], [[1, 2, 3]], [0])
     assert [decoder.num_drafts("a") for _ in range(3)] == [0, 0, 1]  # off, then a probe after 3 steps
+    assert [decoder.num_drafts("a") for _ in range(6)] == [0] * 5 + [1]  # it failed: the next waits twice as long
     decoder.forget(["a"])
     assert decoder.num_drafts("a") >= 3
 
