@@ -106,6 +106,14 @@ class Request:
         """True once every prompt token has KV; a chunk that ends here yields a sampled token."""
         return self.num_computed_tokens >= self.num_prompt_tokens
 
+    def draft_room(self, max_model_len: int | None, num_new_tokens: int = 0) -> int:
+        """Draft tokens that could still be kept after `num_new_tokens` more are appended: an accepted draft
+        plus the token sampled after it must fit max_tokens and the context."""
+        room = self.sampling_params.max_tokens - self.num_output_tokens - num_new_tokens - 1
+        if max_model_len is not None:
+            room = min(room, max_model_len - self.num_tokens - num_new_tokens - 1)
+        return room
+
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             token_ids = [token_ids]

@@ -235,16 +235,12 @@ class Scheduler:
 
     def _schedulable_drafts(self, request: Request, num_new: int, budget_left: int) -> list[int]:
         """The request's draft tokens that may run this step: only with its whole remainder scheduled (the
-        drafts follow its last token), within the budget, and only as many as could still be kept (an accepted
-        draft plus the token sampled after it must fit in max_tokens and the context)."""
+        drafts follow its last token), within the budget, and only as many as could still be kept."""
         spec = request.spec_token_ids
         request.spec_token_ids = []  # consumed: a draft is verified once
         if not spec or num_new < request.num_tokens - request.num_computed_tokens:
             return []
-        room = min(
-            request.sampling_params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens
-        ) - 1
-        return spec[: max(0, min(len(spec), room, budget_left))]
+        return spec[: max(0, min(len(spec), request.draft_room(self.max_model_len), budget_left))]
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FIFO while the budget, max_num_seqs and the pool allow."""

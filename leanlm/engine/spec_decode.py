@@ -80,7 +80,77 @@ class SpecDecoder:
         self.draft = draft if config.uses_model else None
         self.block_size = block_size
         self.max_model_len = max_model_len
-        # Step cost model: a draft model costs its weight-byte ratio per draft token.
+        # Step cost model: a draft model costs its weight-byte ratio per draft token until measured (below).
+        self.draft_cost = config.draft_cost
+        if self.draft_cost is None:
+            self.draft_cost = self.draft.relative_cost if self.draft is not None else 0.05
+        self.verify_overhead = config.verify_overhead
+        # Measured seconds (decayed means) of a target decode forward and of one batched draft step: once both
+        # are known they replace the weight-byte prior of a draft model's cost (Python overhead included).
+        self._target_seconds = _Mean()
+        self._draft_step_seconds = _Mean()
+        self._acceptance: dict[str, _Acceptance] = {}
+        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V], random requests' model drafts
+        self._num_steps = self._num_drafts = self._num_accepted = 0
+
+    def stats(self) -> SpecStats:
+        return SpecStats(self._num_steps, self._num_drafts, self._num_accepted)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._acceptance.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
+        if self.lookahead is not None:
+            self.lookahead.forget(request_ids)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.accepted = _DECAY * self.accepted + num_accepted
+        self.rejected = _DECAY * self.rejected + (1.0 if num_accepted < num_drafts else 0.0)
+
+
+@dataclass
+class _Mean:
+    """A decayed running mean."""
+
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, decay: float = 0.9) -> None:
+        self.value = x if self.count == 0 else decay * self.value + (1 - decay) * x
+        self.count += 1
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Totals since the engine started."""
+
+    num_steps: int  # steps that verified at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class SpecDecoder:
+    """Owns the proposer (prompt lookup, or a draft model), each request's acceptance estimate and the draft
+    distributions that verification of model drafts needs."""
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None, block_size: int = 16,
+                 max_model_len: int | None = None) -> None:
+        if config.uses_model and draft is None:
+            raise ValueError(f"speculative method {config.method!r} needs a draft model")
+        self.config = config
+        is_ngram = config.method == "ngram"
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if is_ngram else None
+        self.lookahead = LookaheadProposer(config.prompt_lookup_max) if config.method == "lookahead" else None
+        self.draft = draft if config.uses_model else None
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        # Step cost model: a draft model costs its weight-byte ratio per draft token until measured (below).
         self.draft_cost = config.draft_cost
         if self.draft_cost is None:
             self.draft_cost = self.draft.relative_cost if self.draft is not None else 0.05
@@ -156,7 +226,7 @@ class SpecDecoder:
         for i, (request, new_tokens) in enumerate(zip(requests, sampled)):
             if not new_tokens or not self.can_speculate(request, len(new_tokens)):
                 continue
-            k = min(self.num_drafts(request.request_id), self._room(request, len(new_tokens)))
+            k = min(self.num_drafts(request.request_id), request.draft_room(self.max_model_len, len(new_tokens)))
             if k <= 0:
                 continue
             if self.ngram is not None:
@@ -187,14 +257,6 @@ class SpecDecoder:
     def _update_draft_cost(self) -> None:
         if self.config.draft_cost is None and self._target_seconds.count >= 3 and self._draft_step_seconds.count >= 3:
             self.draft_cost = self._draft_step_seconds.value / self._target_seconds.value
-
-    def _room(self, request: Request, num_new_tokens: int) -> int:
-        """Drafts that could still be kept: an accepted draft and the token after it must fit max_tokens and
-        the context (the scheduler cuts the same way)."""
-        room = request.sampling_params.max_tokens - request.num_output_tokens - num_new_tokens - 1
-        if self.max_model_len is not None:
-            room = min(room, self.max_model_len - request.num_tokens - num_new_tokens - 1)
-        return room
 
     def num_drafts(self, request_id: str) -> int:
         """k maximizing expected tokens per unit cost, E(k) / C(k): E(k) = (1 - a^(k+1)) / (1 - a) tokens for

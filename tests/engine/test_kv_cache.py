@@ -204,6 +204,14 @@ def fork_of(parent, child_id, new_token):
     return child
 
 
+def computed_parent(kv, num_tokens):
+    """A request holding blocks for its num_tokens prompt tokens, all with KV."""
+    parent = make_request("p", list(range(num_tokens)))
+    kv.allocate_slots(parent, num_tokens)
+    parent.num_computed_tokens = num_tokens
+    return parent
+
+
 def ref_cnts(kv):
     return [blk.ref_cnt for blk in kv.block_pool.blocks]
 
@@ -232,9 +240,7 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
 
 def test_fork_at_a_block_boundary_shares_full_blocks_only():
     kv = make_manager()
-    parent = make_request("p", list(range(8)))
-    kv.allocate_slots(parent, 8)
-    parent.num_computed_tokens = 8
+    parent = computed_parent(kv, 8)
     child = fork_of(parent, "c", 100)
     assert kv.fork(parent, child) == [0, 1]
     assert kv.allocate_slots(child, 1) == [0, 1, 2]  # its token starts a new block: nothing to copy
@@ -244,9 +250,7 @@ def test_fork_at_a_block_boundary_shares_full_blocks_only():
 
 def test_a_running_parent_copies_too_when_it_writes_first():
     kv = make_manager()
-    parent = make_request("p", list(range(5)))
-    kv.allocate_slots(parent, 5)
-    parent.num_computed_tokens = 5
+    parent = computed_parent(kv, 5)
     child = fork_of(parent, "c", 100)
     kv.fork(parent, child)
     parent.append_output_token_ids(7)
@@ -258,9 +262,7 @@ def test_a_running_parent_copies_too_when_it_writes_first():
 
 def test_fork_keeps_the_prefix_cache_hashes():
     kv = make_manager()
-    parent = make_request("p", list(range(10)))
-    kv.allocate_slots(parent, 10)
-    parent.num_computed_tokens = 10
+    parent = computed_parent(kv, 10)
     child = fork_of(parent, "c", 100)
     kv.fork(parent, child)
     assert kv.allocate_slots(child, 1) == [0, 1, 3]
@@ -279,9 +281,7 @@ def test_fork_keeps_the_prefix_cache_hashes():
 
 def test_copy_on_write_that_finds_no_block_changes_nothing():
     kv = make_manager(num_blocks=2)
-    parent = make_request("p", list(range(6)))
-    kv.allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
+    parent = computed_parent(kv, 6)
     child = fork_of(parent, "c", 100)
     kv.fork(parent, child)
     assert kv.allocate_slots(child, 1) is None  # the copy needs a third block
@@ -293,9 +293,7 @@ def test_copy_on_write_that_finds_no_block_changes_nothing():
 
 def test_fork_refuses_tokens_or_counts_that_do_not_match():
     kv = make_manager()
-    parent = make_request("p", list(range(6)))
-    kv.allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
+    parent = computed_parent(kv, 6)
     other = make_request("x", [9, 9, 9, 9, 9, 9, 9])
     other.num_computed_tokens = 6
     with pytest.raises(ValueError, match="differ"):
