@@ -253,19 +253,33 @@ def test_bad_speculative_settings_are_refused():
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
 
 
-def test_real_model_greedy_speculation_is_token_identical():
-    """SmolLM2 in bfloat16 on the native kernels: prompt lookup on code, same tokens as plain greedy."""
+_CODE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+                "def mul(a, b):\n    return a * b\n\n\ndef")
+_REAL_PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_real_output():
     from leanlm import LLM
 
-    prompt = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
-              "def mul(a, b):\n    return a * b\n\n\ndef")
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    plain = LLM(progress=False).generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    spec_llm = LLM(progress=False, speculative="ngram")
-    spec = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    assert spec.token_ids == plain.token_ids
-    stats = spec_llm.llm_engine.model_runner.spec_decoder.stats()
-    assert stats.num_accepted_tokens > 10
+    return LLM(progress=False).generate([_CODE_PROMPT], _REAL_PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "lookahead", "self:24", "draft:smollm2-135m-instruct"])
+def test_real_model_greedy_speculation_is_token_identical(plain_real_output, speculative):
+    """SmolLM2 in bfloat16 on the native kernels, every proposer: the same tokens as plain greedy decoding.
+    The draft model is SmolLM2 itself, so each of its drafts must be accepted (its own KV cache is right)."""
+    from leanlm import LLM
+
+    llm = LLM(progress=False, speculative=speculative)
+    out = llm.generate([_CODE_PROMPT], _REAL_PARAMS, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain_real_output
+    stats = llm.llm_engine.model_runner.spec_decoder.stats()
+    assert stats.num_draft_tokens > 0
+    if speculative in ("ngram", "lookahead"):
+        assert stats.num_accepted_tokens > 10
+    if speculative.startswith("draft:"):
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
