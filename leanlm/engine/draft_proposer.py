@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.engine.request import Request
-from leanlm.kernels import cpu_decode
 from leanlm.engine.sampler import exponential_race, process_logits, target_probs
 from leanlm.engine.sampling_metadata import SamplingMetadata
+from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaForCausalLM
 
