@@ -5,8 +5,11 @@
 1. Batch-1 latency per proposer (prompt lookup, lookahead, a draft model, self-speculation) on real prompts:
    code editing, code completion, extractive text and open chat; greedy, up to 128 tokens (EOS may stop them),
    prefix caching off. Speedup = the plain engine's wall time / the speculative one's for the same tokens
-   (checked identical). SmolLM2-135M (self-speculation, its int4 copy as draft) and the Qwen2.5-Coder pair
-   (0.5B drafting for 1.5B).
+   (checked identical), for the whole request and for its decode phase (the target's prefill left out).
+   SmolLM2-135M (self-speculation, its int4 copy as draft) and the Qwen2.5-Coder pair (0.5B drafting for 1.5B).
+   Then the terms of the cost model behind those speedups: the Qwen target's step time when it verifies k drafts
+   (1 + k rows) and a draft step's, over a plain decode step; and how often SmolLM2's early exits (first K
+   layers, final norm and head) agree with the whole model, against what their steps cost.
 2. Batches: 16 requests at once, plain vs prompt lookup with the engine's batch-size switch (on by default at
    more than 8 requests) vs prompt lookup forced on.
 3. KV memory of n = 4 samples over a 512-token prompt vs four independent requests.
@@ -32,6 +35,7 @@ from leanlm.config import EngineConfig
 from leanlm.engine.engine import LLMEngine
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 
@@ -101,6 +105,9 @@ class LatencyRow:
     seconds: float  # median wall time of one request
     plain_seconds: float
     speedup: float
+    plain_ttft: float  # median time to the plain engine's first token: the target's prefill, which speculation
+    # cannot shorten (a draft model's own prefill of the prompt comes after it, in the speculative engine's time)
+    decode_speedup: float  # (plain - plain_ttft) / (spec - plain_ttft): the part speculation works on
     acceptance: float  # accepted / proposed drafts
     tokens_per_step: float  # generated tokens per verifying or plain step (1.0 without speculation)
     identical: bool  # greedy output equal to the plain engine's
@@ -108,15 +115,20 @@ class LatencyRow:
     discarded: int
 
 
-def generate(engine: LLMEngine, ids: list[int], params: SamplingParams) -> list[int]:
+def generate(engine: LLMEngine, ids: list[int], params: SamplingParams) -> tuple[list[int], float]:
+    """The request's tokens, and the seconds to its first one."""
     engine.model_runner.bind_kv_cache()  # the engines of one model share its weights
+    t0 = time.perf_counter()
     request_id = engine.add_request(ids, params)
     tokens: list[int] = []
+    ttft = None
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.request_id == request_id and ttft is None and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
             if out.request_id == request_id and out.finished:
                 tokens = out.outputs[0].token_ids
-    return tokens
+    return tokens, ttft
 
 
 def quantized_copy(model: str, root: Path) -> Path:
@@ -136,17 +148,18 @@ def load_net(model: str):
     return build_model(ckpt.config, ckpt.state_dict, torch.bfloat16, quantized=ckpt.quantized), ckpt.tokenizer
 
 
-def latency_rows(model: str, setups: dict[str, str | None], reps: int, threshold: float) -> list[LatencyRow]:
-    """Every setup is an engine over the same target weights (drafts loaded once each); repetitions interleave
-    the setups, so drift in the machine's speed hits all of them alike."""
+def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: float) -> list[LatencyRow]:
+    """Every setup (EngineConfig options) is an engine over the same target weights (drafts loaded once each);
+    repetitions interleave the setups, so drift in the machine's speed hits all of them alike."""
     print(model, flush=True)
     net, tokenizer = load_net(model)
-    drafts = {spec: load_net(spec.split(":", 1)[1])[0] for spec in setups.values() if spec and spec.startswith("draft:")}
+    specs = {options.get("speculative") for options in setups.values()}
+    drafts = {spec: load_net(spec.split(":", 1)[1])[0] for spec in specs if spec and spec.startswith("draft:")}
     engines = {
         name: LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20,
-                                                     speculative=spec),
-                        torch.device("cpu"), torch.bfloat16, drafts.get(spec))
-        for name, spec in setups.items()
+                                                     **options),
+                        torch.device("cpu"), torch.bfloat16, drafts.get(options.get("speculative")))
+        for name, options in setups.items()
     }
     prompt_ids = prompts(tokenizer)
     params = SamplingParams(max_tokens=128, temperature=0.0)
@@ -154,6 +167,7 @@ def latency_rows(model: str, setups: dict[str, str | None], reps: int, threshold
     for engine in engines.values():  # warm-up: kernels, and memory touched once
         generate(engine, longest, SamplingParams(max_tokens=16))
     times = {(n, p): [] for n in engines for p in prompt_ids}
+    ttfts = {(n, p): [] for n in engines for p in prompt_ids}
     discarded = {(n, p): 0 for n in engines for p in prompt_ids}
     tokens, stats = {}, {}
     for rep in range(reps):
@@ -163,12 +177,13 @@ def latency_rows(model: str, setups: dict[str, str | None], reps: int, threshold
                 before = decoder.stats() if decoder else None
                 with CpuMonitor() as monitor:
                     t0 = time.perf_counter()
-                    tokens[name, prompt] = generate(engine, ids, params)
+                    tokens[name, prompt], ttft = generate(engine, ids, params)
                     seconds = time.perf_counter() - t0
                 if monitor.sample.is_contaminated(threshold):
                     discarded[name, prompt] += 1
                 else:
                     times[name, prompt].append(seconds)
+                    ttfts[name, prompt].append(ttft)
                 if decoder is not None:
                     after = decoder.stats()
                     old = stats.get((name, prompt), (0, 0))
@@ -181,7 +196,9 @@ def latency_rows(model: str, setups: dict[str, str | None], reps: int, threshold
             drafted, accepted = stats.get((name, prompt), (0, 0))
             num = len(tokens[name, prompt])
             seconds, plain = median(times[name, prompt]), median(times["plain", prompt])
-            rows.append(LatencyRow(model, name, prompt, num, seconds, plain, plain / seconds,
+            prefill = median(ttfts["plain", prompt])
+            rows.append(LatencyRow(model, name, prompt, num, seconds, plain, plain / seconds, prefill,
+                                   (plain - prefill) / (seconds - prefill),
                                    accepted / drafted if drafted else 0.0,
                                    num * reps / max(num * reps - accepted, 1),  # a forward yields accepted + 1
                                    tokens[name, prompt] == tokens["plain", prompt],
@@ -198,6 +215,94 @@ def prefault(gib: int) -> None:
     if gib > 0:
         block = torch.ones(gib << 28, dtype=torch.float32)
         del block
+
+
+@dataclass
+class ExitRow:
+    num_layers: int  # the draft: the target's first num_layers layers, its final norm and head
+    agreement: dict[str, float]  # per prompt kind: share of positions where the draft's argmax is the target's
+    step_ms: float  # median batch-1 decode step (forward and head) with a 300-token context
+    relative_cost: float  # step_ms over the whole model's
+
+
+def decode_step_ms(net, rows: int = 1, reps: int = 15) -> float:
+    """Median time of one step of `rows` decode entries of one request (positions 300 on, every layer, the head
+    on every row: a verification of rows - 1 drafts), on its own cache."""
+    cfg = net.config
+    num_blocks = 24
+    cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
+                        dtype=torch.bfloat16)  # [L, 2, N, Hkv, bs, D]
+    net.bind_kv_cache([(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)])
+    ctx = build_forward_context([1] * rows, list(range(301, 301 + rows)), [list(range(num_blocks))] * rows, 16,
+                                cfg.num_key_value_heads, torch.device("cpu"))
+    ids, positions = torch.full((rows,), 100), torch.arange(300, 300 + rows)
+    times = []
+    with torch.inference_mode(), forward_context(ctx):
+        for _ in range(reps + 3):
+            t0 = time.perf_counter()
+            net.compute_logits(net(ids, positions))
+            times.append(time.perf_counter() - t0)
+    return 1000 * median(times[3:])
+
+
+@dataclass
+class CostRow:
+    model: str
+    rows: int  # decode entries in the step: 1 = plain decode, 1 + k = verifying k drafts
+    step_ms: float
+    relative: float  # over the target's 1-row step
+
+
+def cost_rows(root: Path, row_counts: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8), rounds: int = 7) -> list[CostRow]:
+    """The terms of speculation's step cost on the Qwen pair: a target step verifying k drafts (1 + k rows) and a
+    draft step, each over a plain target decode step. The models' steps interleave (`rounds` times, median)."""
+    nets = {QWEN: load_net(QWEN)[0], QWEN_SMALL: load_net(QWEN_SMALL)[0],
+            f"{QWEN_SMALL} int4": load_net(str(quantized_copy(QWEN_SMALL, root)))[0]}
+    cases = [(QWEN, rows) for rows in row_counts] + [(name, 1) for name in nets if name != QWEN]
+    times: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+    for _ in range(rounds):
+        for name, rows in cases:
+            times[name, rows].append(decode_step_ms(nets[name], rows))
+    base = median(times[QWEN, 1])
+    rows = [CostRow(name, n, median(times[name, n]), median(times[name, n]) / base) for name, n in cases]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
+def exit_argmax(net, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced argmax at every position of `ids` [T], in one prefill on a scratch cache."""
+    cfg = net.config
+    num_blocks = (len(ids) + 15) // 16
+    cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
+                        dtype=torch.bfloat16)
+    net.bind_kv_cache([(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)])
+    ctx = build_forward_context([len(ids)], [len(ids)], [list(range(num_blocks))], 16, cfg.num_key_value_heads,
+                                torch.device("cpu"))
+    with torch.inference_mode(), forward_context(ctx):
+        return net.compute_logits(net(torch.tensor(ids), torch.arange(len(ids)))).argmax(dim=-1)
+
+
+def exit_rows(layer_counts: tuple[int, ...] = (8, 16, 20, 24, 26, 28), rounds: int = 5) -> list[ExitRow]:
+    """Why self-speculation does not pay on SmolLM2: how often an untrained early exit agrees with the whole
+    model (the ceiling of its greedy acceptance) against what its step costs."""
+    net, tokenizer = load_net(SMOL)
+    prompt_ids = prompts(tokenizer)
+    full = {kind: exit_argmax(net, ids) for kind, ids in prompt_ids.items()}
+    drafts = {num_layers: net.first_layers(num_layers) for num_layers in layer_counts}
+    times: dict[int | None, list[float]] = {n: [] for n in [None, *layer_counts]}
+    for _ in range(rounds):  # interleaved, so drift in the machine's speed hits every depth alike
+        for n in times:
+            times[n].append(decode_step_ms(net if n is None else drafts[n]))
+    full_ms = median(times[None])
+    rows = []
+    for num_layers, draft in drafts.items():
+        agreement = {kind: (exit_argmax(draft, ids) == full[kind]).float().mean().item()
+                     for kind, ids in prompt_ids.items()}
+        step_ms = median(times[num_layers])
+        rows.append(ExitRow(num_layers, agreement, step_ms, step_ms / full_ms))
+        print(rows[-1], flush=True)
+    return rows
 
 
 @dataclass
@@ -298,22 +403,45 @@ def memory_rows() -> list[MemoryRow]:
     return rows
 
 
-def format_report(latency: list[LatencyRow], batches: list[BatchRow], memory: list[MemoryRow], args) -> str:
+def format_report(latency: list[LatencyRow], batches: list[BatchRow], exits: list[ExitRow], costs: list[CostRow],
+                  memory: list[MemoryRow], args) -> str:
     lines = [
         f"Measured by `python benchmarks/speculative.py --reps {args.reps}` on this machine "
         f"({torch.get_num_threads()} threads, bfloat16). Batch 1, greedy, up to 128 tokens, prefix caching off; "
-        "speedup = plain wall time / speculative wall time for the same request (median of the kept "
-        "repetitions); acceptance = accepted / proposed drafts; tokens/step = generated tokens per forward.",
+        "speedup = plain wall time / speculative wall time for the whole request (median of the kept "
+        "repetitions); decode speedup leaves out the target's prefill, which both engines spend alike (plain "
+        "TTFT: the plain engine's time to its first token) and which speculation cannot shorten, but keeps "
+        "everything the speculative engine adds (a draft model's prefill of the prompt included); "
+        "acceptance = accepted / proposed drafts; tokens/step = generated tokens per target forward.",
         "",
-        "| model | proposer | prompt | tokens | plain s | spec s | speedup | acceptance | tokens/step | identical | kept / discarded |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| model | proposer | prompt | tokens | plain s | plain TTFT s | spec s | speedup | decode speedup | "
+        "acceptance | tokens/step | identical | kept / discarded |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in latency:
         if r.proposer == "plain":
             continue
         lines.append(f"| {r.model} | {r.proposer} | {r.prompt} | {r.num_tokens} | {r.plain_seconds:.2f} | "
-                     f"{r.seconds:.2f} | {r.speedup:.2f}x | {r.acceptance:.2f} | {r.tokens_per_step:.2f} | "
-                     f"{'yes' if r.identical else 'NO'} | {r.kept} / {r.discarded} |")
+                     f"{r.plain_ttft:.2f} | {r.seconds:.2f} | {r.speedup:.2f}x | {r.decode_speedup:.2f}x | "
+                     f"{r.acceptance:.2f} | {r.tokens_per_step:.2f} | {'yes' if r.identical else 'NO'} | "
+                     f"{r.kept} / {r.discarded} |")
+    if costs:
+        lines += ["", f"**Step costs of the Qwen pair** (batch 1, 300 tokens of context, head on every row; median "
+                  "of interleaved rounds): a verification of k drafts is a target step of 1 + k rows; a draft step "
+                  "is one row of the draft:", "", "| model | rows | step ms | vs a plain target step |",
+                  "|---|---:|---:|---:|"]
+        for c in costs:
+            lines.append(f"| {c.model} | {c.rows} | {c.step_ms:.1f} | {c.relative:.2f} |")
+    if exits:
+        kinds = list(exits[0].agreement)
+        lines += ["", f"**Early exits of {SMOL}** (self-speculation's draft: the first K of 30 layers, the final norm "
+                  "and head; agreement = share of a prompt's positions where its argmax equals the whole model's, "
+                  "teacher-forced; a decode step at batch 1, 300 tokens of context):", "",
+                  "| K | " + " | ".join(f"agreement, {k}" for k in kinds) + " | step ms | vs whole model |",
+                  "|---:|" + "---:|" * len(kinds) + "---:|---:|"]
+        for e in exits:
+            lines.append(f"| {e.num_layers} | " + " | ".join(f"{e.agreement[k]:.2f}" for k in kinds)
+                         + f" | {e.step_ms:.2f} | {e.relative_cost:.2f} |")
     lines += ["", f"**Batches** ({SMOL}, 16 code-completion requests at once, 64 tokens each, greedy):", "",
               "| setting | tokens/s | acceptance | kept / discarded |", "|---|---:|---:|---|"]
     for b in batches:
@@ -331,7 +459,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threshold", type=float, default=0.10, help="other processes' CPU share that discards a rep")
-    ap.add_argument("--parts", default="smollm2,qwen,batch,memory")
+    ap.add_argument("--parts", default="smollm2,qwen,costs,exits,batch,memory")
     ap.add_argument("--prefault-gib", type=int, default=8,
                     help="touch this much memory first: a VM's first touch of a page is slow, later reuse is not")
     ap.add_argument("--results-dir", default="bench-results/speculative")
@@ -344,14 +472,21 @@ def main() -> None:
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     prefault(args.prefault_gib)
     if "smollm2" in parts:
-        setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead", "self:24": "self:24",
-                  "self:16": "self:16", "draft: its int4 copy": f"draft:{quantized_copy(SMOL, root)}"}
+        setups = {name: dict(speculative=spec) for name, spec in (
+            ("plain", None), ("ngram", "ngram"), ("lookahead", "lookahead"), ("self:24", "self:24"),
+            ("self:16", "self:16"), ("draft: its int4 copy", f"draft:{quantized_copy(SMOL, root)}"))}
         results["smollm2"] = [asdict(r) for r in latency_rows(SMOL, setups, args.reps, args.threshold)]
     if "qwen" in parts:
-        setups = {"plain": None, "ngram": "ngram", "lookahead": "lookahead",
-                  f"draft: {QWEN_SMALL}": f"draft:{QWEN_SMALL}",
-                  f"draft: {QWEN_SMALL} int4": f"draft:{quantized_copy(QWEN_SMALL, root)}"}
+        int4 = f"draft:{quantized_copy(QWEN_SMALL, root)}"
+        setups = {name: dict(speculative=spec, num_speculative_tokens=k) for name, spec, k in (
+            ("plain", None, 4), ("ngram", "ngram", 4), ("lookahead", "lookahead", 4),
+            (f"draft: {QWEN_SMALL}", f"draft:{QWEN_SMALL}", 4), (f"draft: {QWEN_SMALL} int4", int4, 4),
+            (f"draft: {QWEN_SMALL} int4, k <= 6", int4, 6))}
         results["qwen"] = [asdict(r) for r in latency_rows(QWEN, setups, args.reps, args.threshold)]
+    if "costs" in parts:
+        results["costs"] = [asdict(r) for r in cost_rows(root)]
+    if "exits" in parts:
+        results["exits"] = [asdict(r) for r in exit_rows()]
     if "batch" in parts:
         results["batch"] = [asdict(r) for r in batch_rows(args.reps, args.threshold)]
     if "memory" in parts:
@@ -359,6 +494,8 @@ def main() -> None:
     saved.write_text(json.dumps(results, indent=2))
     report = format_report([LatencyRow(**r) for r in results.get("smollm2", []) + results.get("qwen", [])],
                            [BatchRow(**r) for r in results.get("batch", [])],
+                           [ExitRow(**r) for r in results.get("exits", [])],
+                           [CostRow(**r) for r in results.get("costs", [])],
                            [MemoryRow(**r) for r in results.get("memory", [])], args)
     print(report)
     if args.doc:
