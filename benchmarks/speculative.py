@@ -225,16 +225,23 @@ class ExitRow:
     relative_cost: float  # step_ms over the whole model's
 
 
-def decode_step_ms(net, rows: int = 1, reps: int = 15) -> float:
-    """Median time of one step of `rows` decode entries of one request (positions 300 on, every layer, the head
-    on every row: a verification of rows - 1 drafts), on its own cache."""
+def bind_scratch_cache(net, num_tokens: int) -> list[int]:
+    """Bind a fresh bfloat16 KV cache of blocks of 16 for `num_tokens` positions to `net` (outside any engine);
+    its block ids."""
     cfg = net.config
-    num_blocks = 24
+    num_blocks = -(-num_tokens // 16)
     cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
                         dtype=torch.bfloat16)  # [L, 2, N, Hkv, bs, D]
     net.bind_kv_cache([(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)])
-    ctx = build_forward_context([1] * rows, list(range(301, 301 + rows)), [list(range(num_blocks))] * rows, 16,
-                                cfg.num_key_value_heads, torch.device("cpu"))
+    return list(range(num_blocks))
+
+
+def decode_step_ms(net, rows: int = 1, reps: int = 15) -> float:
+    """Median time of one step of `rows` decode entries of one request (positions 300 on, every layer, the head
+    on every row: a verification of rows - 1 drafts), on its own cache."""
+    blocks = bind_scratch_cache(net, 384)
+    ctx = build_forward_context([1] * rows, list(range(301, 301 + rows)), [blocks] * rows, 16,
+                                net.config.num_key_value_heads, torch.device("cpu"))
     ids, positions = torch.full((rows,), 100), torch.arange(300, 300 + rows)
     times = []
     with torch.inference_mode(), forward_context(ctx):
@@ -272,12 +279,8 @@ def cost_rows(root: Path, row_counts: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8), r
 
 def exit_argmax(net, ids: list[int]) -> torch.Tensor:
     """Teacher-forced argmax at every position of `ids` [T], in one prefill on a scratch cache."""
-    cfg = net.config
-    num_blocks = (len(ids) + 15) // 16
-    cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
-                        dtype=torch.bfloat16)
-    net.bind_kv_cache([(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)])
-    ctx = build_forward_context([len(ids)], [len(ids)], [list(range(num_blocks))], 16, cfg.num_key_value_heads,
+    blocks = bind_scratch_cache(net, len(ids))
+    ctx = build_forward_context([len(ids)], [len(ids)], [blocks], 16, net.config.num_key_value_heads,
                                 torch.device("cpu"))
     with torch.inference_mode(), forward_context(ctx):
         return net.compute_logits(net(torch.tensor(ids), torch.arange(len(ids)))).argmax(dim=-1)
