@@ -63,11 +63,21 @@ def test_greedy_text_and_distributions_match_the_unquantized_cache(quant_llm, re
     assert sum(n >= 16 for n in greedy_agree) >= 2, greedy_agree  # most prompts: 16+ identical tokens
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_batched_chunked_prefix_cached_equals_alone(kv_cache_dtype):
+# Schedule noise: float32 GEMMs and SDPA round a row differently with the batch's shape (F.linear's row 0 with
+# M = 1, 2-3 and >= 4 rows differs in ~1,400 of 1,536 outputs by an ulp on MKL 2024.2), so no cache is exactly
+# schedule-invariant end to end. A 16-bit cache carries that ulp (measured max |d logprob| 1.4e-5); an 8-bit one
+# turns it into a whole quantization step wherever a value sits on a rounding boundary (measured: KL <= 4e-3,
+# |d logprob| <= 0.09), the same size as its quantization error. The attention itself is exact given the same K/V
+# (tests/model/test_attention_schedule.py).
+SCHEDULE_BOUNDS = {"auto": (1e-6, 1e-3), "int8": (0.02, 0.25), "fp8_e4m3": (0.02, 0.25)}  # (max KL, max |d lp|)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_batched_chunked_prefix_cached_matches_alone(kv_cache_dtype):
     """Same kv_cache_dtype, two schedules: all prompts at once in 32-token chunks sharing the chat template's
-    cached prefix, vs each prompt alone in a fresh engine prefilled whole. float32 compute, as in test_llm: in
-    bfloat16 the batch shape alone moves matmul roundings, with or without KV quantization."""
+    cached prefix, vs each prompt alone in a fresh engine prefilled whole. float32 compute, as in test_llm. The
+    distributions agree within the schedule noise above, and greedy text agrees up to the first near tie."""
+    max_kl, max_diff = SCHEDULE_BOUNDS[kv_cache_dtype]
     alone_llm = LLM(MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype,
                     enable_prefix_caching=False)
     tok = alone_llm.get_tokenizer()
@@ -78,8 +88,17 @@ def test_batched_chunked_prefix_cached_equals_alone(kv_cache_dtype):
                   max_num_batched_tokens=32, block_size=8)
     together = [o.outputs[0].token_ids for o in batched.generate(prompts, params, use_tqdm=False)]
     assert batched.llm_engine.kv_cache_manager.prefix_cache_hits > 0
-    for prompt, tokens in zip(prompts, together):
-        assert alone_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+    alone = [alone_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    sequences = [p + a for p, a in zip(prompts, alone)]
+    batched_scores = batched.score(sequences, use_tqdm=False)  # one batch, chunked, prefix hits
+    for prompt, seq, got, mine, theirs in zip(prompts, sequences, batched_scores, alone, together):
+        ref = alone_llm.score([seq], use_tqdm=False)[0]  # [T-1, V]: the sequence alone, prefilled whole
+        kl = (ref.exp() * (ref - got)).sum(-1)
+        assert kl.max() <= max_kl, kl.max()
+        assert (got - ref).gather(-1, ref.argmax(-1, keepdim=True)).abs().max() <= max_diff
+        top2 = ref[len(prompt) - 1 :].topk(2).values
+        first_tie = next((i for i, m in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if m < 2 * max_diff), 16)
+        assert theirs[:first_tie] == mine[:first_tie], (first_tie, mine, theirs)
 
 
 def test_int8_holds_about_twice_the_tokens_in_the_same_memory():
