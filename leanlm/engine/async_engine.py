@@ -166,6 +166,11 @@ class AsyncLLMEngine:
         return self._loop_active and not self._stopping
 
     @property
+    def max_seqs_per_request(self) -> int:
+        """The most sequences one request can ever be admitted with; larger ones are refused, not queued."""
+        return self.max_in_flight
+
+    @property
     def num_requests_in_flight(self) -> int:
         return len(self._streams)
 

@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,7 +20,9 @@ from pydantic import BaseModel, ValidationError
 
 from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.server.metrics import ServerMetrics
-from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
+from leanlm.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, LimitExceededError, UnsupportedParameterError,
+)
 from leanlm.server.serving import ContextLengthError, Job, ModelNotFoundError, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -33,12 +35,14 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in first.get("loc", ()))
+    parts = [str(part) for part in first.get("loc", ())]
+    loc = ".".join(parts)
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON ({first.get('msg')})", None
     if first.get("type") == "json_type":
         return "the body must be a JSON object", None
-    return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), loc or None
+    # `param` names the request field (pydantic's loc goes on into list items and union branches).
+    return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), parts[0] if parts else None
 
 
 def _map_exception(exc: BaseException) -> JSONResponse:
@@ -50,7 +54,7 @@ def _map_exception(exc: BaseException) -> JSONResponse:
         return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, ContextLengthError):
         return error_response(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
-    if isinstance(exc, UnsupportedParameterError):
+    if isinstance(exc, (UnsupportedParameterError, LimitExceededError)):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
         return error_response(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
@@ -147,6 +151,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
             yield
         finally:
             engine.stop()
+            serving.close()
 
     app = FastAPI(title="LeanLM", lifespan=lifespan)
     app.state.serving = serving
@@ -169,11 +174,12 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
                  "max_model_len": serving.max_model_len} for name in model_names]
         return JSONResponse({"object": "list", "data": data})
 
-    async def handle(request: Request, schema: type[BaseModel], start: Callable[[BaseModel], Job]) -> Response:
+    async def handle(request: Request, schema: type[BaseModel],
+                     start: Callable[[BaseModel], Awaitable[Job]]) -> Response:
         raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
         try:
-            body = schema.model_validate_json(raw)
-            job = start(body)
+            body = await serving.off_loop(schema.model_validate_json, raw)
+            job = await start(body)
         except Exception as exc:  # everything here is the client's input or the server's capacity
             return _map_exception(exc)
         if body.stream:

@@ -1,0 +1,94 @@
+"""Limits that keep one hostile request from stalling everyone, each against a real server: bounded per-request
+lists, prompts per request bounded by what can be admitted, and request preparation off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from tests.server.conftest import MODEL, serve_engine
+from tests.server.test_safety import _assert_error, _engine_is_idle, _request, tiny_engine_factory  # noqa: F401
+
+BASE = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+# The documented limits (docs/serving.md), as OpenAI and vLLM set them where they set one.
+MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_PROMPTS, MAX_MESSAGES = 300, 16, 256, 256, 1024, 2048
+
+
+def test_per_request_lists_are_bounded(tiny_engine_factory):
+    too_long = [
+        ({"logit_bias": {str(t): 1.0 for t in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+        ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
+        ({"stop": ["x"] * (MAX_STOP + 1)}, "stop"),
+        ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
+        ({"stop": ["y", "x" * (MAX_STOP_CHARS + 1)]}, "stop"),
+        ({"prompt": ["hi"] * (MAX_PROMPTS + 1)}, "prompt"),
+        ({"prompt": [[5, 6]] * (MAX_PROMPTS + 1)}, "prompt"),
+        ({"prompt": [5, "hi"]}, "prompt"),
+        ({"prompt": [True]}, "prompt"),
+    ]
+    at_limit = [
+        {"logit_bias": {str(t): 1.0 for t in range(MAX_LOGIT_BIAS)}},
+        {"stop_token_ids": list(range(1000, 1000 + MAX_STOP_TOKEN_IDS))},
+        {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP},
+        {"prompt": [[5, 6], [7]]},
+    ]
+    with serve_engine(tiny_engine_factory()) as server:
+        for fields, param in too_long:
+            status, _, body = _request(server.url, "/v1/completions", BASE | fields)
+            _assert_error(status, body, 400, param)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)}
+        _assert_error(*_request(server.url, "/v1/chat/completions", chat)[::2], 400, "messages")
+        for fields in at_limit:
+            status, _, body = _request(server.url, "/v1/completions", BASE | fields)
+            assert status == 200, body
+        assert _engine_is_idle(server.engine)
+
+
+def test_more_sequences_than_can_be_admitted_is_a_400_before_tokenizing(tiny_engine_factory, monkeypatch):
+    engine = tiny_engine_factory(max_num_seqs=4)
+    encoded: list[str] = []
+    real_encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: encoded.append(text) or real_encode(text, **kw))
+    with serve_engine(engine, max_queue=4) as server:  # admits 8 sequences
+        status, _, body = _request(server.url, "/v1/completions", BASE | {"prompt": ["a", "b", "c"], "n": 3})
+        _assert_error(status, body, 400, "prompt")
+        assert "at most 8" in body["error"]["message"]
+        status, _, body = _request(server.url, "/v1/completions", BASE | {"n": 9})
+        _assert_error(status, body, 400, "n")
+        assert encoded == []  # refused before any tokenization
+        assert _request(server.url, "/v1/completions", BASE | {"prompt": ["a", "b"], "n": 4})[0] == 200
+
+
+def test_tokenizing_and_templating_run_off_the_event_loop(tiny_engine_factory, monkeypatch):
+    """A request whose preparation is slow (here: a 1.5 s chat template) must not stall other clients."""
+    engine = tiny_engine_factory()
+    real_render = engine.tokenizer.apply_chat_template
+
+    def slow_render(*args, **kwargs):
+        time.sleep(1.5)
+        return real_render(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", slow_render)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def scenario(url: str) -> tuple[float, int]:
+        async with aiohttp.ClientSession() as session:
+            async def slow():
+                async with session.post(url + "/v1/chat/completions", json=chat) as resp:
+                    return resp.status
+
+            task = asyncio.ensure_future(slow())
+            await asyncio.sleep(0.3)  # the slow request is being prepared now
+            start = time.monotonic()
+            async with session.get(url + "/health") as resp:
+                assert resp.status == 200
+            waited = time.monotonic() - start
+            return waited, await task
+
+    with serve_engine(engine) as server:
+        waited, status = asyncio.run(scenario(server.url))
+    assert status == 200
+    assert waited < 0.6, f"/health waited {waited:.2f} s behind a slow request's preparation"
