@@ -92,3 +92,18 @@ def test_tokenizing_and_templating_run_off_the_event_loop(tiny_engine_factory, m
         waited, status = asyncio.run(scenario(server.url))
     assert status == 200
     assert waited < 0.6, f"/health waited {waited:.2f} s behind a slow request's preparation"
+
+
+def test_non_finite_numbers_are_refused_in_every_float_field(tiny_engine_factory):
+    fields = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+              "length_penalty"]
+    with serve_engine(tiny_engine_factory()) as server:
+        for name in fields:
+            for literal in (b"Infinity", b"-Infinity", b"NaN"):
+                raw = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "%s": %s}' % (MODEL.encode(), name.encode(),
+                                                                                      literal)
+                status, _, body = _request(server.url, "/v1/completions", raw)
+                _assert_error(status, body, 400, name)
+        raw = b'{"model": "%s", "prompt": "hi", "logit_bias": {"5": NaN}}' % MODEL.encode()
+        _assert_error(*_request(server.url, "/v1/completions", raw)[::2], 400, "logit_bias")
+        assert _engine_is_idle(server.engine)
