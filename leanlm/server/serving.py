@@ -325,12 +325,13 @@ def _raise_if_failed(completion: CompletionOutput) -> None:
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams, in arrival order."""
+    """(prompt index, output) from several streams, in arrival order. The queue holds one item: a pump waits
+    while the reader is slow, so outputs coalesce in its RequestStream instead of piling up here."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
     async def pump(idx: int, stream: RequestStream) -> None:
         try:

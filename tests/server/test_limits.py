@@ -107,3 +107,47 @@ def test_non_finite_numbers_are_refused_in_every_float_field(tiny_engine_factory
         raw = b'{"model": "%s", "prompt": "hi", "logit_bias": {"5": NaN}}' % MODEL.encode()
         _assert_error(*_request(server.url, "/v1/completions", raw)[::2], 400, "logit_bias")
         assert _engine_is_idle(server.engine)
+
+
+def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
+    """Streams coalesce unread outputs; the SSE deltas (cursors over cumulative text) must still add up to the
+    whole text, for several prompts (the merged path) with n > 1, logprobs and a stop string."""
+    from leanlm.engine.async_engine import AsyncLLMEngine
+    from leanlm.server.protocol import CompletionRequest
+    from leanlm.server.serving import OpenAIServing
+
+    fields = dict(model=MODEL, prompt=["Once upon", "The sea"], n=2, max_tokens=40, temperature=1.0, seed=3,
+                  logprobs=1, stop=["zq"])
+
+    async def scenario(engine: AsyncLLMEngine):
+        serving = OpenAIServing(engine, [MODEL])
+        whole = await serving.full_response(await serving.start_completion(CompletionRequest(**fields)))
+        job = await serving.start_completion(CompletionRequest(**fields, stream=True))
+        for _ in range(1000):  # the reader stays away until the engine is done
+            await asyncio.sleep(0.01)
+            if engine.num_requests_in_flight == 0:
+                break
+        assert all(stream.num_pending <= 2 for stream in job.streams)
+        events = [json.loads(e[6:]) async for e in serving.sse_stream(job) if e != "data: [DONE]\n\n"]
+        serving.close()
+        return whole, events
+
+    async def main(engine):
+        engine.start()
+        try:
+            return await scenario(engine)
+        finally:
+            engine.stop()
+
+    engine = AsyncLLMEngine(make_tiny_engine())
+    whole, events = asyncio.run(main(engine))
+    texts: dict[int, str] = {}
+    tokens: dict[int, list] = {}
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            tokens.setdefault(choice["index"], []).extend(choice["logprobs"]["tokens"])
+    expected = {c["index"]: c for c in whole["choices"]}
+    assert texts == {i: c["text"] for i, c in expected.items()}
+    assert tokens == {i: c["logprobs"]["tokens"] for i, c in expected.items()}
+    assert len(events) <= 2 * len(expected)  # coalesced: a chunk or two per choice, not one per token
