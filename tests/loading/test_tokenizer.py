@@ -138,6 +138,27 @@ def test_incremental_detokenizer_decodes_a_small_window(smollm):
     assert len(ids) > 500 and max(lengths) <= 12
 
 
+def test_incremental_detokenizer_flushes_invalid_utf8_after_a_few_tokens(smollm):
+    """Forced byte tokens that never form a character (logit_bias can force them) are emitted as U+FFFD after
+    a few held tokens; holding them back for ever made every step decode the whole held run."""
+    tok = smollm.tokenizer
+    stray = next(i for i in range(1000) if tok.decode([i]) == "\ufffd")  # a lone UTF-8 continuation byte
+    lengths: list[int] = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            lengths.append(len(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    ids = tok.encode("Hi") + [stray] * 2000 + tok.encode(" there 👍")
+    detok = IncrementalDetokenizer(Counting(), tok.encode("prompt"))
+    deltas = [detok.step([i]) for i in ids]
+    assert max(lengths) <= 20  # the window stays a few tokens wide
+    assert detok.text == tok.decode(ids)  # nothing lost: every stray byte shows as one U+FFFD
+    assert detok.text.count("\ufffd") == 2000 and detok.text.endswith(" there 👍")
+    assert sum(1 for d in deltas if "\ufffd" in d) >= 2000 // 8
+
+
 def test_qwen2_split_regex_is_hfs(tiny_gguf):
     pytest.importorskip("transformers")
     from transformers.models.qwen2 import tokenization_qwen2
