@@ -98,6 +98,42 @@ def test_template_is_sandboxed(smollm):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+HOSTILE_TEMPLATES = [
+    "{{ 'a' * 10**7 }}",  # one operation builds a huge value
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",  # loops, no output
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # output grows without bound
+    "{{ 'x'.ljust(10**9) }}",
+    "{{ '{:>1000000000}'.format('a') }}",
+    "{{ '%1000000000s' % 'a' }}",
+]
+
+
+@pytest.mark.parametrize("source", HOSTILE_TEMPLATES)
+def test_hostile_templates_stop_with_a_clear_error(smollm, source):
+    """A template from a model file must not render for ever or without end (not in LLM.chat, not in serve)."""
+    import time
+
+    from leanlm.loading.chat_template import RENDER_TIMEOUT_S
+
+    tok = _with_template(smollm.tokenizer, source)
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="limit|longer than|more than"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < RENDER_TIMEOUT_S + 1
+
+
+def test_render_limits_are_per_call(smollm):
+    from leanlm.loading.chat_template import render_chat_template
+
+    messages = [{"role": "user", "content": "x" * 100}]
+    assert render_chat_template("{{ messages[0].content * 2 }}", messages, max_chars=200) == "x" * 200
+    with pytest.raises(ChatTemplateError, match="limit"):
+        render_chat_template("{{ messages[0].content * 3 }}", messages, max_chars=200)
+    with pytest.raises(ChatTemplateError, match="longer than 0.2 s"):
+        render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                             messages, timeout_s=0.2)
+
+
 @pytest.mark.parametrize("text,splits_chars", [(TEXTS[4], True), (TEXTS[5], True), (TEXTS[2] + TEXTS[3], False)])
 def test_incremental_detokenizer_matches_full_decode(smollm, text, splits_chars):
     tok = smollm.tokenizer

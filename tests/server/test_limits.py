@@ -151,3 +151,17 @@ def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
     assert texts == {i: c["text"] for i, c in expected.items()}
     assert tokens == {i: c["logprobs"]["tokens"] for i, c in expected.items()}
     assert len(events) <= 2 * len(expected)  # coalesced: a chunk or two per choice, not one per token
+
+
+def test_a_chat_template_that_renders_for_ever_fails_its_request_alone(tiny_engine_factory, monkeypatch):
+    engine = tiny_engine_factory()
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with serve_engine(engine) as server:
+        start = time.monotonic()
+        status, _, body = _request(server.url, "/v1/chat/completions", chat)
+        _assert_error(status, body, 400)
+        assert "longer than" in body["error"]["message"] and time.monotonic() - start < 10
+        assert _request(server.url, "/health")[0] == 200
+        assert _request(server.url, "/v1/completions", BASE)[0] == 200
