@@ -45,7 +45,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine loop has stopped (shutdown); no new requests are accepted."""
+    """The engine loop has stopped (shutdown, or it died); no new requests are accepted."""
 
 
 class RequestFailedError(RuntimeError):
@@ -152,6 +152,7 @@ class AsyncLLMEngine:
         self._loop_active = False  # run_loop is executing (in whichever thread)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failure: BaseException | None = None  # what killed run_loop, if something did
         self.snapshot = self._take_snapshot(num_steps=0)
 
     # -- lifecycle (event loop) -----------------------------------------------------------------------
@@ -180,10 +181,7 @@ class AsyncLLMEngine:
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        for stream in list(self._streams.values()):
-            stream._put(EngineStoppedError("the server is shutting down"))
-        self._streams.clear()
-        self._num_seqs_in_flight = 0
+        self._fail_all(EngineStoppedError("the server is shutting down"))
 
     @property
     def is_running(self) -> bool:
@@ -207,8 +205,7 @@ class AsyncLLMEngine:
         """Validate and queue a request; raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
         `prompt_text` names the text of a prompt given as token ids."""
-        if self._stopping or self._loop is None:
-            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+        self._check_accepting()
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
@@ -222,8 +219,7 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Validate and queue a beam search over one prompt; its stream yields one final RequestOutput whose
         completions are the beam_width hypotheses, best score first (logprobs None). Raises like add_request."""
-        if self._stopping or self._loop is None:
-            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+        self._check_accepting()
         text, token_ids = self.engine.tokenize_prompt(prompt)
         request_id = request_id or uuid.uuid4().hex
         # Its beams' request ids start with the search's own id, so concurrent searches never collide.
@@ -232,6 +228,20 @@ class AsyncLLMEngine:
         stream = self._open_stream(request_id, params.beam_width)
         self._send(("beam", request_id, search, text if text is not None else prompt_text))
         return stream
+
+    def _check_accepting(self) -> None:
+        if self.failure is not None:
+            raise EngineStoppedError(f"the engine loop died ({type(self.failure).__name__}: {self.failure}); "
+                                     f"the server must be restarted")
+        if self._stopping or self._loop is None:
+            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+
+    def _fail_all(self, error: BaseException) -> None:
+        """On the event loop: fail every open stream."""
+        for stream in list(self._streams.values()):
+            stream._put(error)
+        self._streams.clear()
+        self._num_seqs_in_flight = 0
 
     def _open_stream(self, request_id: str | None, num_seqs: int) -> RequestStream:
         if self._num_seqs_in_flight + num_seqs > self.max_in_flight:
@@ -274,10 +284,22 @@ class AsyncLLMEngine:
     # -- the engine loop ----------------------------------------------------------------------------
 
     def run_loop(self) -> None:
-        """The engine loop, in the calling thread, until request_stop() or stop()."""
+        """The engine loop, in the calling thread, until request_stop() or stop(). If it dies (an error outside
+        a step, which fails its requests alone), it records why in `failure`, fails every open stream, makes
+        new requests fail at once (503), and re-raises, so the launcher can stop the server."""
         self._loop_active = True
         try:
             self._run()
+        except BaseException as exc:
+            self.failure = exc
+            logger.exception("the engine loop died; failing every request in flight")
+            error = EngineStoppedError(f"the engine loop died ({type(exc).__name__}: {exc})")
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_all, error)
+                except RuntimeError:  # the loop closed meanwhile: nobody is waiting
+                    pass
+            raise
         finally:
             self._loop_active = False
 

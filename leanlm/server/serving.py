@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from leanlm import selection
-from leanlm.engine.async_engine import AsyncLLMEngine, RequestFailedError, RequestStream
+from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, RequestFailedError, RequestStream
 from leanlm.engine.beam_search import BeamSearchParams
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.sampling_params import SamplingParams
@@ -265,7 +265,7 @@ class OpenAIServing:
                 chunk["choices"] = []
                 chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)])
                 yield _sse(chunk)
-        except (RequestFailedError, UnsupportedParameterError) as exc:
+        except (RequestFailedError, UnsupportedParameterError, EngineStoppedError) as exc:
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
         finally:
             job.abort()  # no-op unless the client went away mid-stream
