@@ -78,9 +78,10 @@ class RequestStream:
     layer keeps a cursor per choice), never assume one output per token.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int, client: str | None = None) -> None:
         self.request_id = request_id
         self.num_seqs = num_seqs  # sequences it holds in the engine (its n)
+        self.client = client  # who asked (an API key or address), for the per-client limit; None: not counted
         self._engine = engine
         self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()  # <= 2 items
         self._ready = asyncio.Event()  # set while _pending is not empty
@@ -132,14 +133,20 @@ class RequestStream:
 
 class AsyncLLMEngine:
     """Serve an LLMEngine to coroutines. `max_queue` bounds the sequences waiting beyond max_num_seqs, so
-    the backlog (and the memory it takes) never grows without bound."""
+    the backlog (and the memory it takes) never grows without bound; `max_seqs_per_client` bounds what one client
+    may hold of that, so a few requests with n=128 cannot fill it for everyone."""
 
-    def __init__(self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0,
+                 max_seqs_per_client: int | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if max_seqs_per_client is not None and max_seqs_per_client < 1:
+            raise ValueError(f"max_seqs_per_client must be >= 1 or None (no limit), got {max_seqs_per_client}")
         self.engine = engine
         self.max_queue = max_queue
         self.max_in_flight = engine.engine_config.max_num_seqs + max_queue
+        self.max_seqs_per_client = max_seqs_per_client
+        self._seqs_by_client: collections.Counter[str] = collections.Counter()  # event-loop side
         self.idle_wait_s = idle_wait_s
         self.output_listeners: list[OutputListener] = []
         self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
@@ -190,7 +197,7 @@ class AsyncLLMEngine:
     @property
     def max_seqs_per_request(self) -> int:
         """The most sequences one request can ever be admitted with; larger ones are refused, not queued."""
-        return self.max_in_flight
+        return min(self.max_in_flight, self.max_seqs_per_client or self.max_in_flight)
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -200,7 +207,7 @@ class AsyncLLMEngine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        prompt_text: str | None = None,
+        prompt_text: str | None = None, client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
@@ -209,13 +216,13 @@ class AsyncLLMEngine:
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
-        stream = self._open_stream(request_id, params.n)
+        stream = self._open_stream(request_id, params.n, client)
         self._send(("add", stream.request_id, token_ids, params, prompt_text))
         return stream
 
     def add_beam_search(
         self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
-        prompt_text: str | None = None,
+        prompt_text: str | None = None, client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a beam search over one prompt; its stream yields one final RequestOutput whose
         completions are the beam_width hypotheses, best score first (logprobs None). Raises like add_request."""
@@ -225,7 +232,7 @@ class AsyncLLMEngine:
         # Its beams' request ids start with the search's own id, so concurrent searches never collide.
         search = BeamSearch(self.engine, params, request_id_prefix=f"{request_id}#beam")  # reads config only
         search.add(token_ids, 0)  # validates and queues inside the search; the engine is not touched yet
-        stream = self._open_stream(request_id, params.beam_width)
+        stream = self._open_stream(request_id, params.beam_width, client)
         self._send(("beam", request_id, search, text if text is not None else prompt_text))
         return stream
 
@@ -242,20 +249,30 @@ class AsyncLLMEngine:
             stream._put(error)
         self._streams.clear()
         self._num_seqs_in_flight = 0
+        self._seqs_by_client.clear()
 
-    def _open_stream(self, request_id: str | None, num_seqs: int) -> RequestStream:
+    def _open_stream(self, request_id: str | None, num_seqs: int, client: str | None) -> RequestStream:
         if self._num_seqs_in_flight + num_seqs > self.max_in_flight:
             raise QueueFullError(
                 f"the server is at capacity ({self._num_seqs_in_flight} sequences in flight, limit "
                 f"{self.max_in_flight} = max_num_seqs + max_queue); retry later",
                 retry_after_s=1,
             )
+        held = self._seqs_by_client[client] if client is not None else 0
+        if client is not None and self.max_seqs_per_client is not None and held + num_seqs > self.max_seqs_per_client:
+            raise QueueFullError(
+                f"you already hold {held} sequences in flight and may hold at most {self.max_seqs_per_client} "
+                f"at once (a share of the server's capacity, so others get theirs); retry when some finish",
+                retry_after_s=1,
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
-        stream = RequestStream(self, request_id, num_seqs)
+        stream = RequestStream(self, request_id, num_seqs, client)
         self._streams[request_id] = stream
         self._num_seqs_in_flight += num_seqs
+        if client is not None:
+            self._seqs_by_client[client] += num_seqs
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -280,6 +297,10 @@ class AsyncLLMEngine:
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
                 self._num_seqs_in_flight -= stream.num_seqs
+                if stream.client is not None:
+                    self._seqs_by_client[stream.client] -= stream.num_seqs
+                    if not self._seqs_by_client[stream.client]:
+                        del self._seqs_by_client[stream.client]
 
     # -- the engine loop ----------------------------------------------------------------------------
 

@@ -191,14 +191,15 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
 
 def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
               max_body_bytes: int = 16 * 1024 * 1024, start_engine: bool = True, metrics_key: str | None = None,
-              allowed_hosts: tuple[str, ...] = (), enable_docs: bool = False) -> FastAPI:
+              allowed_hosts: tuple[str, ...] = (), enable_docs: bool = False,
+              default_max_tokens: int | None = 1024) -> FastAPI:
     """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
     or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`).
 
     /metrics needs `metrics_key`, else `api_key`, when either is set. Without an API key only loopback Host names
     and `allowed_hosts` ("*": any) are answered. /docs and /openapi.json exist only with enable_docs (and are then
     open: the page that shows them sends no key)."""
-    serving = OpenAIServing(engine, model_names)
+    serving = OpenAIServing(engine, model_names, default_max_tokens)
     metrics = ServerMetrics(engine, model_names[0])
     started = int(time.time())
 
@@ -235,11 +236,12 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         return JSONResponse({"object": "list", "data": data})
 
     async def handle(request: Request, schema: type[BaseModel],
-                     start: Callable[[BaseModel], Awaitable[Job]]) -> Response:
+                     start: Callable[[BaseModel, str | None], Awaitable[Job]]) -> Response:
         raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
         try:
             body = await serving.off_loop(schema.model_validate_json, raw)
-            job = await start(body)
+            # The per-client limit counts by address: with one shared API key, the key names no one client.
+            job = await start(body, request.client.host if request.client else None)
         except Exception as exc:  # everything here is the client's input or the server's capacity
             return _map_exception(exc)
         if body.stream:

@@ -73,8 +73,14 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], default_max_tokens: int | None = None) -> None:
+        if default_max_tokens is not None and default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1 or None (the rest of the context), got "
+                             f"{default_max_tokens}")
         self.engine = engine
+        # Tokens generated when a request names no max_tokens (chat; completions default to 16 as OpenAI's):
+        # the whole remaining context would let every client hold its KV blocks for the longest possible time.
+        self.default_max_tokens = default_max_tokens
         self.model_names = model_names
         self.llm_engine = engine.engine
         self.tokenizer = self.llm_engine.tokenizer
@@ -95,11 +101,12 @@ class OpenAIServing:
 
     # -- starting requests ----------------------------------------------------------------------------
 
-    async def start_completion(self, request: CompletionRequest) -> Job:
-        return self._start(**await self.off_loop(self._prepare_completion, request))
+    async def start_completion(self, request: CompletionRequest, client: str | None = None) -> Job:
+        """`client` (an address or key) is what the engine's per-client limit counts."""
+        return self._start(**await self.off_loop(self._prepare_completion, request), client=client)
 
-    async def start_chat(self, request: ChatCompletionRequest) -> Job:
-        return self._start(**await self.off_loop(self._prepare_chat, request))
+    async def start_chat(self, request: ChatCompletionRequest, client: str | None = None) -> Job:
+        return self._start(**await self.off_loop(self._prepare_chat, request), client=client)
 
     def _check_admissible(self, num_prompts: int, num_samples: int) -> None:
         """Refuse, before tokenizing anything, a request with more sequences than the engine would ever admit."""
@@ -178,7 +185,7 @@ class OpenAIServing:
                 f"{num_prompt_tokens} tokens; shorten the prompt", "messages" if param != "max_tokens" else "prompt"
             )
         if requested is None:
-            return room
+            return min(room, self.default_max_tokens or room)
         if requested > room:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but you requested "
@@ -188,14 +195,14 @@ class OpenAIServing:
         return requested
 
     def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage,
-               best_of: int | None = None, is_beam_search: bool = False) -> Job:
+               best_of: int | None = None, is_beam_search: bool = False, client: str | None = None) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         add = self.engine.add_beam_search if is_beam_search else self.engine.add_request
         streams: list[RequestStream] = []
         try:
             for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{idx}"
-                streams.append(add(ids, p, request_id=sub_id, prompt_text=text))
+                streams.append(add(ids, p, request_id=sub_id, prompt_text=text, client=client))
         except BaseException:
             for stream in streams:  # all prompts of a request are queued, or none is
                 stream.abort()

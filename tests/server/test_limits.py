@@ -165,3 +165,32 @@ def test_a_chat_template_that_renders_for_ever_fails_its_request_alone(tiny_engi
         assert "longer than" in body["error"]["message"] and time.monotonic() - start < 10
         assert _request(server.url, "/health")[0] == 200
         assert _request(server.url, "/v1/completions", BASE)[0] == 200
+
+
+def test_one_client_holds_at_most_its_share_and_chat_has_a_default_max_tokens(tiny_engine_factory):
+    engine = tiny_engine_factory(delay_s=0.01, max_num_seqs=4)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def scenario(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            held = await session.post(url + "/v1/completions", json=body | {"n": 3})  # 3 of this client's 4
+            assert held.status == 200
+            async with session.post(url + "/v1/completions", json=body | {"n": 2}) as resp:
+                assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+                error = (await resp.json())["error"]
+                assert error["type"] == "rate_limit_error" and "at most 4" in error["message"]
+            async with session.post(url + "/v1/completions", json=body | {"n": 1, "max_tokens": 2}) as resp:
+                assert resp.status == 200  # what is left of its share
+                await resp.read()
+            held.close()
+
+    # Capacity 4 + 12 = 16 sequences; this client (127.0.0.1) may hold 4 of them.
+    with serve_engine(engine, max_queue=12, max_seqs_per_client=4, default_max_tokens=8) as server:
+        asyncio.run(scenario(server.url))
+        status, _, out = _request(server.url, "/v1/completions", BASE | {"n": 5})
+        _assert_error(status, out, 400, "n")  # more than one client may ever hold: no point retrying
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        status, _, out = _request(server.url, "/v1/chat/completions", chat)
+        assert status == 200 and out["usage"]["completion_tokens"] == 8, out
+        status, _, out = _request(server.url, "/v1/chat/completions", chat | {"max_tokens": 12})
+        assert status == 200 and out["usage"]["completion_tokens"] == 12
