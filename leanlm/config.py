@@ -309,15 +309,18 @@ class ServeConfig:
         "help": "the name clients send as `model` (default: the --model value)"})
     max_queue: int = dataclasses.field(default=256, metadata={
         "help": "sequences that may wait beyond max_num_seqs before requests get 429"})
-    max_body_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={"help": "larger request bodies get 413"})
+    max_body_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={
+        "help": "larger request bodies get 413"})
     shutdown_timeout_s: float = dataclasses.field(default=30.0, metadata={
         "help": "on SIGTERM, how long in-flight requests may take to finish"})
-    log_level: str = dataclasses.field(default="info", metadata={"help": "uvicorn and leanlm log level (debug, info, warning)"})
+    log_level: str = dataclasses.field(default="info", metadata={
+        "help": "uvicorn and leanlm log level (debug, info, warning)"})
     metrics_key: str | None = dataclasses.field(default=None, metadata={
         "help": "bearer key for /metrics only (default: $LEANLM_METRICS_KEY, else the API key; open if neither)"})
     allowed_hosts: str = dataclasses.field(default="", metadata={
         "help": "comma-separated extra Host names answered without an API key (for a proxy), '*' for any"})
-    enable_docs: bool = dataclasses.field(default=False, metadata={"help": "serve /docs, /redoc and /openapi.json (open)"})
+    enable_docs: bool = dataclasses.field(default=False, metadata={
+        "help": "serve /docs, /redoc and /openapi.json (open)"})
     default_max_tokens: int = dataclasses.field(default=1024, metadata={
         "help": "tokens a chat request generates when it names no max_tokens (capped by the context)"})
     max_client_share: float = dataclasses.field(default=0.5, metadata={
@@ -340,7 +343,8 @@ class ServeConfig:
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not 0 < self.max_client_share <= 1:
-            raise ValueError(f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}")
+            raise ValueError(
+                f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}")
         if self.metrics_key is not None and not self.metrics_key.strip():
             raise ValueError("metrics_key is empty; give a real key or leave it unset")
         if self.api_key is not None and not self.api_key.strip():

@@ -1,8 +1,8 @@
 """AsyncLLMEngine: the bridge between asyncio (the HTTP server) and the synchronous LLMEngine.
 
 One thread owns the LLMEngine and loops: apply queued commands (add, abort), run one step, hand the outputs
-back. Each request's outputs reach its coroutine through its own RequestStream, which keeps only the newest. The event loop never touches
-engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
+back. Each request's outputs reach its coroutine through its own RequestStream, which keeps only the newest.
+The event loop never touches engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
 
 Which thread runs the engine matters on CPU: libgomp gives every thread that opens OpenMP regions its own
 worker team, and once a process has more such workers than CPUs it stops spinning them between regions, so

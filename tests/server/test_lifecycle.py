@@ -111,7 +111,7 @@ def test_a_dead_engine_loop_answers_503_at_once(make_tiny_engine, monkeypatch):
     from tests.server.conftest import serve_engine
     from tests.server.test_safety import _assert_error, _request
 
-    llm_engine = make_tiny_engine()
+    llm_engine = make_tiny_engine(kv_cache_memory_bytes=32 << 20)
     with serve_engine(llm_engine) as server:
         stream = urllib.request.urlopen(urllib.request.Request(
             server.url + "/v1/completions", headers={"Content-Type": "application/json"},
@@ -141,7 +141,7 @@ def test_serve_stops_and_fails_when_the_engine_loop_dies(make_tiny_engine, monke
     from leanlm.config import ServeConfig
     from leanlm.server.launcher import serve
 
-    llm_engine = make_tiny_engine()
+    llm_engine = make_tiny_engine(kv_cache_memory_bytes=32 << 20)
     llm = types.SimpleNamespace(llm_engine=llm_engine, model_config=llm_engine.model_config, dtype=torch.float64)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

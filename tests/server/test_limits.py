@@ -139,7 +139,7 @@ def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
         finally:
             engine.stop()
 
-    engine = AsyncLLMEngine(make_tiny_engine())
+    engine = AsyncLLMEngine(make_tiny_engine(kv_cache_memory_bytes=32 << 20))
     whole, events = asyncio.run(main(engine))
     texts: dict[int, str] = {}
     tokens: dict[int, list] = {}

@@ -64,6 +64,8 @@ def tiny_engine_factory(make_tiny_engine, monkeypatch):
     """Tiny engines whose forward raises on POISON and sleeps `delay_s` per step (to keep requests running)."""
 
     def make(delay_s: float = 0.0, **engine_options):
+        # A small KV pool: the default 1 GiB per engine adds up over the many servers these tests start.
+        engine_options.setdefault("kv_cache_memory_bytes", 32 << 20)
         engine = make_tiny_engine(dtype=__import__("torch").float32, **engine_options)
         model = engine.model_runner.model
         real_forward = model.forward
@@ -146,7 +148,8 @@ def test_without_a_key_only_loopback_host_names_are_answered(tiny_engine_factory
         assert _request(server.url, "/v1/models", headers={"Host": "LLM.internal:8000"})[0] == 200
         assert _request(server.url, "/v1/models", headers={"Host": "evil.example"})[0] == 403
     with serve_engine(tiny_engine_factory(), api_key="k") as server:  # a key: the page cannot send it anyway
-        assert _request(server.url, "/v1/models", headers={"Host": "evil.example", "Authorization": "Bearer k"})[0] == 200
+        headers = {"Host": "evil.example", "Authorization": "Bearer k"}
+        assert _request(server.url, "/v1/models", headers=headers)[0] == 200
 
 
 INVALID = [
