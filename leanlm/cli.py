@@ -211,6 +211,30 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+# Help for the EngineConfig flags of `leanlm serve` (ServeConfig's come from its fields' `help` metadata).
+_SERVE_ENGINE_HELP = {
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)",
+    "kv_cache_memory_bytes": "KV pool budget in bytes when --num-kv-blocks is not given",
+    "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
+    "max_num_seqs": "most sequences running at once (with --max-queue: the admission capacity)",
+    "max_model_len": "context limit in tokens (default: the model's)",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "kv_cache_dtype": "KV storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2",
+    "speculative": "speculative decoding: ngram | lookahead | draft:MODEL | self:K (default: off)",
+    "num_speculative_tokens": "most draft tokens verified per request and step",
+    "speculative_max_batch_size": "steps sampling more requests than this do not speculate",
+}
+
+
+def _add_serve_help(parser: argparse.ArgumentParser) -> None:
+    """Give every `leanlm serve` flag a help line (the generic dataclass flags have none)."""
+    helps = _SERVE_ENGINE_HELP | {f.name: f.metadata["help"] for f in dataclasses.fields(ServeConfig)}
+    for action in parser._actions:
+        if action.help is None and action.dest in helps:
+            action.help = helps[action.dest] + (" (default: %(default)s)" if action.default is not None else "")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
     import os
@@ -220,6 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
     if options["api_key"] is None:
         options["api_key"] = os.environ.get("LEANLM_API_KEY") or None
+    if options["metrics_key"] is None:
+        options["metrics_key"] = os.environ.get("LEANLM_METRICS_KEY") or None
     config = ServeConfig(**options)  # validate before the (slow) model load
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _load_llm(args)
@@ -461,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     _add_model_args(srv)
     _add_dataclass_args(srv, ServeConfig)
+    _add_serve_help(srv)
     srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list bundled models, or `pull NAME` to install one")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -51,6 +52,12 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # NaN passes every range check below (all its comparisons are false) and an infinite penalty turns a zero
+        # logit into NaN (0 * inf), which poisons the whole row's softmax: refuse both before any range check.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
@@ -74,7 +81,7 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for token_id, bias in self.logit_bias:
-            if token_id < 0 or not -100 <= bias <= 100:
+            if token_id < 0 or not -100 <= bias <= 100:  # NaN fails the range check too
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}")
         if self.full_prompt_logprobs and self.prompt_logprobs is None:
             raise ValueError("full_prompt_logprobs needs prompt_logprobs set too (0 is enough)")
@@ -86,3 +93,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+# The float-valued fields, each checked for NaN and infinity before its range.
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -1,8 +1,8 @@
 """AsyncLLMEngine: the bridge between asyncio (the HTTP server) and the synchronous LLMEngine.
 
 One thread owns the LLMEngine and loops: apply queued commands (add, abort), run one step, hand the outputs
-back. Each request's outputs reach its coroutine through its own asyncio.Queue. The event loop never touches
-engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
+back. Each request's outputs reach its coroutine through its own RequestStream, which keeps only the newest.
+The event loop never touches engine state, and the engine thread touches asyncio only through call_soon_threadsafe.
 
 Which thread runs the engine matters on CPU: libgomp gives every thread that opens OpenMP regions its own
 worker team, and once a process has more such workers than CPUs it stops spinning them between regions, so
@@ -45,7 +45,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine loop has stopped (shutdown); no new requests are accepted."""
+    """The engine loop has stopped (shutdown, or it died); no new requests are accepted."""
 
 
 class RequestFailedError(RuntimeError):
@@ -69,22 +69,47 @@ OutputListener = Callable[[RequestOutput], None]
 
 class RequestStream:
     """One request's outputs as an async iterator of cumulative RequestOutputs (the last has finished=True).
-    Closing it early (or calling abort) cancels the request in the engine and frees its KV blocks."""
+    Closing it early (or calling abort) cancels the request in the engine and frees its KV blocks.
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int) -> None:
+    Outputs are cumulative (each holds all the text so far), so a newer one makes an unread older one redundant:
+    a queued non-final output is replaced by the next, and at most one non-final output and one final item wait
+    here. A client that stops reading therefore costs O(text) memory, not a full copy per step (O(T^2)), and a
+    slow reader gets bigger deltas instead of a backlog. Consumers must diff against what they last sent (the SSE
+    layer keeps a cursor per choice), never assume one output per token.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int, client: str | None = None) -> None:
         self.request_id = request_id
         self.num_seqs = num_seqs  # sequences it holds in the engine (its n)
+        self.client = client  # who asked (an API key or address), for the per-client limit; None: not counted
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()  # <= 2 items
+        self._ready = asyncio.Event()  # set while _pending is not empty
         self.finished = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        last = self._pending[-1] if self._pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._pending[-1] = item  # the newer output holds everything the older one did
+        else:
+            self._pending.append(item)
+        self._ready.set()
+
+    async def _get(self) -> RequestOutput | BaseException:
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._pending.popleft()
+
+    @property
+    def num_pending(self) -> int:
+        """Items delivered and not yet read (at most 2)."""
+        return len(self._pending)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._queue.get()
+                item = await self._get()
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
@@ -108,14 +133,20 @@ class RequestStream:
 
 class AsyncLLMEngine:
     """Serve an LLMEngine to coroutines. `max_queue` bounds the sequences waiting beyond max_num_seqs, so
-    the backlog (and the memory it takes) never grows without bound."""
+    the backlog (and the memory it takes) never grows without bound; `max_seqs_per_client` bounds what one client
+    may hold of that, so a few requests with n=128 cannot fill it for everyone."""
 
-    def __init__(self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0,
+                 max_seqs_per_client: int | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if max_seqs_per_client is not None and max_seqs_per_client < 1:
+            raise ValueError(f"max_seqs_per_client must be >= 1 or None (no limit), got {max_seqs_per_client}")
         self.engine = engine
         self.max_queue = max_queue
         self.max_in_flight = engine.engine_config.max_num_seqs + max_queue
+        self.max_seqs_per_client = max_seqs_per_client
+        self._seqs_by_client: collections.Counter[str] = collections.Counter()  # event-loop side
         self.idle_wait_s = idle_wait_s
         self.output_listeners: list[OutputListener] = []
         self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
@@ -128,6 +159,7 @@ class AsyncLLMEngine:
         self._loop_active = False  # run_loop is executing (in whichever thread)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failure: BaseException | None = None  # what killed run_loop, if something did
         self.snapshot = self._take_snapshot(num_steps=0)
 
     # -- lifecycle (event loop) -----------------------------------------------------------------------
@@ -156,14 +188,16 @@ class AsyncLLMEngine:
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        for stream in list(self._streams.values()):
-            stream._put(EngineStoppedError("the server is shutting down"))
-        self._streams.clear()
-        self._num_seqs_in_flight = 0
+        self._fail_all(EngineStoppedError("the server is shutting down"))
 
     @property
     def is_running(self) -> bool:
         return self._loop_active and not self._stopping
+
+    @property
+    def max_seqs_per_request(self) -> int:
+        """The most sequences one request can ever be admitted with; larger ones are refused, not queued."""
+        return min(self.max_in_flight, self.max_seqs_per_client or self.max_in_flight)
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -173,50 +207,72 @@ class AsyncLLMEngine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        prompt_text: str | None = None,
+        prompt_text: str | None = None, client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
         `prompt_text` names the text of a prompt given as token ids."""
-        if self._stopping or self._loop is None:
-            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+        self._check_accepting()
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
-        stream = self._open_stream(request_id, params.n)
+        stream = self._open_stream(request_id, params.n, client)
         self._send(("add", stream.request_id, token_ids, params, prompt_text))
         return stream
 
     def add_beam_search(
         self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
-        prompt_text: str | None = None,
+        prompt_text: str | None = None, client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a beam search over one prompt; its stream yields one final RequestOutput whose
         completions are the beam_width hypotheses, best score first (logprobs None). Raises like add_request."""
-        if self._stopping or self._loop is None:
-            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+        self._check_accepting()
         text, token_ids = self.engine.tokenize_prompt(prompt)
         request_id = request_id or uuid.uuid4().hex
         # Its beams' request ids start with the search's own id, so concurrent searches never collide.
         search = BeamSearch(self.engine, params, request_id_prefix=f"{request_id}#beam")  # reads config only
         search.add(token_ids, 0)  # validates and queues inside the search; the engine is not touched yet
-        stream = self._open_stream(request_id, params.beam_width)
+        stream = self._open_stream(request_id, params.beam_width, client)
         self._send(("beam", request_id, search, text if text is not None else prompt_text))
         return stream
 
-    def _open_stream(self, request_id: str | None, num_seqs: int) -> RequestStream:
+    def _check_accepting(self) -> None:
+        if self.failure is not None:
+            raise EngineStoppedError(f"the engine loop died ({type(self.failure).__name__}: {self.failure}); "
+                                     f"the server must be restarted")
+        if self._stopping or self._loop is None:
+            raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
+
+    def _fail_all(self, error: BaseException) -> None:
+        """On the event loop: fail every open stream."""
+        for stream in list(self._streams.values()):
+            stream._put(error)
+        self._streams.clear()
+        self._num_seqs_in_flight = 0
+        self._seqs_by_client.clear()
+
+    def _open_stream(self, request_id: str | None, num_seqs: int, client: str | None) -> RequestStream:
         if self._num_seqs_in_flight + num_seqs > self.max_in_flight:
             raise QueueFullError(
                 f"the server is at capacity ({self._num_seqs_in_flight} sequences in flight, limit "
                 f"{self.max_in_flight} = max_num_seqs + max_queue); retry later",
                 retry_after_s=1,
             )
+        held = self._seqs_by_client[client] if client is not None else 0
+        if client is not None and self.max_seqs_per_client is not None and held + num_seqs > self.max_seqs_per_client:
+            raise QueueFullError(
+                f"you already hold {held} sequences in flight and may hold at most {self.max_seqs_per_client} "
+                f"at once (a share of the server's capacity, so others get theirs); retry when some finish",
+                retry_after_s=1,
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
-        stream = RequestStream(self, request_id, num_seqs)
+        stream = RequestStream(self, request_id, num_seqs, client)
         self._streams[request_id] = stream
         self._num_seqs_in_flight += num_seqs
+        if client is not None:
+            self._seqs_by_client[client] += num_seqs
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -241,14 +297,30 @@ class AsyncLLMEngine:
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
                 self._num_seqs_in_flight -= stream.num_seqs
+                if stream.client is not None:
+                    self._seqs_by_client[stream.client] -= stream.num_seqs
+                    if not self._seqs_by_client[stream.client]:
+                        del self._seqs_by_client[stream.client]
 
     # -- the engine loop ----------------------------------------------------------------------------
 
     def run_loop(self) -> None:
-        """The engine loop, in the calling thread, until request_stop() or stop()."""
+        """The engine loop, in the calling thread, until request_stop() or stop(). If it dies (an error outside
+        a step, which fails its requests alone), it records why in `failure`, fails every open stream, makes
+        new requests fail at once (503), and re-raises, so the launcher can stop the server."""
         self._loop_active = True
         try:
             self._run()
+        except BaseException as exc:
+            self.failure = exc
+            logger.exception("the engine loop died; failing every request in flight")
+            error = EngineStoppedError(f"the engine loop died ({type(exc).__name__}: {exc})")
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_all, error)
+                except RuntimeError:  # the loop closed meanwhile: nobody is waiting
+                    pass
+            raise
         finally:
             self._loop_active = False
 

@@ -6,7 +6,6 @@ batch and returns the RequestOutputs that changed.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import torch
@@ -103,9 +102,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        # The children share `params` (n is the parent's; a child's own seed is seed + i, see Request): copies
+        # would repeat its per-request lists n times.
         children = [
-            Request(f"{request_id}#{i}" if params.n > 1 else request_id, token_ids, _child_params(params, i),
-                    device=self.device)
+            Request(f"{request_id}#{i}" if params.n > 1 else request_id, token_ids, params, device=self.device,
+                    seed_offset=i)
             for i in range(params.n)
         ]
         self.output_processor.add(request_id, prompt_text, children)
@@ -142,11 +143,3 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.model_runner.num_blocks * self.engine_config.block_size
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion i of n: its own seed (seed + i) so seeded siblings differ but stay reproducible."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)

@@ -46,6 +46,7 @@ class Request:
         arrival_time: float | None = None,
         device: torch.device | str = "cpu",
         keeps_kv: bool = False,
+        seed_offset: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
@@ -74,11 +75,13 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] = []
         # With full_prompt_logprobs: [n, V] float32 CPU chunks, rows aligned with prompt_logprobs[1:].
         self.prompt_logprobs_full: list[torch.Tensor] = []
-        # Seeded requests own a generator so their samples do not depend on what else is in the batch.
+        # Seeded requests own a generator so their samples do not depend on what else is in the batch. The n
+        # completions of one prompt share one SamplingParams (its lists can be long); completion i draws from
+        # seed + i (`seed_offset`), so seeded siblings differ but stay reproducible.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(sampling_params.seed)
+            self.generator.manual_seed(sampling_params.seed + seed_offset)
         # Timing, filled by the engine (time.monotonic()).
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -186,10 +186,14 @@ class IncrementalDetokenizer:
     """Turns a growing id sequence into text deltas, decoding only a short window per step.
 
     Invariant: ids[prefix_offset:read_offset] decode to text already emitted and end on a character
-    boundary; text that ends in U+FFFD (an incomplete UTF-8 sequence) is held back until completed.
+    boundary; text that ends in U+FFFD (an incomplete UTF-8 sequence) is held back until completed, but for at
+    most _MAX_HELD tokens: a character takes at most 4 bytes, so a longer held run is invalid UTF-8 (forced byte
+    tokens, say) and is emitted as it decodes, with U+FFFD replacements, as HF and vLLM do. Without that bound
+    the window, and each step's decode, grew with every such token.
     """
 
     _CONTEXT = 5  # prompt tokens kept as left context, so the first delta gets spacing right
+    _MAX_HELD = 8  # tokens held back before their text is emitted anyway
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -205,7 +209,8 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        is_incomplete = len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd")
+        if is_incomplete and len(self.ids) - self.read_offset < self._MAX_HELD:
             return ""
         delta = full_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,9 @@ from pydantic import BaseModel, ValidationError
 
 from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.server.metrics import ServerMetrics
-from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
+from leanlm.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, LimitExceededError, UnsupportedParameterError,
+)
 from leanlm.server.serving import ContextLengthError, Job, ModelNotFoundError, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -33,12 +36,14 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in first.get("loc", ()))
+    parts = [str(part) for part in first.get("loc", ())]
+    loc = ".".join(parts)
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON ({first.get('msg')})", None
     if first.get("type") == "json_type":
         return "the body must be a JSON object", None
-    return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), loc or None
+    # `param` names the request field (pydantic's loc goes on into list items and union branches).
+    return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), parts[0] if parts else None
 
 
 def _map_exception(exc: BaseException) -> JSONResponse:
@@ -50,7 +55,7 @@ def _map_exception(exc: BaseException) -> JSONResponse:
         return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, ContextLengthError):
         return error_response(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
-    if isinstance(exc, UnsupportedParameterError):
+    if isinstance(exc, (UnsupportedParameterError, LimitExceededError)):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
         return error_response(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
@@ -66,23 +71,34 @@ def _map_exception(exc: BaseException) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """Pure ASGI (it must not buffer streams): bearer-key check on /v1 routes, compared in constant time,
-    and a 413 for request bodies over `max_bytes`, whether announced by Content-Length or streamed."""
+    """Pure ASGI (it must not buffer streams). In order: the Host check, the bearer key (compared in constant
+    time) on /v1 routes and /metrics, the JSON Content-Type of POST bodies, and a 413 for request bodies over
+    `max_bytes`, whether announced by Content-Length or streamed.
 
-    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+    Why the first and third: a web page in the user's browser can POST to http://127.0.0.1:8000 (a "simple"
+    cross-site request needs no CORS preflight if its Content-Type is text/plain or a form), and with DNS
+    rebinding it can even read the answers, its own host name then resolving to 127.0.0.1. Requiring
+    application/json forces the preflight (which this server does not grant); refusing Host names other than
+    loopback ones defeats the rebinding. With an API key the page has no key, so any Host is accepted.
+    """
+
+    def __init__(self, app, api_key: str | None, max_bytes: int, metrics_key: str | None = None,
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        metrics_key = metrics_key or api_key
+        self.expected_metrics = f"Bearer {metrics_key}".encode() if metrics_key else None
         self.max_bytes = max_bytes
+        self.check_host = api_key is None and "*" not in allowed_hosts
+        self.allowed_hosts = frozenset(h.lower().rstrip(".") for h in allowed_hosts)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.expected is not None and scope["path"].startswith("/v1"):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                response = error_response(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                                          "invalid_request_error", None, "invalid_api_key")
-                return await response(scope, receive, send)
+        refusal = self._refusal(scope["path"], scope["method"], headers)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._refuse(scope, receive, send)
@@ -113,6 +129,28 @@ class GuardMiddleware:
                 more_body = message.get("more_body", False)
             await self._refuse(scope, receive, send)
 
+    def _refusal(self, path: str, method: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        """The answer to a request refused before it reaches a route, or None."""
+        if self.check_host:
+            name = host_name(headers.get(b"host", b""))
+            if not (is_loopback(name) or name in self.allowed_hosts):
+                return error_response(
+                    403, f"the Host {name!r} is not allowed: without an API key this server answers only requests "
+                    f"addressed to a loopback name (localhost, 127.x.x.x, [::1]); start it with --api-key, or "
+                    f"name this host in --allowed-hosts", "invalid_request_error", None, "host_not_allowed")
+        expected = self.expected_metrics if path == "/metrics" else self.expected if path.startswith("/v1") else None
+        if expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), expected):
+            return error_response(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                                  "invalid_request_error", None, "invalid_api_key")
+        if method in ("POST", "PUT", "PATCH"):
+            media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if media_type != b"application/json":
+                return error_response(
+                    415, f"the request body must be sent with 'Content-Type: application/json', not "
+                    f"{media_type.decode('latin-1') or 'none'!r}", "invalid_request_error", None,
+                    "unsupported_media_type")
+        return None
+
     async def _refuse(self, scope, receive, send) -> None:
         response = error_response(413, f"the request body is larger than {self.max_bytes} bytes",
                                   "invalid_request_error", None, "request_too_large")
@@ -121,6 +159,25 @@ class GuardMiddleware:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+def host_name(host: bytes) -> str:
+    """The name in a Host header, lower-cased, without port or trailing dot: 'localhost', '127.0.0.1', '::1'."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):  # [v6 address]:port
+        text = text[1:text.find("]")] if "]" in text else text[1:]
+    elif text.count(":") == 1:
+        text = text.split(":")[0]
+    return text.rstrip(".")
+
+
+def is_loopback(name: str) -> bool:
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback  # 127.0.0.0/8 and ::1
+    except ValueError:
+        return False
 
 
 async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
@@ -133,10 +190,16 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
 
 
 def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = 16 * 1024 * 1024, start_engine: bool = True) -> FastAPI:
+              max_body_bytes: int = 16 * 1024 * 1024, start_engine: bool = True, metrics_key: str | None = None,
+              allowed_hosts: tuple[str, ...] = (), enable_docs: bool = False,
+              default_max_tokens: int | None = 1024) -> FastAPI:
     """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
-    or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`)."""
-    serving = OpenAIServing(engine, model_names)
+    or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`).
+
+    /metrics needs `metrics_key`, else `api_key`, when either is set. Without an API key only loopback Host names
+    and `allowed_hosts` ("*": any) are answered. /docs and /openapi.json exist only with enable_docs (and are then
+    open: the page that shows them sends no key)."""
+    serving = OpenAIServing(engine, model_names, default_max_tokens)
     metrics = ServerMetrics(engine, model_names[0])
     started = int(time.time())
 
@@ -147,11 +210,14 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
             yield
         finally:
             engine.stop()
+            serving.close()
 
-    app = FastAPI(title="LeanLM", lifespan=lifespan)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="LeanLM", lifespan=lifespan, **docs)
     app.state.serving = serving
     app.state.metrics = metrics
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_bytes=max_body_bytes, metrics_key=metrics_key,
+                       allowed_hosts=tuple(allowed_hosts))
 
     @app.get("/health")
     async def health() -> Response:
@@ -169,11 +235,13 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
                  "max_model_len": serving.max_model_len} for name in model_names]
         return JSONResponse({"object": "list", "data": data})
 
-    async def handle(request: Request, schema: type[BaseModel], start: Callable[[BaseModel], Job]) -> Response:
+    async def handle(request: Request, schema: type[BaseModel],
+                     start: Callable[[BaseModel, str | None], Awaitable[Job]]) -> Response:
         raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
         try:
-            body = schema.model_validate_json(raw)
-            job = start(body)
+            body = await serving.off_loop(schema.model_validate_json, raw)
+            # The per-client limit counts by address: with one shared API key, the key names no one client.
+            job = await start(body, request.client.host if request.client else None)
         except Exception as exc:  # everything here is the client's input or the server's capacity
             return _map_exception(exc)
         if body.stream:

@@ -19,9 +19,12 @@ logger = logging.getLogger("leanlm.serve")
 
 def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicorn.Server, AsyncLLMEngine]:
     """The uvicorn server and the engine bridge; the caller runs `engine.run_loop()` (see AsyncLLMEngine)."""
-    engine = AsyncLLMEngine(llm.llm_engine, max_queue=config.max_queue)
+    max_in_flight = llm.llm_engine.engine_config.max_num_seqs + config.max_queue
+    per_client = None if config.max_client_share >= 1 else max(1, int(config.max_client_share * max_in_flight))
+    engine = AsyncLLMEngine(llm.llm_engine, max_queue=config.max_queue, max_seqs_per_client=per_client)
     app = build_app(engine, [model_name], api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                    start_engine=False)
+                    start_engine=False, metrics_key=config.metrics_key, allowed_hosts=config.allowed_host_names,
+                    enable_docs=config.enable_docs, default_max_tokens=config.default_max_tokens)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s, access_log=False,
@@ -45,7 +48,8 @@ def serve(llm: LLM, model_name: str, config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM. The engine loop runs here, in the main thread that loaded the model (see
     AsyncLLMEngine on OpenMP), and uvicorn in a second thread. A signal asks uvicorn to stop listening and
     drain in-flight requests (up to shutdown_timeout_s); a second one forces it. uvicorn's shutdown then stops
-    the engine loop, and the process exits with status 0. Raises if the HTTP server could not start."""
+    the engine loop, and the process exits with status 0. Raises RuntimeError (`leanlm serve` exits 1) if the HTTP
+    server could not start, or if the engine loop died (its open requests failed; uvicorn is stopped)."""
     server, engine = build_server(llm, model_name, config)
     failure: list[BaseException] = []
 
@@ -68,13 +72,21 @@ def serve(llm: LLM, model_name: str, config: ServeConfig) -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http = threading.Thread(target=run_http, name="leanlm-http")
+    died: BaseException | None = None
     try:
         logger.info(describe(llm, model_name, config))
         http.start()
-        engine.run_loop()
+        try:
+            engine.run_loop()
+        except Exception as exc:  # the engine loop died: a server that only answers 503 must not linger
+            died = exc
+            logger.error("the engine loop died; stopping the HTTP server")
+            server.should_exit = True
         http.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if died is not None:
+        raise RuntimeError(f"the engine loop died ({type(died).__name__}: {died}); see the log") from died
     if not server.started:
         raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port} ({failure or 'see the log'})")

@@ -7,14 +7,38 @@ completions and returns the n with the highest mean token logprob.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from leanlm.sampling_params import SamplingParams
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
+# Per-request lists that the engine walks every step for every one of the n sequences: unbounded, one request
+# slows the whole batch (a vocabulary-wide logit_bias with n=128 cost ~12 s per decode step). OpenAI caps
+# logit_bias at 300 entries and stop at 4 strings; we keep vLLM's looser stop count.
+MAX_LOGIT_BIAS = 300  # logit_bias entries
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 256  # characters per stop string (each is searched in a window this wide per token)
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids entries
+# Prompts in one /v1/completions request and messages in one chat: each prompt is tokenized and each sequence
+# must fit in the admission capacity (checked again against it in OpenAIServing), so a 16 MiB body of 2.8M
+# one-token prompts is refused after the JSON parse instead of after 50 s of tokenizing.
+MAX_PROMPTS = 1024
+MAX_MESSAGES = 2048  # as OpenAI's chat API
+
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]
+
+
+class LimitExceededError(ValueError):
+    """A request larger than this server can ever admit (400, not 429: retrying cannot help); `param` names the
+    field to shrink."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnsupportedParameterError(ValueError):
@@ -26,7 +50,9 @@ class UnsupportedParameterError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # allow_inf_nan=False: pydantic's JSON parser reads Infinity and NaN, and an infinite penalty turns a zero
+    # logit into NaN; every float field of every schema refuses them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -40,11 +66,11 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP)
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, LogitBias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -54,7 +80,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -64,8 +90,6 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stop) > 16:
-            raise UnsupportedParameterError("stop", "at most 16 stop sequences are allowed")
         try:
             logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         except ValueError:
@@ -96,7 +120,9 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A string, token ids, or a list of either. Typed as any list and checked in _check_prompt: a strict union of
+    # list types records an error per item per failed branch (~10 s for a 16 MiB body of 2.8M prompts).
+    prompt: str | list[Any]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -107,14 +133,30 @@ class CompletionRequest(_SamplingFields):
     length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
     early_stopping: bool = False  # stop once beam-width hypotheses ended
 
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | list) -> str | list:
+        """One pass over the items, counts checked before shapes. (`type(x) is int`: JSON true is no token id.)"""
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise ValueError("prompt is an empty list; give a string or token ids")
+        if all(type(t) is int for t in prompt):
+            return prompt  # one prompt of token ids (its length is checked against the context later)
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(prompt)}")
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+            return prompt
+        raise ValueError("prompt must be a string, a list of token ids, or a list of strings or of token-id lists")
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
-            raise UnsupportedParameterError("prompt", "prompt is an empty list; give a string or token ids")
-        if all(isinstance(p, int) for p in prompt):
+        if type(prompt[0]) is int:
             return [list(prompt)]
         return list(prompt)
 
@@ -182,7 +224,7 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

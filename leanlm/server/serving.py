@@ -1,5 +1,10 @@
 """OpenAIServing: turns validated /v1/completions and /v1/chat/completions requests into engine requests, and
-their outputs into whole responses or server-sent-event streams. Knows nothing of HTTP."""
+their outputs into whole responses or server-sent-event streams. Knows nothing of HTTP.
+
+Parsing, tokenizing and rendering chat templates take time proportional to what a client sends; they run in a
+small thread pool, so the event loop keeps streaming to everyone else meanwhile. Only queueing the prepared
+request (`_start`) touches the event loop's state.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,26 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from leanlm import selection
-from leanlm.engine.async_engine import AsyncLLMEngine, RequestFailedError, RequestStream
+from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, RequestFailedError, RequestStream
 from leanlm.engine.beam_search import BeamSearchParams
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
+from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses
-from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameterError
+from leanlm.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, LimitExceededError, UnsupportedParameterError,
+)
+
+_T = TypeVar("_T")
+
+# Threads that parse and tokenize requests: two, so one huge request does not hold up every other, and few, so
+# a flood of them cannot take more CPU from the engine thread than two threads can.
+NUM_PREPARE_THREADS = 2
 
 
 class ModelNotFoundError(LookupError):
@@ -57,13 +73,27 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], default_max_tokens: int | None = None) -> None:
+        if default_max_tokens is not None and default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1 or None (the rest of the context), got "
+                             f"{default_max_tokens}")
         self.engine = engine
+        # Tokens generated when a request names no max_tokens (chat; completions default to 16 as OpenAI's):
+        # the whole remaining context would let every client hold its KV blocks for the longest possible time.
+        self.default_max_tokens = default_max_tokens
         self.model_names = model_names
         self.llm_engine = engine.engine
         self.tokenizer = self.llm_engine.tokenizer
         self.max_model_len = self.llm_engine.max_model_len
         self.texts = responses.TokenTexts(self.tokenizer)
+        self._executor = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="leanlm-prepare")
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run fn(*args) in the prepare threads (for work whose cost the client chooses)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -71,30 +101,52 @@ class OpenAIServing:
 
     # -- starting requests ----------------------------------------------------------------------------
 
-    def start_completion(self, request: CompletionRequest) -> Job:
+    async def start_completion(self, request: CompletionRequest, client: str | None = None) -> Job:
+        """`client` (an address or key) is what the engine's per-client limit counts."""
+        return self._start(**await self.off_loop(self._prepare_completion, request), client=client)
+
+    async def start_chat(self, request: ChatCompletionRequest, client: str | None = None) -> Job:
+        return self._start(**await self.off_loop(self._prepare_chat, request), client=client)
+
+    def _check_admissible(self, num_prompts: int, num_samples: int) -> None:
+        """Refuse, before tokenizing anything, a request with more sequences than the engine would ever admit."""
+        limit = self.engine.max_seqs_per_request
+        if num_prompts * num_samples > limit:
+            raise LimitExceededError(
+                "prompt" if num_prompts > 1 else "n",
+                f"this request asks for {num_prompts} prompt(s) x {num_samples} completion(s) = "
+                f"{num_prompts * num_samples} sequences, but the server admits at most {limit} from one client; "
+                f"split it into smaller requests",
+            )
+
+    def _prepare_completion(self, request: CompletionRequest) -> dict:
+        """In a prepare thread: validate, tokenize and build the parameters; the keyword arguments of _start."""
         self.check_model(request.model)
         request.check_supported()
+        self._check_admissible(len(request.prompts()), request.num_samples)
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
         if request.use_beam_search:
-            return self._start_beam_search(request, prompts)
+            return self._prepare_beam_search(request, prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         num_samples = request.num_samples
         # best_of ranks by mean token logprob: sample with logprobs even when the client asked for none.
         logprobs = 0 if num_samples > request.n and request.logprobs is None else request.logprobs
-        jobs_params = [
-            dataclasses.replace(
-                request.sampling_params(self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
-                                        logprobs, prompt_logprobs),
-                n=num_samples,
-            )
-            for _, ids in prompts
-        ]
+        # One SamplingParams per distinct max_tokens, shared by every prompt (and, in the engine, every child).
+        by_max_tokens: dict[int, SamplingParams] = {}
+        jobs_params = []
+        for _, ids in prompts:
+            max_tokens = self._max_tokens(len(ids), request.max_tokens, "max_tokens")
+            if max_tokens not in by_max_tokens:
+                by_max_tokens[max_tokens] = dataclasses.replace(
+                    request.sampling_params(max_tokens, logprobs, prompt_logprobs), n=num_samples)
+            jobs_params.append(by_max_tokens[max_tokens])
         texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
-        return self._start("cmpl", False, request.model, prompts, jobs_params, texts, request.n,
-                           request.logprobs, request.echo, request.include_usage_in_stream,
-                           best_of=num_samples if num_samples > request.n else None)
+        return dict(prefix="cmpl", is_chat=False, model=request.model, prompts=prompts, params=jobs_params,
+                    texts=texts, n=request.n, num_top=request.logprobs, echo=request.echo,
+                    include_usage=request.include_usage_in_stream,
+                    best_of=num_samples if num_samples > request.n else None)
 
-    def _start_beam_search(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> Job:
+    def _prepare_beam_search(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> dict:
         """best_of (else n) beams per prompt; the async engine runs each search between its steps."""
         params = [
             BeamSearchParams(
@@ -106,12 +158,14 @@ class OpenAIServing:
             for _, ids in prompts
         ]
         texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
-        return self._start("cmpl", False, request.model, prompts, params, texts, request.n, None, request.echo,
-                           False, is_beam_search=True)
+        return dict(prefix="cmpl", is_chat=False, model=request.model, prompts=prompts, params=params, texts=texts,
+                    n=request.n, num_top=None, echo=request.echo, include_usage=False, is_beam_search=True)
 
-    def start_chat(self, request: ChatCompletionRequest) -> Job:
+    def _prepare_chat(self, request: ChatCompletionRequest) -> dict:
+        """In a prepare thread: render the chat template, tokenize, build the parameters."""
         self.check_model(request.model)
         request.check_supported()
+        self._check_admissible(1, request.n)
         text = self.tokenizer.apply_chat_template(
             request.chat_messages(), add_generation_prompt=request.add_generation_prompt
         )
@@ -119,8 +173,9 @@ class OpenAIServing:
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
         params = request.sampling_params(max_tokens, num_top, None)
-        return self._start("chatcmpl", True, request.model, [(text, ids)], [params], [text], request.n,
-                           num_top, False, request.include_usage_in_stream)
+        return dict(prefix="chatcmpl", is_chat=True, model=request.model, prompts=[(text, ids)], params=[params],
+                    texts=[text], n=request.n, num_top=num_top, echo=False,
+                    include_usage=request.include_usage_in_stream)
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         room = self.max_model_len - num_prompt_tokens
@@ -130,7 +185,7 @@ class OpenAIServing:
                 f"{num_prompt_tokens} tokens; shorten the prompt", "messages" if param != "max_tokens" else "prompt"
             )
         if requested is None:
-            return room
+            return min(room, self.default_max_tokens or room)
         if requested > room:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but you requested "
@@ -140,14 +195,14 @@ class OpenAIServing:
         return requested
 
     def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage,
-               best_of: int | None = None, is_beam_search: bool = False) -> Job:
+               best_of: int | None = None, is_beam_search: bool = False, client: str | None = None) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         add = self.engine.add_beam_search if is_beam_search else self.engine.add_request
         streams: list[RequestStream] = []
         try:
             for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{idx}"
-                streams.append(add(ids, p, request_id=sub_id, prompt_text=text))
+                streams.append(add(ids, p, request_id=sub_id, prompt_text=text, client=client))
         except BaseException:
             for stream in streams:  # all prompts of a request are queued, or none is
                 stream.abort()
@@ -217,7 +272,7 @@ class OpenAIServing:
                 chunk["choices"] = []
                 chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)])
                 yield _sse(chunk)
-        except (RequestFailedError, UnsupportedParameterError) as exc:
+        except (RequestFailedError, UnsupportedParameterError, EngineStoppedError) as exc:
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
         finally:
             job.abort()  # no-op unless the client went away mid-stream
@@ -277,12 +332,13 @@ def _raise_if_failed(completion: CompletionOutput) -> None:
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams, in arrival order."""
+    """(prompt index, output) from several streams, in arrival order. The queue holds one item: a pump waits
+    while the reader is slow, so outputs coalesce in its RequestStream instead of piling up here."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
     async def pump(idx: int, stream: RequestStream) -> None:
         try:

@@ -30,9 +30,30 @@ def test_stream_yields_growing_outputs_then_finishes(make_tiny_engine):
         return outputs
 
     engine, outputs = _run(make_tiny_engine, scenario)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4]
-    assert [o.finished for o in outputs] == [False, False, False, True]
+    # One output per step, unless the reader fell behind (then the newest replaced the unread one).
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 4
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert engine.num_requests_in_flight == 0
+
+
+def test_a_reader_that_falls_behind_holds_only_the_newest_output(make_tiny_engine):
+    """Memory per stream stays O(text): unread cumulative outputs are replaced, not queued (it was one full copy
+    of the text per step, O(T^2) for a client that stops reading)."""
+
+    async def scenario(engine):
+        stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+        for _ in range(1000):  # do not read while the request runs to the end
+            await asyncio.sleep(0.01)
+            if engine.num_requests_in_flight == 0:
+                break
+        return [o async for o in stream]
+
+    engine, outputs = _run(make_tiny_engine, scenario)
+    assert len(outputs) <= 2  # at most one unread non-final output, then the final one
+    final = outputs[-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 60
+    assert final.outputs[0].text == engine.engine.tokenizer.decode(final.outputs[0].token_ids)
 
 
 def test_closing_a_stream_aborts_and_frees(make_tiny_engine):

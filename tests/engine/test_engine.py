@@ -239,3 +239,14 @@ def test_kv_pool_capacity_counts_values_and_scales(make_tiny_engine):
     runner = int8_engine.model_runner
     assert runner.kv_scales.shape == (2, 2, 409, 2, 16) and runner.kv_scales.dtype == torch.float32
     assert runner.kv_cache_bytes == 409 * int8_block <= budget
+
+
+def test_the_n_children_of_a_request_share_one_parameter_object(make_tiny_engine):
+    engine = make_tiny_engine()
+    params = SamplingParams(n=4, seed=7, temperature=1.0, max_tokens=3, stop_token_ids=tuple(range(100, 300)))
+    request_id = engine.add_request([5, 6, 7], params)
+    children = [engine.scheduler.requests[cid] for cid in engine.output_processor.child_ids(request_id)]
+    assert len(children) == 4 and all(child.sampling_params is params for child in children)
+    # Seeded siblings still draw from seed + i.
+    firsts = [child.generator.initial_seed() for child in children]
+    assert firsts == [7, 8, 9, 10]

@@ -98,6 +98,42 @@ def test_template_is_sandboxed(smollm):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+HOSTILE_TEMPLATES = [
+    "{{ 'a' * 10**7 }}",  # one operation builds a huge value
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",  # loops, no output
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # output grows without bound
+    "{{ 'x'.ljust(10**9) }}",
+    "{{ '{:>1000000000}'.format('a') }}",
+    "{{ '%1000000000s' % 'a' }}",
+]
+
+
+@pytest.mark.parametrize("source", HOSTILE_TEMPLATES)
+def test_hostile_templates_stop_with_a_clear_error(smollm, source):
+    """A template from a model file must not render for ever or without end (not in LLM.chat, not in serve)."""
+    import time
+
+    from leanlm.loading.chat_template import RENDER_TIMEOUT_S
+
+    tok = _with_template(smollm.tokenizer, source)
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="limit|longer than|more than"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < RENDER_TIMEOUT_S + 1
+
+
+def test_render_limits_are_per_call(smollm):
+    from leanlm.loading.chat_template import render_chat_template
+
+    messages = [{"role": "user", "content": "x" * 100}]
+    assert render_chat_template("{{ messages[0].content * 2 }}", messages, max_chars=200) == "x" * 200
+    with pytest.raises(ChatTemplateError, match="limit"):
+        render_chat_template("{{ messages[0].content * 3 }}", messages, max_chars=200)
+    with pytest.raises(ChatTemplateError, match="longer than 0.2 s"):
+        render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                             messages, timeout_s=0.2)
+
+
 @pytest.mark.parametrize("text,splits_chars", [(TEXTS[4], True), (TEXTS[5], True), (TEXTS[2] + TEXTS[3], False)])
 def test_incremental_detokenizer_matches_full_decode(smollm, text, splits_chars):
     tok = smollm.tokenizer
@@ -136,6 +172,27 @@ def test_incremental_detokenizer_decodes_a_small_window(smollm):
         detok.step([i])
     assert detok.text == tok.decode(ids)
     assert len(ids) > 500 and max(lengths) <= 12
+
+
+def test_incremental_detokenizer_flushes_invalid_utf8_after_a_few_tokens(smollm):
+    """Forced byte tokens that never form a character (logit_bias can force them) are emitted as U+FFFD after
+    a few held tokens; holding them back for ever made every step decode the whole held run."""
+    tok = smollm.tokenizer
+    stray = next(i for i in range(1000) if tok.decode([i]) == "\ufffd")  # a lone UTF-8 continuation byte
+    lengths: list[int] = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            lengths.append(len(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    ids = tok.encode("Hi") + [stray] * 2000 + tok.encode(" there 👍")
+    detok = IncrementalDetokenizer(Counting(), tok.encode("prompt"))
+    deltas = [detok.step([i]) for i in ids]
+    assert max(lengths) <= 20  # the window stays a few tokens wide
+    assert detok.text == tok.decode(ids)  # nothing lost: every stray byte shows as one U+FFFD
+    assert detok.text.count("\ufffd") == 2000 and detok.text.endswith(" there 👍")
+    assert sum(1 for d in deltas if "\ufffd" in d) >= 2000 // 8
 
 
 def test_qwen2_split_regex_is_hfs(tiny_gguf):

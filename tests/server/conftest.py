@@ -48,9 +48,13 @@ class LiveServer:
         return self.app.state.serving.engine
 
 
-def serve_engine(llm_engine, api_key: str | None = None, max_queue: int = 256, max_body_bytes: int = 1 << 20):
-    async_engine = AsyncLLMEngine(llm_engine, max_queue=max_queue)
-    return LiveServer(build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes))
+def serve_engine(llm_engine, api_key: str | None = None, max_queue: int = 256, max_body_bytes: int = 1 << 20,
+                 **app_options):
+    """A LiveServer over `llm_engine`; app_options go to build_app (metrics_key, allowed_hosts, ...)."""
+    async_engine = AsyncLLMEngine(llm_engine, max_queue=max_queue,
+                                  max_seqs_per_client=app_options.pop("max_seqs_per_client", None))
+    return LiveServer(build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes,
+                                **app_options))
 
 
 @pytest.fixture(scope="session")

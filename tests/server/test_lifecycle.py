@@ -79,3 +79,77 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _kill_the_engine_loop_once_healthy(llm_engine, url: str, monkeypatch) -> threading.Thread:
+    """Make the engine loop die (an error outside a step: its idle snapshot) once the server answers /health."""
+    real_stats = llm_engine.scheduler.stats
+    healthy = threading.Event()
+
+    def stats():
+        if healthy.is_set():
+            raise RuntimeError("scheduler state is corrupt")
+        return real_stats()
+
+    monkeypatch.setattr(llm_engine.scheduler, "stats", stats)
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not healthy.is_set():
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    healthy.set()
+            except OSError:
+                time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
+
+
+def test_a_dead_engine_loop_answers_503_at_once(make_tiny_engine, monkeypatch):
+    from tests.server.conftest import serve_engine
+    from tests.server.test_safety import _assert_error, _request
+
+    llm_engine = make_tiny_engine(kv_cache_memory_bytes=32 << 20)
+    with serve_engine(llm_engine) as server:
+        stream = urllib.request.urlopen(urllib.request.Request(
+            server.url + "/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True,
+                             "stream": True}).encode()), timeout=30)
+        _kill_the_engine_loop_once_healthy(llm_engine, server.url, monkeypatch).join()
+        deadline = time.monotonic() + 10
+        while server.engine.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The stream in flight ends with an error event instead of hanging.
+        events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
+        assert "engine loop died" in events[-2] and events[-1] == "data: [DONE]"
+        started = time.monotonic()
+        status, headers, body = _request(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        _assert_error(status, body, 503)
+        assert "engine loop died" in body["error"]["message"] and time.monotonic() - started < 5
+        assert _request(server.url, "/health")[0] == 503
+
+
+def test_serve_stops_and_fails_when_the_engine_loop_dies(make_tiny_engine, monkeypatch):
+    """`leanlm serve` must not keep an HTTP server up in front of a dead engine: uvicorn stops, serve() raises
+    (and the command exits 1)."""
+    import types
+
+    import torch
+
+    from leanlm.config import ServeConfig
+    from leanlm.server.launcher import serve
+
+    llm_engine = make_tiny_engine(kv_cache_memory_bytes=32 << 20)
+    llm = types.SimpleNamespace(llm_engine=llm_engine, model_config=llm_engine.model_config, dtype=torch.float64)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    watcher = _kill_the_engine_loop_once_healthy(llm_engine, url, monkeypatch)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine loop died"):
+        serve(llm, MODEL, ServeConfig(port=port, log_level="warning", shutdown_timeout_s=5))
+    watcher.join()
+    assert time.monotonic() - started < 60
+    with pytest.raises(OSError):  # no longer listening
+        urllib.request.urlopen(url + "/health", timeout=2)

@@ -23,7 +23,10 @@ def _request(url: str, path: str, body=None, headers=None, method=None):
     import urllib.request
 
     data = body if body is None or isinstance(body, bytes) or hasattr(body, "__next__") else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers=headers or {}, method=method)
+    headers = dict(headers or {})
+    if data is not None:
+        headers.setdefault("Content-Type", "application/json")  # urllib would send a form's type
+    req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, hdrs, raw = resp.status, dict(resp.headers), resp.read()
@@ -61,6 +64,8 @@ def tiny_engine_factory(make_tiny_engine, monkeypatch):
     """Tiny engines whose forward raises on POISON and sleeps `delay_s` per step (to keep requests running)."""
 
     def make(delay_s: float = 0.0, **engine_options):
+        # A small KV pool: the default 1 GiB per engine adds up over the many servers these tests start.
+        engine_options.setdefault("kv_cache_memory_bytes", 32 << 20)
         engine = make_tiny_engine(dtype=__import__("torch").float32, **engine_options)
         model = engine.model_runner.model
         real_forward = model.forward
@@ -87,8 +92,64 @@ def test_api_key(tiny_engine_factory):
         status, _, body = _request(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi"})
         assert status == 401
         assert _request(server.url, "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
-        assert _request(server.url, "/health")[0] == 200  # health and metrics stay open for probes
-        assert _request(server.url, "/metrics")[0] == 200
+        assert _request(server.url, "/health")[0] == 200  # health stays open for probes
+        _assert_error(*_request(server.url, "/metrics")[::2], 401)  # metrics tell what the server is doing
+        assert _request(server.url, "/metrics", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        for path in ("/docs", "/redoc", "/openapi.json"):  # served only with enable_docs
+            assert _request(server.url, path)[0] == 404
+            assert _request(server.url, path, headers={"Authorization": "Bearer s3cret"})[0] == 404
+
+
+def test_metrics_key_and_docs_on_request(tiny_engine_factory):
+    with serve_engine(tiny_engine_factory(), api_key="s3cret", metrics_key="m3trics", enable_docs=True) as server:
+        assert _request(server.url, "/metrics", headers={"Authorization": "Bearer s3cret"})[0] == 401
+        status, _, text = _request(server.url, "/metrics", headers={"Authorization": "Bearer m3trics"})
+        assert status == 200 and "leanlm_num_requests_running" in text
+        assert _request(server.url, "/v1/models", headers={"Authorization": "Bearer m3trics"})[0] == 401
+        assert _request(server.url, "/openapi.json")[0] == 200 and _request(server.url, "/docs")[0] == 200
+    with serve_engine(tiny_engine_factory(), metrics_key="m3trics") as server:  # no API key: /v1 open, metrics not
+        assert _request(server.url, "/v1/models")[0] == 200
+        assert _request(server.url, "/metrics")[0] == 401
+
+
+def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    status, _, out = _request(url, "/v1/completions", body, headers, method="POST")
+    return status, out
+
+
+def test_post_bodies_must_be_json(tiny_engine_factory):
+    """A cross-site form or text/plain POST (no CORS preflight) must not reach the model."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    with serve_engine(tiny_engine_factory()) as server:
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                             "application/jsonp", ""):
+            status, out = _post(server.url, body, {"Content-Type": content_type})
+            _assert_error(status, out, 415)
+            assert out["error"]["code"] == "unsupported_media_type"
+        for content_type in ("application/json", "Application/JSON; charset=utf-8"):
+            assert _post(server.url, body, {"Content-Type": content_type})[0] == 200
+        assert _engine_is_idle(server.engine)
+
+
+def test_without_a_key_only_loopback_host_names_are_answered(tiny_engine_factory):
+    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
+    port_free = ("localhost", "127.0.0.1", "127.3.4.5", "[::1]", "LOCALHOST.")
+    with serve_engine(tiny_engine_factory()) as server:
+        for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example", "0.0.0.0", "[::2]",
+                     "localhost.evil.example", ""):
+            for path in ("/v1/models", "/metrics", "/health"):
+                status, _, out = _request(server.url, path, headers={"Host": host})
+                _assert_error(status, out, 403)
+                assert "--allowed-hosts" in out["error"]["message"]
+        for host in port_free:
+            for name in (host, f"{host.rstrip('.')}:{server.port}"):
+                assert _request(server.url, "/v1/models", headers={"Host": name})[0] == 200, name
+    with serve_engine(tiny_engine_factory(), allowed_hosts=("llm.internal",)) as server:
+        assert _request(server.url, "/v1/models", headers={"Host": "LLM.internal:8000"})[0] == 200
+        assert _request(server.url, "/v1/models", headers={"Host": "evil.example"})[0] == 403
+    with serve_engine(tiny_engine_factory(), api_key="k") as server:  # a key: the page cannot send it anyway
+        headers = {"Host": "evil.example", "Authorization": "Bearer k"}
+        assert _request(server.url, "/v1/models", headers=headers)[0] == 200
 
 
 INVALID = [
