@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.safetensors_header import check_safetensors_header
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,6 +73,7 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def _read_shard(shard: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    check_safetensors_header(shard)  # bounded: the header length, JSON, dtypes, shapes and byte ranges
     try:
         with safe_open(str(shard), framework="pt") as f:
             # Float tensors go to `dtype`; integer ones (packed quantized weights) are kept as stored.
