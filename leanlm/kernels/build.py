@@ -2,7 +2,8 @@
 
 The cache (`$LEANLM_CACHE/kernels` or `~/.cache/leanlm/kernels`, created 0700) is keyed by a hash of the
 source and the build command; a cached library is loaded only when it belongs to this user and nobody else
-can write it (loading a library runs its code). Libraries link against torch's own libgomp, so the process keeps a single OpenMP runtime.
+can write it (loading a library runs its code). Libraries link against torch's own libgomp, so the process
+keeps a single OpenMP runtime.
 Any failure (no compiler, no AVX512-BF16, a compile error) makes the kernel unavailable, never an error.
 """
 
