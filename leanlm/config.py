@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# The longest context we build rotary tables for: 2^20 positions x D/2 x cos/sin in float32 is already 512 MiB
+# at head_dim 128. A larger value in a file is damage (or a model we cannot serve), never something to allocate.
+MAX_POSITION_EMBEDDINGS = 1 << 20
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -85,6 +88,12 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"max_position_embeddings (context length) is {self.max_position_embeddings}, above the "
+                f"{MAX_POSITION_EMBEDDINGS} positions leanlm builds rotary tables for; the model file is damaged, "
+                "or fix the value in its config (a smaller context is safe: it only limits prompt + output length)"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

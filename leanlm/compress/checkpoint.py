@@ -74,6 +74,8 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
     if not file.is_file():
         return None
     meta = json.loads(file.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file} is not a JSON object; re-quantize the model or restore the file")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{file} has format_version {meta.get('format_version')}; this leanlm reads "
                          f"{FORMAT_VERSION}: re-quantize the model with this version")
@@ -83,12 +85,18 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
 def quantized_layers(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, QuantLinear]:
     """Build each quantized layer named in `meta` from its tensors, removing them from `state_dict`."""
     layers = {}
+    if not isinstance(meta.get("layers"), dict):
+        raise ValueError(f"{QUANT_CONFIG_FILE} has no 'layers' object")
     for name, layer_meta in meta["layers"].items():
-        fmt = layer_meta.get("format")
+        fmt = layer_meta.get("format") if isinstance(layer_meta, dict) else None
         if fmt not in QUANT_LINEAR_FORMATS:
             raise ValueError(f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
                              f"(known: {', '.join(QUANT_LINEAR_FORMATS)})")
         prefix = name + "."
         tensors = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
-        layers[name] = QUANT_LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
+        # Shapes, group sizes and index ranges are checked against the metadata here, before any kernel runs.
+        try:
+            layers[name] = QUANT_LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
+        except (ValueError, TypeError) as e:  # TypeError: metadata keys or values of the wrong kind
+            raise ValueError(f"layer {name}: {e}") from e
     return layers

@@ -94,10 +94,25 @@ def to_gptq_tensors(layer: IntGroupWeightOnlyLinear) -> dict[str, torch.Tensor]:
 def from_gptq_tensors(tensors: dict[str, torch.Tensor], group_size: int) -> IntGroupWeightOnlyLinear:
     """Our runtime layer from one GPTQ layer's tensors (any g_idx whose groups each hold group_size columns)."""
     qweight, scales = tensors["qweight"], tensors["scales"].float()
+    if qweight.dim() != 2 or qweight.dtype != torch.int32 or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"GPTQ qweight must be an int32 matrix and group_size a positive integer, got "
+                         f"{qweight.dtype} {list(qweight.shape)} and group_size={group_size!r}")
     codes = unpack_int32_rows(qweight).t()  # [N, K]
     n, k = codes.shape
+    if k % group_size:
+        raise ValueError(f"GPTQ layer of K={k} input columns is not a multiple of group_size={group_size}")
+    num_groups = k // group_size
+    if scales.shape != (num_groups, n) or tensors["qzeros"].shape != (num_groups, -(-n // _PER_INT32)):
+        raise ValueError(f"GPTQ scales {list(scales.shape)} / qzeros {list(tensors['qzeros'].shape)} do not match "
+                         f"[G, N] = [{num_groups}, {n}] / [G, N / {_PER_INT32}]")
     zeros = (unpack_int32_rows(tensors["qzeros"].t().contiguous())[:n] + 1).float()  # [N, G]
     g_idx = tensors.get("g_idx")
+    if g_idx is not None:
+        if g_idx.dim() != 1 or g_idx.numel() != k or g_idx.dtype.is_floating_point:
+            raise ValueError(f"GPTQ g_idx must hold one integer group per input column ({k}), got {g_idx.dtype} "
+                             f"{list(g_idx.shape)}")
+        if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
+            raise ValueError(f"GPTQ g_idx holds groups outside [0, {num_groups})")
     perm = None
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
         perm = torch.argsort(g_idx.long(), stable=True)  # stored column j = input column perm[j]

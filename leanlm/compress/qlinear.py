@@ -26,6 +26,46 @@ def register_format(cls: type["QuantLinear"]) -> type["QuantLinear"]:
     return cls
 
 
+# Saved tensors are untrusted input: the native kernels index codes, scales, mins and perm by the layer's
+# N, K and group size without bounds checks, so every shape and index is checked when a layer is built.
+
+
+def _matrix(fmt: str, name: str, t: torch.Tensor) -> tuple[int, int]:
+    if t.dim() != 2 or 0 in t.shape:
+        raise ValueError(f"{fmt} tensor {name} has shape {list(t.shape)}; expected a non-empty matrix")
+    return int(t.shape[0]), int(t.shape[1])
+
+
+def _check_shape(fmt: str, name: str, t: torch.Tensor | None, *shape: int) -> None:
+    if t is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{fmt} tensor {name} has shape {list(t.shape)}; expected {list(shape)}")
+
+
+def _check_numel(fmt: str, name: str, t: torch.Tensor, n: int) -> None:
+    if t.numel() != n:
+        raise ValueError(f"{fmt} tensor {name} has {t.numel()} values (shape {list(t.shape)}); expected {n}")
+
+
+def _check_group_size(fmt: str, group_size, k: int) -> None:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or k % group_size:
+        raise ValueError(f"{fmt} group_size {group_size!r} must be a positive integer dividing in_features={k}")
+
+
+def _check_indices(fmt: str, name: str, t: torch.Tensor, k: int, permutation: bool) -> torch.Tensor:
+    """int64 copy of an index tensor whose values lie in [0, k) without repeats (all of them when a permutation)."""
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype is torch.bool:
+        raise ValueError(f"{fmt} tensor {name} must be a 1-D integer tensor, got {t.dtype} {list(t.shape)}")
+    idx = t.long()
+    if permutation and idx.numel() != k:
+        raise ValueError(f"{fmt} tensor {name} has {idx.numel()} entries; a permutation of in_features needs {k}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
+        raise ValueError(f"{fmt} tensor {name} holds indices outside [0, {k}) (min {int(idx.min())}, max "
+                         f"{int(idx.max())})")
+    if torch.unique(idx).numel() != idx.numel():
+        raise ValueError(f"{fmt} tensor {name} repeats an index; each input column may appear once")
+    return idx.contiguous()
+
+
 class QuantLinear(nn.Module, ABC):
     """Base: a linear layer y = x W^T + b whose W is stored quantized in buffers named by `tensor_names`."""
 
@@ -37,6 +77,7 @@ class QuantLinear(nn.Module, ABC):
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        _check_shape(self.format, "bias", bias, out_features)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def set_compute_dtype(self, dtype: torch.dtype) -> "QuantLinear":
@@ -58,7 +99,12 @@ class QuantLinear(nn.Module, ABC):
         missing = [n for n in cls.tensor_names if n not in tensors]
         if missing:
             raise ValueError(f"{cls.format} layer is missing tensors {missing}")
-        return cls(*(tensors[n] for n in cls.tensor_names), bias=tensors.get("bias"), **kwargs)
+        layer = cls(*(tensors[n] for n in cls.tensor_names), bias=tensors.get("bias"), **kwargs)
+        declared = (meta.get("in_features"), meta.get("out_features"))
+        if declared != (layer.in_features, layer.out_features):
+            raise ValueError(f"{cls.format} layer declares in/out features {declared} but its tensors hold "
+                             f"{(layer.in_features, layer.out_features)}")
+        return layer
 
     @abstractmethod
     def dequantized_weight(self) -> torch.Tensor:
@@ -105,7 +151,9 @@ class Int8WeightOnlyLinear(QuantLinear):
     tensor_names = ("qweight", "scales")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        n, k = _matrix(self.format, "qweight", qweight)
+        _check_numel(self.format, "scales", scales, n)
+        super().__init__(k, n, bias)
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
 
@@ -137,12 +185,17 @@ class IntGroupWeightOnlyLinear(QuantLinear):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
                  *, bits: int, group_size: int, perm: torch.Tensor | None = None) -> None:
-        super().__init__(qweight.shape[1] * 2, qweight.shape[0], bias)
-        if not 2 <= bits <= 4:
-            raise ValueError(f"group-wise weight-only layers hold 2-4 bit codes, got bits={bits}")
-        if self.in_features % group_size or scales.shape != (self.out_features, self.in_features // group_size):
+        n, half_k = _matrix(self.format, "qweight", qweight)
+        super().__init__(half_k * 2, n, bias)
+        if not isinstance(bits, int) or not 2 <= bits <= 4:
+            raise ValueError(f"group-wise weight-only layers hold 2-4 bit codes, got bits={bits!r}")
+        _check_group_size(self.format, group_size, self.in_features)
+        if scales.shape != (self.out_features, self.in_features // group_size):
             raise ValueError(f"scales {tuple(scales.shape)} do not match [N, K / group_size] for "
                              f"K={self.in_features}, group_size={group_size}")
+        _check_shape(self.format, "mins", mins, *scales.shape)
+        if perm is not None:
+            perm = _check_indices(self.format, "perm", perm, self.in_features, permutation=True)
         self.bits, self.group_size = bits, group_size
         self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())  # [N, K/2]
         self.register_buffer("scales", scales.float().contiguous())  # [N, G]
@@ -152,8 +205,8 @@ class IntGroupWeightOnlyLinear(QuantLinear):
     @classmethod
     def from_tensors(cls, meta, tensors):
         layer = super().from_tensors(meta, {k: v for k, v in tensors.items() if k != "perm"})
-        if "perm" in tensors:
-            layer.perm = tensors["perm"].long().contiguous()
+        if "perm" in tensors:  # a permutation of range(K): the kernel gathers x[:, perm] unchecked
+            layer.perm = _check_indices(cls.format, "perm", tensors["perm"], layer.in_features, permutation=True)
         return layer
 
     def metadata(self) -> dict[str, Any]:
@@ -202,10 +255,13 @@ class Int8DynamicActLinear(QuantLinear):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  *, group_size: int | None = None) -> None:
-        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        n, k = _matrix(self.format, "qweight", qweight)
+        super().__init__(k, n, bias)
+        if group_size is not None:
+            _check_group_size(self.format, group_size, k)
+        _check_numel(self.format, "scales", scales, n if group_size is None else n * (k // group_size))
         self.group_size = group_size
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
-        n = qweight.shape[0]
         scales = scales.float().reshape(n) if group_size is None else scales.float().reshape(n, -1)
         self.register_buffer("scales", scales.contiguous())  # [N] per channel or [N, G] per group
 
@@ -246,11 +302,15 @@ class LLMInt8Linear(QuantLinear):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, outlier_idx: torch.Tensor,
                  outlier_weight: torch.Tensor, bias: torch.Tensor | None = None, *, threshold: float = 6.0) -> None:
-        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        n, k = _matrix(self.format, "qweight", qweight)
+        super().__init__(k, n, bias)
+        _check_numel(self.format, "scales", scales, n)
+        outlier_idx = _check_indices(self.format, "outlier_idx", outlier_idx, k, permutation=False)
+        _check_shape(self.format, "outlier_weight", outlier_weight, n, outlier_idx.numel())
         self.threshold = threshold
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K], outlier columns 0
         self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
-        self.register_buffer("outlier_idx", outlier_idx.long().contiguous())  # [O]
+        self.register_buffer("outlier_idx", outlier_idx)  # [O]
         self.register_buffer("outlier_weight", outlier_weight.contiguous())  # [N, O], 16/32-bit, exact
         mask = torch.zeros(self.in_features, dtype=torch.bool, device=qweight.device)
         mask[self.outlier_idx] = True
@@ -296,7 +356,11 @@ class FP8Linear(QuantLinear):
     tensor_names = ("weight", "weight_scale")
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias)
+        n, k = _matrix(self.format, "weight", weight)
+        if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"{self.format} tensor weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
+        _check_numel(self.format, "weight_scale", weight_scale, n)
+        super().__init__(k, n, bias)
         self.register_buffer("weight", weight.contiguous())  # [N, K] float8
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1).contiguous())  # [N, 1]
 

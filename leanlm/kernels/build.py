@@ -1,7 +1,9 @@
 """Native CPU kernels: compile a C source on first use, cache the library, load it with ctypes.
 
-The cache (`$LEANLM_CACHE/kernels` or `~/.cache/leanlm/kernels`) is keyed by a hash of the source and the
-build command. Libraries link against torch's own libgomp, so the process keeps a single OpenMP runtime.
+The cache (`$LEANLM_CACHE/kernels` or `~/.cache/leanlm/kernels`, created 0700) is keyed by a hash of the
+source and the build command; a cached library is loaded only when it belongs to this user and nobody else
+can write it (loading a library runs its code). Libraries link against torch's own libgomp, so the process
+keeps a single OpenMP runtime.
 Any failure (no compiler, no AVX512-BF16, a compile error) makes the kernel unavailable, never an error.
 """
 
@@ -13,6 +15,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -74,7 +77,8 @@ def build_library(source: Path) -> Path:
     target = directory / f"{source.stem}-{key[:16]}.so"
     if target.exists():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
     # Compile to a private name, then rename: concurrent builders never see a half-written library.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
     os.close(fd)
@@ -83,10 +87,40 @@ def build_library(source: Path) -> Path:
         result = subprocess.run(build_command(compiler, source, tmp), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed:\n{result.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # the linker applies the umask; a group-writable library would be refused
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def check_trusted(st: os.stat_result, what: Path, writable_ok: bool = False) -> None:
+    """Refuse a library (or its directory) another user owns or may write: loading it would run their code."""
+    if st.st_uid != os.getuid():
+        raise RuntimeError(f"refusing {what}: owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); "
+                           "delete it or point LEANLM_CACHE at a directory of your own")
+    if not writable_ok and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"refusing {what}: group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
+                           "delete it, or chmod go-w it if you trust its contents")
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """dlopen a cached library after checking who may have written it.
+
+    First the directory: ours, and from here on writable by us alone (an old cache made under a 002 umask is
+    tightened), so no one else can swap the file between the check and the load. Then the file itself: ours,
+    a regular file (not a symlink), writable by us alone.
+    """
+    directory = path.parent
+    st = os.stat(directory)
+    check_trusted(st, directory, writable_ok=True)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.chmod(directory, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise RuntimeError(f"refusing {path}: not a regular file (a symlink?)")
+    check_trusted(st, path)
+    return ctypes.CDLL(str(path))
 
 
 class NativeKernel:
@@ -105,7 +139,7 @@ class NativeKernel:
             raise RuntimeError("the CPU lacks avx512_bf16")
         if os.environ.get("LEANLM_DISABLE_KERNELS"):
             raise RuntimeError("disabled by LEANLM_DISABLE_KERNELS")
-        fn = getattr(ctypes.CDLL(str(build_library(self.source))), self.symbol)
+        fn = getattr(load_library(build_library(self.source)), self.symbol)
         fn.argtypes, fn.restype = self.argtypes, self.restype
         return fn
 

@@ -66,7 +66,7 @@ def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Check
             quantized = gptq_layers(gptq, state_dict)
         else:
             quantized = {}
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # TypeError: a metadata value of the wrong kind
         raise ModelLoadError(f"quantized checkpoint {path} is inconsistent ({e}); re-quantize or re-download it") from e
     if is_quantized:  # the float tensors (norms, embedding, unquantized linears) in the requested dtype
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}

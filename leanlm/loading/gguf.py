@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from leanlm.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.gguf_header import GGUF_MAGIC, scan_gguf_header
 
-GGUF_MAGIC = b"GGUF"
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 
@@ -86,31 +86,6 @@ def load_gguf(
 # ---------------------------------------------------------------------------------------------- reading
 
 
-class _Truncated(Exception):
-    def __init__(self, expected: int, found: int) -> None:
-        super().__init__(expected, found)
-        self.expected, self.found = expected, found
-
-
-class _CheckedReader(GGUFReader):
-    """GGUFReader that checks the tensor data fits in the file before memory-mapping tensors.
-
-    Without this a short file fails deep in numpy with "cannot reshape array"; the tensor infos give the
-    exact byte count the file should hold, which makes a useful message.
-    """
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        end = start_offs
-        for field in fields:
-            _, _, _, dims, raw_dtype, offset = field.parts
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
-            n_bytes = int(np.prod(dims)) * type_size // block_size
-            end = max(end, start_offs + int(offset[0]) + n_bytes)
-        if end > len(self.data):
-            raise _Truncated(end - start_offs, max(0, len(self.data) - start_offs))
-        super()._build_tensors(start_offs, fields)
-
-
 def open_gguf(path: str | Path) -> GGUFReader:
     """Open and validate a GGUF file; any problem becomes a ModelLoadError that says what to do."""
     path = Path(path)
@@ -120,14 +95,12 @@ def open_gguf(path: str | Path) -> GGUFReader:
     if not is_gguf_file(path):
         raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); pass a .gguf "
                              "model file or a Hugging Face model directory with config.json")
+    # The `gguf` reader trusts declared counts (a huge one makes it loop for ever): our bounded scan checks
+    # every count, length, tensor type and tensor byte range first.
+    scan_gguf_header(path)
     try:
-        return _CheckedReader(path)
-    except _Truncated as e:
-        raise ModelLoadError(
-            f"GGUF file {path} is truncated: expected {e.expected} bytes of tensor data, found {e.found}; "
-            "re-download it, or re-assemble a bundled model with `leanlm models pull NAME`"
-        ) from None
-    except Exception as e:  # the reader raises ValueError/IndexError/KeyError on a damaged header
+        return GGUFReader(path)
+    except Exception as e:  # what the scan does not model; the reader raises ValueError/IndexError/KeyError
         raise ModelLoadError(
             f"GGUF file {path} has a corrupt or truncated header ({type(e).__name__}: {e}); re-download it, or "
             "re-assemble a bundled model with `leanlm models pull NAME`"
@@ -260,6 +233,22 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...]:
+    """The [out, in] (or [n]) shape the HF tensor `hf_name` has in a model with `config`."""
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = {
+        "q_proj": (q_rows, hidden), "k_proj": (kv_rows, hidden), "v_proj": (kv_rows, hidden),
+        "o_proj": (hidden, q_rows), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter), "embed_tokens": (config.vocab_size, hidden),
+        "lm_head": (config.vocab_size, hidden),
+    }  # fmt: skip
+    module, kind = hf_name.rsplit(".", 2)[-2:]
+    shape = shapes.get(module, (hidden,))  # the rest are norms: [hidden]
+    return shape[:1] if kind == "bias" else shape
+
+
 def gguf_state_dict(
     reader: GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -275,7 +264,12 @@ def gguf_state_dict(
             raise ModelLoadError(f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: "
                                  f"{e}") from e
         weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
-        expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
+        expected = expected_shape(name, config)
+        if stored != expected:
+            raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "
+                                 f"{list(expected)}; the file is corrupt, re-download it")
         weight = weight.reshape(expected)
         if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads

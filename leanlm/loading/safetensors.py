@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.safetensors_header import check_safetensors_header
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -60,7 +61,13 @@ def shard_files(path: Path) -> list[Path]:
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{path / INDEX_FILE} is corrupt ({e}); re-download the model") from e
-        shards = [path / name for name in dict.fromkeys(weight_map.values())]
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{path / INDEX_FILE} has no weight_map object; re-download the model")
+        for name in weight_map.values():
+            if not isinstance(name, str) or not name:
+                raise ModelLoadError(f"{path / INDEX_FILE} maps a tensor to {name!r}, not a file name; "
+                                     "re-download the model")
+        shards = [_shard_inside(path, name) for name in dict.fromkeys(weight_map.values())]
         for shard in shards:
             if not shard.is_file():
                 raise ModelLoadError(f"shard {shard.name} listed in {INDEX_FILE} is missing from {path}; "
@@ -71,7 +78,23 @@ def shard_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; it holds no weights we can load")
 
 
+def _shard_inside(path: Path, name: str) -> Path:
+    """The shard file `name` of the index, refused unless it stays inside the model directory: an index may
+    come from anyone, and must not make us read (or memory-map) files elsewhere."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise ModelLoadError(f"{path / INDEX_FILE} names shard {name!r} outside the model directory (absolute or "
+                             "'..' path); refusing it: shards must be files inside the directory")
+    shard = path / relative
+    root = path.resolve()
+    if not shard.resolve().is_relative_to(root):  # a symlink inside the directory that points out of it
+        raise ModelLoadError(f"{path / INDEX_FILE} names shard {name!r}, a symlink to {shard.resolve()} outside "
+                             f"the model directory {root}; refusing it: copy the shard into the directory")
+    return shard
+
+
 def _read_shard(shard: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    check_safetensors_header(shard)  # bounded: the header length, JSON, dtypes, shapes and byte ranges
     try:
         with safe_open(str(shard), framework="pt") as f:
             # Float tensors go to `dtype`; integer ones (packed quantized weights) are kept as stored.

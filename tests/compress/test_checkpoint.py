@@ -116,3 +116,118 @@ def test_unknown_format_is_a_clear_load_error(tiny_model, tokenizer, tmp_path):
     (tmp_path / "quantization_config.json").write_text(json.dumps(meta))
     with pytest.raises(ModelLoadError, match="int5_magic"):
         load_checkpoint(tmp_path, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+# A checkpoint directory is untrusted input: its shapes and indices reach native kernels that do not check them.
+
+
+_SAVED: dict[str, object] = {}  # built once per session: compressing is the slow part
+
+
+@pytest.fixture
+def saved_checkpoints(tmp_path_factory, tiny_model, calib, tokenizer):
+    """Intact checkpoints (int4 with an act-order perm, LLM.int8) to damage one tensor or key at a time."""
+    for name, recipe in (("int4", [GPTQConfig(bits=4, group_size=32)]), ("llm_int8", [LLMInt8Config()])):
+        if name not in _SAVED:
+            model = tiny_model()
+            compress(model, recipe, calib, progress=False)
+            _SAVED[name] = save_checkpoint(model, tmp_path_factory.mktemp(name), tokenizer, dtype=torch.float32)
+    return _SAVED
+
+
+def _damaged(saved, tmp_path, tensors=None, layers=None):
+    """A copy of `saved` with tensors edited (name suffix -> fn(tensor)) and layer metadata updated."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    layer = "model.layers.0.mlp.down_proj"
+    for suffix, edit in (tensors or {}).items():
+        state[f"{layer}.{suffix}"] = edit(state[f"{layer}.{suffix}"]).contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    meta = json.loads((tmp_path / "quantization_config.json").read_text())
+    meta["layers"][layer].update(layers or {})
+    (tmp_path / "quantization_config.json").write_text(json.dumps(meta))
+    return tmp_path
+
+
+def _swap_first_two(t):
+    t = t.clone()
+    t[0] = t[1]
+    return t
+
+
+def _set_first(value):
+    def edit(t):
+        t = t.clone()
+        t[0] = value
+        return t
+    return edit
+
+
+INT4_DAMAGE = {
+    "perm out of range": ({"perm": _set_first(10**6)}, {}, r"perm holds indices outside \[0, 128\)"),
+    "perm negative": ({"perm": _set_first(-1)}, {}, r"perm holds indices outside"),
+    "perm repeats": ({"perm": _swap_first_two}, {}, "perm repeats an index"),
+    "perm too short": ({"perm": lambda t: t[:-1]}, {}, "perm has 127 entries"),
+    "perm of floats": ({"perm": lambda t: t.float()}, {}, "perm must be a 1-D integer tensor"),
+    "scales short": ({"scales": lambda t: t[:, :-1]}, {}, "scales .* do not match"),
+    "mins short": ({"mins": lambda t: t[:-1]}, {}, r"mins has shape \[63, 4\]; expected \[64, 4\]"),
+    "qweight a vector": ({"qweight": lambda t: t.reshape(-1)}, {}, "qweight has shape"),
+    "bias wrong length": ({"bias": None}, {}, "bias has shape"),
+    "group_size zero": ({}, {"group_size": 0}, "group_size 0 must be a positive integer"),
+    "group_size not dividing": ({}, {"group_size": 48}, "group_size 48 must be a positive integer dividing"),
+    "group_size a string": ({}, {"group_size": "32"}, "group_size '32'"),
+    "bits a string": ({}, {"bits": "4"}, "2-4 bit codes"),
+    "in_features lie": ({}, {"in_features": 256}, r"declares in/out features \(256, 64\)"),
+    "unknown key": ({}, {"zero_point": 3}, "unexpected keyword"),
+}
+
+
+@pytest.mark.parametrize("case", list(INT4_DAMAGE))
+def test_damaged_int4_checkpoint_is_refused(saved_checkpoints, tmp_path, case):
+    tensors, layers, match = INT4_DAMAGE[case]
+    if tensors.get("bias", 0) is None:  # down_proj has no bias: add one of the wrong length
+        from safetensors.torch import load_file, save_file
+
+        path = _damaged(saved_checkpoints["int4"], tmp_path)
+        state = load_file(str(path / "model.safetensors"))
+        state["model.layers.0.mlp.down_proj.bias"] = torch.zeros(3)
+        save_file(state, str(path / "model.safetensors"))
+    else:
+        path = _damaged(saved_checkpoints["int4"], tmp_path, tensors, layers)
+    with pytest.raises(ModelLoadError, match=f"inconsistent .*layer model.layers.0.mlp.down_proj: .*{match}"):
+        load_checkpoint(path, progress=False)
+
+
+def test_damaged_llm_int8_checkpoint_is_refused(saved_checkpoints, tmp_path):
+    path = _damaged(saved_checkpoints["llm_int8"], tmp_path, {"outlier_idx": _set_first(10**6)})
+    with pytest.raises(ModelLoadError, match=r"outlier_idx holds indices outside \[0, 128\)"):
+        load_checkpoint(path, progress=False)
+
+
+def test_intact_checkpoints_still_load(saved_checkpoints):
+    ckpt = load_checkpoint(saved_checkpoints["int4"], progress=False)
+    layer = ckpt.quantized["model.layers.0.mlp.down_proj"]
+    assert layer.perm is not None and torch.equal(layer.perm.sort().values, torch.arange(128))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: {**t, "qzeros": t["qzeros"][:-1].contiguous()}, r"qzeros \[3, 8\] do not match"),
+    (lambda t: {**t, "g_idx": _set_first(7)(t["g_idx"])}, r"g_idx holds groups outside \[0, 4\)"),
+])
+def test_damaged_gptq_checkpoint_is_refused(tiny_model, calib, tokenizer, tmp_path, edit, match):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model()
+    compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
+    save_gptq_checkpoint(model, tmp_path, tokenizer)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    prefix = "model.layers.0.mlp.down_proj."
+    layer = edit({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    save_file({**state, **{prefix + k: v for k, v in layer.items()}}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=match):
+        load_checkpoint(tmp_path, progress=False)

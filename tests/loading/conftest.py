@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import signal
+import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +138,34 @@ def tiny_gguf(tmp_path_factory):
         return made[arch, tied]
 
     return make
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+
+
+class DeadlineExceeded(BaseException):
+    """Not an Exception: a loader's catch-all handler must not turn a hang into a tidy error."""
+
+
+@contextlib.contextmanager
+def bounded(seconds: float = 2.0, peak_bytes: int = 64 << 20):
+    """Fail when the block runs longer than `seconds` (interrupted by SIGALRM, so a hang cannot stall the
+    suite) or when its Python/numpy allocations peak above `peak_bytes` (tracemalloc)."""
+
+    def expire(signum, frame):
+        raise DeadlineExceeded(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    elapsed = time.perf_counter() - start
+    assert elapsed < seconds, f"took {elapsed:.2f} s"
+    assert peak < peak_bytes, f"allocated {peak / 2**20:.0f} MiB"

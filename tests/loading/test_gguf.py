@@ -157,3 +157,36 @@ def test_copy_keeps_working_without_extension(tiny_gguf, tmp_path):
     shutil.copy(path, renamed)
     _, state_dict, _ = load_gguf(renamed, progress=False)
     assert set(state_dict) == set(expected)
+
+
+def test_metadata_that_disagrees_with_tensor_shapes(tiny_gguf, tmp_path):
+    """A damaged feed_forward_length used to load (and fail later in the model); now the loader refuses it."""
+    from gguf import GGUFReader
+
+    path, _ = tiny_gguf("llama", True)
+    reader = GGUFReader(path)
+    value = reader.fields["llama.feed_forward_length"].parts[-1]
+    offset = value.ctypes.data - reader.data.ctypes.data
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 4] = (128).to_bytes(4, "little")  # the tensors hold 96
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"ffn_gate.weight has shape \[96, 64\], but the metadata describes "
+                                             r"\[128, 64\]"):
+        load_gguf(broken, progress=False)
+
+
+def test_absurd_context_length(tiny_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    path, _ = tiny_gguf("qwen2", True)
+    reader = GGUFReader(path)
+    value = reader.fields["qwen2.context_length"].parts[-1]
+    offset = value.ctypes.data - reader.data.ctypes.data
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 4] = (2**32 - 1).to_bytes(4, "little")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"invalid model: max_position_embeddings \(context length\) is "
+                                             r"4294967295, above the 1048576 positions"):
+        load_gguf(broken, progress=False)

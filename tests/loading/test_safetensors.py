@@ -131,3 +131,55 @@ def test_extra_and_integer_tensors_kept(tmp_path):
     _, loaded = load_hf_dir(tmp_path, progress=False)
     assert torch.equal(loaded["model.layers.0.self_attn.q_proj.qweight"], extra["model.layers.0.self_attn.q_proj.qweight"])
     assert loaded["model.norm.weight"].dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- hostile index
+
+
+def _point_first_shard_at(hf_dir, name: str) -> None:
+    index_path = hf_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = {k: (name if v == first else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+def test_index_shards_must_stay_inside_the_directory(hf_dir, tmp_path_factory, how):
+    outside = tmp_path_factory.mktemp("outside")
+    first = sorted(hf_dir.glob("model-*.safetensors"))[0]
+    (outside / first.name).write_bytes(first.read_bytes())  # a loadable file: only its place is wrong
+    if how == "absolute":
+        name, match = str(outside / first.name), "outside the model directory"
+    elif how == "dotdot":
+        name, match = f"../{outside.name}/{first.name}", "outside the model directory"
+    else:
+        (hf_dir / "link.safetensors").symlink_to(outside / first.name)
+        name, match = "link.safetensors", "a symlink to .* outside the model directory"
+    _point_first_shard_at(hf_dir, name)
+    with pytest.raises(ModelLoadError, match=match):
+        load_hf_dir(hf_dir, progress=False)
+
+
+def test_index_shard_symlink_inside_the_directory_is_fine(hf_dir):
+    first = sorted(hf_dir.glob("model-*.safetensors"))[0]
+    (hf_dir / "sub").mkdir()
+    first.rename(hf_dir / "sub" / first.name)
+    (hf_dir / "link.safetensors").symlink_to(hf_dir / "sub" / first.name)
+    _point_first_shard_at(hf_dir, "link.safetensors")
+    load_hf_dir(hf_dir, progress=False)
+
+
+@pytest.mark.parametrize("value", [None, 3, ["a"]])
+def test_index_shard_names_must_be_strings(hf_dir, value):
+    _point_first_shard_at(hf_dir, value)
+    with pytest.raises(ModelLoadError, match="not a file name"):
+        load_hf_dir(hf_dir, progress=False)
+
+
+def test_absurd_context_length_is_refused_before_any_allocation(hf_dir):
+    raw = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 2**40}))
+    with pytest.raises(ModelLoadError, match=r"max_position_embeddings \(context length\) is 1099511627776, above "
+                                             r"the 1048576 positions"):
+        load_hf_dir(hf_dir, progress=False)
