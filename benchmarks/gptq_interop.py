@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from leanlm.analysis.machine import describe_machine
 from leanlm.analysis.eval import read_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import calibration_samples, compress, read_calibration_text
@@ -87,7 +88,7 @@ def main() -> None:
         f"GPTQ W4 g64 symmetric act-order export of {args.model} (`--format gptq`, {args.num_samples} x "
         f"{args.calib_seq_len} calibration tokens), loaded by transformers {transformers.__version__} "
         f"(its GPTQ integration through gptqmodel, layer `{hf_layer}`) and by leanlm, both in bfloat16. "
-        f"Command: `python benchmarks/gptq_interop.py`.",
+        f"Machine: {describe_machine()}. Command: `python benchmarks/gptq_interop.py`.",
         "",
         f"- First {len(ids)} WikiText-2 test tokens: mean KL(transformers || leanlm) {kl.mean().item():.5f} nats, "
         f"max {kl.max().item():.4f}; top-1 agreement {agree:.3f}; perplexity transformers "

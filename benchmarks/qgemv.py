@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from leanlm.analysis.machine import describe_machine
 from leanlm.kernels import cpu_gemv, cpu_qgemv
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # (N, K)
@@ -126,6 +127,7 @@ def main() -> None:
             t = time_calls(calls, args.min_seconds * 3, clock=clock)
             cells.append(f"{t * 1e3:.2f} ms, {nbytes / t / 1e9:.1f} GB/s")
         print(f"| {M} | chain: {len(chain)} matrices | " + " | ".join(cells) + " |", flush=True)
+    print(f"machine: {describe_machine()}")
     busy1, total1 = cpu_ticks()
     ours = (sum(os.times()[:2]) - ours0) * os.sysconf("SC_CLK_TCK")
     print(f"other processes kept {max(0.0, (busy1 - busy0 - ours) / (total1 - total0)):.0%} of the CPUs busy")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from leanlm.analysis.machine import describe_machine
 from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress.base import build_method
@@ -168,7 +169,8 @@ def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
         f"**{args.model}**: WikiText-2 raw test ({num_tokens} tokens), sequence length {args.seq_len}, perplexity "
         f"over the first {args.ppl_windows} windows, KL(float || quantized) per token over the first "
         f"{args.kl_windows}; calibration {calib_shape[0]} x {calib_shape[1]} tokens of gensim's Wikipedia "
-        "articles. Quantized from float32, saved, reloaded with `LLM(dir)`, scored in bfloat16. Command: "
+        "articles. Quantized from float32, saved, reloaded with `LLM(dir)`, scored in bfloat16. "
+        f"Machine: {describe_machine()}. Command: "
         f"`python benchmarks/quantization.py --model {args.model} --ppl-windows {args.ppl_windows} "
         f"--kl-windows {args.kl_windows} --num-samples {args.num_samples} --calib-seq-len {args.calib_seq_len}`.",
         "",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from leanlm.analysis.machine import describe_machine
 from leanlm.analysis.bench import LeanLMRunner, LlamaCppRunner, median, repeat
 from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.markdown import replace_section
@@ -97,7 +98,8 @@ def main() -> None:
     lines = [
         f"Batch-1 decode of {args.model}: {args.prompt_len}-token prompts, {args.output_len} greedy tokens, "
         f"{args.reps} repetitions each (median), {torch.get_num_threads()} threads; repetitions during which "
-        f"other processes took more than {args.max_other_cpu:.0%} of the CPU are discarded. Command: "
+        f"other processes took more than {args.max_other_cpu:.0%} of the CPU are discarded. Machine: "
+        f"{describe_machine()}. Command: "
         f"`python benchmarks/quantized_decode.py --reps {args.reps}`.",
         "",
         "| engine | weights | TPOT ms | tokens/s | vs leanlm bf16 | kept / discarded reps |",

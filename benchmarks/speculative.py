@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from leanlm.analysis.bench import median
-from leanlm.analysis.machine import CpuMonitor
+from leanlm.analysis.machine import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import RTNConfig, compress, save_checkpoint
 from leanlm.config import EngineConfig
@@ -409,8 +409,8 @@ def memory_rows() -> list[MemoryRow]:
 def format_report(latency: list[LatencyRow], batches: list[BatchRow], exits: list[ExitRow], costs: list[CostRow],
                   memory: list[MemoryRow], args) -> str:
     lines = [
-        f"Measured by `python benchmarks/speculative.py --reps {args.reps}` on this machine "
-        f"({torch.get_num_threads()} threads, bfloat16). Batch 1, greedy, up to 128 tokens, prefix caching off; "
+        f"Measured by `python benchmarks/speculative.py --reps {args.reps}` on {describe_machine()}, "
+        f"bfloat16. Batch 1, greedy, up to 128 tokens, prefix caching off; "
         "speedup = plain wall time / speculative wall time for the whole request (median of the kept "
         "repetitions); decode speedup leaves out the target's prefill, which both engines spend alike (plain "
         "TTFT: the plain engine's time to its first token) and which speculation cannot shorten, but keeps "

@@ -11,6 +11,7 @@ import argparse
 import torch
 from tqdm.auto import tqdm
 
+from leanlm.analysis.machine import describe_machine
 from leanlm import LLM
 from leanlm.analysis.tasks import TASKS, PairScore, choose, encode_pair, evaluate_items, parse_task_names
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
@@ -40,7 +41,7 @@ def main() -> None:
     path = resolve_model(DEFAULT_MODEL)
     llm = LLM(DEFAULT_MODEL, dtype="float32", device="cpu", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    print(f"{DEFAULT_MODEL}, float32, zero-shot, first {args.limit} items per task\n")
+    print(f"{DEFAULT_MODEL}, float32, zero-shot, first {args.limit} items per task; {describe_machine()}\n")
     print("| task | items | metric | LeanLM | HF transformers | items with the same choice |")
     print("|---|---:|---|---:|---:|---:|")
     for name in names:

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from leanlm.config import EngineConfig, parse_dtype
+from leanlm.config import EngineConfig, ModelConfig, parse_dtype
 from leanlm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from leanlm.engine.engine import LLMEngine
 from leanlm.engine.outputs import RequestOutput
-from leanlm.kernels.build import cpu_flags
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
+from leanlm.model.dtype_probe import choose_cpu_dtype
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from leanlm.selection import (
     Extractor, Ranking, Scorer, VoteResult, best_of, majority_vote, make_extractor, sampling_params_for_samples,
 )
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -31,18 +34,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls run at full speed on this CPU."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' picks bfloat16 where the hardware runs it fast, else float32."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+    """'auto': bfloat16 on CUDA; on a CPU, what the engine's linear layer runs faster here (a probe on the
+    model's MLP shape, cached per machine: leanlm.model.dtype_probe), logged with its reason."""
     if dtype != "auto":
         return parse_dtype(dtype)
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16()):
+    if device.type != "cpu":
         return torch.bfloat16
-    return torch.float32
+    in_features, out_features = (config.hidden_size, config.intermediate_size) if config else (1024, 4096)
+    choice = choose_cpu_dtype(in_features, out_features)
+    logger.info("dtype auto -> %s (%s)", str(choice.dtype).removeprefix("torch."), choice.reason)
+    return choice.dtype
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
@@ -51,7 +53,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     a LlamaForCausalLM whose `tokenizer` attribute holds the model's tokenizer (save_checkpoint writes it)."""
     device = torch.device(device) if device is not None else default_device()
     checkpoint = load_checkpoint(model, progress=progress)
-    net = build_model(checkpoint.config, checkpoint.state_dict, resolve_dtype(dtype, device), device,
+    net = build_model(checkpoint.config, checkpoint.state_dict, resolve_dtype(dtype, device, checkpoint.config), device,
                       quantized=checkpoint.quantized)
     net.tokenizer = checkpoint.tokenizer
     return net
@@ -74,8 +76,8 @@ class LLM:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(_ENGINE_FIELDS)}")
         self.engine_config = EngineConfig(**engine_options)
         self.device = torch.device(device) if device is not None else default_device()
-        self.dtype = resolve_dtype(dtype, self.device)
         checkpoint = load_checkpoint(model, progress=progress)
+        self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, attention_backend,

@@ -102,5 +102,28 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
+# The instruction sets LeanLM's kernels and torch's CPU paths choose by: what a reader needs to compare two tables.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
+             "amx_int8", "avx_vnni")
+
+
+def cpu_identity() -> str:
+    """CPU family/model/stepping numbers (a VM may show only a vendor string as the name) and its ISA flags."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return "cpuinfo unavailable"
+    flags = set(fields.get("flags", "").split())
+    ids = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    return f"family/model/stepping {ids}, flags {' '.join(f for f in ISA_FLAGS if f in flags) or 'none of ' + str(ISA_FLAGS)}"
+
+
 def describe_machine() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return (f"{cpu_name()} ({cpu_identity()}), {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
