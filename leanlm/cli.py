@@ -350,6 +350,13 @@ def cmd_bench_suite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_data_file(path: str) -> None:
+    """Before the (slow) model load: the text file must be there."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"text file {path} does not exist; pass an existing file with --data "
+                                "(the default is the packaged WikiText-2 test split)")
+
+
 def _eval_windows(args: argparse.Namespace, tokenizer):
     from leanlm.analysis.eval import make_windows, read_text
 
@@ -358,23 +365,40 @@ def _eval_windows(args: argparse.Namespace, tokenizer):
     return token_ids, windows
 
 
-def _eval_protocol(args: argparse.Namespace, num_tokens: int, windows) -> str:
-    num_scored = sum(w.num_scored for w in windows)
-    return (f"file {args.data}: {num_tokens} tokens (no BOS), {len(windows)} windows of {args.seq_len} "
-            f"(stride {args.stride or args.seq_len}, tail dropped), {num_scored} scored tokens "
+def _eval_protocol(args: argparse.Namespace, num_tokens: int, windows) -> dict:
+    """How the text was scored, as data (--json) and for the text report's first line."""
+    return {"data": args.data, "num_tokens": num_tokens, "seq_len": args.seq_len,
+            "stride": args.stride or args.seq_len, "num_windows": len(windows),
+            "num_scored": sum(w.num_scored for w in windows)}
+
+
+def _format_protocol(protocol: dict) -> str:
+    return (f"file {protocol['data']}: {protocol['num_tokens']} tokens (no BOS), {protocol['num_windows']} windows of "
+            f"{protocol['seq_len']} (stride {protocol['stride']}, tail dropped), {protocol['num_scored']} scored tokens "
             f"(each window's context-only head, at least its token 0, unscored)")
+
+
+def _dtype_name(llm) -> str:
+    return str(llm.dtype).removeprefix("torch.")
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import perplexity
 
+    _check_data_file(args.data)
     llm = _load_llm(args)
     token_ids, windows = _eval_windows(args, llm.tokenizer)
     start = time.perf_counter()
     result = perplexity(llm, windows)
     elapsed = time.perf_counter() - start
-    print(_eval_protocol(args, len(token_ids), windows))
-    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}: perplexity {result.perplexity:.4f} "
+    protocol = _eval_protocol(args, len(token_ids), windows)
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": _dtype_name(llm), "kv_cache_dtype": args.kv_cache_dtype,
+                          "protocol": protocol, "perplexity": result.perplexity, "mean_nll": result.mean_nll,
+                          "elapsed_s": elapsed}, indent=1))
+        return 0
+    print(_format_protocol(protocol))
+    print(f"model {args.model}, {_dtype_name(llm)}: perplexity {result.perplexity:.4f} "
           f"(mean NLL {result.mean_nll:.5f} nats) in {elapsed:.0f} s")
     return 0
 
@@ -383,14 +407,25 @@ def cmd_eval_kld(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import kl_divergence
     from leanlm.llm import LLM
 
+    _check_data_file(args.data)
     base_options = _engine_options(args) | {"kv_cache_dtype": args.base_kv_cache_dtype}
     base = LLM(model=args.base, dtype=args.base_dtype, device=args.device, **base_options)
     llm = _load_llm(args)
     token_ids, windows = _eval_windows(args, base.tokenizer)
     result = kl_divergence(base, llm, windows, windows_per_batch=args.windows_per_batch)
-    print(_eval_protocol(args, len(token_ids), windows))
-    print(f"base  {args.base}, {str(base.dtype).removeprefix('torch.')}: perplexity {result.base.perplexity:.4f}")
-    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}: perplexity {result.model.perplexity:.4f}")
+    protocol = _eval_protocol(args, len(token_ids), windows)
+    if args.json:
+        print(json.dumps({
+            "base": {"model": args.base, "dtype": _dtype_name(base), "kv_cache_dtype": args.base_kv_cache_dtype,
+                     "perplexity": result.base.perplexity},
+            "model": {"model": args.model, "dtype": _dtype_name(llm), "kv_cache_dtype": args.kv_cache_dtype,
+                      "perplexity": result.model.perplexity},
+            "protocol": protocol, "mean_kl": result.mean_kl, "p99_kl": result.kl_quantile(0.99),
+            "max_kl": result.max_kl, "top1_agreement": result.top1_agreement}, indent=1))
+        return 0
+    print(_format_protocol(protocol))
+    print(f"base  {args.base}, {_dtype_name(base)}: perplexity {result.base.perplexity:.4f}")
+    print(f"model {args.model}, {_dtype_name(llm)}: perplexity {result.model.perplexity:.4f}")
     print(f"KL(base || model) per token, nats: mean {result.mean_kl:.6f}  p99 {result.kl_quantile(0.99):.6f}  "
           f"max {result.max_kl:.6f}; top-1 agreement {result.top1_agreement:.4f}")
     return 0
@@ -402,7 +437,12 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     names = parse_task_names(args.tasks)  # validate before the (slow) model load
     llm = _load_llm(args)
     results = evaluate_tasks(llm, names, limit=args.limit)
-    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}, zero-shot, "
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": _dtype_name(llm), "limit": args.limit, "tasks": [
+            {"task": r.name, "num_items": r.num_items, "metrics": r.metrics, "main_metric": r.main_metric}
+            for r in results]}, indent=1))
+        return 0
+    print(f"model {args.model}, {_dtype_name(llm)}, zero-shot, "
           f"{'first ' + str(args.limit) if args.limit else 'all'} items per task")
     print(format_task_table(results))
     return 0
@@ -414,6 +454,9 @@ def _add_eval_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="quality: `eval ppl` perplexity, `eval kld` KL divergence, `eval tasks` accuracy")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
 
+    def add_json_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
     def add_window_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--data", default=str(wikitext2_test_path()),
                        help="text file, read whole (default: the packaged WikiText-2 test split)")
@@ -423,6 +466,7 @@ def _add_eval_parsers(sub) -> None:
 
     ppl = ev_sub.add_parser("ppl", help="token-level perplexity on a text file (GPTQ/AWQ windows)")
     add_window_args(ppl)
+    add_json_arg(ppl)
     _add_model_args(ppl)
     ppl.set_defaults(func=cmd_eval_ppl)
 
@@ -434,6 +478,7 @@ def _add_eval_parsers(sub) -> None:
     kld.add_argument("--windows-per-batch", type=int, default=4,
                      help="windows scored at once (memory: 2 x this x seq-len x vocab floats)")
     add_window_args(kld)
+    add_json_arg(kld)
     _add_model_args(kld)
     kld.set_defaults(func=cmd_eval_kld)
 
@@ -441,6 +486,7 @@ def _add_eval_parsers(sub) -> None:
     tasks.add_argument("--tasks", default="lambada,hellaswag,arc_easy,arc_challenge,piqa,winogrande",
                        help="comma-separated task names")
     tasks.add_argument("--limit", type=int, default=None, help="first N items of each task")
+    add_json_arg(tasks)
     _add_model_args(tasks)
     tasks.set_defaults(func=cmd_eval_tasks)
 
