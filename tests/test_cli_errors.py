@@ -49,7 +49,8 @@ def files(tmp_path_factory):
 # Each fails before any model loads, in about 2 s (importing torch), so only these few; IN_PROCESS has more.
 CASES = {
     "missing model file": (["generate", "hi", "--model", "{root}/absent.gguf"], {}, 2, "does not exist"),
-    "damaged model file": (["generate", "hi", "--model", "{root}/damaged.gguf"], {}, 2, "damaged.gguf"),
+    "damaged model file": (["generate", "hi", "--model", "{root}/damaged.gguf"], {}, 2,
+                           "damaged.gguf has a corrupt or truncated header"),
     "bad flag value": (["generate", "hi", "--max-tokens", "lots"], {}, 2, "invalid int value: 'lots'"),
     "missing optional package": (["estimate", "--model", "llama-7b", "--plot", "{root}/roofline.png"],
                                  {"PYTHONPATH": "{root}/no-matplotlib"}, 1,
@@ -60,7 +61,11 @@ IN_PROCESS = {
     "unknown model name": (["generate", "hi", "--model", "no-such-model"], 2, "unknown model 'no-such-model'"),
     "not a model file": (["generate", "hi", "--model", "{root}/not-a-model.gguf"], 2, "neither a GGUF file"),
     "value a config refuses": (["serve", "--max-queue", "-1"], 2, "max_queue must be >= 0"),
-    "missing data file": (["eval", "ppl", "--data", "{root}/absent.txt"], 2, "absent.txt does not exist"),
+    # an unknown model would fail with its own message: the data file is checked before the model loads
+    "missing data file": (["eval", "ppl", "--data", "{root}/absent.txt", "--model", "no-such-model"], 2,
+                          "absent.txt does not exist"),
+    "missing bench data": (["bench", "latency", "--data", "{root}/absent.txt", "--model", "no-such-model"], 2,
+                           "prompt data file {root}/absent.txt does not exist"),
     "missing required flag": (["quantize", "--out", "{root}/out"], 2, "the following arguments are required: --method"),
     "pull without a name": (["models", "pull"], 2, "needs a NAME"),
 }
