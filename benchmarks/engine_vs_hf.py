@@ -27,9 +27,10 @@ from leanlm.analysis.bench import HFRunner
 from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.machine import CpuMonitor, CpuSample, describe_machine, measure_memory_bandwidth, peak_rss_bytes
+from leanlm.data import wikitext2_test_path
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
-WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 
 
 @dataclass
@@ -59,8 +60,8 @@ class Timed:
 
 
 def real_token_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
-    """Prompts of the given lengths cut from real text (WikiText-2 test when present)."""
-    text = WIKITEXT.read_text(encoding="utf-8") if WIKITEXT.exists() else (Path(__file__).read_text() + " ") * 40
+    """Prompts of the given lengths cut from real text (the packaged WikiText-2 test split)."""
+    text = WIKITEXT.read_text(encoding="utf-8")
     return prompts_from_text(tokenizer, text, lengths, seed)
 
 

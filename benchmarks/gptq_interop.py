@@ -25,10 +25,11 @@ from leanlm.analysis.markdown import replace_section
 from leanlm.compress import calibration_samples, compress, read_calibration_text
 from leanlm.compress.command import build_recipe
 from leanlm.compress.gptq_format import save_gptq_checkpoint
+from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM, load_model
 from leanlm.sampling_params import SamplingParams
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which"]
 
 

@@ -27,11 +27,12 @@ from leanlm.analysis.markdown import replace_section
 from leanlm.compress.base import build_method
 from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
 from leanlm.compress.command import build_recipe, directory_bytes, model_bytes
+from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.llama import build_model
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 
 # name -> (CLI method, options for build_recipe) or a KV-cache dtype
 CONFIGS: dict[str, dict] = {

@@ -23,12 +23,13 @@ from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import find_llama_server
 from leanlm.compress import RTNConfig, compress, save_checkpoint
+from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import resolve_model
 from leanlm.model.llama import build_model
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 RECIPES = {
     "int8": [RTNConfig(bits=8, group_size=None, ignore=())],
     "int4": [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())],  # head at int8

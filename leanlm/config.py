@@ -184,22 +184,33 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of the engine loop and the paged KV cache."""
+    """Knobs of the engine loop and the paged KV cache. Each field is a CLI flag of the commands that load a
+    model; its `help` metadata is the flag's help (and says what the field means)."""
 
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # explicit KV pool size; else sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30  # KV pool budget when num_kv_blocks is not given
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    max_num_seqs: int = 128  # most requests running at once
-    max_model_len: int | None = None  # context limit; defaults to the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    # KV storage: auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2 (8-bit, a float32 scale per token and KV head)
-    kv_cache_dtype: str = dataclasses.field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
-    # Speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the
-    # target's first K layers); None decodes one token a step
-    speculative: str | None = None
-    num_speculative_tokens: int = 4  # most draft tokens verified per request and step
-    speculative_max_batch_size: int = 8  # steps sampling more requests than this do not speculate
+    block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = dataclasses.field(default=None, metadata={
+        "help": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)"})
+    kv_cache_memory_bytes: int = dataclasses.field(default=1 << 30, metadata={
+        "help": "KV pool budget in bytes when --num-kv-blocks is not given"})
+    max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={
+        "help": "token budget of one engine step (prompt chunks + decodes)"})
+    max_num_seqs: int = dataclasses.field(default=128, metadata={
+        "help": "most sequences running at once (serve: with --max-queue, the admission capacity)"})
+    max_model_len: int | None = dataclasses.field(default=None, metadata={
+        "help": "context limit in tokens (default: the model's max_position_embeddings)"})
+    enable_prefix_caching: bool = dataclasses.field(default=True, metadata={
+        "help": "reuse the KV blocks of shared prompt prefixes"})
+    # 8-bit storage keeps a float32 scale per token and KV head (leanlm.model.kv_quant)
+    kv_cache_dtype: str = dataclasses.field(default="auto", metadata={
+        "choices": KV_CACHE_DTYPES,
+        "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales"})
+    speculative: str | None = dataclasses.field(default=None, metadata={
+        "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
+                "self:K (the target's first K layers); default: off, one token a step"})
+    num_speculative_tokens: int = dataclasses.field(default=4, metadata={
+        "help": "most draft tokens verified per request and step"})
+    speculative_max_batch_size: int = dataclasses.field(default=8, metadata={
+        "help": "steps sampling more requests than this do not speculate"})
 
     def __post_init__(self) -> None:
         if self.speculative is not None:

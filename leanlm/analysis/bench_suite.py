@@ -189,6 +189,11 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     unknown = sorted(set(compare) - {"hf", "llama.cpp"})
     if unknown:
         raise ValueError(f"unknown peers {unknown}; --compare takes hf and/or llama.cpp")
+    # The peers' packages are optional (leanlm[peers]): a missing one fails here, before our model loads.
+    if "hf" in compare:
+        import transformers  # noqa: F401
+    if "llama.cpp" in compare:
+        import llama_cpp  # noqa: F401
     # No prefix caching: repetitions of a batch would otherwise reuse their own prompts' KV.
     llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)
     cfg = llm.model_config
@@ -216,19 +221,19 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     return llm, runners, per_token
 
 
-def _text(data: str | None) -> str:
-    """The prompt source: the given text file (WikiText-2 by default); else this package's own source text."""
-    if data and Path(data).exists():
-        return Path(data).read_text(encoding="utf-8")
-    return (Path(__file__).read_text() + " ") * 200
+def _text(data: str | Path) -> str:
+    """The prompt source: a text file (`leanlm bench` passes the packaged WikiText-2 test split by default)."""
+    if not Path(data).is_file():
+        raise ValueError(f"prompt data file {data} does not exist; pass an existing text file with --data")
+    return Path(data).read_text(encoding="utf-8")
 
 
 def latency_command(args) -> str:
     prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
     output_lens = [int(x) for x in args.output_lens.split(",")]
     compare = [c for c in args.compare.split(",") if c]
+    text = _text(args.data)  # before the (slow) model loads
     llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
-    text = _text(args.data)
     prompts = {n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens}
     bandwidth = measure_memory_bandwidth()
     rows = run_latency(runners, prompts, output_lens, args.reps, per_token, bandwidth, args.max_other_cpu)
@@ -245,8 +250,9 @@ def throughput_command(args) -> str:
     compare = [c for c in args.compare.split(",") if c]
     rng = random.Random(args.seed)
     lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(max(batch_sizes))]
+    text = _text(args.data)  # before the (slow) model loads
     llm, runners, _ = build_runners(args.model, args.dtype, compare, args.max_prompt + args.output_len + 8)
-    prompts = prompts_from_text(llm.get_tokenizer(), _text(args.data), lengths, args.seed)
+    prompts = prompts_from_text(llm.get_tokenizer(), text, lengths, args.seed)
     rows = run_throughput(runners, prompts, batch_sizes, args.output_len, args.reps, args.max_other_cpu)
     lines = [f"Model `{args.model}` ({args.dtype}); prompts of {args.min_prompt}-{args.max_prompt} tokens (uniform, "
              f"seed {args.seed}) cut from real text, {args.output_len} output tokens each, greedy; medians of "

@@ -3,7 +3,7 @@ The numbers all come from `leanlm.analysis.estimate`; this module only chooses t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from leanlm.analysis import estimate as est
@@ -15,15 +15,21 @@ from leanlm.analysis.model_shape import ModelShape
 class EstimateSettings:
     """What to estimate for: formats, batch and lengths, and optional budget and measured throughput."""
 
-    dtype: str = "bf16"  # weight format: fp32 | bf16 | fp16 | fp8 | int8 | int4
-    kv_dtype: str | None = None  # KV format; default: dtype when it is a float format, else bf16
-    group_size: int = 128  # int4 weights: values per fp16 scale
-    zero_bits: int = 0  # int4 weights: bits of a zero point per group (asymmetric), 0 = symmetric
-    batch: int = 1  # sequences decoded together
-    context: int = 2048  # tokens each sequence attends to when decoding (prompt + generated)
-    prompt_len: int = 512  # tokens of one prompt's prefill
-    memory_budget_gb: float | None = None  # for the largest batch; default: the hardware's memory
-    tokens_per_s: float | None = None  # measured decode throughput (summed over the batch) -> MBU, MFU
+    dtype: str = field(default="bf16", metadata={
+        "help": "weight format: fp32 | bf16 | fp16 | fp8 | int8 | int4"})
+    kv_dtype: str | None = field(default=None, metadata={
+        "help": "KV cache format (default: --dtype when it is a float format, else bf16)"})
+    group_size: int = field(default=128, metadata={"help": "int4 weights: values per fp16 scale"})
+    zero_bits: int = field(default=0, metadata={
+        "help": "int4 weights: bits of a zero point per group (asymmetric); 0 = symmetric"})
+    batch: int = field(default=1, metadata={"help": "sequences decoded together"})
+    context: int = field(default=2048, metadata={
+        "help": "tokens each sequence attends to when decoding (prompt + generated)"})
+    prompt_len: int = field(default=512, metadata={"help": "tokens of one prompt's prefill"})
+    memory_budget_gb: float | None = field(default=None, metadata={
+        "help": "memory for the largest-batch estimate, in GB (default: the hardware's memory)"})
+    tokens_per_s: float | None = field(default=None, metadata={
+        "help": "measured decode throughput, summed over the batch: reports MBU and MFU"})
 
     def __post_init__(self) -> None:
         est.weight_format(self.dtype)  # raises with the list of formats

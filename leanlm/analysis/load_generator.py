@@ -26,19 +26,28 @@ from leanlm.analysis.load_report import LoadResult, RequestRecord
 class LoadConfig:
     """One load run. Every request asks for `output_len` tokens; arrivals follow a seeded Poisson process."""
 
-    url: str = "http://127.0.0.1:8000"  # base URL of the server; we append /v1/completions
-    model: str | None = None  # model name sent in each request; None: the first id of GET /v1/models
-    num_requests: int = 100
-    request_rate: float = math.inf  # mean arrivals per second (exponential gaps); inf: send all at once
-    max_concurrency: int | None = None  # most requests in flight at once (a client-side semaphore); None: no cap
-    output_len: int = 128  # `max_tokens` of every request
-    temperature: float = 0.0  # 0: greedy, so runs of two servers ask for the same work
-    seed: int = 0  # seeds the arrival schedule
-    api_key: str | None = None  # sent as `Authorization: Bearer ...` when given
+    url: str = field(default="http://127.0.0.1:8000", metadata={
+        "help": "base URL of the server; requests go to URL/v1/completions"})
+    model: str | None = field(default=None, metadata={
+        "help": "model name sent in each request (default: the first id of GET /v1/models)"})
+    num_requests: int = field(default=100, metadata={"help": "requests to send"})
+    request_rate: float = field(default=math.inf, metadata={
+        "help": "mean arrivals per second (a seeded Poisson process); inf sends all at once"})
+    max_concurrency: int | None = field(default=None, metadata={
+        "help": "most requests in flight at once (client-side; default: no cap)"})
+    output_len: int = field(default=128, metadata={"help": "max_tokens of every request"})
+    temperature: float = field(default=0.0, metadata={
+        "help": "sampling temperature; 0 is greedy, so runs against two servers ask for the same work"})
+    seed: int = field(default=0, metadata={"help": "seeds the arrival schedule"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "sent as `Authorization: Bearer KEY` when given"})
     # Token ids that end generation. Each gets `logit_bias` -100 so that every request generates exactly
     # `output_len` tokens on servers that honour logit_bias; the tokens received are counted regardless.
-    eos_token_ids: tuple[int, ...] = ()
-    timeout_s: float = 600.0  # a request still unfinished after this long is recorded as failed
+    # (`leanlm bench serve` derives them from --tokenizer and --ignore-eos: no flag of its own.)
+    eos_token_ids: tuple[int, ...] = field(default=(), metadata={
+        "help": "token ids given logit_bias -100 so every request makes output_len tokens"})
+    timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds after which an unfinished request is recorded as failed"})
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):

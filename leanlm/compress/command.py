@@ -70,7 +70,7 @@ def add_quantize_parser(sub) -> None:
 
     p = sub.add_parser("quantize", help="quantize a model (RTN, GPTQ, AWQ, SmoothQuant, LLM.int8(), FP8) and save it")
     p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
-    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--method", choices=METHODS, required=True, help="compression method (docs/quantization.md)")
     p.add_argument("--bits", type=int, default=None, help="weight bits (default: 4; 8 for smoothquant/llm_int8/fp8)")
     p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64 below 8 bits); 0 = per channel")
     p.add_argument("--act-bits", type=int, default=None, help="8: also quantize activations per token (W8A8)")
@@ -86,7 +86,7 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
     p.add_argument("--num-samples", type=int, default=64, help="calibration windows (GPTQ, AWQ, SmoothQuant, LLM.int8())")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the calibration windows' positions in the text")
     p.add_argument("--format", choices=["leanlm", "gptq"], default="leanlm",
                    help="gptq: the qweight/qzeros/scales/g_idx layout HF transformers and vLLM read (4-bit only)")
     p.add_argument("--out", required=True, help="output directory")

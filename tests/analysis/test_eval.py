@@ -4,15 +4,12 @@ of a model against itself and against its bfloat16 copy."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from leanlm.analysis.eval import Window, kl_divergence, make_windows, perplexity, read_text
-
-WIKITEXT = Path(__file__).resolve().parents[3] / "shared/data/wikitext-2-raw/wiki.test.raw"
-needs_wikitext = pytest.mark.skipif(not WIKITEXT.exists(), reason="WikiText-2 raw test file absent")
+from leanlm.data import wikitext2_test_path
 
 
 def test_windows_drop_the_tail_and_leave_token_zero_unscored():
@@ -41,9 +38,7 @@ def test_bad_windows_say_what_to_change(kwargs, match):
 
 @pytest.fixture(scope="module")
 def wiki_windows(tokenizer):
-    if not WIKITEXT.exists():
-        pytest.skip("WikiText-2 raw test file absent")
-    ids = tokenizer.encode(read_text(WIKITEXT)[:20_000], add_special_tokens=False)
+    ids = tokenizer.encode(read_text(wikitext2_test_path())[:20_000], add_special_tokens=False)
     return make_windows(ids, seq_len=256, max_windows=3)
 
 

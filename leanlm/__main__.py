@@ -1,0 +1,7 @@
+"""`python -m leanlm`: the same entry point as the `leanlm` console script."""
+
+import sys
+
+from leanlm.cli import main
+
+sys.exit(main())
