@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -223,8 +224,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
     from leanlm.server.launcher import check_port_free, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
@@ -234,7 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options["metrics_key"] = os.environ.get("LEANLM_METRICS_KEY") or None
     config = ServeConfig(**options)  # validate before the (slow) model load
     check_port_free(config.host, config.port)  # likewise: a taken port fails in a second, not after the load
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
     llm = _load_llm(args)
     serve(llm, config.served_model_name or args.model, config)  # RuntimeError (exit 1) if it could not start
     return 0
@@ -592,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr and a non-zero status, never a traceback, unless
     LEANLM_DEBUG=1 (then exceptions propagate). Ctrl-C exits 130 quietly."""
     debug = os.environ.get("LEANLM_DEBUG", "") not in ("", "0")
+    # Warnings and the startup choices worth a line (dtype auto's measured pick) on stderr; serve sets its own.
+    logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
+    logging.getLogger("leanlm.llm").setLevel(logging.INFO)
     try:
         args = build_parser().parse_args(argv)  # usage errors exit 2 here, one line (_Parser.error)
         return args.func(args)

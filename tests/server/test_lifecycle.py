@@ -131,6 +131,7 @@ def test_a_dead_engine_loop_answers_503_at_once(make_tiny_engine, monkeypatch):
         assert _request(server.url, "/health")[0] == 503
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread re-raises on purpose
 def test_serve_stops_and_fails_when_the_engine_loop_dies(make_tiny_engine, monkeypatch):
     """`leanlm serve` must not keep an HTTP server up in front of a dead engine: uvicorn stops, serve() raises
     (and the command exits 1)."""
