@@ -200,7 +200,8 @@ def test_half_precision_dtypes_track_float32(llm, dtype):
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
     # Text only where float32's margin is wide (checked here first): " Paris" leads by ~2.5 nats.
     prompt = tok.encode("The capital of France is")
-    first = llm.score([prompt], use_tqdm=False)[0][-1].topk(2)
-    assert first.values[0] - first.values[1] > 2 * NEAR_TIE and tok.decode([int(first.indices[0])]) == " Paris"
+    paris = tok.encode(" Paris")
+    first = llm.score([prompt + paris], use_tqdm=False)[0][len(prompt) - 1].topk(2)  # the row after the prompt
+    assert first.values[0] - first.values[1] > 2 * NEAR_TIE and first.indices[0] == paris[0]
     out = half.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [int(first.indices[0])]
