@@ -107,6 +107,7 @@ def _kill_the_engine_loop_once_healthy(llm_engine, url: str, monkeypatch) -> thr
     return watcher
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread re-raises on purpose
 def test_a_dead_engine_loop_answers_503_at_once(make_tiny_engine, monkeypatch):
     from tests.server.conftest import serve_engine
     from tests.server.test_safety import _assert_error, _request
