@@ -34,15 +34,14 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
     """'auto': bfloat16 on CUDA; on a CPU, what the engine's linear layer runs faster here (a probe on the
     model's MLP shape, cached per machine: leanlm.model.dtype_probe), logged with its reason."""
     if dtype != "auto":
         return parse_dtype(dtype)
     if device.type != "cpu":
         return torch.bfloat16
-    in_features, out_features = (config.hidden_size, config.intermediate_size) if config else (1024, 4096)
-    choice = choose_cpu_dtype(in_features, out_features)
+    choice = choose_cpu_dtype(config.hidden_size, config.intermediate_size)
     logger.info("dtype auto -> %s (%s)", str(choice.dtype).removeprefix("torch."), choice.reason)
     return choice.dtype
 
@@ -53,7 +52,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     a LlamaForCausalLM whose `tokenizer` attribute holds the model's tokenizer (save_checkpoint writes it)."""
     device = torch.device(device) if device is not None else default_device()
     checkpoint = load_checkpoint(model, progress=progress)
-    net = build_model(checkpoint.config, checkpoint.state_dict, resolve_dtype(dtype, device, checkpoint.config), device,
+    dtype = resolve_dtype(dtype, device, checkpoint.config)
+    net = build_model(checkpoint.config, checkpoint.state_dict, dtype, device,
                       quantized=checkpoint.quantized)
     net.tokenizer = checkpoint.tokenizer
     return net

@@ -159,34 +159,29 @@ def test_copy_keeps_working_without_extension(tiny_gguf, tmp_path):
     assert set(state_dict) == set(expected)
 
 
-def test_metadata_that_disagrees_with_tensor_shapes(tiny_gguf, tmp_path):
-    """A damaged feed_forward_length used to load (and fail later in the model); now the loader refuses it."""
+def _with_u32_field(path, key: str, value: int, tmp_path):
+    """A copy of the GGUF at `path` whose uint32 metadata `key` holds `value` instead."""
     from gguf import GGUFReader
 
-    path, _ = tiny_gguf("llama", True)
     reader = GGUFReader(path)
-    value = reader.fields["llama.feed_forward_length"].parts[-1]
-    offset = value.ctypes.data - reader.data.ctypes.data
+    offset = reader.fields[key].parts[-1].ctypes.data - reader.data.ctypes.data
     data = bytearray(path.read_bytes())
-    data[offset:offset + 4] = (128).to_bytes(4, "little")  # the tensors hold 96
+    data[offset:offset + 4] = value.to_bytes(4, "little")
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(bytes(data))
+    return broken
+
+
+def test_metadata_that_disagrees_with_tensor_shapes(tiny_gguf, tmp_path):
+    """A damaged feed_forward_length used to load (and fail later in the model); now the loader refuses it."""
+    broken = _with_u32_field(tiny_gguf("llama", True)[0], "llama.feed_forward_length", 128, tmp_path)  # holds 96
     with pytest.raises(ModelLoadError, match=r"ffn_gate.weight has shape \[96, 64\], but the metadata describes "
                                              r"\[128, 64\]"):
         load_gguf(broken, progress=False)
 
 
 def test_absurd_context_length(tiny_gguf, tmp_path):
-    from gguf import GGUFReader
-
-    path, _ = tiny_gguf("qwen2", True)
-    reader = GGUFReader(path)
-    value = reader.fields["qwen2.context_length"].parts[-1]
-    offset = value.ctypes.data - reader.data.ctypes.data
-    data = bytearray(path.read_bytes())
-    data[offset:offset + 4] = (2**32 - 1).to_bytes(4, "little")
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(bytes(data))
+    broken = _with_u32_field(tiny_gguf("qwen2", True)[0], "qwen2.context_length", 2**32 - 1, tmp_path)
     with pytest.raises(ModelLoadError, match=r"invalid model: max_position_embeddings \(context length\) is "
                                              r"4294967295, above the 1048576 positions"):
         load_gguf(broken, progress=False)

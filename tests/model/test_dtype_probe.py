@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from leanlm.llm import resolve_dtype
+from tests.conftest import tiny_config
 from leanlm.model import dtype_probe
 from leanlm.model.dtype_probe import DECODE_ROWS, PREFILL_ROWS, choose_cpu_dtype
 
@@ -76,10 +77,17 @@ def test_resolve_dtype_probes_only_for_auto_on_cpu(monkeypatch):
     def no_probe(*args, **kwargs):
         raise AssertionError("probed")
 
+    config = tiny_config(256)
     monkeypatch.setattr("leanlm.llm.choose_cpu_dtype", no_probe)
-    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    monkeypatch.setattr("leanlm.llm.choose_cpu_dtype",
-                        lambda i, o: choose_cpu_dtype(i, o, timer=_timer({torch.bfloat16: 5.0, torch.float32: 1.0})))
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float32", torch.device("cpu"), config) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu"), config) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), config) == torch.bfloat16
+    shapes = []
+
+    def probe(in_features, out_features):
+        shapes.append((in_features, out_features))
+        return choose_cpu_dtype(in_features, out_features, timer=_timer({torch.bfloat16: 5.0, torch.float32: 1.0}))
+
+    monkeypatch.setattr("leanlm.llm.choose_cpu_dtype", probe)
+    assert resolve_dtype("auto", torch.device("cpu"), config) == torch.float32
+    assert shapes == [(config.hidden_size, config.intermediate_size)]  # the model's MLP shape
