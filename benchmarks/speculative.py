@@ -37,6 +37,7 @@ from leanlm.engine.engine import LLMEngine
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.paged_kv import PagedKVCache
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 
@@ -118,7 +119,6 @@ class LatencyRow:
 
 def generate(engine: LLMEngine, ids: list[int], params: SamplingParams) -> tuple[list[int], float]:
     """The request's tokens, and the seconds to its first one."""
-    engine.model_runner.bind_kv_cache()  # the engines of one model share its weights
     t0 = time.perf_counter()
     request_id = engine.add_request(ids, params)
     tokens: list[int] = []
@@ -226,23 +226,21 @@ class ExitRow:
     relative_cost: float  # step_ms over the whole model's
 
 
-def bind_scratch_cache(net, num_tokens: int) -> list[int]:
-    """Bind a fresh bfloat16 KV cache of blocks of 16 for `num_tokens` positions to `net` (outside any engine);
-    its block ids."""
+def scratch_cache(net, num_tokens: int) -> tuple[PagedKVCache, list[int]]:
+    """A fresh bfloat16 KV cache of blocks of 16 for `num_tokens` positions of `net` (outside any engine), and its
+    block ids."""
     cfg = net.config
     num_blocks = -(-num_tokens // 16)
-    cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
-                        dtype=torch.bfloat16)  # [L, 2, N, Hkv, bs, D]
-    net.bind_kv_cache([(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)])
-    return list(range(num_blocks))
+    cache = PagedKVCache.allocate(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
+                                  torch.bfloat16, "cpu")
+    return cache, list(range(num_blocks))
 
 
 def decode_step_ms(net, rows: int = 1, reps: int = 15) -> float:
     """Median time of one step of `rows` decode entries of one request (positions 300 on, every layer, the head
     on every row: a verification of rows - 1 drafts), on its own cache."""
-    blocks = bind_scratch_cache(net, 384)
-    ctx = build_forward_context([1] * rows, list(range(301, 301 + rows)), [blocks] * rows, 16,
-                                net.config.num_key_value_heads, torch.device("cpu"))
+    cache, blocks = scratch_cache(net, 384)
+    ctx = build_forward_context([1] * rows, list(range(301, 301 + rows)), [blocks] * rows, cache)
     ids, positions = torch.full((rows,), 100), torch.arange(300, 300 + rows)
     times = []
     with torch.inference_mode(), forward_context(ctx):
@@ -280,9 +278,8 @@ def cost_rows(root: Path, row_counts: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8), r
 
 def exit_argmax(net, ids: list[int]) -> torch.Tensor:
     """Teacher-forced argmax at every position of `ids` [T], in one prefill on a scratch cache."""
-    blocks = bind_scratch_cache(net, len(ids))
-    ctx = build_forward_context([len(ids)], [len(ids)], [blocks], 16, net.config.num_key_value_heads,
-                                torch.device("cpu"))
+    cache, blocks = scratch_cache(net, len(ids))
+    ctx = build_forward_context([len(ids)], [len(ids)], [blocks], cache)
     with torch.inference_mode(), forward_context(ctx):
         return net.compute_logits(net(torch.tensor(ids), torch.arange(len(ids)))).argmax(dim=-1)
 
@@ -336,7 +333,6 @@ def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
                for name, options in settings.items()}
 
     def run(engine: LLMEngine) -> float:
-        engine.model_runner.bind_kv_cache()
         t0 = time.perf_counter()
         for ids in batch:
             engine.add_request(ids, params)

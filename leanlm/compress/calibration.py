@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_SEQUENCES, GroupInputs, LinearReport, Method
 from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.llama import LlamaAttention
+from leanlm.model.paged_kv import PagedKVCache
 
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 MAX_SAMPLE_ROWS = 4096  # input rows kept per linear group for AWQ's search and the error report
@@ -97,14 +99,12 @@ class LayerRunner:
         self.model, self.seq_len, self.batch = model, seq_len, batch
         param = model.model.norm.weight
         blocks_per_seq = -(-seq_len // _BLOCK_SIZE)
-        shape = (batch * blocks_per_seq, cfg.num_key_value_heads, _BLOCK_SIZE, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        # One layer's cache, reused by each layer in turn (a PagedKVCache view per layer, see _run).
+        self.kv = PagedKVCache.allocate(1, batch * blocks_per_seq, cfg.num_key_value_heads, _BLOCK_SIZE,
+                                        cfg.head_dim, param.dtype, param.device).kv  # [1, 2, N, Hkv, bs, D]
         self.block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         positions = torch.arange(seq_len, device=param.device)
         self.rope = model.rotary_emb(positions.repeat(batch), param.dtype)
-        self.device = param.device
-        self.num_kv_heads = cfg.num_key_value_heads
 
     def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, T, d] -> layer outputs [S, T, d]."""
@@ -123,30 +123,24 @@ class LayerRunner:
     def run_module(self, layer: nn.Module, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One submodule of `layer` (its attention, MLP or a linear) on whole sequences x [S, T, K] -> [S, T, N].
         A module that owns a KV cache is attention and also takes the rotary tables."""
-        if hasattr(module, "k_cache"):
+        if isinstance(module, LlamaAttention):
             return self._run(layer, lambda flat, rope: module(flat, rope), x)
         return self._run(layer, lambda flat, rope: module(flat), x)
 
     def _run(self, layer: nn.Module, fn, hidden: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
         """fn(rows [n*T, K], rope) -> [n*T, N] over `batch` sequences of hidden [S, T, K] at a time; the
         outputs [S, T, N] when `keep`."""
-        attn = layer.self_attn
-        saved = attn.k_cache, attn.v_cache
-        attn.k_cache, attn.v_cache = self.k_cache, self.v_cache
+        cache = PagedKVCache(self.kv, first_layer=layer.self_attn.layer_idx)
         outs = []
-        try:
-            for start in range(0, hidden.shape[0], self.batch):
-                chunk = hidden[start : start + self.batch]
-                n = chunk.shape[0]
-                ctx = build_forward_context([self.seq_len] * n, [self.seq_len] * n, self.block_ids[:n], _BLOCK_SIZE,
-                                            self.num_kv_heads, self.device)
-                rope = tuple(t[: n * self.seq_len] for t in self.rope)
-                with forward_context(ctx):
-                    out = fn(chunk.reshape(-1, chunk.shape[-1]), rope)
-                if keep:
-                    outs.append(out.view(n, self.seq_len, -1))
-        finally:
-            attn.k_cache, attn.v_cache = saved
+        for start in range(0, hidden.shape[0], self.batch):
+            chunk = hidden[start : start + self.batch]
+            n = chunk.shape[0]
+            ctx = build_forward_context([self.seq_len] * n, [self.seq_len] * n, self.block_ids[:n], cache)
+            rope = tuple(t[: n * self.seq_len] for t in self.rope)
+            with forward_context(ctx):
+                out = fn(chunk.reshape(-1, chunk.shape[-1]), rope)
+            if keep:
+                outs.append(out.view(n, self.seq_len, -1))
         return torch.cat(outs) if keep else None
 
 

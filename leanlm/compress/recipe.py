@@ -34,9 +34,6 @@ def compress(model: nn.Module, recipe: MethodConfig | Sequence[MethodConfig], ca
     reports = run_layers(model, methods, calibration, batch=batch, progress=progress)
     recorded = list(getattr(model, "compression_recipe", []))
     model.compression_recipe = recorded + [{"method": cfg.name, **_as_json(cfg)} for cfg in recipe]
-    refresh = getattr(model, "refresh_native_decode", None)  # a serving model binds its loop to old tensors
-    if refresh is not None:
-        refresh()
     return CompressionReport([cfg.name for cfg in recipe], reports, time.perf_counter() - start)
 
 

@@ -23,6 +23,7 @@ from leanlm.engine.sampling_metadata import SamplingMetadata
 from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.model.paged_kv import PagedKVCache
 
 
 _DECODE_ROWS = cpu_decode.MAX_ROWS  # decode entries the native decode loop takes in one call
@@ -72,40 +73,23 @@ class Drafts:
 
 
 class DraftProposer:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
-                 num_blocks: int | None = None, dtype: torch.dtype | None = None,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, owns_cache: bool = False,
                  relative_cost: float = 0.0) -> None:
-        """`num_blocks` given: a separate draft with its own cache of that many blocks (the target's count)
-        in `dtype`; None: the model already reads a bound cache (self-speculation). `relative_cost`: one draft
-        step's cost relative to one target step."""
+        """`kv_cache`: a separate draft's own cache (`owns_cache`, indexed by the target's block ids), or the
+        target's cache, which a self-draft reads for its layers. `relative_cost`: one draft step's cost relative
+        to one target step."""
         self.model = model
+        self.kv_cache = kv_cache
         self.relative_cost = relative_cost
-        self.block_size = block_size
-        self.device = device
-        self.num_kv_heads = model.config.num_key_value_heads
-        self.owns_cache = num_blocks is not None
-        self.kv_cache_bytes = 0
-        if self.owns_cache:
-            cfg = model.config
-            shape = (cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, N, Hkv, bs, D]
-            model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])])
-            self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.device = kv_cache.device
+        self.owns_cache = owns_cache
+        self.kv_cache_bytes = kv_cache.nbytes if owns_cache else 0
         self._written: dict[str, _DraftKV] = {}  # request id -> what a separate draft last wrote for it
-
-    def rebind(self) -> None:
-        """After the target's cache was (re)bound: a separate draft binds its own cache again, a self-draft
-        rebuilds its native loop over the target's layers (it holds their cache pointers)."""
-        if self.owns_cache:
-            layers = range(self.kv_cache.shape[0])
-            self.model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers])
-        else:
-            self.model.refresh_native_decode()
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write of the target's blocks, mirrored in a separate draft's own cache."""
         if self.owns_cache:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, n, Hkv, bs, D]
+            self.kv_cache.copy_blocks(src, dst)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -180,7 +164,7 @@ class DraftProposer:
             ids += tokens
             positions += range(first, first + len(tokens))
             last_rows.append(len(ids) - 1)
-        ctx = build_forward_context(query_lens, seq_lens, blocks, self.block_size, self.num_kv_heads, self.device)
+        ctx = build_forward_context(query_lens, seq_lens, blocks, self.kv_cache)
         as_long = dict(dtype=torch.long, device=self.device)
         with forward_context(ctx):
             hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))  # [T, hidden]

@@ -21,6 +21,7 @@ from leanlm.engine.spec_decode import SpecDecoder
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.model.paged_kv import PagedKVCache
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -101,32 +102,15 @@ class ModelRunner:
         self.device = device
         self.kv_cache_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, model_dtype)
         self.num_blocks = num_kv_blocks_for(self.config, engine_config, self.kv_cache_dtype)
-        shape = (
-            self.config.num_hidden_layers, 2, self.num_blocks, self.config.num_key_value_heads,
-            self.block_size, self.config.head_dim,
-        )
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=device)  # [L, 2, N, Hkv, bs, D]
-        # 8-bit caches: one scale per (token, KV head) beside the values; float caches have none
-        self.kv_scales: torch.Tensor | None = None  # [L, 2, N, Hkv, bs] float32
-        if is_quantized(self.kv_cache_dtype):
-            self.kv_scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
-        self.spec_decoder: SpecDecoder | None = None
-        self.bind_kv_cache()
-        tensors = (self.kv_cache,) if self.kv_scales is None else (self.kv_cache, self.kv_scales)
-        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        # This runner's cache, handed to every forward it runs (the model holds none): [L, 2, N, Hkv, bs, D], and
+        # an 8-bit cache's per-(token, KV head) scales [L, 2, N, Hkv, bs].
+        cfg = self.config
+        self.kv_cache = PagedKVCache.allocate(cfg.num_hidden_layers, self.num_blocks, cfg.num_key_value_heads,
+                                              self.block_size, cfg.head_dim, self.kv_cache_dtype, device)
+        self.kv_cache_bytes = self.kv_cache.nbytes
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
-
-    def bind_kv_cache(self) -> None:
-        """Point the model's attention layers at this runner's KV cache. Done on construction; call it again
-        before using this runner when another runner over the same model (weights shared between engines, as
-        a benchmark comparing engine settings does) ran since."""
-        layers = range(self.kv_cache.shape[0])
-        scales = None if self.kv_scales is None else [(self.kv_scales[i, 0], self.kv_scales[i, 1]) for i in layers]
-        self.model.bind_kv_cache([(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in layers], scales)
-        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
-            self.spec_decoder.draft.rebind()
 
     def _spec_decoder(self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None,
                       max_model_len: int | None) -> SpecDecoder | None:
@@ -135,7 +119,7 @@ class ModelRunner:
             return None
         draft = None
         if spec.method == "self":
-            draft = DraftProposer(self.model.first_layers(spec.num_draft_layers), self.block_size, self.device,
+            draft = DraftProposer(self.model.first_layers(spec.num_draft_layers), self.kv_cache,
                                   relative_cost=spec.num_draft_layers / self.config.num_hidden_layers)
         elif spec.method == "draft":
             if draft_model is None:
@@ -146,7 +130,10 @@ class ModelRunner:
                     f"({self.config.vocab_size}); a draft must share the target's tokenizer"
                 )
             dtype = self.kv_cache_dtype if not is_quantized(self.kv_cache_dtype) else draft_model.model.norm.weight.dtype
-            draft = DraftProposer(draft_model, self.block_size, self.device, num_blocks=self.num_blocks, dtype=dtype,
+            cfg = draft_model.config
+            cache = PagedKVCache.allocate(cfg.num_hidden_layers, self.num_blocks, cfg.num_key_value_heads,
+                                          self.block_size, cfg.head_dim, dtype, self.device)
+            draft = DraftProposer(draft_model, cache, owns_cache=True,
                                   relative_cost=_weight_bytes(draft_model) / _weight_bytes(self.model))
             self.kv_cache_bytes += draft.kv_cache_bytes
         return SpecDecoder(spec, draft, self.block_size, max_model_len)
@@ -159,7 +146,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         layout = self._layout(scheduler_output)
         entries = _attention_entries(scheduler_output, layout)
-        ctx = build_forward_context(*entries, self.block_size, self.config.num_key_value_heads, self.device)
+        ctx = build_forward_context(*entries, self.kv_cache)
         started = time.perf_counter()
         with forward_context(ctx):
             hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
@@ -215,9 +202,7 @@ class ModelRunner:
         if not blocks_to_copy:
             return
         src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device) for ids in zip(*blocks_to_copy))
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, n, Hkv, bs, D]
-        if self.kv_scales is not None:
-            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]  # [L, 2, n, Hkv, bs]
+        self.kv_cache.copy_blocks(src, dst)
         if self.spec_decoder is not None and self.spec_decoder.draft is not None:
             self.spec_decoder.draft.copy_blocks(src, dst)  # a draft model's cache mirrors the block ids
 

@@ -107,30 +107,33 @@ class NativeLinear:
 
 @dataclass(frozen=True)
 class NativeLayer:
-    """One decoder layer as the C loop reads it: norms, linears in LINEAR_ORDER, and its KV cache."""
+    """One decoder layer's weights as the C loop reads them: norms and linears in LINEAR_ORDER."""
 
     input_norm: torch.Tensor  # bf16 [hidden]
     post_norm: torch.Tensor
     linears: tuple[NativeLinear, ...]  # q, k, v, o, gate, up, down
-    k_cache: torch.Tensor  # [num_blocks, Hkv, block_size, D]: bf16, or int8 with scales
-    v_cache: torch.Tensor
-    k_scales: torch.Tensor | None = None  # an int8 cache's float32 [num_blocks, Hkv, block_size]
-    v_scales: torch.Tensor | None = None
 
     def is_supported(self) -> bool:
-        """bf16 norms; a bf16 cache, or an int8 one with float32 scales (fp8 caches stay on PyTorch)."""
-        tensors = (self.input_norm, self.post_norm, self.k_cache, self.v_cache)
-        if not all(t.is_cpu and t.is_contiguous() for t in tensors) or not all(s.is_supported() for s in self.linears):
-            return False
-        if self.input_norm.dtype != _BF16 or self.post_norm.dtype != _BF16:
-            return False
-        if self.k_scales is None or self.v_scales is None:
-            return self.k_scales is self.v_scales and self.k_cache.dtype == _BF16 == self.v_cache.dtype
-        scales = (self.k_scales, self.v_scales)
+        """bf16 contiguous CPU norms and linears the kernels take."""
+        norms = (self.input_norm, self.post_norm)
         return (
-            self.k_cache.dtype == torch.int8 == self.v_cache.dtype
-            and all(s.dtype == _F32 and s.is_contiguous() and s.shape == self.k_cache.shape[:-1] for s in scales)
-        )  # fmt: skip
+            all(t.is_cpu and t.is_contiguous() and t.dtype == _BF16 for t in norms)
+            and all(s.is_supported() for s in self.linears)
+        )
+
+
+def kv_is_supported(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+                    v_scales: torch.Tensor | None) -> bool:
+    """A contiguous CPU cache [N, Hkv, bs, D]: bf16, or int8 with float32 scales [N, Hkv, bs] (fp8 caches stay
+    on PyTorch)."""
+    if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache)):
+        return False
+    if k_scales is None or v_scales is None:
+        return k_scales is v_scales and k_cache.dtype == _BF16 == v_cache.dtype
+    return (
+        k_cache.dtype == torch.int8 == v_cache.dtype
+        and all(s.dtype == _F32 and s.is_contiguous() and s.shape == k_cache.shape[:-1] for s in (k_scales, v_scales))
+    )
 
 
 LINEAR_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -178,24 +181,24 @@ def _fn_address(kernel: NativeKernel) -> int:
 
 
 class DecodeLayers:
-    """The native decode loop bound to one model's tensors. __call__ runs every layer and the final norm."""
+    """The native decode loop over one model's weights. `bind_kv` points it at a KV cache; __call__ runs every
+    layer and the final norm."""
 
     def __init__(self, layers: list[NativeLayer], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
         self._keep = (layers, final_norm, cos, sin)  # the struct holds raw pointers into these
+        # Whether bind_kv succeeded. The struct then points into caches this object does not keep alive: the
+        # caller (model/native_decode.py) calls the loop only while the bound caches are the forward's own.
+        self._has_kv = False
         hidden = final_norm.shape[0]
         intermediate = layers[0].linears[4].out_features
-        block_size = layers[0].k_cache.shape[2]
         self._layers = (_Layer * len(layers))()
         for dst, layer in zip(self._layers, layers):
             dst.input_norm, dst.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             for i, linear in enumerate(layer.linears):
                 dst.linears[i] = linear.to_struct()
-            dst.k_cache, dst.v_cache = layer.k_cache.data_ptr(), layer.v_cache.data_ptr()
-            if layer.k_scales is not None:
-                dst.k_scales, dst.v_scales = layer.k_scales.data_ptr(), layer.v_scales.data_ptr()
         self._model = _Model(
-            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, cos.shape[0],
+            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, 0, cos.shape[0],
             cos.data_ptr(), sin.data_ptr(), self._layers, final_norm.data_ptr(),
             _fn_address(cpu_gemv._KERNEL), _fn_address(cpu_qgemv._INT8_KERNEL), _fn_address(cpu_qgemv._INT4_KERNEL),
             _fn_address(paged_attention._KERNEL), _fn_address(paged_attention._KERNEL_INT8), MIN_PARALLEL_BYTES, eps, head_dim**-0.5,
@@ -204,12 +207,32 @@ class DecodeLayers:
         widest_input = max(hidden, num_heads * head_dim, intermediate)  # room for a permuted input
         per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * intermediate + widest_input
         self._scratch = torch.empty(MAX_ROWS * per_row, dtype=_BF16)
+        self._kv_heads_dim = (num_kv_heads, head_dim)
+
+    def bind_kv(self, caches: list) -> bool:
+        """Point layer i at caches[i] = (k_cache, v_cache, k_scales, v_scales), each cache [N, Hkv, bs, D]. False
+        (and nothing bound) when the loop cannot read them. The caches must outlive every call made on them."""
+        self._has_kv = False
+        if len(caches) != len(self._layers) or not all(kv_is_supported(*c) for c in caches):
+            return False
+        shape = caches[0][0].shape
+        if (shape[1], shape[3]) != self._kv_heads_dim or any(c[0].shape != shape for c in caches):
+            return False
+        for dst, (k_cache, v_cache, k_scales, v_scales) in zip(self._layers, caches):
+            dst.k_cache, dst.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            dst.k_scales = None if k_scales is None else k_scales.data_ptr()
+            dst.v_scales = None if v_scales is None else v_scales.data_ptr()
+        self._model.block_size = shape[2]
+        self._has_kv = True
+        return True
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """x [M, hidden] bf16 embeddings of M <= MAX_ROWS decode tokens (one per request; overwritten with the
         residual stream) -> final-normed hidden [M, hidden]. positions, slots, seq_lens [M] and block_tables
-        [M, max_blocks]: contiguous CPU int64."""
+        [M, max_blocks]: contiguous CPU int64. The caches given to the last successful bind_kv are used."""
+        if not self._has_kv:
+            raise RuntimeError("the native decode loop has no KV cache bound: call bind_kv first")
         M = x.shape[0]
         index = (positions, slots, block_tables, seq_lens)
         if not (

@@ -9,7 +9,7 @@ dequantized to the query dtype as blocks are gathered.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +17,7 @@ import torch.nn.functional as F
 from leanlm.kernels import paged_attention
 from leanlm.model.context import ForwardContext, PrefillSpan
 from leanlm.model.kv_quant import dequantize_kv, store_kv
-
-
-class _PagedKV(NamedTuple):
-    """One layer's paged cache as the backend reads it."""
-
-    k_cache: torch.Tensor  # [N, Hkv, bs, D]
-    v_cache: torch.Tensor
-    k_scales: torch.Tensor | None  # [N, Hkv, bs] float32 for an 8-bit cache, else None
-    v_scales: torch.Tensor | None
+from leanlm.model.paged_kv import LayerKV
 
 
 class AttentionBackend(Protocol):
@@ -36,12 +28,9 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D] (rotary applied)
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]: one head's block is contiguous
-        v_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
+        kv: LayerKV,  # this layer's paged cache; new K/V are written into it
         scale: float,
         ctx: ForwardContext,
-        k_scales: torch.Tensor | None = None,  # [num_blocks, Hkv, block_size] float32 for an 8-bit cache, else None
-        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -76,12 +65,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, ctx, k_scales=None, v_scales=None):
+    def forward(self, q, k, v, kv: LayerKV, scale, ctx):
         # Store first: every new token's K/V is in the cache before any request of the batch reads it. Fresh
         # K/V are then read as stored (an 8-bit cache's rounding included), like the cached prefix.
-        k = store_kv(k_cache, k_scales, k, ctx.kv_write_index)
-        v = store_kv(v_cache, v_scales, v, ctx.kv_write_index)
-        kv = _PagedKV(k_cache, v_cache, k_scales, v_scales)
+        k = store_kv(kv.k_cache, kv.k_scales, k, ctx.kv_write_index)
+        v = store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
         if ctx.is_all_decode:  # rows are the decode rows, in order
             return self.decode(q, kv, scale, ctx)
         out = torch.empty_like(q)
@@ -91,7 +79,7 @@ class TorchAttentionBackend:
             out[span.token_start : span.token_end] = _prefill(q, k, v, kv, scale, span)
         return out
 
-    def decode(self, q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
+    def decode(self, q, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
         return _decode(q, kv, scale, ctx)
 
 
@@ -101,7 +89,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def decode(self, q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
+    def decode(self, q, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
         if not paged_attention.should_use(q, kv.k_cache, kv.k_scales):  # e.g. fp8 or float32 K/V
             return super().decode(q, kv, scale, ctx)
         tables, seq_lens, max_len = ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
@@ -132,7 +120,7 @@ def _gather(
     return rows[..., :length, :, :]
 
 
-def _decode(q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
+def _decode(q, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
     """One query per request: q [Bd, H, D] -> [Bd, H, D], all requests in one SDPA call."""
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads = kv.k_cache.shape[1]
@@ -149,7 +137,7 @@ def _decode(q, kv: _PagedKV, scale, ctx: ForwardContext) -> torch.Tensor:
     return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 
-def _prefill(q, k, v, kv: _PagedKV, scale, span: PrefillSpan) -> torch.Tensor:
+def _prefill(q, k, v, kv: LayerKV, scale, span: PrefillSpan) -> torch.Tensor:
     """A chunk of n new tokens at the end of a seq_len-token sequence, causal: -> [n, H, D].
 
     4-D SDPA with GQA and, past a cached prefix, an additive float mask: the shapes that keep PyTorch's CPU

@@ -1,6 +1,7 @@
-"""ForwardContext: the flat batch metadata attention layers read during one forward.
+"""ForwardContext: the flat batch metadata and the KV cache attention layers read during one forward.
 
-Set by the model runner through `forward_context(ctx)`, which refuses nesting; the model never sees a Request.
+Set by the model runner through `forward_context(ctx)`, which refuses nesting; the model never sees a Request
+and holds no cache of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from leanlm.model.paged_kv import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class PrefillSpan:
 class ForwardContext:
     """Batch layout of one forward over B requests and T = sum of their scheduled tokens."""
 
+    kv_cache: PagedKVCache  # where every layer reads and writes K/V in this forward (owned by the caller)
     slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) for each new token
     # [T * Hkv] long: row of token t, head h in a cache viewed as [N * Hkv * bs, D] (blocks are [Hkv, bs, D])
     kv_write_index: torch.Tensor
@@ -70,10 +74,11 @@ def get_forward_context() -> ForwardContext:
 
 
 def build_forward_context(
-    query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]], block_size: int, num_kv_heads: int,
-    device: torch.device,
+    query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]], kv_cache: PagedKVCache
 ) -> ForwardContext:
-    """Lay out B requests' metadata: query_lens[i] new tokens ending at seq_lens[i], KV in block_ids[i]."""
+    """Lay out B requests' metadata: query_lens[i] new tokens ending at seq_lens[i], KV in block_ids[i] of
+    `kv_cache` (whose block size, KV heads and device the layout follows)."""
+    block_size, num_kv_heads, device = kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.device
     num_reqs = len(query_lens)
     max_blocks = max(len(b) for b in block_ids)
     table = [b + [0] * (max_blocks - len(b)) for b in block_ids]
@@ -100,6 +105,7 @@ def build_forward_context(
     heads = torch.arange(num_kv_heads, device=device)
     kv_write_index = ((block[:, None] * num_kv_heads + heads) * block_size + offset[:, None]).reshape(-1)
     return ForwardContext(
+        kv_cache=kv_cache,
         slot_mapping=slot_mapping,
         kv_write_index=kv_write_index,
         is_all_decode=len(decode_rows) == num_reqs,

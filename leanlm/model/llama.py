@@ -14,16 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_decode, paged_attention
+from leanlm.kernels import cpu_decode
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
-from leanlm.model.kv_quant import is_quantized
 from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from leanlm.model.native_decode import NativeDecodePlan
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which layer of the forward context's KV cache this attention reads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -34,24 +35,15 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.backend = backend
-        # Bound by the model runner: this layer's slice of the paged cache, [num_blocks, Hkv, block_size, D].
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        # An 8-bit cache's per-(token, KV head) scales, [num_blocks, Hkv, block_size] float32; None otherwise.
-        self.k_scales: torch.Tensor | None = None
-        self.v_scales: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("KV cache is not bound: the model runs through leanlm's ModelRunner")
+        ctx = get_forward_context()
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, self.scale, get_forward_context(), self.k_scales, self.v_scales
-        )
+        out = self.backend.forward(q, k, v, ctx.kv_cache.layer(self.layer_idx), self.scale, ctx)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -89,7 +81,7 @@ class LinearGroup:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
         # v_proj's output channels reach o_proj one-to-one only without grouped-query attention.
         self.linear_groups = (
@@ -100,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
             LinearGroup("mlp.up_proj", ("mlp.down_proj",)),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -113,18 +105,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Every layer in one native call for all-decode steps of <= 8 tokens; set by LlamaForCausalLM.
-        self.native_decode: cpu_decode.DecodeLayers | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.native_decode is not None and x.shape[0] <= cpu_decode.MAX_ROWS:
-            ctx = get_forward_context()
-            if ctx.is_all_decode:
-                return self.native_decode(x, positions, ctx.slot_mapping, ctx.decode_block_tables,
-                                          ctx.decode_seq_lens, ctx.decode_max_seq_len)  # fmt: skip
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """Embeddings x [T, hidden] -> final-normed hidden [T, hidden]."""
         rope = rotary(positions, x.dtype)  # cos, sin [T, 1, D/2], shared by every layer
         for layer in self.layers:
             x = layer(x, rope)
@@ -132,7 +117,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T]) -> hidden [T, hidden]; compute_logits(hidden [N, .]) -> [N, V]."""
+    """forward(input_ids [T], positions [T]) -> hidden [T, hidden]; compute_logits(hidden [N, .]) -> [N, V].
+
+    Runs inside a forward context, whose KV cache it reads and writes: the model itself holds no cache.
+    """
 
     def __init__(self, config: ModelConfig, attention_backend: str = "auto") -> None:
         super().__init__()
@@ -140,35 +128,34 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, get_backend(attention_backend))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb: RotaryEmbedding | None = None  # built on the real device by build_model
+        # Every layer in one native call for all-decode steps of <= 8 tokens, rebuilt when the weights change.
+        self._native_plan: NativeDecodePlan | None = None
+        self.allow_native_decode = True  # False keeps every step on the PyTorch path (tests compare the two)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, self.rotary_emb)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        ctx = get_forward_context()
+        if self.allow_native_decode and ctx.is_all_decode and x.shape[0] <= cpu_decode.MAX_ROWS:
+            hidden = self.native_decode_plan().run(x, positions, ctx)
+            if hidden is not None:
+                return hidden
+        return self.model(x, positions, self.rotary_emb)
+
+    def native_decode_plan(self) -> NativeDecodePlan:
+        """The native decode loop over the current weights: the one built before while nothing it read has
+        changed (leanlm.model.native_decode), else a new one."""
+        plan = self._native_plan
+        if plan is None or not plan.is_current():
+            plan = self._native_plan = NativeDecodePlan(self)
+        return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def bind_kv_cache(
-        self,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> None:
-        """Give each attention layer its (k_cache, v_cache), each [num_blocks, Hkv, block_size, D], and for an
-        8-bit cache (int8/fp8) its (k_scales, v_scales), each [num_blocks, Hkv, block_size] float32."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
-        scales = kv_scales if kv_scales is not None else [(None, None)] * len(kv_caches)
-        if len(scales) != len(kv_caches):
-            raise ValueError(f"got {len(scales)} KV scale pairs for {len(kv_caches)} layers")
-        for layer, (k_cache, v_cache), (k_scales, v_scales) in zip(self.model.layers, kv_caches, scales):
-            if is_quantized(k_cache.dtype) != (k_scales is not None):
-                raise ValueError(f"a {k_cache.dtype} KV cache needs scales exactly when it is 8-bit (int8/fp8)")
-            attn = layer.self_attn
-            attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales = k_cache, v_cache, k_scales, v_scales
-        self.refresh_native_decode()
-
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """This model cut after `num_layers` decoder layers, then its final norm and head (the early-exit draft
-        of self-speculation). Every module, and so every weight and bound KV cache, is shared: nothing is copied.
+        of self-speculation). Every module, and so every weight, is shared: nothing is copied. Its layers keep
+        their indices, so it reads the target's KV cache for them.
         """
         if not 1 <= num_layers < self.config.num_hidden_layers:
             raise ValueError(
@@ -180,46 +167,7 @@ class LlamaForCausalLM(nn.Module):
         draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
         draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
         draft.lm_head, draft.rotary_emb = self.lm_head, self.rotary_emb
-        draft.refresh_native_decode()
         return draft.eval()
-
-    def refresh_native_decode(self) -> None:
-        """(Re)bind the native decode loop to the current weights and KV cache, or drop it where it does not
-        apply. The loop holds raw pointers: call this after replacing modules or weight tensors (compress()
-        does) once a cache is bound."""
-        self.model.native_decode = None
-        self.model.native_decode = self._native_decode_layers()
-
-    def _native_decode_layers(self) -> cpu_decode.DecodeLayers | None:
-        """The loop over every layer, when each piece is on a path it has: the native attention backend on a
-        bf16 or int8 cache, bf16 norms, and linears that are bf16, int8 weight-only or group-wise int2-4."""
-        layers, rotary, cfg = self.model.layers, self.rotary_emb, self.config
-        attn0 = layers[0].self_attn if len(layers) else None
-        norm = self.model.norm.weight
-        if (
-            attn0 is None or rotary is None or attn0.backend.name != "cpu" or not cpu_decode.is_available()
-            or norm.dtype != torch.bfloat16 or not norm.is_cpu or not norm.is_contiguous()
-            or self.model.embed_tokens.weight.dtype != torch.bfloat16
-            or rotary.cos.dtype != torch.float32 or not rotary.cos.is_cpu
-            or not paged_attention.supports_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        ):  # fmt: skip
-            return None
-        native: list[cpu_decode.NativeLayer] = []
-        for layer in layers:
-            attn = layer.self_attn
-            modules = {**dict(attn.named_children()), **dict(layer.mlp.named_children())}
-            specs = tuple(getattr(modules[n], "native_linear", lambda: None)() for n in cpu_decode.LINEAR_ORDER)
-            if any(s is None for s in specs) or attn.k_cache is None or attn.v_cache is None:
-                return None
-            spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs,
-                                          attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales)  # fmt: skip
-            if not spec.is_supported():
-                return None
-            native.append(spec)
-        return cpu_decode.DecodeLayers(
-            native, norm, rotary.cos, rotary.sin, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
-        )  # fmt: skip
 
 
 def build_model(

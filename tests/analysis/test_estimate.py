@@ -238,7 +238,7 @@ def test_kv_estimate_matches_what_the_engine_allocates(smollm_shape):
     budget = 48 << 20
     runner = ModelRunner(model, EngineConfig(kv_cache_memory_bytes=budget, block_size=16), torch.device("cpu"),
                          torch.bfloat16)
-    allocated = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    allocated = runner.kv_cache.nbytes
     tokens = runner.num_blocks * runner.block_size
     per_token = kv_bytes_per_token(smollm_shape, kv_format("bf16", smollm_shape.head_dim))
     assert per_token == allocated / tokens  # exact: the engine pads nothing

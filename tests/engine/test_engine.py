@@ -237,7 +237,7 @@ def test_kv_pool_capacity_counts_values_and_scales(make_tiny_engine):
     assert int8_engine.num_kv_blocks == budget // int8_block == 409
     assert int8_engine.kv_capacity_tokens == 409 * 16
     runner = int8_engine.model_runner
-    assert runner.kv_scales.shape == (2, 2, 409, 2, 16) and runner.kv_scales.dtype == torch.float32
+    assert runner.kv_cache.scales.shape == (2, 2, 409, 2, 16) and runner.kv_cache.scales.dtype == torch.float32
     assert runner.kv_cache_bytes == 409 * int8_block <= budget
 
 

@@ -1,8 +1,8 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
 over several decode steps, for bf16, int8, int4 and act-order int4 linears, with and without q/k/v biases,
 batch 1 and 3, over bf16 and int8 KV caches; when it steps aside (fp8 KV cache, the torch backend, layers it
-has no format for); that
-compress() rebinds it; its row helpers; and greedy SmolLM2 output unchanged by it."""
+has no format for); that it is rebuilt when the weights change (compress(), a dtype cast, an in-place edit);
+its row helpers; and greedy SmolLM2 output unchanged by it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
+from leanlm.model.paged_kv import PagedKVCache
 from tests.conftest import tiny_state_dict
 
 pytestmark = pytest.mark.skipif(not cpu_decode.is_available(), reason="native CPU kernels unavailable")
@@ -59,41 +60,35 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
     return _to_bf16(model)
 
 
-def _bind(model, kv_dtype=torch.bfloat16):
+def _cache(model, kv_dtype=torch.bfloat16) -> PagedKVCache:
     cfg = model.config
-    shape = (64, cfg.num_key_value_heads, BLOCK, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-              for _ in range(cfg.num_hidden_layers)]  # fmt: skip
-    scales = None
-    if kv_dtype != torch.bfloat16 and kv_dtype != torch.float32:
-        scales = [(torch.zeros(shape[:-1]), torch.zeros(shape[:-1])) for _ in range(cfg.num_hidden_layers)]
-    model.bind_kv_cache(caches, scales)
+    return PagedKVCache.allocate(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, BLOCK, cfg.head_dim, kv_dtype,
+                                 "cpu")
 
 
-def _decode(model, native: bool, batch: int, steps: int = 5, seed: int = 3, kv_dtype=torch.bfloat16) -> torch.Tensor:
+def _decode(model, native: bool, batch: int, steps: int = 5, seed: int = 3, kv_dtype=torch.bfloat16,
+            cache: PagedKVCache | None = None) -> torch.Tensor:
     """Prefill `batch` prompts one by one (PyTorch path), then decode them together: hidden [steps, B, hidden]."""
-    _bind(model, kv_dtype)
-    assert model.model.native_decode is not None
-    if not native:
-        model.model.native_decode = None
+    cache = cache if cache is not None else _cache(model, kv_dtype)
+    assert model.native_decode_plan().accepts(cache)
+    model.allow_native_decode = native
     cfg, gen = model.config, torch.Generator().manual_seed(seed)
     blocks = [list(range(16 * b, 16 * b + 16)) for b in range(batch)]
     lens = [7 + 2 * b for b in range(batch)]
     for b in range(batch):
         ids = torch.randint(0, cfg.vocab_size, (lens[b],), generator=gen)
-        ctx = build_forward_context([lens[b]], [lens[b]], [blocks[b][: math.ceil(lens[b] / BLOCK)]], BLOCK,
-                                    cfg.num_key_value_heads, torch.device("cpu"))  # fmt: skip
+        ctx = build_forward_context([lens[b]], [lens[b]], [blocks[b][: math.ceil(lens[b] / BLOCK)]], cache)
         with forward_context(ctx):
             model(ids, torch.arange(lens[b]))
     out = []
     for _ in range(steps):
         ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
         tables = [blocks[b][: math.ceil((lens[b] + 1) / BLOCK)] for b in range(batch)]
-        ctx = build_forward_context([1] * batch, [n + 1 for n in lens], tables, BLOCK, cfg.num_key_value_heads,
-                                    torch.device("cpu"))  # fmt: skip
+        ctx = build_forward_context([1] * batch, [n + 1 for n in lens], tables, cache)
         with forward_context(ctx):
             out.append(model(ids, torch.tensor(lens)))
         lens = [n + 1 for n in lens]
+    model.allow_native_decode = True
     return torch.stack(out)
 
 
@@ -115,59 +110,62 @@ def test_int8_kv_cache_is_bit_identical_too(architecture):
     assert torch.equal(native, _decode(model, native=False, batch=3, kv_dtype=torch.int8))
 
 
-def _cache_tensors(model) -> list[torch.Tensor]:
-    attns = [layer.self_attn for layer in model.model.layers]
-    return [t.clone() for a in attns for t in (a.k_cache, a.v_cache, a.k_scales, a.v_scales) if t is not None]
-
-
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 def test_cache_contents_match_too(kv_dtype):
     model = _model("int4")
-    _decode(model, native=True, batch=2, kv_dtype=kv_dtype)
-    native = _cache_tensors(model)
-    _decode(model, native=False, batch=2, kv_dtype=kv_dtype)
-    reference = _cache_tensors(model)
-    assert len(native) == (4 if kv_dtype == torch.int8 else 2) * model.config.num_hidden_layers
-    assert all(torch.equal(a, b) for a, b in zip(native, reference))
+    caches = [_cache(model, kv_dtype) for _ in range(2)]
+    _decode(model, native=True, batch=2, cache=caches[0])
+    _decode(model, native=False, batch=2, cache=caches[1])
+    assert torch.equal(caches[0].kv.view(torch.uint8), caches[1].kv.view(torch.uint8))
+    assert (caches[0].scales is None) == (kv_dtype == torch.bfloat16)
+    assert caches[0].scales is None or torch.equal(caches[0].scales, caches[1].scales)
 
 
 def test_steps_aside_where_it_has_no_path():
     model = _model("bf16")
-    _bind(model, torch.float8_e4m3fn)  # fp8 KV cache: the PyTorch path quantizes on write
-    assert model.model.native_decode is None
+    plan = model.native_decode_plan()
+    assert plan.loop is not None and not plan.accepts(_cache(model, torch.float8_e4m3fn))  # quantized on write
     model = _model("bf16")
     compress(model, [RTNConfig(bits=8, act_bits=8, group_size=None)], None, progress=False)  # W8A8: no kernel here
-    _bind(model)
-    assert model.model.native_decode is None
+    assert model.native_decode_plan().loop is None
     cfg = dataclasses.replace(_config(), num_attention_heads=4, head_dim=80)  # not a multiple of 32
-    model = build_model(cfg, tiny_state_dict(cfg), torch.bfloat16)
-    _bind(model)
-    assert model.model.native_decode is None
+    assert build_model(cfg, tiny_state_dict(cfg), torch.bfloat16).native_decode_plan().loop is None
     model = build_model(_config(), tiny_state_dict(_config()), torch.bfloat16, attention_backend="torch")
-    _bind(model)
-    assert model.model.native_decode is None  # a user's backend choice is kept
+    assert model.native_decode_plan().loop is None  # a user's backend choice is kept
     model = build_model(_config(), tiny_state_dict(_config()), torch.float32)
-    _bind(model, torch.float32)
-    assert model.model.native_decode is None
+    assert model.native_decode_plan().loop is None
 
 
-def test_compress_rebinds_the_loop_to_the_new_layers():
+def test_plan_is_rebuilt_when_the_weights_change():
     model = _model("bf16")
-    _bind(model)
-    before = model.model.native_decode
-    model.float()
+    before = model.native_decode_plan()
+    assert model.native_decode_plan() is before  # nothing changed: the same loop
+    model.float()  # a dtype cast swaps every parameter's storage
+    assert not before.is_current()
     compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
     _to_bf16(model)
-    model.refresh_native_decode()  # dtype casts happen outside compress(): the caller rebinds
-    assert model.model.native_decode is not None and model.model.native_decode is not before
-    native = _decode(model, native=True, batch=2)
-    assert torch.equal(native, _decode(model, native=False, batch=2))
+    after = model.native_decode_plan()
+    assert after is not before and after.loop is not None
+    assert torch.equal(_decode(model, native=True, batch=2), _decode(model, native=False, batch=2))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2)  # an in-place edit bumps the version: rebuilt, and the new numbers used
+    assert not after.is_current()
+    assert torch.equal(_decode(model, native=True, batch=2), _decode(model, native=False, batch=2))
+
+
+def test_a_cast_round_trip_reads_the_new_storage():
+    """The hazard a hand-refreshed loop had: cast away and back, and the old pointers would read freed memory."""
+    model = _model("bf16")
+    reference = _decode(model, native=False, batch=2)
+    _to_bf16(model.float())  # (not .bfloat16(): the rotary table stays float32)
+    assert torch.equal(_decode(model, native=True, batch=2), reference)
 
 
 def test_wrong_inputs_are_refused_with_a_message():
     model = _model("bf16")
-    _bind(model)
-    loop = model.model.native_decode
+    plan, cache = model.native_decode_plan(), _cache(model)  # the loop points into the cache: keep it alive
+    assert plan.accepts(cache)
+    loop = plan.loop
     x = torch.zeros(9, 384, dtype=torch.bfloat16)
     idx = torch.zeros(9, dtype=torch.long)
     with pytest.raises(ValueError, match="1-8"):
@@ -204,10 +202,10 @@ def test_smollm2_greedy_output_is_unchanged(smollm_path):
 
     llm = LLM(str(smollm_path), dtype="bfloat16", progress=False)
     model = llm.llm_engine.model_runner.model
-    assert model.model.native_decode is not None
+    assert model.native_decode_plan().accepts(llm.llm_engine.model_runner.kv_cache)
     prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Paris is the capital of"]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    model.model.native_decode = None
+    model.allow_native_decode = False
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert native == reference

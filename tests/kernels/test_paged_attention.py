@@ -8,6 +8,7 @@ import torch
 from leanlm.kernels import paged_attention
 from leanlm.model.attention import get_backend
 from leanlm.model.context import build_forward_context
+from leanlm.model.paged_kv import PagedKVCache
 
 pytestmark = pytest.mark.skipif(not paged_attention.is_available(),
                                 reason=f"{paged_attention._KERNEL.unavailable_reason}")
@@ -52,14 +53,14 @@ def test_cpu_backend_agrees_with_the_torch_backend():
     v_cache = torch.randn(32, 3, 16, 64, generator=gen).bfloat16()
     lengths = [40, 7, 90]
     blocks = [[3, 9, 12], [5], [0, 1, 2, 4, 6, 8]]
-    ctx = build_forward_context([1, 1, 1], lengths, blocks, 16, 3, torch.device("cpu"))
     q = torch.randn(3, 9, 64, generator=gen).bfloat16()
     k_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
     v_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
     outs = []
     for name in ("torch", "cpu"):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        outs.append(get_backend(name).forward(q, k_new, v_new, kc, vc, 0.125, ctx).double())
+        cache = PagedKVCache(torch.stack([k_cache, v_cache])[None])  # a copy for each backend to write into
+        ctx = build_forward_context([1, 1, 1], lengths, blocks, cache)
+        outs.append(get_backend(name).forward(q, k_new, v_new, cache.layer(0), 0.125, ctx).double())
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=1e-2)
 
 
@@ -104,15 +105,15 @@ def test_cpu_backend_int8_kv_agrees_with_the_torch_backend():
     v_cache, v_scales, _ = _int8_cache(gen, 32, 3, 16, 64)
     lengths = [40, 7, 90]
     blocks = [[3, 9, 12], [5], [0, 1, 2, 4, 6, 8]]
-    ctx = build_forward_context([1, 1, 1], lengths, blocks, 16, 3, torch.device("cpu"))
     q = (torch.randn(3, 9, 64, generator=gen) * 0.2).bfloat16()  # small: a sharp softmax amplifies bf16 K rounding
     k_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
     v_new = torch.randn(3, 3, 64, generator=gen).bfloat16()
     outs = []
     for name in ("torch", "cpu"):
-        caches = [t.clone() for t in (k_cache, v_cache, k_scales, v_scales)]
-        outs.append(get_backend(name).forward(q, k_new, v_new, caches[0], caches[1], 0.125, ctx, caches[2],
-                                              caches[3]).double())
+        # a copy for each backend to write into
+        cache = PagedKVCache(torch.stack([k_cache, v_cache])[None], torch.stack([k_scales, v_scales])[None])
+        ctx = build_forward_context([1, 1, 1], lengths, blocks, cache)
+        outs.append(get_backend(name).forward(q, k_new, v_new, cache.layer(0), 0.125, ctx).double())
     # per query head, relative to its largest output (the 20x head's outputs are 20x larger): bf16 roundings
     error = (outs[0] - outs[1]).abs().amax(dim=(0, 2)) / outs[1].abs().amax(dim=(0, 2))
     assert (error < 2e-2).all(), error

@@ -12,17 +12,15 @@ import torch
 
 from leanlm.model.attention import get_backend
 from leanlm.model.context import build_forward_context
-from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
+from leanlm.model.kv_quant import kv_storage_dtype
+from leanlm.model.paged_kv import PagedKVCache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
 
-def _cache(kv_cache_dtype: str, dtype: torch.dtype):
+def _cache(kv_cache_dtype: str, dtype: torch.dtype) -> PagedKVCache:
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    kv = [torch.zeros(shape, dtype=storage) for _ in range(2)]
-    scales = [torch.ones(shape[:3], dtype=SCALE_DTYPE) for _ in range(2)] if is_quantized(storage) else [None, None]
-    return kv, scales
+    return PagedKVCache.allocate(1, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, storage, "cpu")
 
 
 class _Sequence:
@@ -38,14 +36,15 @@ class _Sequence:
 
 def _run(schedule: list[list[tuple[_Sequence, int, int]]], kv_cache_dtype: str, dtype: torch.dtype, backend: str):
     """Run steps of (sequence, start, end) spans through the backend; -> {(id(seq), position): output row}."""
-    (k_cache, v_cache), (k_scales, v_scales) = _cache(kv_cache_dtype, dtype)
+    cache = _cache(kv_cache_dtype, dtype)
+    k_cache, v_cache, k_scales, v_scales = cache.layer(0)
     attention = get_backend(backend)
     rows = {}
     for step in schedule:
         ctx = build_forward_context([end - start for _, start, end in step], [end for _, _, end in step],
-                                    [seq.blocks for seq, _, _ in step], BLOCK_SIZE, NUM_KV_HEADS, torch.device("cpu"))
+                                    [seq.blocks for seq, _, _ in step], cache)
         q, k, v = (torch.cat([getattr(seq, name)[start:end] for seq, start, end in step]) for name in "qkv")
-        out = attention.forward(q, k, v, k_cache, v_cache, HEAD_DIM**-0.5, ctx, k_scales, v_scales)
+        out = attention.forward(q, k, v, cache.layer(0), HEAD_DIM**-0.5, ctx)
         flat = [(seq, pos) for seq, start, end in step for pos in range(start, end)]
         rows.update({(id(seq), pos): out[i] for i, (seq, pos) in enumerate(flat)})
     stored = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in (k_cache, v_cache)]

@@ -10,6 +10,7 @@ from leanlm.model.attention import available_backends, get_backend
 from leanlm.model.context import build_forward_context, forward_context, get_forward_context
 from leanlm.model.layers import rope_inv_freq
 from leanlm.model.llama import build_model
+from leanlm.model.paged_kv import PagedKVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,14 +34,12 @@ def _hf_pair(arch: str, tie: bool, rope_scaling: dict | None = None):
 # float64 everywhere but the float32 rotary table (HF rounds its own table differently): ~1e-7 apart.
 def _paged_logits(model, ids: torch.Tensor, chunks: list[int], block_ids: list[int], block_size: int = 4):
     cfg = model.config
-    caches = [(torch.zeros(16, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype=torch.float64),
-               torch.zeros(16, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype=torch.float64))
-              for _ in range(cfg.num_hidden_layers)]
-    model.bind_kv_cache(caches)
+    cache = PagedKVCache.allocate(cfg.num_hidden_layers, 16, cfg.num_key_value_heads, block_size, cfg.head_dim,
+                                  torch.float64, "cpu")
     done, outs = 0, []
     for n in chunks:
         blocks = block_ids[: math.ceil((done + n) / block_size)]
-        ctx = build_forward_context([n], [done + n], [blocks], block_size, cfg.num_key_value_heads, torch.device("cpu"))
+        ctx = build_forward_context([n], [done + n], [blocks], cache)
         with forward_context(ctx):
             hidden = model(ids[done : done + n], torch.arange(done, done + n))
         outs.append(model.compute_logits(hidden))
@@ -62,16 +61,13 @@ def test_batched_decode_and_prefill_in_one_forward():
     hf, ours = _hf_pair("llama", True)
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, 101, (9,), generator=gen), torch.randint(0, 101, (6,), generator=gen)
-    cfg = ours.config
-    caches = [(torch.zeros(16, 2, 4, 16, dtype=torch.float64), torch.zeros(16, 2, 4, 16, dtype=torch.float64))
-              for _ in range(cfg.num_hidden_layers)]
-    ours.bind_kv_cache(caches)
+    cache = PagedKVCache.allocate(ours.config.num_hidden_layers, 16, 2, 4, 16, torch.float64, "cpu")
     blocks_a, blocks_b = [0, 1, 2], [5, 6]
     # step 1: a's first 8 tokens; step 2: a decodes its 9th token while b prefills all 6 in the same batch
-    ctx = build_forward_context([8], [8], [blocks_a[:2]], 4, 2, torch.device("cpu"))
+    ctx = build_forward_context([8], [8], [blocks_a[:2]], cache)
     with forward_context(ctx):
         ours(a[:8], torch.arange(8))
-    ctx = build_forward_context([1, 6], [9, 6], [blocks_a, blocks_b], 4, 2, torch.device("cpu"))
+    ctx = build_forward_context([1, 6], [9, 6], [blocks_a, blocks_b], cache)
     with forward_context(ctx):
         hidden = ours(torch.cat([a[8:], b]), torch.cat([torch.tensor([8]), torch.arange(6)]))
     logits = ours.compute_logits(hidden)
@@ -94,7 +90,7 @@ def test_llama3_rope_scaling_matches_hf():
 
 
 def test_forward_context_refuses_nesting_and_absence():
-    ctx = build_forward_context([1], [1], [[0]], 4, 1, torch.device("cpu"))
+    ctx = build_forward_context([1], [1], [[0]], PagedKVCache.allocate(1, 1, 1, 4, 8, torch.float32, "cpu"))
     with forward_context(ctx):
         with pytest.raises(RuntimeError, match="already set"):
             with forward_context(ctx):
