@@ -79,6 +79,7 @@ def machine_key() -> str:
     """What decides the numerics: the CPU model, the ISA flags the kernels dispatch on, and torch."""
     import torch
 
+    from leanlm.kernels import cpu_decode
     from leanlm.kernels.build import cpu_model_name
 
     fields: dict[str, str] = {}
@@ -91,7 +92,8 @@ def machine_key() -> str:
         pass
     isa = ",".join(sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx512", "avx2", "amx", "fma"))))
     family = f"family {fields.get('cpu family')} model {fields.get('model')} stepping {fields.get('stepping')}"
-    return f"{cpu_model_name()} | {family} | {isa} | torch {torch.__version__}"
+    kernels = "native kernels" if cpu_decode.is_available() else "PyTorch only"
+    return f"{cpu_model_name()} | {family} | {isa} | torch {torch.__version__} | {kernels}"
 
 
 def agreeing_prefix(expected: dict, actual: list[int], tie_margin: float) -> tuple[int, int | None]:
