@@ -8,6 +8,7 @@ compression, weights edited in place. The KV cache comes with each forward; the 
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable
 
@@ -19,31 +20,36 @@ from leanlm.model.context import ForwardContext
 from leanlm.model.paged_kv import PagedKVCache
 
 
-def _tensor_version(t: torch.Tensor | None) -> int | None:
-    return None if t is None or t.is_inference() else t._version
-
-
 class ModuleSnapshot:
     """What some modules hold now: their children, parameters and buffers by identity, and each tensor's data
-    pointer (a dtype cast swaps `.data` in place) and version counter (in-place edits bump it)."""
+    pointer (a dtype cast swaps `.data` in place) and version counter (in-place edits bump it). Checked before
+    every native decode step, so the check runs as C-level maps (about 0.1 ms for SmolLM2's 850 entries)."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
-        entries = []
+        self._holders: list[dict] = []  # the dicts an entry lives in (_parameters, _buffers, _modules)
+        self._names: list[str] = []
+        self._objects: list = []  # what each entry held (None included: a bias added later is a change)
         for module in modules:
-            for held in (module._parameters, module._buffers):
-                for name, t in held.items():
-                    entries.append((held, name, t, None if t is None else t.data_ptr(), _tensor_version(t)))
-            for name, child in module._modules.items():
-                entries.append((module._modules, name, child, None, None))
-        self._entries = entries
+            for held in (module._parameters, module._buffers, module._modules):
+                for name, obj in held.items():
+                    self._holders.append(held)
+                    self._names.append(name)
+                    self._objects.append(obj)
+        self._tensors = [t for t in self._objects if isinstance(t, torch.Tensor)]
+        self._data_ptrs = list(map(torch.Tensor.data_ptr, self._tensors))
+        # Inference tensors keep no version counter (and cannot be edited outside inference mode).
+        self._versioned = [t for t in self._tensors if not t.is_inference()]
+        self._versions = list(map(_VERSION, self._versioned))
 
     def is_current(self) -> bool:
-        for held, name, obj, data_ptr, version in self._entries:
-            if held.get(name) is not obj:
-                return False
-            if data_ptr is not None and (obj.data_ptr() != data_ptr or _tensor_version(obj) != version):
-                return False
-        return True
+        return (
+            all(map(operator.is_, map(dict.get, self._holders, self._names), self._objects))
+            and list(map(torch.Tensor.data_ptr, self._tensors)) == self._data_ptrs
+            and list(map(_VERSION, self._versioned)) == self._versions
+        )
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _modules_read(model: nn.Module) -> list[nn.Module]:
