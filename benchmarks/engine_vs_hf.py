@@ -95,11 +95,8 @@ def ours_throughput(llm: LLM, prompts, output_len: int) -> tuple[float, dict]:
 
 def kv_waste(engine) -> tuple[int, int, int]:
     """(tokens stored, token slots allocated, running requests) over the running requests right now."""
-    running = engine.scheduler.running
-    block = engine.engine_config.block_size
-    used = sum(r.num_computed_tokens for r in running)
-    allocated = sum(len(engine.kv_cache_manager.get_block_ids(r.request_id)) for r in running) * block
-    return used, max(allocated, 1), len(running)
+    stats = engine.stats()
+    return stats.num_running_tokens, max(stats.num_running_slots, 1), stats.scheduler.num_running
 
 
 # --- batch-1 decode ----------------------------------------------------------------------------------
@@ -131,7 +128,7 @@ def hf_decode(model, prompt: list[int], output_len: int) -> float:
 
 def decode_bytes_per_token(llm: LLM, context: int) -> float:
     """Bytes a batch-1 decode step must read: every weight once (the embedding row aside) plus the KV so far."""
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.model
     cfg = llm.model_config
     element = torch.empty(0, dtype=llm.dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * element  # tied lm_head counted once: it is read
@@ -255,7 +252,7 @@ def render(args, llm, ours_tp, hf_tp, ours_dec, hf_dec, bandwidth, roofline, was
         f"- KV cache at steady state (throughput run, steps with at least 90% of max_num_seqs running): "
         f"**{waste.get('kv_waste', float('nan')):.2%}** of allocated KV slots hold no token (target: under 4%).",
         f"- KV pool: {llm.llm_engine.num_kv_blocks} blocks of {llm.engine_config.block_size} tokens "
-        f"= {llm.llm_engine.kv_capacity_tokens} tokens, {llm.llm_engine.model_runner.kv_cache_bytes / 2**20:.0f} MiB.",
+        f"= {llm.llm_engine.kv_capacity_tokens} tokens, {llm.llm_engine.kv_cache_bytes / 2**20:.0f} MiB.",
         f"- Peak RSS of the benchmark process (both engines loaded): {rss:.2f} GiB.",
         "",
     ]

@@ -33,7 +33,7 @@ from leanlm.analysis.markdown import replace_section
 from leanlm.compress import RTNConfig, compress, save_checkpoint
 from leanlm.config import EngineConfig
 from leanlm.data import wikitext2_test_path
-from leanlm.engine.engine import LLMEngine
+from leanlm.engine import LLMEngine
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.context import build_forward_context, forward_context
@@ -173,9 +173,8 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
     tokens, stats = {}, {}
     for rep in range(reps):
         for name, engine in engines.items():
-            decoder = engine.model_runner.spec_decoder
-            for prompt, ids in prompt_ids.items():
-                before = decoder.stats() if decoder else None
+                        for prompt, ids in prompt_ids.items():
+                before = engine.stats().spec_decode
                 with CpuMonitor() as monitor:
                     t0 = time.perf_counter()
                     tokens[name, prompt], ttft = generate(engine, ids, params)
@@ -185,8 +184,8 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
                 else:
                     times[name, prompt].append(seconds)
                     ttfts[name, prompt].append(ttft)
-                if decoder is not None:
-                    after = decoder.stats()
+                if before is not None:
+                    after = engine.stats().spec_decode
                     old = stats.get((name, prompt), (0, 0))
                     stats[name, prompt] = (old[0] + after.num_draft_tokens - before.num_draft_tokens,
                                            old[1] + after.num_accepted_tokens - before.num_accepted_tokens)
@@ -345,7 +344,7 @@ def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
         run(engine)  # warm-up
     values = {name: [] for name in engines}
     discarded = dict.fromkeys(engines, 0)
-    before = {name: e.model_runner.spec_decoder.stats() for name, e in engines.items() if e.model_runner.spec_decoder}
+    before = {name: e.stats().spec_decode for name, e in engines.items() if e.stats().spec_decode is not None}
     for _ in range(reps):
         for name, engine in engines.items():
             with CpuMonitor() as monitor:
@@ -358,7 +357,7 @@ def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
     for name, engine in engines.items():
         acceptance = 0.0
         if name in before:
-            after = engine.model_runner.spec_decoder.stats()
+            after = engine.stats().spec_decode
             drafts = after.num_draft_tokens - before[name].num_draft_tokens
             acceptance = (after.num_accepted_tokens - before[name].num_accepted_tokens) / drafts if drafts else 0.0
         rows.append(BatchRow(name, median(values[name]), acceptance, len(values[name]), discarded[name]))
@@ -380,7 +379,7 @@ def peak_blocks(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> i
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.num_kv_blocks - engine.kv_cache_manager.num_free_blocks)
+        peak = max(peak, engine.num_kv_blocks - engine.stats().num_free_kv_blocks)
     return peak
 
 
@@ -396,7 +395,7 @@ def memory_rows() -> list[MemoryRow]:
     ):
         llm = LLM(SMOL, dtype="bfloat16", progress=False, enable_prefix_caching=caching)
         blocks = peak_blocks(llm, requests)
-        per_block = llm.llm_engine.model_runner.kv_cache_bytes / llm.llm_engine.num_kv_blocks
+        per_block = llm.llm_engine.kv_cache_bytes / llm.llm_engine.num_kv_blocks
         rows.append(MemoryRow(setting, blocks, blocks * per_block / 2**20))
         print(rows[-1], flush=True)
         del llm

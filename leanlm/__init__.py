@@ -14,16 +14,12 @@ def __getattr__(name: str):
         from leanlm import llm
 
         return getattr(llm, name)
-    if name == "BeamSearchParams":
-        from leanlm.engine.beam_search import BeamSearchParams
+    if name in ("BeamSearchParams", "RequestOutput", "CompletionOutput"):
+        from leanlm import engine
 
-        return BeamSearchParams
+        return getattr(engine, name)
     if name == "save_checkpoint":
         from leanlm.compress.checkpoint import save_checkpoint
 
         return save_checkpoint
-    if name in ("RequestOutput", "CompletionOutput"):
-        from leanlm.engine import outputs
-
-        return getattr(outputs, name)
     raise AttributeError(f"module 'leanlm' has no attribute {name!r}")

@@ -10,9 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leanlm.config import EngineConfig, ModelConfig, parse_dtype
-from leanlm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from leanlm.engine.engine import LLMEngine
-from leanlm.engine.outputs import RequestOutput
+from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.dtype_probe import choose_cpu_dtype

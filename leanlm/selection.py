@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from leanlm.engine.outputs import CompletionOutput
+from leanlm.engine import CompletionOutput
 from leanlm.sampling_params import SamplingParams
 
 # A user score of one completion: (text, generated token ids) -> higher is better.

@@ -78,7 +78,7 @@ def test_greedy_continuations_match_hf_alone_and_batched(llm, hf_smollm):
         assert alone == reference
         assert together == reference
     engine = llm.llm_engine
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.stats().num_free_kv_blocks == engine.num_kv_blocks
 
 
 def test_chat_answers_sensibly(llm):
@@ -110,8 +110,7 @@ def test_beam_search_beats_greedy_and_matches_hf(llm, hf_smollm):
                                  do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
     assert [s.token_ids for s in outs[0].sequences] == [row[len(prompts[0]):] for row in ref.tolist()]
     engine = llm.llm_engine
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
-    assert all(block.ref_cnt == 0 for block in engine.kv_cache_manager.block_pool.blocks)
+    assert engine.stats().num_free_kv_blocks == engine.num_kv_blocks
 
 
 def test_sampling_with_seed_is_reproducible_and_detokenizes_cleanly(llm):
@@ -154,7 +153,7 @@ def test_kv_pool_sized_from_memory_budget():
     cfg = llm.model_config
     per_block = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * cfg.head_dim * 2
     assert llm.llm_engine.num_kv_blocks == (64 << 20) // per_block
-    assert llm.llm_engine.model_runner.kv_cache_bytes <= 64 << 20
+    assert llm.llm_engine.kv_cache_bytes <= 64 << 20
 
 
 @pytest.mark.slow

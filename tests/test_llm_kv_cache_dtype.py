@@ -87,7 +87,7 @@ def test_batched_chunked_prefix_cached_matches_alone(kv_cache_dtype):
     batched = LLM(MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype,
                   max_num_batched_tokens=32, block_size=8)
     together = [o.outputs[0].token_ids for o in batched.generate(prompts, params, use_tqdm=False)]
-    assert batched.llm_engine.kv_cache_manager.prefix_cache_hits > 0
+    assert batched.llm_engine.stats().scheduler.prefix_cache_hit_rate > 0
     alone = [alone_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     sequences = [p + a for p, a in zip(prompts, alone)]
     batched_scores = batched.score(sequences, use_tqdm=False)  # one batch, chunked, prefix hits
@@ -112,4 +112,4 @@ def test_int8_holds_about_twice_the_tokens_in_the_same_memory():
     assert bf16.num_kv_blocks == budget // bf16_block == 182
     assert int8.num_kv_blocks == budget // int8_block == 342
     assert int8.kv_capacity_tokens / bf16.kv_capacity_tokens == pytest.approx(2 * 64 / 68, rel=0.01)  # ~1.88x
-    assert int8.model_runner.kv_cache_bytes == 342 * int8_block <= budget
+    assert int8.kv_cache_bytes == 342 * int8_block <= budget

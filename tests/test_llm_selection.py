@@ -23,7 +23,7 @@ def llm():
 
 def _free(llm) -> bool:
     engine = llm.llm_engine
-    return not engine.has_unfinished_requests() and engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    return not engine.has_unfinished_requests() and engine.stats().num_free_kv_blocks == engine.num_kv_blocks
 
 
 def test_majority_vote_agrees_with_its_samples(llm):

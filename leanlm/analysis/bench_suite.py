@@ -198,7 +198,7 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)
     cfg = llm.model_config
     element = torch.empty(0, dtype=llm.dtype).element_size()
-    weights = sum(p.numel() for p in llm.llm_engine.model_runner.model.parameters()) * element
+    weights = sum(p.numel() for p in llm.llm_engine.model.parameters()) * element
 
     def kv_bytes(context: int, kv_element: int) -> float:
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_element * context

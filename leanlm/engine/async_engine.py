@@ -10,10 +10,7 @@ every parallel op pays a futex wake-up (measured here: 2.4x slower batch-1 decod
 the main thread had loaded the model). `leanlm serve` therefore runs the engine loop in the main thread
 (`run_loop`) and the HTTP server in another; `start()` (a background thread) suits embedding and tests.
 
-Beam searches run on the same thread: a BeamSearch admits its round's requests before an engine step and decides
-the round after it (`admit` / `collect`), so its beams are ordinary scheduler requests batched with the rest.
-Searches start in arrival order while their beam widths fit in max_num_seqs together; each delivers one final
-output (beam search is not streamed), and aborting it frees every block its beams hold.
+Beam searches run on the same thread, through a BeamSearchDriver (engine/beam_search_driver.py).
 """
 
 from __future__ import annotations
@@ -27,29 +24,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from leanlm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
+from leanlm.engine.beam_search_driver import BeamSearchDriver
 from leanlm.engine.engine import LLMEngine
-from leanlm.engine.outputs import CompletionOutput, RequestOutput
+from leanlm.engine.errors import EngineStoppedError, QueueFullError, RequestFailedError
+from leanlm.engine.outputs import RequestOutput
 from leanlm.engine.scheduler import SchedulerStats
 from leanlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The engine already holds as many sequences as it may queue; the client should retry later."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine loop has stopped (shutdown, or it died); no new requests are accepted."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (and only it); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +45,29 @@ class EngineSnapshot:
     num_steps: int  # steps run since start
     last_step_time: float  # time.monotonic() of the latest step or idle wake-up
 
+
+# Commands from the event loop to the engine thread, applied in order before each step.
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    token_ids: list[int]  # tokenized and validated on the event loop
+    params: SamplingParams
+    prompt_text: str | None  # reported back in outputs
+
+
+@dataclass(frozen=True)
+class AddBeamSearch:
+    request_id: str
+    search: BeamSearch  # its prompt already validated and queued inside the search
+    prompt_text: str | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str  # a request or a beam search; unknown or finished ids are ignored
+
+
+Command = AddRequest | AddBeamSearch | Abort
 
 # Called on the event loop with each output as it is delivered (metrics hook).
 OutputListener = Callable[[RequestOutput], None]
@@ -151,9 +157,8 @@ class AsyncLLMEngine:
         self.output_listeners: list[OutputListener] = []
         self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
         self._num_seqs_in_flight = 0  # event-loop side: sum of num_seqs over _streams
-        self._commands: collections.deque[tuple] = collections.deque()  # ("add" | "beam", ...) / ("abort", id)
-        # Engine-thread side: request id -> (search, prompt text to report), in arrival order.
-        self._beam_searches: dict[str, tuple[BeamSearch, str | None]] = {}
+        self._commands: collections.deque[Command] = collections.deque()  # event loop -> engine thread
+        self._beam_searches = BeamSearchDriver(engine)  # engine-thread side
         self._wakeup = threading.Condition()
         self._stopping = False
         self._loop_active = False  # run_loop is executing (in whichever thread)
@@ -217,7 +222,7 @@ class AsyncLLMEngine:
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
         stream = self._open_stream(request_id, params.n, client)
-        self._send(("add", stream.request_id, token_ids, params, prompt_text))
+        self._send(AddRequest(stream.request_id, token_ids, params, prompt_text))
         return stream
 
     def add_beam_search(
@@ -233,7 +238,7 @@ class AsyncLLMEngine:
         search = BeamSearch(self.engine, params, request_id_prefix=f"{request_id}#beam")  # reads config only
         search.add(token_ids, 0)  # validates and queues inside the search; the engine is not touched yet
         stream = self._open_stream(request_id, params.beam_width, client)
-        self._send(("beam", request_id, search, text if text is not None else prompt_text))
+        self._send(AddBeamSearch(request_id, search, text if text is not None else prompt_text))
         return stream
 
     def _check_accepting(self) -> None:
@@ -277,9 +282,9 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         if request_id in self._streams:
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         with self._wakeup:
             self._commands.append(command)
             self._wakeup.notify()
@@ -329,8 +334,8 @@ class AsyncLLMEngine:
         num_steps = 0
         while True:
             with self._wakeup:
-                while (not self._commands and not engine.has_unfinished_requests() and not self._beam_searches
-                       and not self._stopping):
+                while (not self._commands and not engine.has_unfinished_requests()
+                       and not self._beam_searches.has_searches() and not self._stopping):
                     self._wakeup.wait(self.idle_wait_s)
                     self.snapshot = self._take_snapshot(num_steps)  # keeps /health's heartbeat fresh
                 commands = list(self._commands)
@@ -341,7 +346,7 @@ class AsyncLLMEngine:
                 self._abort_all(items)
                 self._post(items)
                 return
-            self._admit_beam_searches(items)
+            self._beam_searches.admit(items)
             if engine.has_unfinished_requests():
                 try:
                     items.extend((out.request_id, out) for out in engine.step())
@@ -349,66 +354,32 @@ class AsyncLLMEngine:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._abort_all(items, RequestFailedError(f"engine step failed: {type(exc).__name__}: {exc}"))
                 num_steps += 1
-            self._collect_beam_searches(items)
+            self._beam_searches.collect(items)
             self.snapshot = self._take_snapshot(num_steps)
             self._post(items)
 
-    def _apply(self, commands: list[tuple]) -> list[tuple[str, RequestOutput | BaseException]]:
+    def _apply(self, commands: list[Command]) -> list[tuple[str, RequestOutput | BaseException]]:
         items: list[tuple[str, RequestOutput | BaseException]] = []
         for command in commands:
-            if command[0] == "add":
-                _, request_id, token_ids, params, prompt_text = command
-                try:
-                    self.engine.add_request(token_ids, params, request_id=request_id, prompt_text=prompt_text)
-                except Exception as exc:
-                    items.append((request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")))
-            elif command[0] == "beam":
-                _, request_id, search, prompt_text = command
-                self._beam_searches[request_id] = (search, prompt_text)
-            elif command[1] in self._beam_searches:
-                self._beam_searches.pop(command[1])[0].abort()  # frees the blocks of running and held beams
-                items.append((command[1], RequestOutput(command[1], None, [], None, [], finished=True)))
-            else:
-                output = self.engine.abort_request(command[1])
-                if output is not None:
-                    items.append((command[1], output))
+            match command:
+                case AddRequest(request_id, token_ids, params, prompt_text):
+                    try:
+                        self.engine.add_request(token_ids, params, request_id=request_id, prompt_text=prompt_text)
+                    except Exception as exc:
+                        items.append((request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")))
+                case AddBeamSearch(request_id, search, prompt_text):
+                    self._beam_searches.add(request_id, search, prompt_text)
+                case Abort(request_id) if self._beam_searches.abort(request_id):
+                    items.append((request_id, RequestOutput(request_id, None, [], None, [], finished=True)))
+                case Abort(request_id):
+                    output = self.engine.abort_request(request_id)
+                    if output is not None:
+                        items.append((request_id, output))
         return items
 
-    def _admit_beam_searches(self, items: list) -> None:
-        """Start searches in arrival order while their beams fit in max_num_seqs together (started ones first:
-        they stay at the front of the dict). A search that does not fit waits, and so do the ones behind it."""
-        budget = self.engine.engine_config.max_num_seqs
-        for request_id, (search, _) in list(self._beam_searches.items()):
-            if search.params.beam_width > budget:
-                break
-            budget -= search.params.beam_width
-            try:
-                search.admit()
-            except Exception as exc:  # e.g. a request id already in the engine: this search fails, alone
-                search.abort()
-                del self._beam_searches[request_id]
-                items.append((request_id, RequestFailedError(f"beam search failed: {exc}")))
-
-    def _collect_beam_searches(self, items: list) -> None:
-        """After a step: decide the beam rounds that completed; deliver finished searches, fail broken ones."""
-        for request_id, (search, prompt_text) in list(self._beam_searches.items()):
-            try:
-                done = search.collect()
-            except Exception as exc:  # a beam request failed in the step; collect already freed its blocks
-                search.abort()
-                del self._beam_searches[request_id]
-                items.append((request_id, RequestFailedError(f"beam search failed: {exc}")))
-                continue
-            if done:
-                del self._beam_searches[request_id]
-                items.append((request_id, _beam_output(request_id, prompt_text, done[0][1])))
-
     def _abort_all(self, items: list, error: BaseException | None = None) -> None:
-        for request_id, (search, _) in list(self._beam_searches.items()):
-            search.abort()
-            items.append((request_id, error or RequestOutput(request_id, None, [], None, [], finished=True)))
-        self._beam_searches.clear()
-        for request_id in list(self.engine.output_processor.parent_ids()):
+        self._beam_searches.abort_all(items, error)
+        for request_id in self.engine.unfinished_request_ids():
             output = self.engine.abort_request(request_id)
             if error is not None:
                 items.append((request_id, error))
@@ -423,21 +394,11 @@ class AsyncLLMEngine:
                 pass
 
     def _take_snapshot(self, num_steps: int) -> EngineSnapshot:
-        kv = self.engine.kv_cache_manager
+        stats = self.engine.stats()
         return EngineSnapshot(
-            scheduler=self.engine.scheduler.stats(),
-            num_kv_blocks=self.engine.num_kv_blocks,
-            num_free_kv_blocks=kv.num_free_blocks,
+            scheduler=stats.scheduler,
+            num_kv_blocks=stats.num_kv_blocks,
+            num_free_kv_blocks=stats.num_free_kv_blocks,
             num_steps=num_steps,
             last_step_time=time.monotonic(),
         )
-
-
-def _beam_output(request_id: str, prompt_text: str | None, output: BeamSearchOutput) -> RequestOutput:
-    """A finished beam search as a RequestOutput: one completion per hypothesis, best score first."""
-    completions = [
-        CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids, logprobs=None,
-                         finish_reason=seq.finish_reason)
-        for i, seq in enumerate(output.sequences)
-    ]
-    return RequestOutput(request_id, prompt_text, output.prompt_token_ids, None, completions, finished=True)

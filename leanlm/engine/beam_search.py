@@ -172,7 +172,7 @@ class BeamSearch:
         while self._waiting and len(self._active) < self.max_groups:
             group = self._waiting.popleft()
             request = self._new_request(group)
-            self.engine.scheduler.add_request(request)
+            self.engine.add_prepared_request(request)
             self._request_ids.add(request.request_id)
             group.beams = [_Beam(request, 0.0)]
             self._active.append(group)
@@ -191,10 +191,8 @@ class BeamSearch:
 
     def abort(self) -> None:
         """Drop every search: abort running beams and release the blocks of finished ones."""
-        scheduler = self.engine.scheduler
         for request_id in self._request_ids:
-            scheduler.abort_request(request_id)
-            scheduler.release_kv(request_id)
+            self.engine.drop_request(request_id)
         self._request_ids.clear()
         self._active.clear()
         self._waiting.clear()
@@ -252,7 +250,7 @@ class BeamSearch:
         old_beams = group.beams
         group.beams = [] if group.is_done else [self._fork(group, b, token_id, cum) for cum, b, token_id in next_beams]
         for beam in old_beams:  # after the forks took their references
-            self.engine.scheduler.release_kv(beam.request.request_id)
+            self.engine.release_kv(beam.request.request_id)
             self._request_ids.discard(beam.request.request_id)
 
     def _cannot_improve(self, group: _Group, best_live_cum: float) -> bool:
@@ -268,8 +266,8 @@ class BeamSearch:
         """The parent's tokens with its sampled last token replaced by `token_id`; KV shared up to it."""
         child = self._new_request(group)
         child.append_output_token_ids(_tokens_with(parent.request, token_id))
-        child.num_computed_tokens = parent.request.num_computed_tokens  # all but the new token
-        self.engine.scheduler.fork_request(parent.request, child)
+        # the KV of every token but the new one (none when the held parent's blocks were evicted)
+        self.engine.fork_request(parent.request, child, child.num_tokens - 1)
         self._request_ids.add(child.request_id)
         return _Beam(child, cumulative_logprob)
 

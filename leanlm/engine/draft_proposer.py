@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leanlm.engine.proposer import DraftJob, Drafts
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import exponential_race, process_logits, target_probs
 from leanlm.engine.sampling_metadata import SamplingMetadata
@@ -28,21 +29,6 @@ from leanlm.model.paged_kv import PagedKVCache
 
 _DECODE_ROWS = cpu_decode.MAX_ROWS  # decode entries the native decode loop takes in one call
 _CHUNK_MIN = 64  # unseen tokens past which one prefill chunk beats groups of decode entries
-
-
-@dataclass
-class DraftJob:
-    """One request's proposal: continue its tokens (`token_ids`, the newest at `position`, no KV yet) for
-    `num_tokens` tokens."""
-
-    request: Request
-    token_ids: list[int]  # prompt and output so far, the step's new tokens included
-    num_tokens: int
-    block_ids: list[int]  # covering position + num_tokens - 1
-
-    @property
-    def position(self) -> int:
-        return len(self.token_ids) - 1
 
 
 @dataclass
@@ -63,16 +49,11 @@ class _DraftKV:
         return self.position + matched if matched else min(self.num_valid, self.position)
 
 
-@dataclass
-class Drafts:
-    token_ids: list[list[int]]  # per job
-    probs: list[torch.Tensor | None]  # per job: [num_tokens, V] the draft distribution behind each random
-    # request's tokens; None for greedy requests (their drafts are the draft's argmax)
-    step_seconds: float | None = None  # mean time of the batched draft steps after the first (which also catches
-    # up on unseen tokens); None when there was only one
-
-
 class DraftProposer:
+    """A Proposer (engine/proposer.py) that runs a model."""
+
+    writes_kv = True
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, owns_cache: bool = False,
                  relative_cost: float = 0.0) -> None:
         """`kv_cache`: a separate draft's own cache (`owns_cache`, indexed by the target's block ids), or the
@@ -94,6 +75,9 @@ class DraftProposer:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._written.pop(request_id, None)
+
+    def observe(self, request_id, inputs, predictions, num_accepted) -> None:
+        pass  # what a separate draft can keep follows from the tokens themselves (_catch_up)
 
     def _catch_up(self, job: DraftJob) -> int:
         """First position the draft has no valid KV for: the target's cache is the draft's for self-speculation;

@@ -7,6 +7,7 @@ batch and returns the RequestOutputs that changed.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,13 +19,29 @@ from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
 from leanlm.engine.outputs import RequestOutput
 from leanlm.engine.request import Request
-from leanlm.engine.scheduler import Scheduler
+from leanlm.engine.scheduler import Scheduler, SchedulerStats
+from leanlm.engine.spec_decode import SpecStats
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for metrics, logs and benchmarks."""
+
+    scheduler: SchedulerStats
+    num_kv_blocks: int
+    num_free_kv_blocks: int  # free or evictable (held only by the prefix cache)
+    num_running_tokens: int  # tokens with KV across running requests
+    num_running_slots: int  # KV slots their blocks hold (block_size per block): running_tokens / slots = KV use
+    spec_decode: SpecStats | None  # totals of speculative decoding; None when it is off
+
+
 class LLMEngine:
+    """The surface everything outside engine/ uses: requests in, outputs out, stats; the scheduler, model
+    runner and output processor behind it are internals."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -136,6 +153,51 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # -- requests built by a collaborator (beam search) ----------------------------------------------
+
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue a Request built elsewhere (beam search's beams). It bypasses the OutputProcessor: step() does
+        not report it, and its caller reads the results off the request."""
+        self.scheduler.add_request(request)
+
+    def fork_request(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
+        """Start `child` on the KV `parent` holds for its first `num_computed_tokens` tokens, shared copy-on-write
+        (parent running, or finished with keeps_kv and not yet released)."""
+        self.scheduler.fork_request(parent, child, num_computed_tokens)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished keeps_kv request still holds; False when it holds none."""
+        return self.scheduler.release_kv(request_id)
+
+    def drop_request(self, request_id: str) -> None:
+        """Abort a prepared request if it is still running and free any blocks it holds."""
+        self.scheduler.abort_request(request_id)
+        self.scheduler.release_kv(request_id)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids given to add_request whose outputs have not all finished."""
+        return list(self.output_processor.parent_ids())
+
+    # -- what the engine holds ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        kv = self.kv_cache_manager
+        spec = self.model_runner.spec_decoder
+        return EngineStats(
+            scheduler=self.scheduler.stats(),
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            num_running_tokens=sum(r.num_computed_tokens for r in running),
+            num_running_slots=sum(len(kv.get_block_ids(r.request_id)) for r in running) * self.engine_config.block_size,
+            spec_decode=spec.stats() if spec is not None else None,
+        )
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The network this engine runs (its weights may be shared with other engines)."""
+        return self.model_runner.model
+
     @property
     def num_kv_blocks(self) -> int:
         return self.model_runner.num_blocks
@@ -143,3 +205,13 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.model_runner.num_blocks * self.engine_config.block_size
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """How K/V are stored (the model dtype, or an 8-bit dtype)."""
+        return self.model_runner.kv_cache_dtype
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of every KV tensor the engine allocated (a draft model's cache included)."""
+        return self.model_runner.kv_cache_bytes

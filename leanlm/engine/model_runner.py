@@ -203,8 +203,8 @@ class ModelRunner:
             return
         src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device) for ids in zip(*blocks_to_copy))
         self.kv_cache.copy_blocks(src, dst)
-        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
-            self.spec_decoder.draft.copy_blocks(src, dst)  # a draft model's cache mirrors the block ids
+        if self.spec_decoder is not None:
+            self.spec_decoder.proposer.copy_blocks(src, dst)  # a draft model's own cache mirrors the block ids
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []

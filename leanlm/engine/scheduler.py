@@ -1,21 +1,23 @@
 """Scheduler: vLLM v1's single rule. Each step hands a token budget to running requests first, then to
 waiting ones after a prefix-cache lookup; chunked prefill and decode are the same case with different
-counts. When blocks run out, the newest running request is preempted and later recomputed."""
+counts. When blocks run out, the newest running request is preempted and later recomputed.
+
+The scheduler is the only writer of Request.num_computed_tokens. Shared KV (held blocks, sampling groups)
+is its collaborator SharedKV; whether a request stops is the function check_stop."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from leanlm.config import EngineConfig
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.request import Request, RequestStatus
-
-# Returns the stop string the request's text now ends with (e.g. via the detokenizer), or None.
-StopChecker = Callable[[Request], str | None]
+from leanlm.engine.shared_kv import SharedKV
+from leanlm.engine.stop_check import StopChecker, check_stop
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule(), for the runner
         self._finished_in_schedule: list[Request] = []  # failed outside update(); the next update() reports them
-        # Finished requests made with keeps_kv: they hold their blocks (for fork_request) until release_kv, or
-        # until the pool runs short (then num_computed_tokens drops to 0, as for a preempted request).
-        self.kv_held: dict[str, Request] = {}
-        # Parallel sampling: parent request id -> siblings (in self.requests, in no queue) that fork its KV once
-        # it has computed all but its prompt's last token.
-        self._pending_forks: dict[str, list[Request]] = {}
+        # Held blocks of finished keeps_kv requests (for fork_request) and sampling siblings waiting to fork;
+        # the siblings are in self.requests but in no queue.
+        self.shared = SharedKV(kv_cache_manager)
         self.num_preemptions = 0
         self.num_finished: Counter[str] = Counter()
 
@@ -93,7 +92,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.kv_held:
+        if request.request_id in self.requests or self.shared.is_held(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine; use a unique id")
         if request.is_finished:
             raise ValueError(f"request {request.request_id!r} is already finished ({request.status.name})")
@@ -121,48 +120,49 @@ class Scheduler:
         """n samples of one prompt that share its KV: `first` computes the prompt; each sibling then forks the
         blocks of all but the prompt's last token (copy-on-write), computes that token itself and samples its
         own first token from it. Should `first` finish before that, the siblings run on their own."""
-        for request in (first, *siblings):
-            if request.prompt_token_ids != first.prompt_token_ids:
-                raise ValueError("a sampling group shares one prompt")
+        for sibling in siblings:
+            if sibling.request_id in self.requests or sibling.request_id == first.request_id:
+                raise ValueError(f"request id {sibling.request_id!r} is already in the engine; use a unique id")
+        self.shared.add_siblings(first, siblings)
         self.add_request(first)
         for sibling in siblings:
-            if sibling.request_id in self.requests:
-                raise ValueError(f"request id {sibling.request_id!r} is already in the engine; use a unique id")
             self.requests[sibling.request_id] = sibling
-        self._pending_forks[first.request_id] = list(siblings)
 
     def _fork_siblings(self, parent: Request) -> None:
         """Start the siblings waiting on `parent` now that its prompt (but the last token) has KV."""
-        for sibling in self._pending_forks.pop(parent.request_id, []):
+        for sibling in self.shared.take_siblings(parent):
             del self.requests[sibling.request_id]  # fork_request admits it again
-            sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
-            self.fork_request(parent, sibling)
+            self.fork_request(parent, sibling, sibling.num_prompt_tokens - 1)
 
     def _release_siblings(self, parent: Request) -> None:
         """`parent` ended before its siblings could fork: they compute the prompt themselves."""
-        for sibling in self._pending_forks.pop(parent.request_id, []):
+        for sibling in self.shared.take_siblings(parent):
             self.waiting.appendleft(sibling)
 
-    def fork_request(self, parent: Request, child: Request) -> None:
-        """Start `child` running on the KV `parent` computed for child's first num_computed_tokens tokens, shared
+    def fork_request(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
+        """Start `child` running on the KV `parent` computed for child's first `num_computed_tokens` tokens, shared
         copy-on-write (KVCacheManager.fork). `parent` is running, or finished and held (keeps_kv). A fork runs at
-        once, even past max_num_seqs: its blocks are already taken. With num_computed_tokens 0 (copied from a
-        held parent whose blocks were evicted) it waits at the queue's head and recomputes instead."""
-        if child.request_id in self.requests or child.request_id in self.kv_held:
+        once, even past max_num_seqs: its blocks are already taken. When the held parent's blocks were evicted
+        (its num_computed_tokens is 0) the child waits at the queue's head and recomputes instead."""
+        if child.request_id in self.requests or self.shared.is_held(child.request_id):
             raise ValueError(f"request id {child.request_id!r} is already in the engine; use a unique id")
         if child.is_finished:
             raise ValueError(f"request {child.request_id!r} is already finished ({child.status.name})")
-        if parent.request_id not in self.kv_held and parent.status != RequestStatus.RUNNING:
+        if not self.shared.is_held(parent.request_id) and parent.status != RequestStatus.RUNNING:
             raise ValueError(
                 f"request {parent.request_id!r} holds no KV to fork ({parent.status.name}); fork a running request "
                 f"or a finished one made with keeps_kv=True"
             )
+        if not 0 <= num_computed_tokens < child.num_tokens:
+            raise ValueError(f"a fork shares 0..{child.num_tokens - 1} computed tokens, not {num_computed_tokens}")
         self.requests[child.request_id] = child
-        if child.num_computed_tokens == 0:
+        if parent.num_computed_tokens == 0 or num_computed_tokens == 0:
             # Nothing to share (the parent's blocks were evicted): it recomputes, like a preempted request.
+            child.num_computed_tokens = 0
             child.status = RequestStatus.WAITING
             self.waiting.appendleft(child)
             return
+        child.num_computed_tokens = num_computed_tokens
         self.kv_cache_manager.fork(parent, child)
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = time.monotonic()
@@ -170,11 +170,7 @@ class Scheduler:
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished keeps_kv request still holds. False when it holds none here."""
-        request = self.kv_held.pop(request_id, None)
-        if request is None:
-            return False
-        self.kv_cache_manager.free(request)
-        return True
+        return self.shared.release(request_id)
 
     # ---- schedule ------------------------------------------------------------------------------------
 
@@ -291,24 +287,15 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR)
         self._finished_in_schedule.append(request)
 
-    def _drop_pending_sibling(self, request: Request) -> bool:
-        """Remove a sibling still waiting to fork (it is in no queue); False if it is not one."""
-        for siblings in self._pending_forks.values():
-            if request in siblings:
-                siblings.remove(request)
-                return True
-        return False
-
     def _evict_held(self) -> bool:
-        """Free the blocks of the oldest held request that has any (idle KV goes before running requests are
-        preempted); a fork of it recomputes. Returns False when no held request holds blocks."""
-        for request in self.kv_held.values():
-            if request.num_computed_tokens > 0:
-                self.kv_cache_manager.free(request, keep_hashes=True)
-                request.num_computed_tokens = 0
-                self.num_preemptions += 1
-                return True
-        return False
+        """Free the blocks of the oldest held request that has any; a fork of it recomputes. False when no held
+        request holds blocks."""
+        request = self.shared.evict_oldest()
+        if request is None:
+            return False
+        request.num_computed_tokens = 0
+        self.num_preemptions += 1
+        return True
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV and put it at the front of the waiting queue."""
@@ -345,7 +332,7 @@ class Scheduler:
             # Drafts the verification rejected have KV in the cache that later tokens overwrite.
             num_rejected = num_drafts - (len(sampled) - 1) if num_drafts else 0
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx] - num_rejected
-            if request.request_id in self._pending_forks and request.num_computed_tokens >= request.num_prompt_tokens - 1:
+            if self.shared.has_siblings(request.request_id) and request.num_computed_tokens >= request.num_prompt_tokens - 1:
                 self._fork_siblings(request)
             request.num_draft_tokens += num_drafts
             request.num_accepted_tokens += num_drafts - num_rejected
@@ -377,44 +364,26 @@ class Scheduler:
                 request.first_token_time = now
             request.last_token_time = now
             try:
-                status = self._check_stop(request, token_id)
+                stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len, self.stop_checker)
             except Exception as exc:  # a stop check (detokenization) that fails fails its request alone
                 request.error = f"stop check failed: {type(exc).__name__}: {exc}"
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 return True
-            if status is not None:
-                self._finish(request, status)
+            if stop is not None:
+                request.stop_reason = stop[1]
+                self._finish(request, stop[0])
                 return True  # later tokens (speculative ones) are dropped
         return False
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        """Stop conditions in priority order; sets request.stop_reason. EOS, stop ids and stop strings
-        count only once min_tokens tokens exist."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-            if self.stop_checker is not None:
-                stop_str = self.stop_checker(request)
-                if stop_str is not None:
-                    request.stop_reason = stop_str
-                    return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Move an unfinished request out of the queues, free its blocks and record it."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif not self._drop_pending_sibling(request):
+        elif not self.shared.drop_sibling(request):
             self.waiting.remove(request)
         self._release_siblings(request)
         if request.keeps_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.kv_held[request.request_id] = request  # its blocks stay taken until release_kv
+            self.shared.hold(request)  # its blocks stay taken until release_kv
         else:
             self.kv_cache_manager.free(request)
         request.status = status

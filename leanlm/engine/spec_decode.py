@@ -10,9 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.config import SpeculativeConfig
-from leanlm.engine.draft_proposer import DraftJob, DraftProposer
-from leanlm.engine.lookahead_proposer import LookaheadProposer
-from leanlm.engine.ngram_proposer import NgramProposer
+from leanlm.engine.proposer import DraftJob, Proposer, build_proposer
 from leanlm.engine.request import Request
 
 # Prior for a request's acceptance estimate: as if this many drafts had been seen, at this rate.
@@ -66,24 +64,20 @@ class SpecStats:
 
 
 class SpecDecoder:
-    """Owns the proposer (prompt lookup, or a draft model), each request's acceptance estimate and the draft
-    distributions that verification of model drafts needs."""
+    """Owns the one Proposer the config chose (proposer.build_proposer), each request's acceptance estimate and
+    the draft distributions that verification of model drafts needs."""
 
-    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None, block_size: int = 16,
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, block_size: int = 16,
                  max_model_len: int | None = None) -> None:
-        if config.uses_model and draft is None:
-            raise ValueError(f"speculative method {config.method!r} needs a draft model")
+        """`proposer`: the model proposer a draft or self method needs; text methods build their own."""
         self.config = config
-        is_ngram = config.method == "ngram"
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if is_ngram else None
-        self.lookahead = LookaheadProposer(config.prompt_lookup_max) if config.method == "lookahead" else None
-        self.draft = draft if config.uses_model else None
+        self.proposer = build_proposer(config, proposer)
         self.block_size = block_size
         self.max_model_len = max_model_len
         # Step cost model: a draft model costs its weight-byte ratio per draft token until measured (below).
         self.draft_cost = config.draft_cost
         if self.draft_cost is None:
-            self.draft_cost = self.draft.relative_cost if self.draft is not None else 0.05
+            self.draft_cost = self.proposer.relative_cost
         self.verify_overhead = config.verify_overhead
         # Measured seconds (decayed means) of a target decode forward and of one batched draft step: once both
         # are known they replace the weight-byte prior of a draft model's cost (Python overhead included).
@@ -100,10 +94,7 @@ class SpecDecoder:
         for request_id in request_ids:
             self._acceptance.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
-        if self.lookahead is not None:
-            self.lookahead.forget(request_ids)
-        if self.draft is not None:
-            self.draft.forget(request_ids)
+        self.proposer.forget(request_ids)
 
     def observe(self, requests: list[Request], verified: list[list[int]], num_accepted: list[int],
                 predictions: list[list[int]] | None = None) -> None:
@@ -116,15 +107,13 @@ class SpecDecoder:
                 self._num_drafts += len(drafts)
                 self._num_accepted += accepted
                 self._acceptance.setdefault(request.request_id, _Acceptance()).observe(len(drafts), accepted)
-                if self.lookahead is not None and predictions is not None:
+                if predictions is not None:
                     inputs = [request.all_token_ids[-1], *drafts]
-                    self.lookahead.observe(request.request_id, inputs, predictions[i], accepted)
+                    self.proposer.observe(request.request_id, inputs, predictions[i], accepted)
 
     def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> torch.Tensor | None:
         """The draft distribution behind each verification row [sum(len(d) + 1), V] (zeros for greedy requests
         and bonus rows); None when every draft is certain (prompt lookup). Consumes what propose() stored."""
-        if self.draft is None:
-            return None
         stored = [self._draft_probs.pop(r.request_id, None) for r in requests]
         some = next((q for q in stored if q is not None), None)
         if some is None:
@@ -153,18 +142,14 @@ class SpecDecoder:
             k = min(self.num_drafts(request.request_id), request.draft_room(self.max_model_len, len(new_tokens)))
             if k <= 0:
                 continue
-            if self.ngram is not None:
-                out[i] = self.ngram.propose(request.all_token_ids + new_tokens, k)
-                continue
-            if self.lookahead is not None:
-                out[i] = self.lookahead.propose(request.request_id, request.all_token_ids + new_tokens, k)
-                continue
-            position = request.num_tokens + len(new_tokens) - 1
-            k = min(k, len(block_ids[i]) * self.block_size - position)
+            if self.proposer.writes_kv:  # model drafts stop where the request's blocks end
+                position = request.num_tokens + len(new_tokens) - 1
+                k = min(k, len(block_ids[i]) * self.block_size - position)
             if k > 0:
-                jobs.append((i, DraftJob(request, request.all_token_ids + new_tokens, k, block_ids[i])))
+                blocks = block_ids[i] if block_ids is not None else []  # only model drafts need them
+                jobs.append((i, DraftJob(request, request.all_token_ids + new_tokens, k, blocks)))
         if jobs:
-            drafts = self.draft.propose([job for _, job in jobs])
+            drafts = self.proposer.propose([job for _, job in jobs])
             if drafts.step_seconds is not None:
                 self._draft_step_seconds.add(drafts.step_seconds)
                 self._update_draft_cost()

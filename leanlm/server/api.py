@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
+from leanlm.engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.server.metrics import ServerMetrics
 from leanlm.server.protocol import (
     ChatCompletionRequest, CompletionRequest, LimitExceededError, UnsupportedParameterError,

@@ -12,7 +12,7 @@ import threading
 import uvicorn
 
 from leanlm.config import ServeConfig
-from leanlm.engine.async_engine import AsyncLLMEngine
+from leanlm.engine import AsyncLLMEngine
 from leanlm.llm import LLM
 from leanlm.server.api import build_app
 
@@ -61,7 +61,7 @@ def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:
     return (
         f"serving {model_name!r} ({llm.model_config.architecture}, {str(llm.dtype).removeprefix('torch.')}) "
         f"on {engine.device}: KV cache {engine.kv_capacity_tokens} tokens in {engine.num_kv_blocks} blocks "
-        f"({str(engine.model_runner.kv_cache_dtype).removeprefix('torch.')}), "
+        f"({str(engine.kv_cache_dtype).removeprefix('torch.')}), "
         f"context {engine.max_model_len} tokens, max_num_seqs {engine.engine_config.max_num_seqs}, "
         f"queue {config.max_queue}, auth {'on' if config.api_key else 'off'}, "
         f"at http://{config.host}:{config.port}/v1"

@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from leanlm.engine.async_engine import AsyncLLMEngine
-from leanlm.engine.outputs import RequestOutput
+from leanlm.engine import AsyncLLMEngine, RequestOutput
 
 # Seconds; the same spirit as vLLM's buckets, from sub-millisecond decode steps to minute-long requests.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

@@ -7,7 +7,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from leanlm.engine.outputs import CompletionOutput, RequestOutput
+from leanlm.engine import CompletionOutput, RequestOutput
 from leanlm.loading.tokenizer import Tokenizer
 
 

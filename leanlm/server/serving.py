@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from leanlm import selection
-from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, RequestFailedError, RequestStream
-from leanlm.engine.beam_search import BeamSearchParams
-from leanlm.engine.outputs import CompletionOutput, RequestOutput
+from leanlm.engine import (
+    AsyncLLMEngine, BeamSearchParams, CompletionOutput, EngineStoppedError, RequestFailedError, RequestOutput,
+    RequestStream,
+)
 from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses
 from leanlm.server.protocol import (

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from leanlm.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError
+from leanlm.engine import AsyncLLMEngine, EngineStoppedError, QueueFullError
 from leanlm.sampling_params import SamplingParams
 
 
@@ -133,7 +133,7 @@ def test_beam_searches_run_between_steps_beside_sampling(make_tiny_engine, max_n
 
     assert sampled.outputs[0].token_ids == next(iter(run_to_completion(alone).values())).outputs[0].token_ids
     llm_engine = engine.engine
-    assert not llm_engine.scheduler.kv_held and llm_engine.kv_cache_manager.num_free_blocks == llm_engine.num_kv_blocks
+    assert llm_engine.stats().num_free_kv_blocks == llm_engine.num_kv_blocks
     assert engine.num_requests_in_flight == 0
 
 
@@ -152,6 +152,6 @@ def test_aborting_a_beam_search_frees_its_blocks(make_tiny_engine):
     engine, final = _run(make_tiny_engine, scenario, max_num_seqs=4)
     assert final.finished and final.outputs == []
     llm_engine = engine.engine
-    assert not llm_engine.has_unfinished_requests() and not llm_engine.scheduler.kv_held
+    assert not llm_engine.has_unfinished_requests() and not llm_engine.scheduler.shared.held
     assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.num_kv_blocks
     assert all(block.ref_cnt == 0 for block in llm_engine.kv_cache_manager.block_pool.blocks)

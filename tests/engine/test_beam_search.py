@@ -113,7 +113,7 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert pool.num_free_blocks == pool.num_blocks
     assert engine.kv_cache_manager._req_to_blocks == {}
-    assert engine.scheduler.kv_held == {} and not engine.has_unfinished_requests()
+    assert engine.scheduler.shared.held == {} and not engine.has_unfinished_requests()
 
 
 # ---- the fork's KV -----------------------------------------------------------------------------------
@@ -127,16 +127,15 @@ def test_forked_requests_see_the_same_logits_as_a_fresh_run(tokenizer, tiny, kv_
     prompt = random_prompts(config.vocab_size, lengths=(6,))[0]  # 6 tokens: block 1 is half full
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
     parent = Request("p", prompt, params, keeps_kv=True)
-    engine.scheduler.add_request(parent)
+    engine.add_prepared_request(parent)
     run_to_completion(engine)
     children = []
     for token in (101, 202, 303):
         child = Request(f"c{token}", prompt, dataclasses.replace(params, max_tokens=2))
         child.append_output_token_ids(token)
-        child.num_computed_tokens = len(prompt)
-        engine.scheduler.fork_request(parent, child)
+        engine.fork_request(parent, child, len(prompt))
         children.append(child)
-    engine.scheduler.release_kv("p")
+    engine.release_kv("p")
     so = engine.scheduler.schedule()
     # The first two forks copy the shared half-full block 1; the last one has it to itself.
     assert so.block_ids == [[0, 2], [0, 3], [0, 1]] and so.blocks_to_copy == [(1, 2), (1, 3)]

@@ -345,7 +345,7 @@ def test_keeps_kv_request_holds_its_blocks_until_released():
     sched.add_request(req)
     run(sched, runner)
     assert req.status == RequestStatus.FINISHED_LENGTH and not sched.has_unfinished_requests()
-    assert sched.kv_cache_manager.get_block_ids("a") == [0, 1] and "a" in sched.kv_held
+    assert sched.kv_cache_manager.get_block_ids("a") == [0, 1] and sched.shared.is_held("a")
     with pytest.raises(ValueError, match="already in the engine"):
         sched.add_request(make_request("a", [1]))
     assert sched.release_kv("a") and not sched.release_kv("a")
@@ -358,7 +358,7 @@ def test_aborted_keeps_kv_request_frees_at_once():
     sched.add_request(Request("a", list(range(6)), SamplingParams(max_tokens=5), keeps_kv=True))
     step(sched, runner)
     sched.abort_request("a")
-    assert sched.kv_held == {}
+    assert sched.shared.held == {}
     assert_all_blocks_free(sched)
 
 
@@ -374,8 +374,7 @@ def test_forks_share_the_parent_kv_and_copy_its_last_block():
     for child_id, token in (("c0", 500), ("c1", 600)):
         child = make_request(child_id, parent.all_token_ids[:6], max_tokens=3)
         child.append_output_token_ids(token)
-        child.num_computed_tokens = 6
-        sched.fork_request(parent, child)
+        sched.fork_request(parent, child, 6)
         children.append(child)
     assert sched.release_kv("p")
     trace, out, _ = step(sched, runner)
@@ -400,8 +399,7 @@ def test_held_blocks_are_evicted_before_running_requests_are_preempted():
     # A fork of the evicted parent recomputes from the queue's head, reviving p's cached block 0.
     child = make_request("c", range(6), max_tokens=2)
     child.append_output_token_ids(500)
-    child.num_computed_tokens = parent.num_computed_tokens
-    sched.fork_request(parent, child)
+    sched.fork_request(parent, child, 6)  # the evicted parent has none of them left
     assert sched.waiting[0] is child
     assert sched.release_kv("p")
     run(sched, runner)
@@ -415,7 +413,7 @@ def test_fork_refuses_a_parent_without_kv():
     sched.add_request(parent)  # waiting: no blocks yet
     child = make_request("c", range(6))
     with pytest.raises(ValueError, match="holds no KV to fork"):
-        sched.fork_request(parent, child)
+        sched.fork_request(parent, child, 5)
 
 
 def test_duplicate_request_id_is_refused():

@@ -103,7 +103,7 @@ def _draft_engine(tokenizer, noise: float = 0.3, *, adaptive=True, max_batch_siz
                        torch.device("cpu"), torch.float64, draft)
     runner = engine.model_runner
     config = SpeculativeConfig("draft", draft_model="noisy-copy", adaptive=adaptive, max_batch_size=max_batch_size)
-    runner.spec_decoder = SpecDecoder(config, runner.spec_decoder.draft, runner.block_size, engine.max_model_len)
+    runner.spec_decoder = SpecDecoder(config, runner.spec_decoder.proposer, runner.block_size, engine.max_model_len)
     return engine
 
 
@@ -203,7 +203,7 @@ def test_sampled_speculation_keeps_the_target_distribution(make_tiny_engine, tok
     first_tokens, _ = top3(prompt)
     drafts = [top3(prompt + [first_tokens[0]])[0][1], first_tokens[0]]  # a likely token, then an arbitrary one
     if proposer == "fixed":
-        engine.model_runner.spec_decoder.ngram = FixedProposer(drafts)
+        engine.model_runner.spec_decoder.proposer.ngram = FixedProposer(drafts)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)  # room for one draft
     ids = [engine.add_request(prompt, params) for _ in range(num_requests)]
     outputs = run_to_completion(engine)

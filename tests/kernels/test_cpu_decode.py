@@ -201,7 +201,7 @@ def test_smollm2_greedy_output_is_unchanged(smollm_path):
     from leanlm.sampling_params import SamplingParams
 
     llm = LLM(str(smollm_path), dtype="bfloat16", progress=False)
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.model
     assert model.native_decode_plan().accepts(llm.llm_engine.model_runner.kv_cache)
     prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Paris is the capital of"]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

@@ -67,7 +67,7 @@ def tiny_engine_factory(make_tiny_engine, monkeypatch):
         # A small KV pool: the default 1 GiB per engine adds up over the many servers these tests start.
         engine_options.setdefault("kv_cache_memory_bytes", 32 << 20)
         engine = make_tiny_engine(dtype=__import__("torch").float32, **engine_options)
-        model = engine.model_runner.model
+        model = engine.model
         real_forward = model.forward
 
         def forward(input_ids, positions):

@@ -1,0 +1,33 @@
+"""The stop rule: whether a request ends with the token just appended to it, and why. A function of the
+request and the engine's limits; the scheduler applies its answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from leanlm.engine.request import Request, RequestStatus
+
+# Returns the stop string the request's text now ends with (e.g. via the detokenizer), or None.
+StopChecker = Callable[[Request], str | None]
+
+
+def check_stop(
+    request: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
+    stop_checker: StopChecker | None = None,
+) -> tuple[RequestStatus, int | str | None] | None:
+    """(status, stop_reason) when `request` ends with `token_id` (already appended), else None. Conditions in
+    priority order; EOS, stop token ids and stop strings count only once min_tokens tokens exist. stop_reason
+    is the stop token id or string that matched (None for EOS and length). A failing stop_checker raises."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+        if stop_checker is not None:
+            stop_str = stop_checker(request)
+            if stop_str is not None:
+                return RequestStatus.FINISHED_STOPPED, stop_str
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
