@@ -23,7 +23,7 @@ from leanlm.analysis.machine import describe_machine
 from leanlm.analysis.eval import read_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import calibration_samples, compress, read_calibration_text
-from leanlm.compress.command import build_recipe
+from leanlm.cli.quantize import build_recipe
 from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM, load_model

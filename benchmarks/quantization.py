@@ -26,7 +26,7 @@ from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_t
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress.base import build_method
 from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
-from leanlm.compress.command import build_recipe, directory_bytes, model_bytes
+from leanlm.cli.quantize import build_recipe, directory_bytes, model_bytes
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from leanlm import cli
+from leanlm.cli import models as models_command
 from leanlm.loading.errors import ModelLoadError
 from tests.test_cli_bench import word_tokenizer_dir
 
@@ -176,14 +177,14 @@ def raising(exc: BaseException):
 
 def test_interrupt_is_quiet_and_debug_shows_the_traceback(monkeypatch, capsys):
     monkeypatch.delenv("LEANLM_DEBUG", raising=False)
-    monkeypatch.setattr(cli, "cmd_models", raising(KeyboardInterrupt()))
+    monkeypatch.setattr(models_command, "cmd_models", raising(KeyboardInterrupt()))
     assert cli.main(["models"]) == 130
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(cli, "cmd_models", raising(KeyError("k")))
+    monkeypatch.setattr(models_command, "cmd_models", raising(KeyError("k")))
     assert cli.main(["models"]) == 1
     monkeypatch.setenv("LEANLM_DEBUG", "1")
     with pytest.raises(KeyError):
         cli.main(["models"])
-    monkeypatch.setattr(cli, "cmd_models", raising(KeyboardInterrupt()))
+    monkeypatch.setattr(models_command, "cmd_models", raising(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         cli.main(["models"])

@@ -4,7 +4,7 @@ import pytest
 
 from leanlm.cli import main
 from leanlm.compress import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig
-from leanlm.compress.command import build_recipe
+from leanlm.cli.quantize import build_recipe
 
 
 def test_recipes_behind_the_methods():

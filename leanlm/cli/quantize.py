@@ -65,7 +65,7 @@ def check_output_format(fmt: str, recipe: list[MethodConfig]) -> None:
         raise ValueError("--format gptq needs symmetric weights (the layout stores zero - 1): add --symmetric")
 
 
-def add_quantize_parser(sub) -> None:
+def add_parser(sub) -> None:
     from leanlm.loading.registry import DEFAULT_MODEL
 
     p = sub.add_parser("quantize", help="quantize a model (RTN, GPTQ, AWQ, SmoothQuant, LLM.int8(), FP8) and save it")

@@ -1,0 +1,116 @@
+"""`leanlm generate`: complete prompts (batched), or pick among samples (best-of-N, majority vote)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from leanlm.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    load_llm,
+    sampling_params,
+)
+
+
+def _selection_flags(args: argparse.Namespace, params):
+    """--best-of / --majority-vote as (kind, sampling params for the samples, answer extractor), checked before
+    the model loads; None when neither is given."""
+    from leanlm.selection import make_extractor, sampling_params_for_samples
+
+    if args.best_of is not None and args.majority_vote is not None:
+        raise ValueError("give --best-of or --majority-vote, not both")
+    if args.answer_regex is not None and args.majority_vote is None:
+        raise ValueError("--answer-regex extracts the answers of --majority-vote K; add --majority-vote")
+    if args.best_of is not None:
+        return "best_of", sampling_params_for_samples(args.best_of, "--best-of", params, needs_logprobs=True), None
+    if args.majority_vote is None:
+        return None
+    if args.answer_regex is None:
+        raise ValueError("--majority-vote needs --answer-regex REGEX (its first group, or whole match, is the answer)")
+    extract = make_extractor(args.answer_regex)
+    return "vote", sampling_params_for_samples(args.majority_vote, "--majority-vote", params, True), extract
+
+
+def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], selection) -> int:
+    """--best-of: the best sample and its mean token logprob; --majority-vote: the winning answer and its support."""
+    from leanlm.selection import best_of, majority_vote
+
+    kind, params, extract = selection
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outputs):
+        if kind == "best_of":
+            ranking = best_of(out.outputs)
+            best = ranking.best
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": best.text, "token_ids": best.token_ids,
+                                  "finish_reason": best.finish_reason, "mean_logprob": ranking.score,
+                                  "num_samples": len(out.outputs)}))
+            else:
+                print(f"{prompt}{best.text}" if not args.chat else best.text)
+                print(f"[best of {len(out.outputs)} samples: mean token logprob {ranking.score:.4f}]")
+                print()
+            continue
+        vote = majority_vote(out.outputs, extract)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "answer": vote.answer, "support": vote.support, "votes": vote.votes,
+                              "num_voting": vote.num_voting, "num_samples": vote.num_samples,
+                              "counts": [[a, n] for a, n in vote.counts]}, default=str))
+        else:
+            counts = ", ".join(f"{a!r}: {n}" for a, n in vote.counts) or "none"
+            answer = "no sample gave an answer" if vote.answer is None else repr(vote.answer)
+            print(f"{prompt}\nanswer: {answer} (support {vote.support:.2f}: {vote.votes} of {vote.num_voting} "
+                  f"answering samples, {vote.num_samples} sampled; votes {counts})")
+            print()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # validate flags before the (slow) model load
+    selection = _selection_flags(args, params)
+    llm = load_llm(args)
+    prompts = list(args.prompts)
+    if selection is not None:
+        return _generate_selected(args, llm, prompts, selection)
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - start
+    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(f"{prompt}{completion.text}" if not args.chat else completion.text)
+            print()
+    print(f"[{num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} tokens/s, "
+          f"{llm.model_config.name or args.model}, {str(llm.dtype).removeprefix('torch.')}]", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="complete prompts (batched)")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several are batched together")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--best-of", type=int, default=None, metavar="N",
+                     help="sample N completions per prompt (set --temperature > 0); print the one with the highest "
+                          "mean token logprob, with that score")
+    gen.add_argument("--majority-vote", type=int, default=None, metavar="K",
+                     help="self-consistency: sample K completions per prompt (set --temperature > 0), extract each "
+                          "one's answer with --answer-regex, print the most frequent answer and its support")
+    gen.add_argument("--answer-regex", default=None, metavar="REGEX",
+                     help="answer of a sample for --majority-vote: the first group of the first match (or the whole "
+                          "match); samples without a match do not vote")
+    add_model_args(gen)
+    add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
