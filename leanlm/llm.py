@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from leanlm.config import EngineConfig, ModelConfig, parse_dtype
+from leanlm.config import EngineConfig
 from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.model.dtype_probe import choose_cpu_dtype
+from leanlm.model.device import resolve_device, resolve_dtype
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from leanlm.selection import (
     Extractor, Ranking, Scorer, VoteResult, best_of, majority_vote, make_extractor, sampling_params_for_samples,
 )
 
-logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -28,27 +26,11 @@ Message = dict[str, str]
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """'auto': bfloat16 on CUDA; on a CPU, what the engine's linear layer runs faster here (a probe on the
-    model's MLP shape, cached per machine: leanlm.model.dtype_probe), logged with its reason."""
-    if dtype != "auto":
-        return parse_dtype(dtype)
-    if device.type != "cpu":
-        return torch.bfloat16
-    choice = choose_cpu_dtype(config.hidden_size, config.intermediate_size)
-    logger.info("dtype auto -> %s (%s)", str(choice.dtype).removeprefix("torch."), choice.reason)
-    return choice.dtype
-
-
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                device: str | torch.device | None = None, progress: bool = True):
     """The network of a bundled name, GGUF file or (quantized) HF directory, for compression or inspection:
     a LlamaForCausalLM whose `tokenizer` attribute holds the model's tokenizer (save_checkpoint writes it)."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     checkpoint = load_checkpoint(model, progress=progress)
     dtype = resolve_dtype(dtype, device, checkpoint.config)
     net = build_model(checkpoint.config, checkpoint.state_dict, dtype, device,
@@ -73,7 +55,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(_ENGINE_FIELDS)}")
         self.engine_config = EngineConfig(**engine_options)
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device)
         checkpoint = load_checkpoint(model, progress=progress)
         self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
         self.model_config = checkpoint.config

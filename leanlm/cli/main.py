@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("LEANLM_DEBUG", "") not in ("", "0")
     # Warnings and the startup choices worth a line (dtype auto's measured pick) on stderr; serve sets its own.
     logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
-    logging.getLogger("leanlm.llm").setLevel(logging.INFO)
+    logging.getLogger("leanlm.model.device").setLevel(logging.INFO)
     try:
         args = build_parser().parse_args(argv)  # usage errors exit 2 here, one line (_Parser.error)
         return args.func(args)

@@ -99,7 +99,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from leanlm.compress.checkpoint import save_checkpoint
     from leanlm.compress.gptq_format import save_gptq_checkpoint
     from leanlm.compress.recipe import compress
-    from leanlm.llm import default_device
+    from leanlm.model.device import resolve_device
     from leanlm.loading.checkpoint import load_checkpoint
     from leanlm.model.llama import build_model
 
@@ -109,7 +109,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     check_output_format(args.format, recipe)
     if args.calib is not None and not Path(args.calib).is_file():
         raise ValueError(f"calibration file {args.calib} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
-    device = torch.device(args.device) if args.device else default_device()
+    device = resolve_device(args.device or None)
     ckpt = load_checkpoint(args.model)
     model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
     samples = None

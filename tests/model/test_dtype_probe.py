@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from leanlm.llm import resolve_dtype
+from leanlm.model.device import resolve_dtype
 from tests.conftest import tiny_config
 from leanlm.model import dtype_probe
 from leanlm.model.dtype_probe import DECODE_ROWS, PREFILL_ROWS, choose_cpu_dtype
@@ -78,7 +78,7 @@ def test_resolve_dtype_probes_only_for_auto_on_cpu(monkeypatch):
         raise AssertionError("probed")
 
     config = tiny_config(256)
-    monkeypatch.setattr("leanlm.llm.choose_cpu_dtype", no_probe)
+    monkeypatch.setattr("leanlm.model.device.choose_cpu_dtype", no_probe)
     assert resolve_dtype("float32", torch.device("cpu"), config) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu"), config) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda"), config) == torch.bfloat16
@@ -88,6 +88,6 @@ def test_resolve_dtype_probes_only_for_auto_on_cpu(monkeypatch):
         shapes.append((in_features, out_features))
         return choose_cpu_dtype(in_features, out_features, timer=_timer({torch.bfloat16: 5.0, torch.float32: 1.0}))
 
-    monkeypatch.setattr("leanlm.llm.choose_cpu_dtype", probe)
+    monkeypatch.setattr("leanlm.model.device.choose_cpu_dtype", probe)
     assert resolve_dtype("auto", torch.device("cpu"), config) == torch.float32
     assert shapes == [(config.hidden_size, config.intermediate_size)]  # the model's MLP shape
