@@ -26,7 +26,7 @@ from leanlm import LLM, SamplingParams
 from leanlm.analysis.bench import HFRunner
 from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.markdown import replace_section
-from leanlm.analysis.machine import CpuMonitor, CpuSample, describe_machine, measure_memory_bandwidth, peak_rss_bytes
+from leanlm.analysis.host import CpuMonitor, CpuSample, describe_machine, measure_memory_bandwidth, peak_rss_bytes
 from leanlm.data import wikitext2_test_path
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.machine import describe_machine
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.eval import read_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import calibration_samples, compress, read_calibration_text

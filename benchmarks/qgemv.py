@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from leanlm.analysis.machine import describe_machine
+from leanlm.analysis.host import describe_machine
 from leanlm.kernels import cpu_gemv, cpu_qgemv
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # (N, K)

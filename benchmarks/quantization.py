@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.machine import describe_machine
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_text
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress.base import build_method

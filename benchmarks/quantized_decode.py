@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.machine import describe_machine
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.bench import LeanLMRunner, LlamaCppRunner, median, repeat
 from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.markdown import replace_section

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from leanlm.analysis.load_generator import LoadConfig, prompts_from_file, run_load_sync
 from leanlm.analysis.load_report import LoadResult, format_table
-from leanlm.analysis.machine import CpuMonitor, CpuSample, describe_machine
+from leanlm.analysis.host import CpuMonitor, CpuSample, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import LlamaServer, LlamaServerConfig, PeerUnavailable, ServerProcess, leanlm_server
 from leanlm.data import wikitext2_test_path

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from leanlm.analysis.bench import median
-from leanlm.analysis.machine import CpuMonitor, describe_machine
+from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import RTNConfig, compress, save_checkpoint
 from leanlm.config import EngineConfig

@@ -11,7 +11,7 @@ import argparse
 import torch
 from tqdm.auto import tqdm
 
-from leanlm.analysis.machine import describe_machine
+from leanlm.analysis.host import describe_machine
 from leanlm import LLM
 from leanlm.analysis.tasks import TASKS, PairScore, choose, encode_pair, evaluate_items, parse_task_names
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model

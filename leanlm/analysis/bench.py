@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from leanlm.analysis.machine import CpuMonitor, CpuSample
+from leanlm.analysis.host import CpuMonitor, CpuSample
 
 PEERS = ("hf", "llama.cpp")
 

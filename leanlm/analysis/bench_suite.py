@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from leanlm.analysis.bench import LatencySample, Runner, median, repeat
-from leanlm.analysis.machine import describe_machine, measure_memory_bandwidth
+from leanlm.analysis.host import describe_machine, measure_memory_bandwidth
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from leanlm.analysis.hardware import Hardware
+from leanlm.analysis.hardware_profiles import Hardware
 from leanlm.analysis.model_shape import ModelShape
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from leanlm.analysis import estimate as est
-from leanlm.analysis.hardware import Hardware
+from leanlm.analysis.hardware_profiles import Hardware
 from leanlm.analysis.model_shape import ModelShape
 
 

@@ -19,7 +19,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         format_report,
         plot_roofline,
     )
-    from leanlm.analysis.hardware import HARDWARE, measure_hardware
+    from leanlm.analysis.hardware_profiles import HARDWARE, measure_hardware
     from leanlm.analysis.model_shape import load_shape
 
     settings = EstimateSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EstimateSettings)})

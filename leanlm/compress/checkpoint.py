@@ -1,6 +1,5 @@
-"""Quantized checkpoints: safetensors + `quantization_config.json` (what each quantized layer is), written by
-`save_checkpoint` and rebuilt by `quantized_layers` when a model directory is loaded (dispatch on the saved
-`format` of each layer, never on names)."""
+"""Writing quantized checkpoints: safetensors + `quantization_config.json` (what each quantized layer is);
+loading/quantized.py rebuilds them (dispatch on the saved `format` of each layer, never on names)."""
 
 from __future__ import annotations
 
@@ -8,16 +7,14 @@ import dataclasses
 import json
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from leanlm.compress.qlinear import QUANT_LINEAR_FORMATS, QuantLinear
+from leanlm.loading.quantized import FORMAT_VERSION, QUANT_CONFIG_FILE
+from leanlm.model.quantized.linear import QuantLinear
 from leanlm.loading.safetensors import save_hf_dir
 
-QUANT_CONFIG_FILE = "quantization_config.json"
-FORMAT_VERSION = 1
 
 
 def save_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -66,37 +63,3 @@ def write_model_dir(model: nn.Module, path: Path, state: dict[str, torch.Tensor]
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.save(path)
-
-
-def read_quantization_config(path: Path) -> dict[str, Any] | None:
-    """The parsed quantization_config.json of a model directory, or None when it has none."""
-    file = path / QUANT_CONFIG_FILE
-    if not file.is_file():
-        return None
-    meta = json.loads(file.read_text())
-    if not isinstance(meta, dict):
-        raise ValueError(f"{file} is not a JSON object; re-quantize the model or restore the file")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{file} has format_version {meta.get('format_version')}; this leanlm reads "
-                         f"{FORMAT_VERSION}: re-quantize the model with this version")
-    return meta
-
-
-def quantized_layers(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, QuantLinear]:
-    """Build each quantized layer named in `meta` from its tensors, removing them from `state_dict`."""
-    layers = {}
-    if not isinstance(meta.get("layers"), dict):
-        raise ValueError(f"{QUANT_CONFIG_FILE} has no 'layers' object")
-    for name, layer_meta in meta["layers"].items():
-        fmt = layer_meta.get("format") if isinstance(layer_meta, dict) else None
-        if fmt not in QUANT_LINEAR_FORMATS:
-            raise ValueError(f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
-                             f"(known: {', '.join(QUANT_LINEAR_FORMATS)})")
-        prefix = name + "."
-        tensors = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
-        # Shapes, group sizes and index ranges are checked against the metadata here, before any kernel runs.
-        try:
-            layers[name] = QUANT_LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
-        except (ValueError, TypeError) as e:  # TypeError: metadata keys or values of the wrong kind
-            raise ValueError(f"layer {name}: {e}") from e
-    return layers

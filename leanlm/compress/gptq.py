@@ -11,9 +11,9 @@ import torch
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_STATS, MethodConfig, register_method
 from leanlm.compress.hessian import inverse_cholesky_upper, prepare_hessian
-from leanlm.compress.quant import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
-from leanlm.compress.quantizer import LinearQuantizer
-from leanlm.compress.scheme import IntScheme, build_module
+from leanlm.model.quantized.numerics import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
+from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.compress.int_scheme import IntScheme, build_module
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, MethodConfig, register_method
-from leanlm.compress.qlinear import LLMInt8Linear
-from leanlm.compress.quantizer import LinearQuantizer
+from leanlm.model.quantized.linear import LLMInt8Linear
+from leanlm.compress.linear_quantizer import LinearQuantizer
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from torch import nn
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import gguf_tokenizer_metadata, is_gguf_file, load_gguf, open_gguf
+from leanlm.loading.quantized import gptq_layers, quantized_layers, read_gptq_config, read_quantization_config
 from leanlm.loading.registry import resolve_model
 from leanlm.loading.safetensors import is_hf_dir, load_hf_dir
 from leanlm.loading.tokenizer import Tokenizer
@@ -50,9 +51,6 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32
 
 def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     """An HF directory: float, leanlm-quantized (quantization_config.json) or GPTQ (config.json's block)."""
-    from leanlm.compress.checkpoint import quantized_layers, read_quantization_config
-    from leanlm.compress.gptq_format import gptq_layers, read_gptq_config
-
     try:
         meta, gptq = read_quantization_config(path), read_gptq_config(path)
     except ValueError as e:

@@ -7,7 +7,7 @@ import pytest
 
 from leanlm.analysis.bench import HFRunner, LeanLMRunner, Repetitions, repeat
 from leanlm.analysis.bench_suite import ThroughputRow, throughput_table
-from leanlm.analysis.machine import CpuSample
+from leanlm.analysis.host import CpuSample
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from leanlm.analysis.estimate import (
     kv_cache_bytes, kv_format, matmul_flops_per_token, max_batch, param_counts, peak_activation_bytes,
     prefill_flops, prefill_step, roofline_time, serving_memory_bytes, weight_bytes, weight_format,
 )
-from leanlm.analysis.hardware import HARDWARE, Hardware, measure_matmul_flops
+from leanlm.analysis.hardware_profiles import HARDWARE, Hardware, measure_matmul_flops
 from leanlm.analysis.model_shape import PRESETS, ModelShape, load_shape, shape_from_config
 from leanlm.config import EngineConfig
 from leanlm.loading.registry import DEFAULT_MODEL

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from leanlm.compress import GPTQConfig, LLMInt8Config, RTNConfig, compress, save_checkpoint, save_gptq_checkpoint
-from leanlm.compress.gptq_format import (
+from leanlm.model.quantized.gptq_layout import (
     from_gptq_tensors, pack_int32_rows, to_gptq_tensors, unpack_int32_rows,
 )
-from leanlm.compress.qlinear import IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.model.llama import build_model
@@ -66,7 +66,7 @@ def test_gptq_layout_matches_the_reference_dequantization(act_order):
     x = torch.randn(512, 128, generator=gen)
     w = torch.randn(64, 128, generator=gen) / 10
     from leanlm.compress.gptq import gptq_quantize
-    from leanlm.compress.scheme import build_module
+    from leanlm.compress.int_scheme import build_module
 
     cfg = GPTQConfig(bits=4, group_size=32, symmetric=True, act_order=act_order)
     res = gptq_quantize(w, 2 * x.t() @ x / 512, cfg)

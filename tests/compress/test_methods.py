@@ -11,8 +11,8 @@ from leanlm.compress import (
 from leanlm.compress.awq import search_block_scales, search_scales
 from leanlm.compress.calibration import LayerRunner
 from leanlm.compress.gptq import gptq_quantize, layer_error
-from leanlm.compress.qlinear import QuantLinear
-from leanlm.compress.quant import fake_quantize, sqnr_db
+from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.quantized.numerics import fake_quantize, sqnr_db
 from leanlm.compress.smoothquant import smoothing_scales
 from leanlm.model.llama import LinearGroup
 from tests.compress.conftest import dense_logits
@@ -76,7 +76,7 @@ def test_gptq_layer_error_is_at_most_rtn(bits, group_size, act_order, shrink):
     if bits <= 4:
         assert gptq_err < 0.8 * rtn_err  # a real improvement, not a tie
     # the codes + parameters it returns reproduce the dequantized weight exactly
-    from leanlm.compress.scheme import build_module
+    from leanlm.compress.int_scheme import build_module
     module = build_module(result.codes, result.qparams, cfg, None, result.perm)
     assert torch.allclose(module.dequantized_weight(), result.dequantized, atol=1e-5)
 

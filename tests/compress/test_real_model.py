@@ -10,7 +10,7 @@ from leanlm.compress import (
     AWQConfig, FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SmoothQuantConfig, calibration_samples, compress,
     read_calibration_text,
 )
-from leanlm.compress.quant import sqnr_db
+from leanlm.model.quantized.numerics import sqnr_db
 from leanlm.model.llama import build_model
 from tests.compress.conftest import dense_logits
 

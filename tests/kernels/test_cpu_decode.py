@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from leanlm.compress import RTNConfig, compress
-from leanlm.compress.qlinear import IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport, Method
-from leanlm.compress.qlinear import QuantLinear
-from leanlm.compress.scheme import linear_report
+from leanlm.model.quantized.linear import QuantLinear
+from leanlm.compress.int_scheme import linear_report
 
 
 def group_linears(layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None,

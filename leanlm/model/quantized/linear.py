@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.quant import quantize_fp8, quantize_per_token_int8, unpack_int4
+from leanlm.model.quantized.numerics import quantize_fp8, quantize_per_token_int8, unpack_int4
 from leanlm.kernels import cpu_decode, cpu_qgemv
 
 QUANT_LINEAR_FORMATS: dict[str, type["QuantLinear"]] = {}

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from leanlm.compress.llm_int8 import llm_int8_linear
-from leanlm.compress.qlinear import QUANT_LINEAR_FORMATS, FP8Linear, Int8DynamicActLinear
-from leanlm.compress.quant import quantize_fp8, sqnr_db
+from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, FP8Linear, Int8DynamicActLinear
+from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
 from leanlm.compress.rtn import quantize_rtn
-from leanlm.compress.scheme import IntScheme
+from leanlm.compress.int_scheme import IntScheme
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -62,7 +62,7 @@ def test_w8a8_int_mm_matches_its_float_simulation():
     layer = quantize_rtn(w, b, IntScheme(bits=8, group_size=None, act_bits=8))
     assert isinstance(layer, Int8DynamicActLinear)
     x = torch.randn(20, 128, generator=GEN)
-    from leanlm.compress.quant import quantize_per_token_int8
+    from leanlm.model.quantized.numerics import quantize_per_token_int8
     xq, xs = quantize_per_token_int8(x)
     sim = (xq.double() * xs.double()) @ layer.dequantized_weight().double().t() + b.double()
     assert torch.allclose(layer(x).double(), sim, atol=1e-5)

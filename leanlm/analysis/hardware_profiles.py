@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from leanlm.analysis.machine import measure_memory_bandwidth
+from leanlm.analysis.host import measure_memory_bandwidth
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def measure_hardware(device: torch.device | None = None) -> Hardware:
         props = torch.cuda.get_device_properties(device)
         name, memory, bandwidth, n = props.name, props.total_memory, _measure_cuda_bandwidth(), 8192
     else:
-        from leanlm.analysis.machine import cpu_name
+        from leanlm.analysis.host import cpu_name
 
         name, memory, bandwidth, n = cpu_name(), _ram_bytes(), measure_memory_bandwidth(), 1024
     return Hardware(

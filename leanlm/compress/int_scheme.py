@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport
-from leanlm.compress.qlinear import (
+from leanlm.model.quantized.linear import (
     Int8DynamicActLinear, Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear,
 )
-from leanlm.compress.quant import Granularity, QParams, QuantSpec, pack_int4, sqnr_db
+from leanlm.model.quantized.numerics import Granularity, QParams, QuantSpec, pack_int4, sqnr_db
 
 
 @dataclass(frozen=True)

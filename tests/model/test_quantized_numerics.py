@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from leanlm.compress.quant import (
+from leanlm.model.quantized.numerics import (
     Granularity, QuantSpec, compute_qparams, dequantize, grouped, shrink_qparams, fake_quantize, pack_int4, quantize, quantize_fp8, sqnr_db,
     unpack_int4,
 )
@@ -20,7 +20,7 @@ def test_codes_stay_on_the_grid_and_error_is_half_a_step(bits, symmetric, gran, 
     assert q.min() >= spec.qmin and q.max() <= spec.qmax
     err = (dequantize(q, qp, spec) - x).abs()
     # every value lies inside its unit's range, so the error is at most half a step of that unit
-    from leanlm.compress.quant import grouped
+    from leanlm.model.quantized.numerics import grouped
     step = qp.scale.expand_as(grouped(x, spec)).reshape(x.shape) if gran != "tensor" else qp.scale
     assert torch.all(err <= step / 2 + 1e-6)
 
