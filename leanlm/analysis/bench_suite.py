@@ -184,7 +184,7 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
 
     from leanlm.analysis.bench import HFRunner, LeanLMRunner, LlamaCppRunner
     from leanlm.llm import LLM
-    from leanlm.loading.registry import resolve_model
+    from leanlm.loading.inspect import ModelFormat, inspect
 
     unknown = sorted(set(compare) - {"hf", "llama.cpp"})
     if unknown:
@@ -205,7 +205,8 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
 
     runners = [LeanLMRunner(llm)]
     per_token = {"leanlm": lambda c: weights + kv_bytes(c, element)}
-    path = resolve_model(model)
+    source = inspect(model)
+    path = source.path
     if "hf" in compare:
         from transformers import AutoModelForCausalLM
 
@@ -213,7 +214,7 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
         runners.append(HFRunner(hf_model, pad_id=llm.get_tokenizer().eos_token_id or 0, batch_size=hf_batch_size))
         per_token["hf"] = per_token["leanlm"]
     if "llama.cpp" in compare:
-        if path.suffix != ".gguf":
+        if source.format is not ModelFormat.GGUF:
             raise ValueError("llama.cpp needs a GGUF model; pass a GGUF file or a bundled model")
         runners.append(LlamaCppRunner(path, n_ctx=max_context))
         file_bytes = path.stat().st_size  # its weights as stored: the published quantization

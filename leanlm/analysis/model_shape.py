@@ -108,17 +108,14 @@ def load_shape(name_or_path: str | Path) -> tuple[ModelShape, str]:
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)], "preset"
     from leanlm.loading.errors import ModelLoadError
-    from leanlm.loading.gguf import gguf_model_config, is_gguf_file, open_gguf
-    from leanlm.loading.registry import resolve_model
-    from leanlm.loading.safetensors import is_hf_dir, read_hf_config
+    from leanlm.loading.gguf import gguf_model_config, open_gguf
+    from leanlm.loading.inspect import inspect
+    from leanlm.loading.safetensors import read_hf_config
 
     try:
-        path = resolve_model(name_or_path)
+        source = inspect(name_or_path)
     except ModelLoadError as exc:
         raise ValueError(f"{exc}; or use a preset: {', '.join(PRESETS)}") from None
-    if is_hf_dir(path):
-        return shape_from_config(read_hf_config(path), name=str(name_or_path)), str(path)
-    if is_gguf_file(path):
-        return shape_from_config(gguf_model_config(open_gguf(path)), name=str(name_or_path)), str(path)
-    raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory; "
-                     f"pass one, a bundled model name, or a preset ({', '.join(PRESETS)})")
+    path = source.path
+    config = read_hf_config(path) if source.is_directory else gguf_model_config(open_gguf(path))
+    return shape_from_config(config, name=str(name_or_path)), str(path)

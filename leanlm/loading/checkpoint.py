@@ -15,10 +15,11 @@ from torch import nn
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import gguf_tokenizer_metadata, is_gguf_file, load_gguf, open_gguf
+from leanlm.loading.gguf import gguf_tokenizer_metadata, load_gguf, open_gguf
 from leanlm.loading.quantized import gptq_layers, quantized_layers, read_gptq_config, read_quantization_config
+from leanlm.loading.inspect import inspect
 from leanlm.loading.registry import resolve_model
-from leanlm.loading.safetensors import is_hf_dir, load_hf_dir
+from leanlm.loading.safetensors import load_hf_dir
 from leanlm.loading.tokenizer import Tokenizer
 
 
@@ -37,16 +38,11 @@ class Checkpoint:
 
 def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
     """Resolve a bundled name or path and load it; every failure is a ModelLoadError saying what to do."""
-    path = resolve_model(name_or_path)
-    if is_hf_dir(path):
-        return _load_hf_checkpoint(path, dtype, progress)
-    if is_gguf_file(path):
-        config, state_dict, meta = load_gguf(path, dtype=dtype, progress=progress)
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-        return Checkpoint(config, state_dict, tokenizer, path)
-    if path.is_dir():
-        raise ModelLoadError(f"directory {path} has no config.json; pass a Hugging Face model directory or a GGUF file")
-    raise ModelLoadError(f"{path} is neither a GGUF file (no 'GGUF' magic) nor a Hugging Face model directory")
+    source = inspect(name_or_path)
+    if source.is_directory:
+        return _load_hf_checkpoint(source.path, dtype, progress)
+    config, state_dict, meta = load_gguf(source.path, dtype=dtype, progress=progress)
+    return Checkpoint(config, state_dict, Tokenizer.from_gguf_metadata(meta), source.path)
 
 
 def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
@@ -74,8 +70,7 @@ def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Check
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
     """Only the tokenizer of a model (no weights are read): for clients that count or cut tokens."""
     path = resolve_model(name_or_path)
-    if path.is_dir():  # a model or tokenizer directory: tokenizer.json (+ tokenizer_config.json)
+    if path.is_dir():  # a model or a tokenizer-only directory: tokenizer.json (+ tokenizer_config.json)
         return Tokenizer.from_dir(path)
-    if is_gguf_file(path):
-        return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(path)))
-    raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model directory; it has no tokenizer")
+    source = inspect(path)
+    return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(source.path)))
