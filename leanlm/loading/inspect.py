@@ -1,5 +1,5 @@
-"""inspect(path): what a model argument is (a GGUF file, a Hugging Face safetensors directory, a LeanLM or
-GPTQ quantized directory) once a bundled name is resolved to its file. Decided by contents (the GGUF magic,
+"""inspect(path): what a model argument is (a GGUF file, a Hugging Face safetensors directory, a LeanLM
+checkpoint or a GPTQ directory) once a bundled name is resolved to its file. Decided by contents (the GGUF magic,
 config.json, the quantization metadata), never by file names; nothing but metadata is read."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from leanlm.loading.safetensors import is_hf_dir
 class ModelFormat(enum.Enum):
     GGUF = "gguf"  # one file: metadata, tokenizer and (possibly block-quantized) tensors
     HF_DIR = "hf"  # config.json + safetensors (+ tokenizer files)
-    LEANLM_QUANTIZED = "leanlm-quantized"  # an HF directory with quantization_config.json
+    LEANLM_CHECKPOINT = "leanlm"  # an HF directory save_checkpoint wrote: quantization_config.json lists its quantized layers
     GPTQ = "gptq"  # an HF directory whose config.json has a GPTQ quantization_config block
 
 
@@ -39,7 +39,7 @@ def inspect(name_or_path: str | Path) -> ModelSource:
     path = resolve_model(name_or_path)
     if is_hf_dir(path):
         if (path / QUANT_CONFIG_FILE).is_file():
-            return ModelSource(path, ModelFormat.LEANLM_QUANTIZED)
+            return ModelSource(path, ModelFormat.LEANLM_CHECKPOINT)
         try:
             is_gptq = read_gptq_config(path) is not None
         except ValueError as e:
