@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.leanlm-installed
 
-.PHONY: install demo test test-slow bench bench-serve llama-server clean
+.PHONY: install demo test test-fast test-slow lint bench bench-serve llama-server clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The tests that need no model or data package (tiny models, a tokenizer built in code): about two minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "not real_model and not slow"
+
+lint: install
+	$(PY) -m pip install -q "ruff>=0.6"
+	$(VENV)/bin/ruff check leanlm tests benchmarks
+	$(VENV)/bin/ruff format --check leanlm tests benchmarks
 
 test-slow: install
 	$(VENV)/bin/leanlm models pull qwen2.5-coder-0.5b-instruct

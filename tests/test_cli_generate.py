@@ -27,6 +27,7 @@ def test_selection_flag_errors_come_before_the_model_load(capsys, flags, message
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.real_model
 def test_majority_vote_prints_the_winner_and_its_support(capsys):
     assert main(["generate", COUNTING, "--majority-vote", "6", "--answer-regex", r"^\s*(\d+)", "--temperature",
                  "0.7", "--json", *SMALL]) == 0

@@ -29,6 +29,8 @@ COMPLETIONS = [
     "Water boils at",
 ]
 
+pytestmark = pytest.mark.real_model  # the bundled model throughout
+
 
 @pytest.fixture(scope="module")
 def llm():

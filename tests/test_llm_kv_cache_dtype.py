@@ -20,6 +20,8 @@ QUESTIONS = ["What is the capital of France?", "List three primary colors.", "Wh
 NUM_TOKENS = 24
 NEAR_TIE = 0.5  # nats between the reference's top two tokens: below this, either pick is right
 
+pytestmark = pytest.mark.real_model  # the bundled model throughout
+
 
 @pytest.fixture(scope="module")
 def auto_llm():

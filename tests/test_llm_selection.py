@@ -15,6 +15,8 @@ ARITHMETIC = ("Question: What is 1 plus 1?\nAnswer: 2\nQuestion: What is 2 plus 
 COUNTING = "Count: 1, 2, 3, 4, 5,"
 ANSWER = r"^\s*(\d+)"
 
+pytestmark = pytest.mark.real_model  # the bundled model throughout
+
 
 @pytest.fixture(scope="module")
 def llm():

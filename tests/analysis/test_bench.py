@@ -17,26 +17,27 @@ def llm():
     return LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, progress=False)
 
 
-def test_leanlm_runner_latency_and_throughput(llm, tokenizer):
-    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+@pytest.mark.real_model
+def test_leanlm_runner_latency_and_throughput(llm, real_tokenizer):
+    prompt = real_tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     sample = LeanLMRunner(llm).latency(prompt, 6)
     assert sample.ttft_s > 0 and len(sample.token_times_s) == 5 and all(t > 0 for t in sample.token_times_s)
     assert LeanLMRunner(llm).throughput([prompt, prompt[:4]], 5) > 0
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_hf_runner_times_every_token(hf_smollm, tokenizer):
-    prompt = tokenizer.encode("Hello there")
+def test_hf_runner_times_every_token(hf_smollm, real_tokenizer):
+    prompt = real_tokenizer.encode("Hello there")
     sample = HFRunner(hf_smollm, pad_id=0).latency(prompt, 5)
     assert len(sample.token_times_s) == 4 and sample.ttft_s > 0
 
 
-def test_llama_cpp_runner_gives_exact_token_counts(smollm_path, tokenizer):
+def test_llama_cpp_runner_gives_exact_token_counts(smollm_path, real_tokenizer):
     pytest.importorskip("llama_cpp")
     from leanlm.analysis.bench import LlamaCppRunner
 
     runner = LlamaCppRunner(smollm_path, n_ctx=128, n_threads=1)
-    sample = runner.latency(tokenizer.encode("Hello there"), 6)
+    sample = runner.latency(real_tokenizer.encode("Hello there"), 6)
     assert len(sample.token_times_s) == 5
 
 

@@ -37,8 +37,8 @@ def test_bad_windows_say_what_to_change(kwargs, match):
 
 
 @pytest.fixture(scope="module")
-def wiki_windows(tokenizer):
-    ids = tokenizer.encode(read_text(wikitext2_test_path())[:20_000], add_special_tokens=False)
+def wiki_windows(real_tokenizer):
+    ids = real_tokenizer.encode(read_text(wikitext2_test_path())[:20_000], add_special_tokens=False)
     return make_windows(ids, seq_len=256, max_windows=3)
 
 

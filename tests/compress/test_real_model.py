@@ -17,6 +17,8 @@ from tests.compress.conftest import dense_logits
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
 
+pytestmark = pytest.mark.real_model  # the bundled model throughout
+
 
 @pytest.fixture(scope="module")
 def calib_ids(smollm):

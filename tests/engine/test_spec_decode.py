@@ -133,9 +133,11 @@ def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(ma
     for request_id, prompt in zip(ids, prompts):
         assert outputs[request_id].outputs[0].token_ids == dense_greedy(hf, prompt, GREEDY.max_tokens)
     stats = engine.model_runner.spec_decoder.stats()
-    assert stats.num_draft_tokens > stats.num_accepted_tokens
-    if proposer != "self":  # the tiny model's first layer alone drafts badly, and k drops to 0
+    assert stats.num_draft_tokens > 0
+    if proposer == "self":  # the tiny model loops on a token its first layer predicts too: drafts get accepted
         assert stats.num_accepted_tokens > 0
+    else:  # both outcomes of verification happened
+        assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
     assert engine.scheduler.stats().num_preemptions > 0
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 

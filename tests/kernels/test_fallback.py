@@ -6,6 +6,8 @@ fallback against fallback and still checks that the whole engine runs without th
 from __future__ import annotations
 
 import json
+
+import pytest
 import os
 import subprocess
 import sys
@@ -42,6 +44,7 @@ def _run_without_kernels() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.real_model
 def test_the_engine_on_the_fallback_matches_the_native_kernels():
     fallback = _run_without_kernels()
     assert fallback["available"] == [False] * 4  # every kernel off, the native decode loop included

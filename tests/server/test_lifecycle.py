@@ -38,6 +38,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> N
     raise AssertionError("the server did not become healthy")
 
 
+@pytest.mark.real_model
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
