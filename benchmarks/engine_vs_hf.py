@@ -25,8 +25,8 @@ import torch
 from leanlm import LLM, SamplingParams
 from leanlm.analysis.bench import HFRunner
 from leanlm.analysis.bench_suite import prompts_from_text
-from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.host import CpuMonitor, CpuSample, describe_machine, measure_memory_bandwidth, peak_rss_bytes
+from leanlm.analysis.markdown import replace_section
 from leanlm.data import wikitext2_test_path
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
@@ -144,13 +144,19 @@ def timed(fn, result: Timed, reps: int, threshold: float) -> None:
         with CpuMonitor() as mon:
             value = fn()
         result.add(value, mon.sample, threshold)
-        print(f"  {result.name}: {value:.1f} {result.unit} (other processes: {mon.sample.other_share:.0%})",
-              file=sys.stderr)
+        print(
+            f"  {result.name}: {value:.1f} {result.unit} (other processes: {mon.sample.other_share:.0%})",
+            file=sys.stderr,
+        )
 
 
 def fmt_reps(t: Timed) -> str:
     kept = ", ".join(f"{v:.1f}" for v in t.values)
-    dropped = f"; discarded {len(t.discarded)} (others at " + ", ".join(f"{s:.0%}" for _, s in t.discarded) + ")" if t.discarded else ""
+    dropped = (
+        f"; discarded {len(t.discarded)} (others at " + ", ".join(f"{s:.0%}" for _, s in t.discarded) + ")"
+        if t.discarded
+        else ""
+    )
     return f"{kept}{dropped}"
 
 
@@ -173,8 +179,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16
 
-    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=2048,
-              kv_cache_memory_bytes=1 << 30)
+    llm = LLM(
+        args.model, dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30
+    )
     model_path = resolve_model(args.model)
     hf = load_hf(model_path, dtype)
     rng = random.Random(args.seed)
@@ -194,8 +201,7 @@ def main() -> None:
 
     timed(run_ours, ours_tp, args.throughput_reps, args.max_other_cpu)
     hf_runner = HFRunner(hf, pad_id=llm.tokenizer.eos_token_id, batch_size=args.hf_batch_size)
-    timed(lambda: hf_runner.throughput(prompts, args.output_len),
-          hf_tp, args.throughput_reps, args.max_other_cpu)
+    timed(lambda: hf_runner.throughput(prompts, args.output_len), hf_tp, args.throughput_reps, args.max_other_cpu)
 
     print("batch-1 decode", file=sys.stderr)
     ours_dec, hf_dec = Timed("leanlm decode", "tok/s"), Timed("HF decode", "tok/s")
@@ -229,8 +235,10 @@ def render(args, llm, ours_tp, hf_tp, ours_dec, hf_dec, bandwidth, roofline, was
         "",
         "| engine | setting | output tokens/s (best) | repetitions kept |",
         "|---|---|---:|---|",
-        f"| LeanLM | continuous batching, max_num_seqs=128, 2048-token steps, block 16 | {ours_tp.best:.1f} | {fmt_reps(ours_tp)} |",
-        f"| HF transformers {_hf_version()} | `generate`, padded batches of {args.hf_batch_size} (length-sorted) | {hf_tp.best:.1f} | {fmt_reps(hf_tp)} |",
+        "| LeanLM | continuous batching, max_num_seqs=128, 2048-token steps, block 16 "
+        f"| {ours_tp.best:.1f} | {fmt_reps(ours_tp)} |",
+        f"| HF transformers {_hf_version()} | `generate`, padded batches of {args.hf_batch_size} (length-sorted) "
+        f"| {hf_tp.best:.1f} | {fmt_reps(hf_tp)} |",
         "",
         f"**Speedup: {ours_tp.best / hf_tp.best:.2f}x** (target: at least 3x).",
         "",

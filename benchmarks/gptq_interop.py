@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.host import describe_machine
 from leanlm.analysis.eval import read_text
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
-from leanlm.compress import calibration_samples, compress, read_calibration_text
 from leanlm.cli.quantize import build_recipe
+from leanlm.compress import calibration_samples, compress, read_calibration_text
 from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM, load_model
@@ -56,8 +56,9 @@ def main() -> None:
     out = Path(args.out)
     model = load_model(args.model, progress=False)
     tok = model.tokenizer
-    samples = calibration_samples(tok.encode(read_calibration_text(), add_special_tokens=False), args.num_samples,
-                                  args.calib_seq_len)  # fmt: skip
+    samples = calibration_samples(
+        tok.encode(read_calibration_text(), add_special_tokens=False), args.num_samples, args.calib_seq_len
+    )
     recipe = build_recipe("gptq", bits=4, group_size=64, symmetric=True, act_order=True)
     compress(model, recipe, samples, progress=False)
     save_gptq_checkpoint(model, out, tok)
@@ -78,27 +79,32 @@ def main() -> None:
     lines = []
     for prompt in PROMPTS:
         p_ids = tok.encode(prompt, add_special_tokens=False)
-        hf_new = hf.generate(torch.tensor([p_ids]), max_new_tokens=args.new_tokens, do_sample=False,
-                             min_new_tokens=args.new_tokens)[0, len(p_ids):].tolist()  # fmt: skip
+        hf_new = hf.generate(
+            torch.tensor([p_ids]), max_new_tokens=args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens
+        )[0, len(p_ids) :].tolist()
         our_new = ours.generate([p_ids], params, use_tqdm=False)[0].outputs[0].token_ids
         first = next((i for i, (a, b) in enumerate(zip(hf_new, our_new)) if a != b), None)
         same = "all" if first is None else f"first {first}"
-        lines.append(f"| `{prompt}` | {same} of {args.new_tokens} | {tok.decode(hf_new[:12])!r} | {tok.decode(our_new[:12])!r} |")
+        lines.append(
+            f"| `{prompt}` | {same} of {args.new_tokens} | {tok.decode(hf_new[:12])!r} | {tok.decode(our_new[:12])!r} |"
+        )
 
-    report = "\n".join([
-        f"GPTQ W4 g64 symmetric act-order export of {args.model} (`--format gptq`, {args.num_samples} x "
-        f"{args.calib_seq_len} calibration tokens), loaded by transformers {transformers.__version__} "
-        f"(its GPTQ integration through gptqmodel, layer `{hf_layer}`) and by leanlm, both in bfloat16. "
-        f"Machine: {describe_machine()}. Command: `python benchmarks/gptq_interop.py`.",
-        "",
-        f"- First {len(ids)} WikiText-2 test tokens: mean KL(transformers || leanlm) {kl.mean().item():.5f} nats, "
-        f"max {kl.max().item():.4f}; top-1 agreement {agree:.3f}; perplexity transformers "
-        f"{math.exp(nll(theirs_lp)):.3f}, leanlm {math.exp(nll(ours_lp)):.3f}.",
-        "",
-        "| prompt | greedy tokens equal | transformers | leanlm |",
-        "|---|---|---|---|",
-        *lines,
-    ])  # fmt: skip
+    report = "\n".join(
+        [
+            f"GPTQ W4 g64 symmetric act-order export of {args.model} (`--format gptq`, {args.num_samples} x "
+            f"{args.calib_seq_len} calibration tokens), loaded by transformers {transformers.__version__} "
+            f"(its GPTQ integration through gptqmodel, layer `{hf_layer}`) and by leanlm, both in bfloat16. "
+            f"Machine: {describe_machine()}. Command: `python benchmarks/gptq_interop.py`.",
+            "",
+            f"- First {len(ids)} WikiText-2 test tokens: mean KL(transformers || leanlm) {kl.mean().item():.5f} nats, "
+            f"max {kl.max().item():.4f}; top-1 agreement {agree:.3f}; perplexity transformers "
+            f"{math.exp(nll(theirs_lp)):.3f}, leanlm {math.exp(nll(ours_lp)):.3f}.",
+            "",
+            "| prompt | greedy tokens equal | transformers | leanlm |",
+            "|---|---|---|---|",
+            *lines,
+        ]
+    )
     print(report)
     if args.doc:
         replace_section(Path(args.doc), "gptq-interop", report)

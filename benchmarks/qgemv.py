@@ -90,9 +90,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--min-seconds", type=float, default=0.05)
     parser.add_argument("--chain-only", action="store_true")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: this thread's CPU time (needs --threads 1), which leaves out time slices lost "
-                             "to other processes on a busy machine (not their share of memory bandwidth)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this thread's CPU time (needs --threads 1), which leaves out time slices lost "
+        "to other processes on a busy machine (not their share of memory bandwidth)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.threads != 1:

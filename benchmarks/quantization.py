@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.host import describe_machine
 from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_text
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
-from leanlm.compress.base import build_method
-from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
 from leanlm.cli.quantize import build_recipe, directory_bytes, model_bytes
+from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
+from leanlm.compress.base import build_method
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
@@ -54,8 +54,9 @@ CONFIGS: dict[str, dict] = {
     "LLM.int8() (threshold 3)": dict(method="llm_int8", threshold=3.0),
     # where LLM.int8()'s loss comes from: every linear but down_proj, then down_proj alone
     "LLM.int8() except down_proj": dict(method="llm_int8", ignore=("lm_head", "down_proj")),
-    "LLM.int8() down_proj only": dict(method="llm_int8", ignore=("lm_head", "q_proj", "k_proj", "v_proj", "o_proj",
-                                                                 "gate_proj", "up_proj")),
+    "LLM.int8() down_proj only": dict(
+        method="llm_int8", ignore=("lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+    ),
 }
 
 
@@ -94,8 +95,9 @@ def main() -> None:
     windows = make_windows(ids, args.seq_len, None, max(args.ppl_windows, args.kl_windows))
     ppl_windows, kl_windows = windows[: args.ppl_windows], windows[: args.kl_windows]
     calib_text = read_calibration_text()
-    samples = calibration_samples(ckpt.tokenizer.encode(calib_text, add_special_tokens=False), args.num_samples,
-                                  args.calib_seq_len)
+    samples = calibration_samples(
+        ckpt.tokenizer.encode(calib_text, add_special_tokens=False), args.num_samples, args.calib_seq_len
+    )
     base = LLM(args.model, dtype="bfloat16", progress=False)
     base_ppl = perplexity(base, ppl_windows, use_tqdm=False).perplexity
     float_mib = model_bytes(build_model(ckpt.config, ckpt.state_dict, torch.float32), torch.bfloat16) / 2**20
@@ -136,8 +138,10 @@ def main() -> None:
 
 def settings(args) -> dict:
     """What makes rows of two runs comparable (the configurations may differ)."""
-    return {k: getattr(args, k) for k in ("model", "data", "seq_len", "ppl_windows", "kl_windows", "num_samples",
-                                          "calib_seq_len")}  # fmt: skip
+    return {
+        k: getattr(args, k)
+        for k in ("model", "data", "seq_len", "ppl_windows", "kl_windows", "num_samples", "calib_seq_len")
+    }
 
 
 def earlier_rows(path: Path, current: dict) -> dict[str, Row]:
@@ -179,8 +183,10 @@ def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r.config} | {r.recipe} | {r.weights_mib:.1f} | {r.quantize_s:.0f} | {r.perplexity:.4f} | "
-                     f"{r.delta_pct:+.2f}% | {r.mean_kl:.5f} | {r.top1_agreement:.3f} |")
+        lines.append(
+            f"| {r.config} | {r.recipe} | {r.weights_mib:.1f} | {r.quantize_s:.0f} | {r.perplexity:.4f} | "
+            f"{r.delta_pct:+.2f}% | {r.mean_kl:.5f} | {r.top1_agreement:.3f} |"
+        )
     return "\n".join(lines)
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.host import describe_machine
 from leanlm.analysis.bench import LeanLMRunner, LlamaCppRunner, median, repeat
 from leanlm.analysis.bench_suite import prompts_from_text
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import find_llama_server
 from leanlm.compress import RTNConfig, compress, save_checkpoint
@@ -53,8 +53,7 @@ def llama_q8_0(gguf: Path, root: Path) -> Path | None:
     server = find_llama_server()
     tool = server.parent / "llama-quantize" if server else None
     if not out.is_file() and tool is not None and tool.is_file():
-        subprocess.run([str(tool), "--allow-requantize", str(gguf), str(out), "Q8_0"], check=True,
-                       capture_output=True)
+        subprocess.run([str(tool), "--allow-requantize", str(gguf), str(out), "Q8_0"], check=True, capture_output=True)
     return out if out.is_file() else None
 
 
@@ -73,12 +72,15 @@ def main() -> None:
     gguf = resolve_model(args.model)
     runners: dict[str, object] = {
         "leanlm bf16": LeanLMRunner(LLM(args.model, dtype="bfloat16", progress=False)),
-        "leanlm int8 weight-only": LeanLMRunner(LLM(str(quantized_dir(args.model, "int8", root)), dtype="bfloat16",
-                                                    progress=False)),
-        "leanlm int4 g64": LeanLMRunner(LLM(str(quantized_dir(args.model, "int4", root)), dtype="bfloat16",
-                                            progress=False)),
-        "leanlm int4 g64, head int4": LeanLMRunner(LLM(str(quantized_dir(args.model, "int4-head4", root)),
-                                                       dtype="bfloat16", progress=False)),
+        "leanlm int8 weight-only": LeanLMRunner(
+            LLM(str(quantized_dir(args.model, "int8", root)), dtype="bfloat16", progress=False)
+        ),
+        "leanlm int4 g64": LeanLMRunner(
+            LLM(str(quantized_dir(args.model, "int4", root)), dtype="bfloat16", progress=False)
+        ),
+        "leanlm int4 g64, head int4": LeanLMRunner(
+            LLM(str(quantized_dir(args.model, "int4-head4", root)), dtype="bfloat16", progress=False)
+        ),
     }
     ctx = args.prompt_len + args.output_len + 16
     q8 = llama_q8_0(gguf, root)
@@ -92,8 +94,9 @@ def main() -> None:
     results = {}
     for name, r in runners.items():
         fresh = iter(prompts[1:])
-        results[name] = repeat(lambda r=r, fresh=fresh: r.latency(next(fresh), args.output_len), args.reps,
-                               args.max_other_cpu)
+        results[name] = repeat(
+            lambda r=r, fresh=fresh: r.latency(next(fresh), args.output_len), args.reps, args.max_other_cpu
+        )
         print(name, [round(s.tpot_s * 1000, 2) for s in results[name].values], flush=True)
     base = median([s.tpot_s for s in results["leanlm bf16"].values])
     lines = [
@@ -109,8 +112,10 @@ def main() -> None:
     for name, reps in results.items():
         tpot = median([s.tpot_s for s in reps.values])
         weights = name.split(" ", 1)[1]
-        lines.append(f"| {name.split(' ')[0]} | {weights} | {tpot * 1000:.2f} | {1 / tpot:.1f} | "
-                     f"{base / tpot:.2f}x | {len(reps.values)} / {len(reps.discarded)} |")
+        lines.append(
+            f"| {name.split(' ')[0]} | {weights} | {tpot * 1000:.2f} | {1 / tpot:.1f} | "
+            f"{base / tpot:.2f}x | {len(reps.values)} / {len(reps.discarded)} |"
+        )
     report = "\n".join(lines)
     print(report)
     if args.doc:

@@ -18,9 +18,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from leanlm.analysis.host import CpuMonitor, CpuSample, describe_machine
 from leanlm.analysis.load_generator import LoadConfig, prompts_from_file, run_load_sync
 from leanlm.analysis.load_report import LoadResult, format_table
-from leanlm.analysis.host import CpuMonitor, CpuSample, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import LlamaServer, LlamaServerConfig, PeerUnavailable, ServerProcess, leanlm_server
 from leanlm.data import wikitext2_test_path
@@ -51,7 +51,7 @@ class PromptSource:
         if self.next + n > len(self.prompts):
             raise ValueError("ran out of prompts; lower --num-requests or the number of rates")
         self.next += n
-        return self.prompts[self.next - n:self.next]
+        return self.prompts[self.next - n : self.next]
 
 
 def measure(server: ServerProcess, rate: float, args, eos_ids, source: PromptSource) -> Run:
@@ -64,8 +64,11 @@ def measure(server: ServerProcess, rate: float, args, eos_ids, source: PromptSou
         with CpuMonitor(pids=(server.pid,)) as monitor:
             result = run_load_sync(config, source.take(args.num_requests), progress=False)
         run = Run(server.name, rate, result, monitor.sample, attempt)
-        print(f"  {server.name} @ {_rate(rate)}: {result.output_throughput:.1f} tok/s, TTFT p50 "
-              f"{result.ttft.p50:.0f} ms, other CPU {monitor.sample.other_share:.1%}", file=sys.stderr)
+        print(
+            f"  {server.name} @ {_rate(rate)}: {result.output_throughput:.1f} tok/s, TTFT p50 "
+            f"{result.ttft.p50:.0f} ms, other CPU {monitor.sample.other_share:.1%}",
+            file=sys.stderr,
+        )
         if best is None or run.cpu.other_share < best.cpu.other_share:
             best = run
         if not run.cpu.is_contaminated(CONTAMINATION):
@@ -102,8 +105,13 @@ def main() -> int:
     num_prompts = 2 * len(rates) * (args.max_attempts * args.num_requests + args.warmup)
     source = PromptSource(prompts_from_file(WIKITEXT, tokenizer, num_prompts, args.input_len))
     ctx_per_slot = args.input_len + args.output_len + 64  # room for prompts that re-tokenize a little longer
-    llama_config = LlamaServerConfig(gguf, parallel=args.parallel, ctx_per_slot=ctx_per_slot, port=llama_port,
-                                     **({"threads": args.threads} if args.threads else {}))
+    llama_config = LlamaServerConfig(
+        gguf,
+        parallel=args.parallel,
+        ctx_per_slot=ctx_per_slot,
+        port=llama_port,
+        **({"threads": args.threads} if args.threads else {}),
+    )
     ours = leanlm_server(args.model, ours_port, tuple(args.ours_args.split()))
     llama = LlamaServer(llama_config)
     runs: list[Run] = []
@@ -127,21 +135,32 @@ def main() -> int:
     if args.out:
         replace_section(Path(args.out), "serving", report)
     if args.json:
-        Path(args.json).write_text(json.dumps([{"server": r.server, "rate": r.rate, "other_cpu": r.cpu.other_share,
-                                                **r.result.to_dict()} for r in runs], indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                [
+                    {"server": r.server, "rate": r.rate, "other_cpu": r.cpu.other_share, **r.result.to_dict()}
+                    for r in runs
+                ],
+                indent=1,
+            )
+        )
     return 0 if runs else 1
 
 
 def render(args, gguf: Path, runs: list[Run], unavailable: dict[str, str], ours_cmd, llama_cmd) -> str:
     lines = [
-        "## Serving: `leanlm serve` against llama.cpp's server", "",
+        "## Serving: `leanlm serve` against llama.cpp's server",
+        "",
         f"Machine: {describe_machine()}. Model: `{gguf.name}` for both. Each load: {args.num_requests} requests "
         f"(after {args.warmup} warm-up requests), prompts of about {args.input_len} tokens cut from WikiText-2 "
         f"(fresh prompts for every run), {args.output_len} output tokens each (greedy, EOS suppressed by "
-        f"logit_bias), streamed, Poisson arrivals (seed {args.seed}). The client runs on the same 2 CPUs.", "",
-        f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`", "",
+        f"logit_bias), streamed, Poisson arrivals (seed {args.seed}). The client runs on the same 2 CPUs.",
+        "",
+        f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`",
+        "",
         f"- LeanLM: `{' '.join(ours_cmd[1:]) if ours_cmd else 'not started'}`",
-        f"- llama.cpp: `{' '.join(llama_cmd) if llama_cmd else 'not started'}`", "",
+        f"- llama.cpp: `{' '.join(llama_cmd) if llama_cmd else 'not started'}`",
+        "",
         "| load | server | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | E2E p50 (ms) | failed "
         "| other CPU | runs |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -167,7 +186,8 @@ def _ratios(runs: list[Run]) -> list[str]:
         if len(pair) == 2:
             ours, peer = pair["leanlm-serve"], pair["llama-server"]
             lines.append(
-                f"- {_rate(rate)}: LeanLM's output throughput is **{ours.output_throughput / peer.output_throughput:.2f}x**"
+                f"- {_rate(rate)}: LeanLM's output throughput is "
+                f"**{ours.output_throughput / peer.output_throughput:.2f}x**"
                 f" llama.cpp's; median TTFT {ours.ttft.p50:,.0f} ms against {peer.ttft.p50:,.0f} ms."
             )
     return lines

@@ -37,14 +37,14 @@ from leanlm.engine import LLMEngine
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.context import build_forward_context, forward_context
-from leanlm.model.paged_kv import PagedKVCache
 from leanlm.model.llama import build_model
+from leanlm.model.paged_kv import PagedKVCache
 from leanlm.sampling_params import SamplingParams
 
 WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
 SMOL, QWEN_SMALL, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
-CODE = '''import json
+CODE = """import json
 from dataclasses import dataclass
 
 
@@ -79,7 +79,7 @@ def total_by_customer(orders):
     for order in orders:
         totals[order.customer] = totals.get(order.customer, 0.0) + order.total
     return totals
-'''
+"""
 
 
 def prompts(tok) -> dict[str, list[int]]:
@@ -138,8 +138,9 @@ def quantized_copy(model: str, root: Path) -> Path:
     if not (out / "quantization_config.json").is_file():
         ckpt = load_checkpoint(model, progress=False)
         net = build_model(ckpt.config, ckpt.state_dict, torch.float32)
-        compress(net, [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())], None,
-                 progress=False)
+        compress(
+            net, [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())], None, progress=False
+        )
         save_checkpoint(net, out, ckpt.tokenizer)
     return out
 
@@ -157,9 +158,14 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
     specs = {options.get("speculative") for options in setups.values()}
     drafts = {spec: load_net(spec.split(":", 1)[1])[0] for spec in specs if spec and spec.startswith("draft:")}
     engines = {
-        name: LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20,
-                                                     **options),
-                        torch.device("cpu"), torch.bfloat16, drafts.get(options.get("speculative")))
+        name: LLMEngine(
+            net,
+            tokenizer,
+            EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20, **options),
+            torch.device("cpu"),
+            torch.bfloat16,
+            drafts.get(options.get("speculative")),
+        )
         for name, options in setups.items()
     }
     prompt_ids = prompts(tokenizer)
@@ -187,8 +193,10 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
                 if before is not None:
                     after = engine.stats().spec_decode
                     old = stats.get((name, prompt), (0, 0))
-                    stats[name, prompt] = (old[0] + after.num_draft_tokens - before.num_draft_tokens,
-                                           old[1] + after.num_accepted_tokens - before.num_accepted_tokens)
+                    stats[name, prompt] = (
+                        old[0] + after.num_draft_tokens - before.num_draft_tokens,
+                        old[1] + after.num_accepted_tokens - before.num_accepted_tokens,
+                    )
         print(f"  repetition {rep + 1} of {reps} done", flush=True)
     rows = []
     for name in engines:
@@ -197,12 +205,24 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
             num = len(tokens[name, prompt])
             seconds, plain = median(times[name, prompt]), median(times["plain", prompt])
             prefill = median(ttfts["plain", prompt])
-            rows.append(LatencyRow(model, name, prompt, num, seconds, plain, plain / seconds, prefill,
-                                   (plain - prefill) / (seconds - prefill),
-                                   accepted / drafted if drafted else 0.0,
-                                   num * reps / max(num * reps - accepted, 1),  # a forward yields accepted + 1
-                                   tokens[name, prompt] == tokens["plain", prompt],
-                                   len(times[name, prompt]), discarded[name, prompt]))
+            rows.append(
+                LatencyRow(
+                    model,
+                    name,
+                    prompt,
+                    num,
+                    seconds,
+                    plain,
+                    plain / seconds,
+                    prefill,
+                    (plain - prefill) / (seconds - prefill),
+                    accepted / drafted if drafted else 0.0,
+                    num * reps / max(num * reps - accepted, 1),  # a forward yields accepted + 1
+                    tokens[name, prompt] == tokens["plain", prompt],
+                    len(times[name, prompt]),
+                    discarded[name, prompt],
+                )
+            )
             print(f"  {rows[-1]}", flush=True)
     del engines, drafts, net
     gc.collect()
@@ -230,8 +250,9 @@ def scratch_cache(net, num_tokens: int) -> tuple[PagedKVCache, list[int]]:
     block ids."""
     cfg = net.config
     num_blocks = -(-num_tokens // 16)
-    cache = PagedKVCache.allocate(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim,
-                                  torch.bfloat16, "cpu")
+    cache = PagedKVCache.allocate(
+        cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, 16, cfg.head_dim, torch.bfloat16, "cpu"
+    )
     return cache, list(range(num_blocks))
 
 
@@ -261,8 +282,11 @@ class CostRow:
 def cost_rows(root: Path, row_counts: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8), rounds: int = 7) -> list[CostRow]:
     """The terms of speculation's step cost on the Qwen pair: a target step verifying k drafts (1 + k rows) and a
     draft step, each over a plain target decode step. The models' steps interleave (`rounds` times, median)."""
-    nets = {QWEN: load_net(QWEN)[0], QWEN_SMALL: load_net(QWEN_SMALL)[0],
-            f"{QWEN_SMALL} int4": load_net(str(quantized_copy(QWEN_SMALL, root)))[0]}
+    nets = {
+        QWEN: load_net(QWEN)[0],
+        QWEN_SMALL: load_net(QWEN_SMALL)[0],
+        f"{QWEN_SMALL} int4": load_net(str(quantized_copy(QWEN_SMALL, root)))[0],
+    }
     cases = [(QWEN, rows) for rows in row_counts] + [(name, 1) for name in nets if name != QWEN]
     times: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     for _ in range(rounds):
@@ -297,8 +321,9 @@ def exit_rows(layer_counts: tuple[int, ...] = (8, 16, 20, 24, 26, 28), rounds: i
     full_ms = median(times[None])
     rows = []
     for num_layers, draft in drafts.items():
-        agreement = {kind: (exit_argmax(draft, ids) == full[kind]).float().mean().item()
-                     for kind, ids in prompt_ids.items()}
+        agreement = {
+            kind: (exit_argmax(draft, ids) == full[kind]).float().mean().item() for kind, ids in prompt_ids.items()
+        }
         step_ms = median(times[num_layers])
         rows.append(ExitRow(num_layers, agreement, step_ms, step_ms / full_ms))
         print(rows[-1], flush=True)
@@ -326,10 +351,16 @@ def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
         "ngram, switch at 8 requests (default)": dict(speculative="ngram"),
         "ngram forced on (switch at 64)": dict(speculative="ngram", speculative_max_batch_size=64),
     }
-    engines = {name: LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False,
-                                                            kv_cache_memory_bytes=512 << 20, **options),
-                               torch.device("cpu"), torch.bfloat16)
-               for name, options in settings.items()}
+    engines = {
+        name: LLMEngine(
+            net,
+            tokenizer,
+            EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20, **options),
+            torch.device("cpu"),
+            torch.bfloat16,
+        )
+        for name, options in settings.items()
+    }
 
     def run(engine: LLMEngine) -> float:
         t0 = time.perf_counter()
@@ -389,7 +420,11 @@ def memory_rows() -> list[MemoryRow]:
     sample = dict(max_tokens=64, temperature=0.8, ignore_eos=True)
     rows = []
     for setting, caching, requests in (
-        ("4 independent requests, prefix cache off", False, [(ids, SamplingParams(seed=i, **sample)) for i in range(4)]),
+        (
+            "4 independent requests, prefix cache off",
+            False,
+            [(ids, SamplingParams(seed=i, **sample)) for i in range(4)],
+        ),
         ("4 independent requests, prefix cache on", True, [(ids, SamplingParams(seed=i, **sample)) for i in range(4)]),
         ("n = 4 (one request, forked KV), prefix cache off", False, [(ids, SamplingParams(n=4, seed=0, **sample))]),
     ):
@@ -402,8 +437,14 @@ def memory_rows() -> list[MemoryRow]:
     return rows
 
 
-def format_report(latency: list[LatencyRow], batches: list[BatchRow], exits: list[ExitRow], costs: list[CostRow],
-                  memory: list[MemoryRow], args) -> str:
+def format_report(
+    latency: list[LatencyRow],
+    batches: list[BatchRow],
+    exits: list[ExitRow],
+    costs: list[CostRow],
+    memory: list[MemoryRow],
+    args,
+) -> str:
     lines = [
         f"Measured by `python benchmarks/speculative.py --reps {args.reps}` on {describe_machine()}, "
         f"bfloat16. Batch 1, greedy, up to 128 tokens, prefix caching off; "
@@ -420,34 +461,58 @@ def format_report(latency: list[LatencyRow], batches: list[BatchRow], exits: lis
     for r in latency:
         if r.proposer == "plain":
             continue
-        lines.append(f"| {r.model} | {r.proposer} | {r.prompt} | {r.num_tokens} | {r.plain_seconds:.2f} | "
-                     f"{r.plain_ttft:.2f} | {r.seconds:.2f} | {r.speedup:.2f}x | {r.decode_speedup:.2f}x | "
-                     f"{r.acceptance:.2f} | {r.tokens_per_step:.2f} | {'yes' if r.identical else 'NO'} | "
-                     f"{r.kept} / {r.discarded} |")
+        lines.append(
+            f"| {r.model} | {r.proposer} | {r.prompt} | {r.num_tokens} | {r.plain_seconds:.2f} | "
+            f"{r.plain_ttft:.2f} | {r.seconds:.2f} | {r.speedup:.2f}x | {r.decode_speedup:.2f}x | "
+            f"{r.acceptance:.2f} | {r.tokens_per_step:.2f} | {'yes' if r.identical else 'NO'} | "
+            f"{r.kept} / {r.discarded} |"
+        )
     if costs:
-        lines += ["", f"**Step costs of the Qwen pair** (batch 1, 300 tokens of context, head on every row; median "
-                  "of interleaved rounds): a verification of k drafts is a target step of 1 + k rows; a draft step "
-                  "is one row of the draft:", "", "| model | rows | step ms | vs a plain target step |",
-                  "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "**Step costs of the Qwen pair** (batch 1, 300 tokens of context, head on every row; median "
+            "of interleaved rounds): a verification of k drafts is a target step of 1 + k rows; a draft step "
+            "is one row of the draft:",
+            "",
+            "| model | rows | step ms | vs a plain target step |",
+            "|---|---:|---:|---:|",
+        ]
         for c in costs:
             lines.append(f"| {c.model} | {c.rows} | {c.step_ms:.1f} | {c.relative:.2f} |")
     if exits:
         kinds = list(exits[0].agreement)
-        lines += ["", f"**Early exits of {SMOL}** (self-speculation's draft: the first K of 30 layers, the final norm "
-                  "and head; agreement = share of a prompt's positions where its argmax equals the whole model's, "
-                  "teacher-forced; a decode step at batch 1, 300 tokens of context):", "",
-                  "| K | " + " | ".join(f"agreement, {k}" for k in kinds) + " | step ms | vs whole model |",
-                  "|---:|" + "---:|" * len(kinds) + "---:|---:|"]
+        lines += [
+            "",
+            f"**Early exits of {SMOL}** (self-speculation's draft: the first K of 30 layers, the final norm "
+            "and head; agreement = share of a prompt's positions where its argmax equals the whole model's, "
+            "teacher-forced; a decode step at batch 1, 300 tokens of context):",
+            "",
+            "| K | " + " | ".join(f"agreement, {k}" for k in kinds) + " | step ms | vs whole model |",
+            "|---:|" + "---:|" * len(kinds) + "---:|---:|",
+        ]
         for e in exits:
-            lines.append(f"| {e.num_layers} | " + " | ".join(f"{e.agreement[k]:.2f}" for k in kinds)
-                         + f" | {e.step_ms:.2f} | {e.relative_cost:.2f} |")
-    lines += ["", f"**Batches** ({SMOL}, 16 code-completion requests at once, 64 tokens each, greedy):", "",
-              "| setting | tokens/s | acceptance | kept / discarded |", "|---|---:|---:|---|"]
+            lines.append(
+                f"| {e.num_layers} | "
+                + " | ".join(f"{e.agreement[k]:.2f}" for k in kinds)
+                + f" | {e.step_ms:.2f} | {e.relative_cost:.2f} |"
+            )
+    lines += [
+        "",
+        f"**Batches** ({SMOL}, 16 code-completion requests at once, 64 tokens each, greedy):",
+        "",
+        "| setting | tokens/s | acceptance | kept / discarded |",
+        "|---|---:|---:|---|",
+    ]
     for b in batches:
         lines.append(f"| {b.setting} | {b.tokens_per_s:.1f} | {b.acceptance:.2f} | {b.kept} / {b.discarded} |")
-    lines += ["", f"**KV memory of parallel sampling** ({SMOL}, a 512-token WikiText prompt, 64 sampled tokens "
-              "each, peak blocks of 16 tokens held between steps):", "",
-              "| setting | peak KV blocks | peak KV MiB | vs independent, no cache |", "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"**KV memory of parallel sampling** ({SMOL}, a 512-token WikiText prompt, 64 sampled tokens "
+        "each, peak blocks of 16 tokens held between steps):",
+        "",
+        "| setting | peak KV blocks | peak KV MiB | vs independent, no cache |",
+        "|---|---:|---:|---:|",
+    ]
     base = memory[0].peak_blocks if memory else 1
     for m in memory:
         lines.append(f"| {m.setting} | {m.peak_blocks} | {m.peak_mib:.1f} | {100 * (m.peak_blocks / base - 1):+.0f}% |")
@@ -459,8 +524,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threshold", type=float, default=0.10, help="other processes' CPU share that discards a rep")
     ap.add_argument("--parts", default="smollm2,qwen,costs,exits,batch,memory")
-    ap.add_argument("--prefault-gib", type=int, default=8,
-                    help="touch this much memory first: a VM's first touch of a page is slow, later reuse is not")
+    ap.add_argument(
+        "--prefault-gib",
+        type=int,
+        default=8,
+        help="touch this much memory first: a VM's first touch of a page is slow, later reuse is not",
+    )
     ap.add_argument("--results-dir", default="bench-results/speculative")
     ap.add_argument("--doc", default=None)
     args = ap.parse_args()
@@ -471,16 +540,31 @@ def main() -> None:
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     prefault(args.prefault_gib)
     if "smollm2" in parts:
-        setups = {name: dict(speculative=spec) for name, spec in (
-            ("plain", None), ("ngram", "ngram"), ("lookahead", "lookahead"), ("self:24", "self:24"),
-            ("self:16", "self:16"), ("draft: its int4 copy", f"draft:{quantized_copy(SMOL, root)}"))}
+        setups = {
+            name: dict(speculative=spec)
+            for name, spec in (
+                ("plain", None),
+                ("ngram", "ngram"),
+                ("lookahead", "lookahead"),
+                ("self:24", "self:24"),
+                ("self:16", "self:16"),
+                ("draft: its int4 copy", f"draft:{quantized_copy(SMOL, root)}"),
+            )
+        }
         results["smollm2"] = [asdict(r) for r in latency_rows(SMOL, setups, args.reps, args.threshold)]
     if "qwen" in parts:
         int4 = f"draft:{quantized_copy(QWEN_SMALL, root)}"
-        setups = {name: dict(speculative=spec, num_speculative_tokens=k) for name, spec, k in (
-            ("plain", None, 4), ("ngram", "ngram", 4), ("lookahead", "lookahead", 4),
-            (f"draft: {QWEN_SMALL}", f"draft:{QWEN_SMALL}", 4), (f"draft: {QWEN_SMALL} int4", int4, 4),
-            (f"draft: {QWEN_SMALL} int4, k <= 6", int4, 6))}
+        setups = {
+            name: dict(speculative=spec, num_speculative_tokens=k)
+            for name, spec, k in (
+                ("plain", None, 4),
+                ("ngram", "ngram", 4),
+                ("lookahead", "lookahead", 4),
+                (f"draft: {QWEN_SMALL}", f"draft:{QWEN_SMALL}", 4),
+                (f"draft: {QWEN_SMALL} int4", int4, 4),
+                (f"draft: {QWEN_SMALL} int4, k <= 6", int4, 6),
+            )
+        }
         results["qwen"] = [asdict(r) for r in latency_rows(QWEN, setups, args.reps, args.threshold)]
     if "costs" in parts:
         results["costs"] = [asdict(r) for r in cost_rows(root)]
@@ -491,11 +575,14 @@ def main() -> None:
     if "memory" in parts:
         results["memory"] = [asdict(r) for r in memory_rows()]
     saved.write_text(json.dumps(results, indent=2))
-    report = format_report([LatencyRow(**r) for r in results.get("smollm2", []) + results.get("qwen", [])],
-                           [BatchRow(**r) for r in results.get("batch", [])],
-                           [ExitRow(**r) for r in results.get("exits", [])],
-                           [CostRow(**r) for r in results.get("costs", [])],
-                           [MemoryRow(**r) for r in results.get("memory", [])], args)
+    report = format_report(
+        [LatencyRow(**r) for r in results.get("smollm2", []) + results.get("qwen", [])],
+        [BatchRow(**r) for r in results.get("batch", [])],
+        [ExitRow(**r) for r in results.get("exits", [])],
+        [CostRow(**r) for r in results.get("costs", [])],
+        [MemoryRow(**r) for r in results.get("memory", [])],
+        args,
+    )
     print(report)
     if args.doc:
         replace_section(Path(args.doc), "speculative-results", report)

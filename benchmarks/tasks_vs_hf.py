@@ -11,8 +11,8 @@ import argparse
 import torch
 from tqdm.auto import tqdm
 
-from leanlm.analysis.host import describe_machine
 from leanlm import LLM
+from leanlm.analysis.host import describe_machine
 from leanlm.analysis.tasks import TASKS, PairScore, choose, encode_pair, evaluate_items, parse_task_names
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
@@ -25,8 +25,13 @@ def hf_scores(hf_model, tokenizer, pairs) -> list[PairScore]:
             logits = hf_model(torch.tensor([ctx + cont])).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)[len(ctx) - 1 : -1]  # row i scores continuation token i
         targets = torch.tensor(cont)
-        scores.append(PairScore(float(lp.gather(1, targets.unsqueeze(1)).sum()),
-                                bool((lp.argmax(dim=-1) == targets).all()), len(continuation)))
+        scores.append(
+            PairScore(
+                float(lp.gather(1, targets.unsqueeze(1)).sum()),
+                bool((lp.argmax(dim=-1) == targets).all()),
+                len(continuation),
+            )
+        )
     return scores
 
 
@@ -47,8 +52,9 @@ def main() -> None:
     for name in names:
         items = TASKS[name].load(args.limit)
         ours = evaluate_items(llm, name, items, use_tqdm=False)
-        flat = hf_scores(hf, llm.tokenizer, tqdm([p for item in items for p in item.pairs], desc=f"HF {name}",
-                                                 leave=False))
+        flat = hf_scores(
+            hf, llm.tokenizer, tqdm([p for item in items for p in item.pairs], desc=f"HF {name}", leave=False)
+        )
         per_item, start = [], 0
         for item in items:
             per_item.append(flat[start : start + len(item.pairs)])
@@ -59,8 +65,9 @@ def main() -> None:
             hf_value = sum(c == g for c, g in zip(chosen, gold)) / len(items)
             same = sum(a == b for a, b in zip(chosen, ours.predictions[metric]))
             shown = "acc (last word greedy)" if metric == "greedy" else metric
-            print(f"| {name} | {len(items)} | {shown} | {value:.4f} | {hf_value:.4f} | {same}/{len(items)} |",
-                  flush=True)
+            print(
+                f"| {name} | {len(items)} | {shown} | {value:.4f} | {hf_value:.4f} | {same}/{len(items)} |", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -3,8 +3,17 @@
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "ModelConfig", "RequestOutput",
-           "CompletionOutput", "load_model", "save_checkpoint"]  # compress() lives in leanlm.compress (the subpackage of that name)
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "EngineConfig",
+    "ModelConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "load_model",
+    "save_checkpoint",
+]  # compress() lives in leanlm.compress (the subpackage of that name)
 __version__ = "0.1.0"
 
 

@@ -83,8 +83,16 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
@@ -109,12 +117,13 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"config.json model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -188,33 +197,50 @@ class EngineConfig:
     model; its `help` metadata is the flag's help (and says what the field means)."""
 
     block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV block"})
-    num_kv_blocks: int | None = dataclasses.field(default=None, metadata={
-        "help": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)"})
-    kv_cache_memory_bytes: int = dataclasses.field(default=1 << 30, metadata={
-        "help": "KV pool budget in bytes when --num-kv-blocks is not given"})
-    max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={
-        "help": "token budget of one engine step (prompt chunks + decodes)"})
-    max_num_seqs: int = dataclasses.field(default=128, metadata={
-        "help": "most sequences running at once (serve: with --max-queue, the admission capacity)"})
-    max_model_len: int | None = dataclasses.field(default=None, metadata={
-        "help": "context limit in tokens (default: the model's max_position_embeddings)"})
-    enable_prefix_caching: bool = dataclasses.field(default=True, metadata={
-        "help": "reuse the KV blocks of shared prompt prefixes"})
+    num_kv_blocks: int | None = dataclasses.field(
+        default=None, metadata={"help": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)"}
+    )
+    kv_cache_memory_bytes: int = dataclasses.field(
+        default=1 << 30, metadata={"help": "KV pool budget in bytes when --num-kv-blocks is not given"}
+    )
+    max_num_batched_tokens: int = dataclasses.field(
+        default=2048, metadata={"help": "token budget of one engine step (prompt chunks + decodes)"}
+    )
+    max_num_seqs: int = dataclasses.field(
+        default=128,
+        metadata={"help": "most sequences running at once (serve: with --max-queue, the admission capacity)"},
+    )
+    max_model_len: int | None = dataclasses.field(
+        default=None, metadata={"help": "context limit in tokens (default: the model's max_position_embeddings)"}
+    )
+    enable_prefix_caching: bool = dataclasses.field(
+        default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
+    )
     # 8-bit storage keeps a float32 scale per token and KV head (leanlm.model.kv_quant)
-    kv_cache_dtype: str = dataclasses.field(default="auto", metadata={
-        "choices": KV_CACHE_DTYPES,
-        "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales"})
-    speculative: str | None = dataclasses.field(default=None, metadata={
-        "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
-                "self:K (the target's first K layers); default: off, one token a step"})
-    num_speculative_tokens: int = dataclasses.field(default=4, metadata={
-        "help": "most draft tokens verified per request and step"})
-    speculative_max_batch_size: int = dataclasses.field(default=8, metadata={
-        "help": "steps sampling more requests than this do not speculate"})
+    kv_cache_dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "choices": KV_CACHE_DTYPES,
+            "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales",
+        },
+    )
+    speculative: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
+            "self:K (the target's first K layers); default: off, one token a step"
+        },
+    )
+    num_speculative_tokens: int = dataclasses.field(
+        default=4, metadata={"help": "most draft tokens verified per request and step"}
+    )
+    speculative_max_batch_size: int = dataclasses.field(
+        default=8, metadata={"help": "steps sampling more requests than this do not speculate"}
+    )
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
-            self.speculative_config  # parses and validates the proposer name
+            _ = self.speculative_config  # parses and validates the proposer name
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -237,8 +263,10 @@ class EngineConfig:
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:
             return None
-        return dataclasses.replace(SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens),
-                                   max_batch_size=self.speculative_max_batch_size)
+        return dataclasses.replace(
+            SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens),
+            max_batch_size=self.speculative_max_batch_size,
+        )
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "lookahead")
@@ -283,7 +311,8 @@ class SpeculativeConfig:
             raise ValueError(f"self-speculation needs at least 1 draft layer, got {self.num_draft_layers}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -319,33 +348,57 @@ class ServeConfig:
     """How the server listens and what it accepts (the engine's own settings live in EngineConfig). Each field
     is a `leanlm serve` flag; its `help` metadata is the flag's help (docs/serving.md lists the limits)."""
 
-    host: str = dataclasses.field(default="127.0.0.1", metadata={
-        "help": "address to listen on; loopback by default (exposing a model is your explicit choice)"})
+    host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata={"help": "address to listen on; loopback by default (exposing a model is your explicit choice)"},
+    )
     port: int = dataclasses.field(default=8000, metadata={"help": "TCP port to listen on"})
-    api_key: str | None = dataclasses.field(default=None, metadata={
-        "help": "bearer key required on /v1 routes and /metrics (default: $LEANLM_API_KEY); without one only "
-                "loopback Host names are answered"})
-    served_model_name: str | None = dataclasses.field(default=None, metadata={
-        "help": "the name clients send as `model` (default: the --model value)"})
-    max_queue: int = dataclasses.field(default=256, metadata={
-        "help": "sequences that may wait beyond max_num_seqs before requests get 429"})
-    max_body_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={
-        "help": "larger request bodies get 413"})
-    shutdown_timeout_s: float = dataclasses.field(default=30.0, metadata={
-        "help": "on SIGTERM, how long in-flight requests may take to finish"})
-    log_level: str = dataclasses.field(default="info", metadata={
-        "help": "uvicorn and leanlm log level (debug, info, warning)"})
-    metrics_key: str | None = dataclasses.field(default=None, metadata={
-        "help": "bearer key for /metrics only (default: $LEANLM_METRICS_KEY, else the API key; open if neither)"})
-    allowed_hosts: str = dataclasses.field(default="", metadata={
-        "help": "comma-separated extra Host names answered without an API key (for a proxy), '*' for any"})
-    enable_docs: bool = dataclasses.field(default=False, metadata={
-        "help": "serve /docs, /redoc and /openapi.json (open)"})
-    default_max_tokens: int = dataclasses.field(default=1024, metadata={
-        "help": "tokens a chat request generates when it names no max_tokens (capped by the context)"})
-    max_client_share: float = dataclasses.field(default=0.5, metadata={
-        "help": "fraction of the admission capacity (max_num_seqs + max_queue sequences) one client address may "
-                "hold; beyond it 429 with Retry-After"})
+    api_key: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "bearer key required on /v1 routes and /metrics (default: $LEANLM_API_KEY); without one only "
+            "loopback Host names are answered"
+        },
+    )
+    served_model_name: str | None = dataclasses.field(
+        default=None, metadata={"help": "the name clients send as `model` (default: the --model value)"}
+    )
+    max_queue: int = dataclasses.field(
+        default=256, metadata={"help": "sequences that may wait beyond max_num_seqs before requests get 429"}
+    )
+    max_body_bytes: int = dataclasses.field(
+        default=16 * 1024 * 1024, metadata={"help": "larger request bodies get 413"}
+    )
+    shutdown_timeout_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "on SIGTERM, how long in-flight requests may take to finish"}
+    )
+    log_level: str = dataclasses.field(
+        default="info", metadata={"help": "uvicorn and leanlm log level (debug, info, warning)"}
+    )
+    metrics_key: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "bearer key for /metrics only (default: $LEANLM_METRICS_KEY, else the API key; open if neither)"
+        },
+    )
+    allowed_hosts: str = dataclasses.field(
+        default="",
+        metadata={"help": "comma-separated extra Host names answered without an API key (for a proxy), '*' for any"},
+    )
+    enable_docs: bool = dataclasses.field(
+        default=False, metadata={"help": "serve /docs, /redoc and /openapi.json (open)"}
+    )
+    default_max_tokens: int = dataclasses.field(
+        default=1024,
+        metadata={"help": "tokens a chat request generates when it names no max_tokens (capped by the context)"},
+    )
+    max_client_share: float = dataclasses.field(
+        default=0.5,
+        metadata={
+            "help": "fraction of the admission capacity (max_num_seqs + max_queue sequences) one client address may "
+            "hold; beyond it 429 with Retry-After"
+        },
+    )
 
     @property
     def allowed_host_names(self) -> tuple[str, ...]:
@@ -364,7 +417,8 @@ class ServeConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not 0 < self.max_client_share <= 1:
             raise ValueError(
-                f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}")
+                f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}"
+            )
         if self.metrics_key is not None and not self.metrics_key.strip():
             raise ValueError("metrics_key is empty; give a real key or leave it unset")
         if self.api_key is not None and not self.api_key.strip():

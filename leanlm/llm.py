@@ -16,9 +16,15 @@ from leanlm.model.device import resolve_device, resolve_dtype
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from leanlm.selection import (
-    Extractor, Ranking, Scorer, VoteResult, best_of, majority_vote, make_extractor, sampling_params_for_samples,
+    Extractor,
+    Ranking,
+    Scorer,
+    VoteResult,
+    best_of,
+    majority_vote,
+    make_extractor,
+    sampling_params_for_samples,
 )
-
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -26,15 +32,18 @@ Message = dict[str, str]
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               device: str | torch.device | None = None, progress: bool = True):
+def load_model(
+    model: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    progress: bool = True,
+):
     """The network of a bundled name, GGUF file or (quantized) HF directory, for compression or inspection:
     a LlamaForCausalLM whose `tokenizer` attribute holds the model's tokenizer (save_checkpoint writes it)."""
     device = resolve_device(device)
     checkpoint = load_checkpoint(model, progress=progress)
     dtype = resolve_dtype(dtype, device, checkpoint.config)
-    net = build_model(checkpoint.config, checkpoint.state_dict, dtype, device,
-                      quantized=checkpoint.quantized)
+    net = build_model(checkpoint.config, checkpoint.state_dict, dtype, device, quantized=checkpoint.quantized)
     net.tokenizer = checkpoint.tokenizer
     return net
 
@@ -60,15 +69,27 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, attention_backend,
-                          quantized=checkpoint.quantized)
+        net = build_model(
+            checkpoint.config,
+            checkpoint.state_dict,
+            self.dtype,
+            self.device,
+            attention_backend,
+            quantized=checkpoint.quantized,
+        )
         del checkpoint
         draft = None
         spec = self.engine_config.speculative_config
         if spec is not None and spec.method == "draft":
             draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress)
-            draft = build_model(draft_checkpoint.config, draft_checkpoint.state_dict, self.dtype, self.device,
-                                attention_backend, quantized=draft_checkpoint.quantized)
+            draft = build_model(
+                draft_checkpoint.config,
+                draft_checkpoint.state_dict,
+                self.dtype,
+                self.device,
+                attention_backend,
+                quantized=draft_checkpoint.quantized,
+            )
         self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft)
 
     def get_tokenizer(self):
@@ -89,8 +110,7 @@ class LLM:
         for (_, token_ids), params in zip(tokenized, params_list):
             engine.validate(token_ids, params)
         ids = [
-            engine.add_request(token_ids, sp, prompt_text=text)
-            for (text, token_ids), sp in zip(tokenized, params_list)
+            engine.add_request(token_ids, sp, prompt_text=text) for (text, token_ids), sp in zip(tokenized, params_list)
         ]
         return self._run(ids, use_tqdm)
 
@@ -102,8 +122,12 @@ class LLM:
         return BeamSearch(self.llm_engine, params).run(_as_prompt_list(prompts), use_tqdm)
 
     def best_of_n(
-        self, prompts: Prompt | Sequence[Prompt], n: int, sampling_params: SamplingParams | None = None,
-        scorer: Scorer | None = None, use_tqdm: bool = True,
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        n: int,
+        sampling_params: SamplingParams | None = None,
+        scorer: Scorer | None = None,
+        use_tqdm: bool = True,
     ) -> list[Ranking]:
         """Sample n completions per prompt and rank them, best first: by mean token logprob, or by
         `scorer(text, token_ids)` (higher is better). One Ranking per prompt, in input order."""
@@ -112,8 +136,12 @@ class LLM:
         return [best_of(out.outputs, scorer) for out in outputs]
 
     def majority_vote(
-        self, prompts: Prompt | Sequence[Prompt], k: int, sampling_params: SamplingParams | None,
-        extract: Extractor, use_tqdm: bool = True,
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        k: int,
+        sampling_params: SamplingParams | None,
+        extract: Extractor,
+        use_tqdm: bool = True,
     ) -> list[VoteResult]:
         """Self-consistency: sample k completions per prompt, extract each one's answer (a regex: its first group
         or whole match; or a callable returning the answer or None) and vote. One VoteResult per prompt: the

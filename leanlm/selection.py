@@ -68,11 +68,14 @@ def best_of(completions: Sequence[CompletionOutput], scorer: Scorer | None = Non
         else:
             score = scorer(completion.text, list(completion.token_ids))
             if isinstance(score, bool) or not isinstance(score, (int, float)):
-                raise TypeError(f"the scorer must return a number, got {type(score).__name__} for completion "
-                                f"{completion.index}")
+                raise TypeError(
+                    f"the scorer must return a number, got {type(score).__name__} for completion {completion.index}"
+                )
             if math.isnan(score):
-                raise ValueError(f"the scorer returned NaN for completion {completion.index}; return a number "
-                                 f"that orders completions (higher is better)")
+                raise ValueError(
+                    f"the scorer returned NaN for completion {completion.index}; return a number "
+                    f"that orders completions (higher is better)"
+                )
         scored.append(ScoredCompletion(completion, float(score)))
     return Ranking(tuple(sorted(scored, key=lambda s: -s.score)))
 
@@ -114,8 +117,9 @@ def make_extractor(extract: Extractor) -> Callable[[str], Hashable | None]:
         return from_regex
     if callable(extract):
         return extract
-    raise TypeError(f"extract must be a regex (str or re.Pattern) or a callable text -> answer, "
-                    f"got {type(extract).__name__}")
+    raise TypeError(
+        f"extract must be a regex (str or re.Pattern) or a callable text -> answer, got {type(extract).__name__}"
+    )
 
 
 def majority_vote(completions: Sequence[CompletionOutput], extract: Extractor) -> VoteResult:
@@ -133,8 +137,9 @@ def majority_vote(completions: Sequence[CompletionOutput], extract: Extractor) -
         try:
             voters.setdefault(answer, []).append(completion)
         except TypeError:
-            raise TypeError(f"answers must be hashable (str, int, tuple, ...), the extractor returned "
-                            f"{type(answer).__name__}") from None
+            raise TypeError(
+                f"answers must be hashable (str, int, tuple, ...), the extractor returned {type(answer).__name__}"
+            ) from None
     has_logprobs = all(c.logprobs is not None for c in completions)
 
     def best_logprob(samples: list[CompletionOutput]) -> float:
@@ -147,25 +152,30 @@ def majority_vote(completions: Sequence[CompletionOutput], extract: Extractor) -
     if not order:
         return VoteResult(None, 0.0, (), (), 0, len(completions))
     winner = order[0]
-    return VoteResult(winner, len(voters[winner]) / num_voting, counts, tuple(voters[winner]), num_voting,
-                      len(completions))
+    return VoteResult(
+        winner, len(voters[winner]) / num_voting, counts, tuple(voters[winner]), num_voting, len(completions)
+    )
 
 
-def sampling_params_for_samples(num: int, name: str, params: SamplingParams | None,
-                                needs_logprobs: bool) -> SamplingParams:
+def sampling_params_for_samples(
+    num: int, name: str, params: SamplingParams | None, needs_logprobs: bool
+) -> SamplingParams:
     """`params` asking for `num` samples per prompt (one request with n=num: the samples share the prompt's KV
     blocks), with logprobs when the selection scores by them. `name` is the argument's name in messages."""
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {num!r}")
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling_params must be one SamplingParams (it applies to every prompt), "
-                        f"got {type(params).__name__}")
+        raise TypeError(
+            f"sampling_params must be one SamplingParams (it applies to every prompt), got {type(params).__name__}"
+        )
     if params.n not in (1, num):
         raise ValueError(f"sampling_params.n={params.n} disagrees with {name}={num}; leave n at 1")
     if num > 1 and params.is_greedy:
-        raise ValueError(f"greedy decoding (temperature {params.temperature}) makes all {num} samples identical; "
-                         f"set temperature > 0 (e.g. 0.7) to select among different samples")
+        raise ValueError(
+            f"greedy decoding (temperature {params.temperature}) makes all {num} samples identical; "
+            f"set temperature > 0 (e.g. 0.7) to select among different samples"
+        )
     logprobs = params.logprobs if params.logprobs is not None or not needs_logprobs else 0
     return dataclasses.replace(params, n=num, logprobs=logprobs)
 

@@ -22,10 +22,22 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 
 # Fixtures that load the bundled model or its files: a test using one (directly or through another fixture)
 # is a real-model test.
-REAL_MODEL_FIXTURES = frozenset({
-    "smollm_path", "smollm", "real_tokenizer", "hf_smollm", "smollm_dir", "hf_tokenizer", "smollm_f32",
-    "real_llm", "real_server", "openai_client", "plain_real_output", "smollm_shape",
-})
+REAL_MODEL_FIXTURES = frozenset(
+    {
+        "smollm_path",
+        "smollm",
+        "real_tokenizer",
+        "hf_smollm",
+        "smollm_dir",
+        "hf_tokenizer",
+        "smollm_f32",
+        "real_llm",
+        "real_server",
+        "openai_client",
+        "plain_real_output",
+        "smollm_shape",
+    }
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,10 +85,19 @@ def hf_smollm(smollm_path):
 
 def tiny_config(vocab_size: int, architecture: str = "llama") -> ModelConfig:
     return ModelConfig(
-        architecture=architecture, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
-        attention_bias=architecture == "qwen2", eos_token_ids=(2,),
+        architecture=architecture,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=architecture == "qwen2",
+        eos_token_ids=(2,),
     )
 
 

@@ -40,8 +40,13 @@ class Case:
 CASES = (
     Case("float32", "float32"),
     Case("bfloat16", "bfloat16", tie_margin=0.15),
-    Case("bf16_int8_kv_chunked_prefix", "bfloat16", prompts=SHARED_PROMPTS, tie_margin=0.3,
-         engine_options=dict(kv_cache_dtype="int8", max_num_batched_tokens=16, enable_prefix_caching=True)),
+    Case(
+        "bf16_int8_kv_chunked_prefix",
+        "bfloat16",
+        prompts=SHARED_PROMPTS,
+        tie_margin=0.3,
+        engine_options=dict(kv_cache_dtype="int8", max_num_batched_tokens=16, enable_prefix_caching=True),
+    ),
     Case("fp32_spec_self", "float32", engine_options=dict(speculative="self:12")),
     Case("fp32_spec_ngram", "float32", prompts=SHARED_PROMPTS, engine_options=dict(speculative="ngram")),
     Case("bf16_spec_lookahead", "bfloat16", tie_margin=0.15, engine_options=dict(speculative="lookahead")),
@@ -56,8 +61,9 @@ def run_case(case: Case) -> list[dict]:
 
     llm = LLM(dtype=case.dtype, progress=False, num_kv_blocks=256, **case.engine_options)
     if case.kind == "beam":
-        outputs = llm.beam_search(list(case.prompts), BeamSearchParams(beam_width=3, max_tokens=case.max_tokens),
-                                  use_tqdm=False)
+        outputs = llm.beam_search(
+            list(case.prompts), BeamSearchParams(beam_width=3, max_tokens=case.max_tokens), use_tqdm=False
+        )
         return [{"token_ids": s.token_ids, "score": s.score} for out in outputs for s in out.sequences]
     if case.kind == "sample":
         params = SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=1234, max_tokens=case.max_tokens)

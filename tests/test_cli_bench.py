@@ -29,9 +29,29 @@ def test_bench_serve_prints_table_and_writes_json(tmp_path, capsys):
     tokenizer = word_tokenizer_dir(tmp_path / "tokenizer")
     state = StubState()
     with serve_in_thread(build_app(state)) as url:
-        code = main(["bench", "serve", "--url", url, "--num-requests", "4", "--max-concurrency", "2",
-                     "--input-len", "16", "--output-len", "5", "--data", str(data), "--tokenizer", str(tokenizer),
-                     "--json", str(tmp_path / "out.json"), "--no-progress"])
+        code = main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                url,
+                "--num-requests",
+                "4",
+                "--max-concurrency",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "5",
+                "--data",
+                str(data),
+                "--tokenizer",
+                str(tokenizer),
+                "--json",
+                str(tmp_path / "out.json"),
+                "--no-progress",
+            ]
+        )
     assert code == 0
     table = capsys.readouterr().out
     assert f"model: {MODEL_ID}" in table and f"| metric | {url} |" in table

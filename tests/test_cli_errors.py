@@ -30,8 +30,14 @@ def leanlm_env(**extra: str) -> dict[str, str]:
 
 
 def run_leanlm(argv: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "leanlm", *argv], cwd=ROOT, env=leanlm_env(**env),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "leanlm", *argv],
+        cwd=ROOT,
+        env=leanlm_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +56,19 @@ def files(tmp_path_factory):
 # Each fails before any model loads, in about 2 s (importing torch), so only these few; IN_PROCESS has more.
 CASES = {
     "missing model file": (["generate", "hi", "--model", "{root}/absent.gguf"], {}, 2, "does not exist"),
-    "damaged model file": (["generate", "hi", "--model", "{root}/damaged.gguf"], {}, 2,
-                           "damaged.gguf has a corrupt or truncated header"),
+    "damaged model file": (
+        ["generate", "hi", "--model", "{root}/damaged.gguf"],
+        {},
+        2,
+        "damaged.gguf has a corrupt or truncated header",
+    ),
     "bad flag value": (["generate", "hi", "--max-tokens", "lots"], {}, 2, "invalid int value: 'lots'"),
-    "missing optional package": (["estimate", "--model", "llama-7b", "--plot", "{root}/roofline.png"],
-                                 {"PYTHONPATH": "{root}/no-matplotlib"}, 1,
-                                 "optional package 'matplotlib', which is not installed: pip install matplotlib"),
+    "missing optional package": (
+        ["estimate", "--model", "llama-7b", "--plot", "{root}/roofline.png"],
+        {"PYTHONPATH": "{root}/no-matplotlib"},
+        1,
+        "optional package 'matplotlib', which is not installed: pip install matplotlib",
+    ),
 }
 # The same promise through main(argv), for more kinds of input.
 IN_PROCESS = {
@@ -63,10 +76,16 @@ IN_PROCESS = {
     "not a model file": (["generate", "hi", "--model", "{root}/not-a-model.gguf"], 2, "neither a GGUF file"),
     "value a config refuses": (["serve", "--max-queue", "-1"], 2, "max_queue must be >= 0"),
     # an unknown model would fail with its own message: the data file is checked before the model loads
-    "missing data file": (["eval", "ppl", "--data", "{root}/absent.txt", "--model", "no-such-model"], 2,
-                          "absent.txt does not exist"),
-    "missing bench data": (["bench", "latency", "--data", "{root}/absent.txt", "--model", "no-such-model"], 2,
-                           "prompt data file {root}/absent.txt does not exist"),
+    "missing data file": (
+        ["eval", "ppl", "--data", "{root}/absent.txt", "--model", "no-such-model"],
+        2,
+        "absent.txt does not exist",
+    ),
+    "missing bench data": (
+        ["bench", "latency", "--data", "{root}/absent.txt", "--model", "no-such-model"],
+        2,
+        "prompt data file {root}/absent.txt does not exist",
+    ),
     "missing required flag": (["quantize", "--out", "{root}/out"], 2, "the following arguments are required: --method"),
     "pull without a name": (["models", "pull"], 2, "needs a NAME"),
 }
@@ -116,8 +135,10 @@ def test_a_taken_port_fails_before_the_model_loads(files):
         # An unknown model would fail with status 2 at the load: the port check comes first.
         result = run_leanlm(["serve", "--port", str(port), "--model", "no-such-model"])
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == (f"leanlm: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
-                                     "another program listens there; stop it or pick another --port")
+    assert result.stderr.strip() == (
+        f"leanlm: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+        "another program listens there; stop it or pick another --port"
+    )
 
 
 def test_ctrl_c_exits_130_quietly(tmp_path):
@@ -129,10 +150,29 @@ def test_ctrl_c_exits_130_quietly(tmp_path):
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         silent.settimeout(60)
-        argv = ["bench", "serve", "--url", f"http://127.0.0.1:{silent.getsockname()[1]}", "--num-requests", "1",
-                "--input-len", "4", "--data", str(data), "--tokenizer", str(tokenizer), "--no-progress"]
-        proc = subprocess.Popen([sys.executable, "-m", "leanlm", *argv], cwd=ROOT, env=leanlm_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        argv = [
+            "bench",
+            "serve",
+            "--url",
+            f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "--num-requests",
+            "1",
+            "--input-len",
+            "4",
+            "--data",
+            str(data),
+            "--tokenizer",
+            str(tokenizer),
+            "--no-progress",
+        ]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "leanlm", *argv],
+            cwd=ROOT,
+            env=leanlm_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             connection, _ = silent.accept()  # the request is in flight
             with connection:
@@ -148,23 +188,37 @@ def test_missing_peer_package_fails_before_the_model_loads(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     status = cli.main(["bench", "latency", "--compare", "hf", "--model", "no-such-model"])
     assert status == 1
-    assert capsys.readouterr().err == ("leanlm: error: this needs the optional package 'transformers', which is not "
-                                       "installed: pip install 'leanlm[peers]'\n")
+    assert capsys.readouterr().err == (
+        "leanlm: error: this needs the optional package 'transformers', which is not "
+        "installed: pip install 'leanlm[peers]'\n"
+    )
 
 
-@pytest.mark.parametrize("exc, line, status", [
-    (ModelLoadError("unknown model 'x'"), "unknown model 'x'", 2),
-    (FileNotFoundError(2, "No such file or directory", "/a/b.txt"), "/a/b.txt: No such file or directory", 2),
-    (ConnectionError("cannot reach http://h:1"), "cannot reach http://h:1", 1),
-    (RuntimeError("compiling x.c failed:\ncc: error\nline 2"),
-     "compiling x.c failed: [2 more lines: LEANLM_DEBUG=1 shows them]", 1),
-    (KeyError("k"), "internal error, KeyError: 'k' (LEANLM_DEBUG=1 shows the traceback)", 1),
-    (ModuleNotFoundError("No module named 'llama_cpp'", name="llama_cpp"),
-     "this needs the optional package 'llama_cpp', which is not installed: pip install 'leanlm[peers]' "
-     "(llama-cpp-python: it compiles llama.cpp, minutes)", 1),
-    (ModuleNotFoundError("No module named 'leanlm.nope'", name="leanlm.nope"),
-     "internal error, ModuleNotFoundError: No module named 'leanlm.nope' (LEANLM_DEBUG=1 shows the traceback)", 1),
-])
+@pytest.mark.parametrize(
+    "exc, line, status",
+    [
+        (ModelLoadError("unknown model 'x'"), "unknown model 'x'", 2),
+        (FileNotFoundError(2, "No such file or directory", "/a/b.txt"), "/a/b.txt: No such file or directory", 2),
+        (ConnectionError("cannot reach http://h:1"), "cannot reach http://h:1", 1),
+        (
+            RuntimeError("compiling x.c failed:\ncc: error\nline 2"),
+            "compiling x.c failed: [2 more lines: LEANLM_DEBUG=1 shows them]",
+            1,
+        ),
+        (KeyError("k"), "internal error, KeyError: 'k' (LEANLM_DEBUG=1 shows the traceback)", 1),
+        (
+            ModuleNotFoundError("No module named 'llama_cpp'", name="llama_cpp"),
+            "this needs the optional package 'llama_cpp', which is not installed: pip install 'leanlm[peers]' "
+            "(llama-cpp-python: it compiles llama.cpp, minutes)",
+            1,
+        ),
+        (
+            ModuleNotFoundError("No module named 'leanlm.nope'", name="leanlm.nope"),
+            "internal error, ModuleNotFoundError: No module named 'leanlm.nope' (LEANLM_DEBUG=1 shows the traceback)",
+            1,
+        ),
+    ],
+)
 def test_failure_message(exc, line, status):
     assert cli.failure_message(exc) == (line, status)
 
@@ -172,6 +226,7 @@ def test_failure_message(exc, line, status):
 def raising(exc: BaseException):
     def command(args):
         raise exc
+
     return command
 
 

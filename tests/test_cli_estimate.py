@@ -20,8 +20,27 @@ def test_estimate_prints_the_table(capsys):
 
 
 def test_estimate_json_is_machine_readable(capsys):
-    assert main(["estimate", "--model", "llama-7b", "--hardware", "a100", "--kv-dtype", "fp16", "--batch", "64",
-                 "--context", "2048", "--json", "--tokens-per-s", "500"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "llama-7b",
+                "--hardware",
+                "a100",
+                "--kv-dtype",
+                "fp16",
+                "--batch",
+                "64",
+                "--context",
+                "2048",
+                "--json",
+                "--tokens-per-s",
+                "500",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["memory"]["kv_cache_bytes"] == 2 * 2 * 32 * 4096 * 2048 * 64
     assert r["params"]["total"] == 6_738_415_616
@@ -42,12 +61,15 @@ def test_estimate_plot_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--hardware", "a100", "--measure"], "--measure measures this machine"),
-    (["--dtype", "int3"], "unknown weight format"),
-    (["--batch", "0"], "--batch must be >= 1"),
-    (["--model", "no-such-model"], "preset"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hardware", "a100", "--measure"], "--measure measures this machine"),
+        (["--dtype", "int3"], "unknown weight format"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--model", "no-such-model"], "preset"),
+    ],
+)
 def test_estimate_bad_flags_say_what_to_do(argv, message, capsys):
     assert main(["estimate", "--model", "llama-7b", *argv]) == 2
     assert message in capsys.readouterr().err

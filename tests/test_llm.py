@@ -39,8 +39,10 @@ def llm():
 
 def _prompts(llm) -> list[list[int]]:
     tok = llm.get_tokenizer()
-    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-             for q in QUESTIONS]
+    chats = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS
+    ]
     return chats + [tok.encode(t) for t in COMPLETIONS]
 
 
@@ -84,8 +86,11 @@ def test_greedy_continuations_match_hf_alone_and_batched(llm, hf_smollm):
 
 
 def test_chat_answers_sensibly(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=32, temperature=0.0),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not by length
     assert "<|im_end|>" not in out.outputs[0].text
@@ -101,16 +106,26 @@ def test_beam_search_beats_greedy_and_matches_hf(llm, hf_smollm):
         scores = [s.score for s in out.sequences]
         assert scores == sorted(scores, reverse=True)
         best = out.sequences[0]
-        greedy = llm.generate([prompt], SamplingParams(max_tokens=len(best.token_ids), temperature=0.0, ignore_eos=True,
-                                                       logprobs=0), use_tqdm=False)[0].outputs[0]
+        greedy = llm.generate(
+            [prompt],
+            SamplingParams(max_tokens=len(best.token_ids), temperature=0.0, ignore_eos=True, logprobs=0),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert best.cumulative_logprob >= greedy.cumulative_logprob - 1e-4
     assert outs[1].sequences[0].finish_reason == "stop" and "<|im_end|>" not in outs[1].sequences[0].text
     # HF transformers' own beam search finds the same hypotheses in the same order.
     eos = list(llm.llm_engine.eos_token_ids)
     with torch.no_grad():
-        ref = hf_smollm.generate(torch.tensor([prompts[0]]), num_beams=4, num_return_sequences=4, max_new_tokens=12,
-                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-    assert [s.token_ids for s in outs[0].sequences] == [row[len(prompts[0]):] for row in ref.tolist()]
+        ref = hf_smollm.generate(
+            torch.tensor([prompts[0]]),
+            num_beams=4,
+            num_return_sequences=4,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    assert [s.token_ids for s in outs[0].sequences] == [row[len(prompts[0]) :] for row in ref.tolist()]
     engine = llm.llm_engine
     assert engine.stats().num_free_kv_blocks == engine.num_kv_blocks
 
@@ -168,8 +183,9 @@ def test_qwen2_real_model_matches_hf():
     llm = LLM("qwen2.5-coder-0.5b-instruct", dtype="float32", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     ids = llm.get_tokenizer().encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
-    out = llm.generate([ids], SamplingParams(max_tokens=16, prompt_logprobs=0, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [ids], SamplingParams(max_tokens=16, prompt_logprobs=0, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
     ours = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))], dtype=torch.float64)
@@ -187,8 +203,10 @@ def test_half_precision_dtypes_track_float32(llm, dtype):
     half = LLM(dtype=dtype, progress=False)
     assert half.dtype == getattr(torch, dtype)
     tok = llm.get_tokenizer()
-    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
-                      add_special_tokens=False)
+    chat = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+        add_special_tokens=False,
+    )
     answer = llm.generate([chat], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"  # float32: the reference answer
     sequence = chat + answer.token_ids

@@ -57,11 +57,13 @@ def test_greedy_text_and_distributions_match_the_unquantized_cache(quant_llm, re
         clear = top2[:, 0] - top2[:, 1] > NEAR_TIE
         assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])  # the same pick wherever it is clear
         # Free-running greedy text is the reference's up to its first near-tie (and all of it when there is none).
-        continuation = seq[len(prompt):]
+        continuation = seq[len(prompt) :]
         first_tie = next((i for i in range(NUM_TOKENS) if not clear[i]), NUM_TOKENS)
         assert tokens[:first_tie] == continuation[:first_tie], (first_tie, tokens)
-    greedy_agree = [next((i for i, (a, b) in enumerate(zip(t, s[len(p):])) if a != b), NUM_TOKENS)
-                    for p, s, t in zip(prompts, sequences, generated)]
+    greedy_agree = [
+        next((i for i, (a, b) in enumerate(zip(t, s[len(p) :])) if a != b), NUM_TOKENS)
+        for p, s, t in zip(prompts, sequences, generated)
+    ]
     assert sum(n >= 16 for n in greedy_agree) >= 2, greedy_agree  # most prompts: 16+ identical tokens
 
 
@@ -80,14 +82,16 @@ def test_batched_chunked_prefix_cached_matches_alone(kv_cache_dtype):
     cached prefix, vs each prompt alone in a fresh engine prefilled whole. float32 compute, as in test_llm. The
     distributions agree within the schedule noise above, and greedy text agrees up to the first near tie."""
     max_kl, max_diff = SCHEDULE_BOUNDS[kv_cache_dtype]
-    alone_llm = LLM(MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype,
-                    enable_prefix_caching=False)
+    alone_llm = LLM(MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     tok = alone_llm.get_tokenizer()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-               for q in QUESTIONS] + [tok.encode(t) for t in COMPLETIONS[:2]]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS
+    ] + [tok.encode(t) for t in COMPLETIONS[:2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    batched = LLM(MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype,
-                  max_num_batched_tokens=32, block_size=8)
+    batched = LLM(
+        MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, block_size=8
+    )
     together = [o.outputs[0].token_ids for o in batched.generate(prompts, params, use_tqdm=False)]
     assert batched.llm_engine.stats().scheduler.prefix_cache_hit_rate > 0
     alone = [alone_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

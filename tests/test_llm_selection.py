@@ -10,8 +10,10 @@ import pytest
 from leanlm import LLM, SamplingParams
 from leanlm.selection import mean_logprob
 
-ARITHMETIC = ("Question: What is 1 plus 1?\nAnswer: 2\nQuestion: What is 2 plus 3?\nAnswer: 5\n"
-              "Question: What is 2 plus 2?\nAnswer:")
+ARITHMETIC = (
+    "Question: What is 1 plus 1?\nAnswer: 2\nQuestion: What is 2 plus 3?\nAnswer: 5\n"
+    "Question: What is 2 plus 2?\nAnswer:"
+)
 COUNTING = "Count: 1, 2, 3, 4, 5,"
 ANSWER = r"^\s*(\d+)"
 

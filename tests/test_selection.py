@@ -12,8 +12,9 @@ from leanlm.engine.outputs import CompletionOutput
 from leanlm.selection import best_of, majority_vote, make_extractor, mean_logprob
 
 
-def _completion(index: int, text: str, token_logprobs: list[float] | None = None,
-                finish_reason: str = "stop") -> CompletionOutput:
+def _completion(
+    index: int, text: str, token_logprobs: list[float] | None = None, finish_reason: str = "stop"
+) -> CompletionOutput:
     """A completion whose token i is id 100 + i with the given logprob (None: generated without logprobs)."""
     lps = token_logprobs if token_logprobs is not None else [-1.0] * 3
     token_ids = [100 + i for i in range(len(lps))]
@@ -78,8 +79,9 @@ def test_majority_vote_with_a_regex_group():
 
 
 def test_majority_vote_regex_without_group_uses_the_whole_match():
-    result = majority_vote([_completion(0, "x = 4"), _completion(1, "x = 4 "), _completion(2, "x = 5")],
-                           re.compile(r"x = \d"))
+    result = majority_vote(
+        [_completion(0, "x = 4"), _completion(1, "x = 4 "), _completion(2, "x = 5")], re.compile(r"x = \d")
+    )
     assert result.answer == "x = 4" and result.support == pytest.approx(2 / 3)
 
 
@@ -98,8 +100,13 @@ def test_majority_vote_with_a_callable_and_nobody_voting():
 
 def test_majority_vote_ties_go_to_the_most_likely_sample_then_first_seen():
     # 'a' and 'b' have two votes each; b's best sample has the higher mean logprob.
-    samples = [_completion(0, "a", [-1.0]), _completion(1, "b", [-3.0]), _completion(2, "a", [-2.0]),
-               _completion(3, "b", [-0.5]), _completion(4, "c", [-0.1])]
+    samples = [
+        _completion(0, "a", [-1.0]),
+        _completion(1, "b", [-3.0]),
+        _completion(2, "a", [-2.0]),
+        _completion(3, "b", [-0.5]),
+        _completion(4, "c", [-0.1]),
+    ]
     result = majority_vote(samples, r"([abc])")
     assert result.answer == "b" and result.counts == (("b", 2), ("a", 2), ("c", 1))
     assert result.support == pytest.approx(2 / 5)

@@ -19,13 +19,16 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_CORPUS = """The three primary colors are red, yellow and blue. Paris is the capital of France; Berlin is the
+_CORPUS = (
+    """The three primary colors are red, yellow and blue. Paris is the capital of France; Berlin is the
 capital of Germany. Once upon a time, in a small village at the edge of a great forest, there lived an old
 clockmaker who made clocks for everyone. def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)
 The quick brown fox jumps over the lazy dog. Hello, world! What is the capital of Italy? Rome is. 0123456789
 A story about a robot who learns to paint. Tell me a joke. Write a poem about the sea and the sky at night.
 Large language models predict the next token. Speculative decoding drafts tokens and verifies them.
-""".split("\n") + [" ".join(f"{w}{i}" for w in ("item", "page", "step", "row")) for i in range(700)]
+""".split("\n")
+    + [" ".join(f"{w}{i}" for w in ("item", "page", "step", "row")) for i in range(700)]
+)
 
 
 @functools.cache
@@ -33,7 +36,11 @@ def tiny_tokenizer() -> Tokenizer:
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(_CORPUS * 8, trainer)
     return Tokenizer(backend, bos_token=None, eos_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)

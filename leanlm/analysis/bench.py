@@ -98,22 +98,33 @@ class HFRunner:
 
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=output_len,
-                                min_new_tokens=output_len, do_sample=False, pad_token_id=self.pad_id,
-                                stopping_criteria=StoppingCriteriaList([Clock()]))
+            self.model.generate(
+                input_ids=torch.tensor([prompt]),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+                stopping_criteria=StoppingCriteriaList([Clock()]),
+            )
         return LatencySample(times[0] - t0, [b - a for a, b in zip(times, times[1:])])
 
     def throughput(self, prompts: list[list[int]], output_len: int) -> float:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         t0 = time.perf_counter()
         for start in range(0, len(order), self.batch_size):
-            batch = [prompts[i] for i in order[start:start + self.batch_size]]
+            batch = [prompts[i] for i in order[start : start + self.batch_size]]
             width = max(len(p) for p in batch)
             ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             with torch.inference_mode():
-                self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                    min_new_tokens=output_len, do_sample=False, pad_token_id=self.pad_id)
+                self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=output_len,
+                    min_new_tokens=output_len,
+                    do_sample=False,
+                    pad_token_id=self.pad_id,
+                )
         return len(prompts) * output_len / (time.perf_counter() - t0)
 
 

@@ -40,11 +40,18 @@ def prompts_from_text(tokenizer, text: str, lengths: list[int], seed: int) -> li
     """Token prompts of the given lengths cut at random places from real text."""
     ids = tokenizer.encode(text[:400_000], add_special_tokens=False)
     rng = random.Random(seed)
-    return [ids[(s := rng.randrange(0, len(ids) - n)):s + n] for n in lengths]
+    return [ids[(s := rng.randrange(0, len(ids) - n)) : s + n] for n in lengths]
 
 
-def run_latency(runners: list[Runner], prompts: dict[int, list[list[int]]], output_lens: list[int], reps: int,
-                bytes_per_token: dict[str, callable], bandwidth: float, threshold: float = 0.10) -> list[LatencyRow]:
+def run_latency(
+    runners: list[Runner],
+    prompts: dict[int, list[list[int]]],
+    output_lens: list[int],
+    reps: int,
+    bytes_per_token: dict[str, callable],
+    bandwidth: float,
+    threshold: float = 0.10,
+) -> list[LatencyRow]:
     """Batch-1 latency for every runner, prompt length and output length. Each repetition gets a prompt of its
     own (prompts[length] holds reps + 1 of them, the first for the warm-up), so no prompt cache helps."""
     rows = []
@@ -61,16 +68,32 @@ def run_latency(runners: list[Runner], prompts: dict[int, list[list[int]]], outp
                 samples: list[LatencySample] = reps_.values
                 tpot = median([s.tpot_s for s in samples])
                 per_token = bytes_per_token[runner.name](prompt_len + output_len // 2)
-                rows.append(LatencyRow(
-                    runner.name, prompt_len, output_len, median([s.ttft_s for s in samples]) * 1000, tpot * 1000,
-                    1 / tpot, per_token, per_token / tpot / bandwidth,
-                    [g * 1000 for s in samples for g in s.token_times_s], len(samples), len(reps_.discarded),
-                ))
+                rows.append(
+                    LatencyRow(
+                        runner.name,
+                        prompt_len,
+                        output_len,
+                        median([s.ttft_s for s in samples]) * 1000,
+                        tpot * 1000,
+                        1 / tpot,
+                        per_token,
+                        per_token / tpot / bandwidth,
+                        [g * 1000 for s in samples for g in s.token_times_s],
+                        len(samples),
+                        len(reps_.discarded),
+                    )
+                )
     return rows
 
 
-def run_throughput(runners: list[Runner], prompts: list[list[int]], batch_sizes: list[int], output_len: int,
-                   reps: int, threshold: float = 0.10) -> list[ThroughputRow]:
+def run_throughput(
+    runners: list[Runner],
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+    output_len: int,
+    reps: int,
+    threshold: float = 0.10,
+) -> list[ThroughputRow]:
     """Output tokens/s with `batch_size` requests submitted at once (the first batch_size prompts)."""
     rows = []
     for batch_size in batch_sizes:
@@ -98,11 +121,15 @@ def write_report(out_dir: Path, title: str, command: str, lines: list[str], data
 
 
 def latency_table(rows: list[LatencyRow]) -> list[str]:
-    lines = ["| runner | prompt | output | TTFT (ms) | TPOT (ms) | decode tok/s | MBU | reps kept / discarded |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| runner | prompt | output | TTFT (ms) | TPOT (ms) | decode tok/s | MBU | reps kept / discarded |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.runner} | {r.prompt_len} | {r.output_len} | {r.ttft_ms:,.1f} | {r.tpot_ms:.2f} | "
-                     f"{r.decode_tokens_per_s:.1f} | {r.mbu:.0%} | {r.kept} / {r.discarded} |")
+        lines.append(
+            f"| {r.runner} | {r.prompt_len} | {r.output_len} | {r.ttft_ms:,.1f} | {r.tpot_ms:.2f} | "
+            f"{r.decode_tokens_per_s:.1f} | {r.mbu:.0%} | {r.kept} / {r.discarded} |"
+        )
     return lines
 
 
@@ -110,14 +137,22 @@ def throughput_table(rows: list[ThroughputRow]) -> list[str]:
     runners = list(dict.fromkeys(r.runner for r in rows))
     sizes = sorted({r.batch_size for r in rows})
     value = {(r.runner, r.batch_size): r for r in rows}
-    lines = ["| batch | " + " | ".join(f"{n} tok/s" for n in runners) + " | " +
-             " | ".join(f"leanlm / {n}" for n in runners if n != "leanlm") + " |",
-             "|---|" + "---|" * (2 * len(runners) - ("leanlm" in runners))]
+    lines = [
+        "| batch | "
+        + " | ".join(f"{n} tok/s" for n in runners)
+        + " | "
+        + " | ".join(f"leanlm / {n}" for n in runners if n != "leanlm")
+        + " |",
+        "|---|" + "---|" * (2 * len(runners) - ("leanlm" in runners)),
+    ]
     for size in sizes:
         cells = [f"{value[(n, size)].output_tokens_per_s:.1f}" for n in runners]
         ours = value.get(("leanlm", size))
-        ratios = [f"{ours.output_tokens_per_s / value[(n, size)].output_tokens_per_s:.2f}x" if ours else "-"
-                  for n in runners if n != "leanlm"]
+        ratios = [
+            f"{ours.output_tokens_per_s / value[(n, size)].output_tokens_per_s:.2f}x" if ours else "-"
+            for n in runners
+            if n != "leanlm"
+        ]
         lines.append(f"| {size} | " + " | ".join(cells + ratios) + " |")
     return lines
 
@@ -235,15 +270,27 @@ def latency_command(args) -> str:
     compare = [c for c in args.compare.split(",") if c]
     text = _text(args.data)  # before the (slow) model loads
     llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
-    prompts = {n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens}
+    prompts = {
+        n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens
+    }
     bandwidth = measure_memory_bandwidth()
     rows = run_latency(runners, prompts, output_lens, args.reps, per_token, bandwidth, args.max_other_cpu)
-    lines = [f"Model `{args.model}` ({args.dtype}); batch 1, greedy, exactly the output tokens asked for; "
-             f"medians of {args.reps} repetitions; measured memory bandwidth {bandwidth / 1e9:.1f} GB/s. MBU = "
-             "bytes one decode step reads (weights as each runner stores them, plus KV) / time per output token "
-             "/ bandwidth.", "", *latency_table(rows)]
-    return write_report(Path(args.results_dir), "Latency: batch 1", args.command, lines,
-                        {"bandwidth": bandwidth, "rows": as_data(rows)}, {"latency": plot_latency(rows, bandwidth)})
+    lines = [
+        f"Model `{args.model}` ({args.dtype}); batch 1, greedy, exactly the output tokens asked for; "
+        f"medians of {args.reps} repetitions; measured memory bandwidth {bandwidth / 1e9:.1f} GB/s. MBU = "
+        "bytes one decode step reads (weights as each runner stores them, plus KV) / time per output token "
+        "/ bandwidth.",
+        "",
+        *latency_table(rows),
+    ]
+    return write_report(
+        Path(args.results_dir),
+        "Latency: batch 1",
+        args.command,
+        lines,
+        {"bandwidth": bandwidth, "rows": as_data(rows)},
+        {"latency": plot_latency(rows, bandwidth)},
+    )
 
 
 def throughput_command(args) -> str:
@@ -255,11 +302,20 @@ def throughput_command(args) -> str:
     llm, runners, _ = build_runners(args.model, args.dtype, compare, args.max_prompt + args.output_len + 8)
     prompts = prompts_from_text(llm.get_tokenizer(), text, lengths, args.seed)
     rows = run_throughput(runners, prompts, batch_sizes, args.output_len, args.reps, args.max_other_cpu)
-    lines = [f"Model `{args.model}` ({args.dtype}); prompts of {args.min_prompt}-{args.max_prompt} tokens (uniform, "
-             f"seed {args.seed}) cut from real text, {args.output_len} output tokens each, greedy; medians of "
-             f"{args.reps} repetitions (discarded when other processes took over {args.max_other_cpu:.0%} of the CPUs); "
-             "our prefix cache is off, so repeating a batch gains nothing. llama.cpp's Python API runs requests "
-             "one after another (its batched path is its server: see the serving section).", "",
-             *throughput_table(rows)]
-    return write_report(Path(args.results_dir), "Offline throughput", args.command, lines,
-                        {"rows": as_data(rows)}, {"throughput": plot_throughput(rows)})
+    lines = [
+        f"Model `{args.model}` ({args.dtype}); prompts of {args.min_prompt}-{args.max_prompt} tokens (uniform, "
+        f"seed {args.seed}) cut from real text, {args.output_len} output tokens each, greedy; medians of "
+        f"{args.reps} repetitions (discarded when other processes took over {args.max_other_cpu:.0%} of the CPUs); "
+        "our prefix cache is off, so repeating a batch gains nothing. llama.cpp's Python API runs requests "
+        "one after another (its batched path is its server: see the serving section).",
+        "",
+        *throughput_table(rows),
+    ]
+    return write_report(
+        Path(args.results_dir),
+        "Offline throughput",
+        args.command,
+        lines,
+        {"rows": as_data(rows)},
+        {"throughput": plot_throughput(rows)},
+    )

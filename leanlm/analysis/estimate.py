@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from leanlm.analysis.hardware_profiles import Hardware
 from leanlm.analysis.model_shape import ModelShape
 
-
 # ---------------------------------------------------------------------------------------------- formats
 
 
@@ -90,8 +89,16 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return (self.embed_tokens + self.position_embeddings + self.lm_head + self.attention + self.mlp
-                + self.biases + self.router + self.norms)
+        return (
+            self.embed_tokens
+            + self.position_embeddings
+            + self.lm_head
+            + self.attention
+            + self.mlp
+            + self.biases
+            + self.router
+            + self.norms
+        )
 
     @property
     def active(self) -> int:
@@ -161,8 +168,14 @@ def kv_cache_bytes(s: ModelShape, fmt: NumberFormat, batch: int, context: int) -
     return kv_bytes_per_token(s, fmt) * batch * context
 
 
-def peak_activation_bytes(s: ModelShape, num_tokens: int, context: int, logits_rows: int,
-                          activation_bytes: int = 2, materialize_scores: bool = False) -> float:
+def peak_activation_bytes(
+    s: ModelShape,
+    num_tokens: int,
+    context: int,
+    logits_rows: int,
+    activation_bytes: int = 2,
+    materialize_scores: bool = False,
+) -> float:
     """Largest transient memory of one inference forward over `num_tokens` tokens attending to `context` tokens.
 
     Assumes no autograd (a layer's tensors die before the next layer) and counts, besides the residual stream
@@ -209,8 +222,11 @@ def prefill_flops(s: ModelShape, prompt_len: int) -> float:
     """A causal prefill of `prompt_len` tokens: position i attends to i tokens, so the attention term sums to
     4 L H D * n(n+1)/2; logits only for the last position (the one that samples)."""
     n = prompt_len
-    return (n * matmul_flops_per_token(s, with_logits=False) + 2 * s.vocab_size * s.hidden_size
-            + 4 * s.num_hidden_layers * s.attention_width * n * (n + 1) / 2)
+    return (
+        n * matmul_flops_per_token(s, with_logits=False)
+        + 2 * s.vocab_size * s.hidden_size
+        + 4 * s.num_hidden_layers * s.attention_width * n * (n + 1) / 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------- steps
@@ -237,7 +253,10 @@ def decode_step(s: ModelShape, weights: NumberFormat, kv: NumberFormat, batch: i
     """`batch` sequences each make one token at `context` (reading context - 1 cached K/V rows, writing one)."""
     kv_row = kv_bytes_per_token(s, kv)
     return StepCost(
-        phase="decode", batch=batch, num_tokens=batch, context=context,
+        phase="decode",
+        batch=batch,
+        num_tokens=batch,
+        context=context,
         flops=batch * decode_flops_per_token(s, context),
         bytes=streamed_weight_bytes(s, weights, batch) + batch * context * kv_row,
     )
@@ -246,10 +265,14 @@ def decode_step(s: ModelShape, weights: NumberFormat, kv: NumberFormat, batch: i
 def prefill_step(s: ModelShape, weights: NumberFormat, kv: NumberFormat, batch: int, prompt_len: int) -> StepCost:
     """`batch` prompts of `prompt_len` in one step: K/V written once and read once (a flash kernel's best case)."""
     return StepCost(
-        phase="prefill", batch=batch, num_tokens=batch * prompt_len, context=prompt_len,
+        phase="prefill",
+        batch=batch,
+        num_tokens=batch * prompt_len,
+        context=prompt_len,
         flops=batch * prefill_flops(s, prompt_len),
-        bytes=(streamed_weight_bytes(s, weights, batch * prompt_len)
-               + 2 * batch * prompt_len * kv_bytes_per_token(s, kv)),
+        bytes=(
+            streamed_weight_bytes(s, weights, batch * prompt_len) + 2 * batch * prompt_len * kv_bytes_per_token(s, kv)
+        ),
     )
 
 
@@ -262,17 +285,22 @@ def is_memory_bound(cost: StepCost, hw: Hardware, dtype: str) -> bool:
     return cost.bytes / hw.memory_bandwidth >= cost.flops / hw.flops_for(dtype)
 
 
-def serving_memory_bytes(s: ModelShape, weights: NumberFormat, kv: NumberFormat, batch: int, context: int,
-                         prompt_len: int) -> float:
+def serving_memory_bytes(
+    s: ModelShape, weights: NumberFormat, kv: NumberFormat, batch: int, context: int, prompt_len: int
+) -> float:
     """Weights + KV for `batch` sequences of `context` + the activations of the larger step: a decode of the
     batch, or one prompt's prefill (flash attention, logits for the sampled rows only)."""
     tokens = max(batch, prompt_len)
-    return (weight_bytes(s, weights) + kv_cache_bytes(s, kv, batch, context)
-            + peak_activation_bytes(s, tokens, context, logits_rows=batch))
+    return (
+        weight_bytes(s, weights)
+        + kv_cache_bytes(s, kv, batch, context)
+        + peak_activation_bytes(s, tokens, context, logits_rows=batch)
+    )
 
 
-def max_batch(s: ModelShape, weights: NumberFormat, kv: NumberFormat, context: int, prompt_len: int,
-              budget_bytes: float) -> int:
+def max_batch(
+    s: ModelShape, weights: NumberFormat, kv: NumberFormat, context: int, prompt_len: int, budget_bytes: float
+) -> int:
     """Largest batch whose serving memory fits `budget_bytes`; 0 when not even one sequence fits."""
     if serving_memory_bytes(s, weights, kv, 1, context, prompt_len) > budget_bytes:
         return 0
@@ -294,12 +322,14 @@ class Utilization:
     mfu: float  # achieved FLOP/s over peak FLOP/s (model FLOPs utilization)
 
 
-def decode_utilization(s: ModelShape, weights: NumberFormat, kv: NumberFormat, hw: Hardware, batch: int,
-                       context: int, tokens_per_s: float) -> Utilization:
+def decode_utilization(
+    s: ModelShape, weights: NumberFormat, kv: NumberFormat, hw: Hardware, batch: int, context: int, tokens_per_s: float
+) -> Utilization:
     """From a measured decode throughput (tokens/s summed over the batch): steps/s = tokens_per_s / batch."""
     if tokens_per_s <= 0:
         raise ValueError(f"tokens_per_s must be > 0, got {tokens_per_s}")
     step = decode_step(s, weights, kv, batch, context)
     steps_per_s = tokens_per_s / batch
-    return Utilization(mbu=step.bytes * steps_per_s / hw.memory_bandwidth,
-                       mfu=step.flops * steps_per_s / hw.flops_for(weights.name))
+    return Utilization(
+        mbu=step.bytes * steps_per_s / hw.memory_bandwidth, mfu=step.flops * steps_per_s / hw.flops_for(weights.name)
+    )

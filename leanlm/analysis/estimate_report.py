@@ -15,29 +15,33 @@ from leanlm.analysis.model_shape import ModelShape
 class EstimateSettings:
     """What to estimate for: formats, batch and lengths, and optional budget and measured throughput."""
 
-    dtype: str = field(default="bf16", metadata={
-        "help": "weight format: fp32 | bf16 | fp16 | fp8 | int8 | int4"})
-    kv_dtype: str | None = field(default=None, metadata={
-        "help": "KV cache format (default: --dtype when it is a float format, else bf16)"})
+    dtype: str = field(default="bf16", metadata={"help": "weight format: fp32 | bf16 | fp16 | fp8 | int8 | int4"})
+    kv_dtype: str | None = field(
+        default=None, metadata={"help": "KV cache format (default: --dtype when it is a float format, else bf16)"}
+    )
     group_size: int = field(default=128, metadata={"help": "int4 weights: values per fp16 scale"})
-    zero_bits: int = field(default=0, metadata={
-        "help": "int4 weights: bits of a zero point per group (asymmetric); 0 = symmetric"})
+    zero_bits: int = field(
+        default=0, metadata={"help": "int4 weights: bits of a zero point per group (asymmetric); 0 = symmetric"}
+    )
     batch: int = field(default=1, metadata={"help": "sequences decoded together"})
-    context: int = field(default=2048, metadata={
-        "help": "tokens each sequence attends to when decoding (prompt + generated)"})
+    context: int = field(
+        default=2048, metadata={"help": "tokens each sequence attends to when decoding (prompt + generated)"}
+    )
     prompt_len: int = field(default=512, metadata={"help": "tokens of one prompt's prefill"})
-    memory_budget_gb: float | None = field(default=None, metadata={
-        "help": "memory for the largest-batch estimate, in GB (default: the hardware's memory)"})
-    tokens_per_s: float | None = field(default=None, metadata={
-        "help": "measured decode throughput, summed over the batch: reports MBU and MFU"})
+    memory_budget_gb: float | None = field(
+        default=None, metadata={"help": "memory for the largest-batch estimate, in GB (default: the hardware's memory)"}
+    )
+    tokens_per_s: float | None = field(
+        default=None, metadata={"help": "measured decode throughput, summed over the batch: reports MBU and MFU"}
+    )
 
     def __post_init__(self) -> None:
         est.weight_format(self.dtype)  # raises with the list of formats
         if self.kv_dtype is not None:
             est.kv_format(self.kv_dtype, 1)
-        for field in ("group_size", "batch", "context", "prompt_len"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {getattr(self, field)}")
+        for name in ("group_size", "batch", "context", "prompt_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.zero_bits < 0:
             raise ValueError(f"--zero-bits must be >= 0, got {self.zero_bits}")
         if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
@@ -54,9 +58,13 @@ class EstimateSettings:
 def _step_row(cost: est.StepCost, hw: Hardware, dtype: str) -> dict:
     seconds = est.roofline_time(cost, hw, dtype)
     new_tokens = cost.num_tokens
-    return {**asdict(cost), "intensity": cost.intensity, "time_s": seconds,
-            "bound": "memory" if est.is_memory_bound(cost, hw, dtype) else "compute",
-            "tokens_per_s": new_tokens / seconds}
+    return {
+        **asdict(cost),
+        "intensity": cost.intensity,
+        "time_s": seconds,
+        "bound": "memory" if est.is_memory_bound(cost, hw, dtype) else "compute",
+        "tokens_per_s": new_tokens / seconds,
+    }
 
 
 def decode_batches(settings: EstimateSettings, largest: int) -> list[int]:
@@ -73,15 +81,20 @@ def build_report(shape: ModelShape, source: str, hw: Hardware, settings: Estimat
     report = {
         "model": {**asdict(shape), "source": source},
         "hardware": {**asdict(hw), "ridge_point": hw.peak_flops / hw.memory_bandwidth},
-        "settings": {**asdict(s), "kv_dtype": kv.name, "bits_per_weight": weights.bits_per_value,
-                     "kv_bits_per_value": kv.bits_per_value},
+        "settings": {
+            **asdict(s),
+            "kv_dtype": kv.name,
+            "bits_per_weight": weights.bits_per_value,
+            "kv_bits_per_value": kv.bits_per_value,
+        },
         "params": {**asdict(p), "total": p.total, "active": p.active},
         "memory": {
             "weight_bytes": est.weight_bytes(shape, weights),
             "kv_bytes_per_token": est.kv_bytes_per_token(shape, kv),
             "kv_cache_bytes": est.kv_cache_bytes(shape, kv, s.batch, s.context),
-            "activation_bytes": est.peak_activation_bytes(shape, max(s.batch, s.prompt_len), s.context,
-                                                          logits_rows=s.batch),
+            "activation_bytes": est.peak_activation_bytes(
+                shape, max(s.batch, s.prompt_len), s.context, logits_rows=s.batch
+            ),
             "total_bytes": est.serving_memory_bytes(shape, weights, kv, s.batch, s.context, s.prompt_len),
             "budget_bytes": budget,
             "max_batch": largest,
@@ -92,13 +105,20 @@ def build_report(shape: ModelShape, source: str, hw: Hardware, settings: Estimat
             "prefill_prompt": est.prefill_flops(shape, s.prompt_len),
         },
         "steps": [_step_row(est.prefill_step(shape, weights, kv, s.batch, s.prompt_len), hw, weights.name)]
-        + [_step_row(est.decode_step(shape, weights, kv, b, s.context), hw, weights.name)
-           for b in decode_batches(s, largest)],
+        + [
+            _step_row(est.decode_step(shape, weights, kv, b, s.context), hw, weights.name)
+            for b in decode_batches(s, largest)
+        ],
     }
     if s.tokens_per_s is not None:
         u = est.decode_utilization(shape, weights, kv, hw, s.batch, s.context, s.tokens_per_s)
-        report["utilization"] = {"tokens_per_s": s.tokens_per_s, "batch": s.batch, "context": s.context,
-                                 "mbu": u.mbu, "mfu": u.mfu}
+        report["utilization"] = {
+            "tokens_per_s": s.tokens_per_s,
+            "batch": s.batch,
+            "context": s.context,
+            "mbu": u.mbu,
+            "mfu": u.mfu,
+        }
     return report
 
 
@@ -121,8 +141,10 @@ def _ms(seconds: float) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> str:
     """Plain text, first column left-aligned, the others right-aligned."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
     def line(cells):
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
@@ -142,13 +164,24 @@ def format_report(r: dict) -> str:
         f"({s['kv_bits_per_value']:g} bits), batch {s['batch']}, context {s['context']}, prompt {s['prompt_len']}",
         "",
     ]
-    parts = [("embed_tokens", "embeddings"), ("position_embeddings", "position embeddings"),
-             ("lm_head", "lm_head (untied)"), ("attention", "attention q/k/v/o"), ("mlp", "MLP (all experts)"),
-             ("mlp_active", "MLP active per token"), ("router", "router"), ("biases", "biases"), ("norms", "norms")]
+    parts = [
+        ("embed_tokens", "embeddings"),
+        ("position_embeddings", "position embeddings"),
+        ("lm_head", "lm_head (untied)"),
+        ("attention", "attention q/k/v/o"),
+        ("mlp", "MLP (all experts)"),
+        ("mlp_active", "MLP active per token"),
+        ("router", "router"),
+        ("biases", "biases"),
+        ("norms", "norms"),
+    ]
     if m["num_experts"] == 1:
         parts[4] = ("mlp", "MLP")
-    rows = [[label, f"{p[key]:,}", f"{p[key] / p['total']:.1%}"] for key, label in parts
-            if p[key] and not (key == "mlp_active" and p[key] == p["mlp"])]
+    rows = [
+        [label, f"{p[key]:,}", f"{p[key] / p['total']:.1%}"]
+        for key, label in parts
+        if p[key] and not (key == "mlp_active" and p[key] == p["mlp"])
+    ]
     rows.append(["total", f"{p['total']:,}", "100.0%"])
     if p["active"] != p["total"]:
         rows.append(["active per token", f"{p['active']:,}", f"{p['active'] / p['total']:.1%}"])
@@ -163,14 +196,26 @@ def format_report(r: dict) -> str:
         [budget_label, str(mem["max_batch"]) if mem["max_batch"] else "0 (does not fit)"],
     ]
     lines += [_table(["memory", "bytes"], rows), ""]
-    rows = [[f"{st['phase']} b={st['batch']} {'x' if st['phase'] == 'prefill' else '@'} {st['context']}",
-             _si(st["flops"]), _si(st["bytes"], "B"), f"{st['intensity']:.1f}", _ms(st["time_s"]),
-             st["bound"], f"{st['tokens_per_s']:,.1f}"] for st in r["steps"]]
+    rows = [
+        [
+            f"{st['phase']} b={st['batch']} {'x' if st['phase'] == 'prefill' else '@'} {st['context']}",
+            _si(st["flops"]),
+            _si(st["bytes"], "B"),
+            f"{st['intensity']:.1f}",
+            _ms(st["time_s"]),
+            st["bound"],
+            f"{st['tokens_per_s']:,.1f}",
+        ]
+        for st in r["steps"]
+    ]
     lines.append(_table(["step (roofline)", "FLOPs", "bytes", "FLOP/B", "ms", "bound", "tokens/s"], rows))
     if "utilization" in r:
         u = r["utilization"]
-        lines += ["", f"measured {u['tokens_per_s']:g} tokens/s decode (batch {u['batch']}, context {u['context']}): "
-                      f"MBU {u['mbu']:.1%}, MFU {u['mfu']:.2%}"]
+        lines += [
+            "",
+            f"measured {u['tokens_per_s']:g} tokens/s decode (batch {u['batch']}, context {u['context']}): "
+            f"MBU {u['mbu']:.1%}, MFU {u['mfu']:.2%}",
+        ]
     return "\n".join(lines)
 
 

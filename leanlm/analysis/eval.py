@@ -102,8 +102,10 @@ def perplexity(llm, windows: Sequence[Window], use_tqdm: bool = True) -> Perplex
     # math.fsum: 290k terms summed in float64 without drift.
     nll_sum = -math.fsum(lp for window_scores in scores for lp in window_scores)
     return PerplexityResult(
-        num_windows=len(windows), seq_len=len(windows[0].token_ids),
-        num_scored=sum(w.num_scored for w in windows), nll_sum=nll_sum,
+        num_windows=len(windows),
+        seq_len=len(windows[0].token_ids),
+        num_scored=sum(w.num_scored for w in windows),
+        nll_sum=nll_sum,
     )
 
 

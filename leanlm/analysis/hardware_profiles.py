@@ -25,8 +25,9 @@ class Hardware:
 
     def __post_init__(self) -> None:
         if min(self.peak_flops, self.peak_flops_fp32, self.memory_bandwidth) <= 0 or self.memory_bytes < 1:
-            raise ValueError(f"hardware {self.name!r} needs positive peak_flops, peak_flops_fp32, memory_bandwidth "
-                             "and memory_bytes")
+            raise ValueError(
+                f"hardware {self.name!r} needs positive peak_flops, peak_flops_fp32, memory_bandwidth and memory_bytes"
+            )
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s of the matmuls for weights stored as `dtype` (quantized weights compute in bf16)."""

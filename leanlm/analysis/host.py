@@ -56,7 +56,7 @@ class CpuMonitor:
     def _own(self) -> int:
         return sum(_own_jiffies(pid) for pid in self.pids)
 
-    def __enter__(self) -> "CpuMonitor":
+    def __enter__(self) -> CpuMonitor:
         self._busy0, self._total0 = _system_busy_jiffies()
         self._own0 = self._own()
         self._t0 = time.perf_counter()
@@ -98,8 +98,18 @@ def cpu_name() -> str:
 
 
 # The instruction sets LeanLM's kernels and torch's CPU paths choose by: what a reader needs to compare two tables.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
-             "amx_int8", "avx_vnni")
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "avx_vnni",
+)
 
 
 def cpu_identity() -> str:
@@ -116,9 +126,12 @@ def cpu_identity() -> str:
         return "cpuinfo unavailable"
     flags = set(fields.get("flags", "").split())
     ids = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
-    return f"family/model/stepping {ids}, flags {' '.join(f for f in ISA_FLAGS if f in flags) or 'none of ' + str(ISA_FLAGS)}"
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + str(ISA_FLAGS)
+    return f"family/model/stepping {ids}, flags {isa}"
 
 
 def describe_machine() -> str:
-    return (f"{cpu_name()} ({cpu_identity()}), {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    return (
+        f"{cpu_name()} ({cpu_identity()}), {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )

@@ -12,9 +12,10 @@ import json
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import aiohttp
 from tqdm.auto import tqdm
@@ -26,28 +27,36 @@ from leanlm.analysis.load_report import LoadResult, RequestRecord
 class LoadConfig:
     """One load run. Every request asks for `output_len` tokens; arrivals follow a seeded Poisson process."""
 
-    url: str = field(default="http://127.0.0.1:8000", metadata={
-        "help": "base URL of the server; requests go to URL/v1/completions"})
-    model: str | None = field(default=None, metadata={
-        "help": "model name sent in each request (default: the first id of GET /v1/models)"})
+    url: str = field(
+        default="http://127.0.0.1:8000", metadata={"help": "base URL of the server; requests go to URL/v1/completions"}
+    )
+    model: str | None = field(
+        default=None, metadata={"help": "model name sent in each request (default: the first id of GET /v1/models)"}
+    )
     num_requests: int = field(default=100, metadata={"help": "requests to send"})
-    request_rate: float = field(default=math.inf, metadata={
-        "help": "mean arrivals per second (a seeded Poisson process); inf sends all at once"})
-    max_concurrency: int | None = field(default=None, metadata={
-        "help": "most requests in flight at once (client-side; default: no cap)"})
+    request_rate: float = field(
+        default=math.inf,
+        metadata={"help": "mean arrivals per second (a seeded Poisson process); inf sends all at once"},
+    )
+    max_concurrency: int | None = field(
+        default=None, metadata={"help": "most requests in flight at once (client-side; default: no cap)"}
+    )
     output_len: int = field(default=128, metadata={"help": "max_tokens of every request"})
-    temperature: float = field(default=0.0, metadata={
-        "help": "sampling temperature; 0 is greedy, so runs against two servers ask for the same work"})
+    temperature: float = field(
+        default=0.0,
+        metadata={"help": "sampling temperature; 0 is greedy, so runs against two servers ask for the same work"},
+    )
     seed: int = field(default=0, metadata={"help": "seeds the arrival schedule"})
-    api_key: str | None = field(default=None, metadata={
-        "help": "sent as `Authorization: Bearer KEY` when given"})
+    api_key: str | None = field(default=None, metadata={"help": "sent as `Authorization: Bearer KEY` when given"})
     # Token ids that end generation. Each gets `logit_bias` -100 so that every request generates exactly
     # `output_len` tokens on servers that honour logit_bias; the tokens received are counted regardless.
     # (`leanlm bench serve` derives them from --tokenizer and --ignore-eos: no flag of its own.)
-    eos_token_ids: tuple[int, ...] = field(default=(), metadata={
-        "help": "token ids given logit_bias -100 so every request makes output_len tokens"})
-    timeout_s: float = field(default=600.0, metadata={
-        "help": "seconds after which an unfinished request is recorded as failed"})
+    eos_token_ids: tuple[int, ...] = field(
+        default=(), metadata={"help": "token ids given logit_bias -100 so every request makes output_len tokens"}
+    )
+    timeout_s: float = field(
+        default=600.0, metadata={"help": "seconds after which an unfinished request is recorded as failed"}
+    )
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -94,9 +103,11 @@ def prompts_from_text(text: str, tokenizer: TextTokenizer, num_prompts: int, inp
     if len(ids) < needed and budget < len(text):
         ids = tokenizer.encode(text)
     if len(ids) < needed:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than {num_prompts} prompts x {input_len} tokens; "
-                         "use a longer text file, fewer requests or a shorter input length")
-    return [tokenizer.decode(ids[i * input_len:(i + 1) * input_len]) for i in range(num_prompts)]
+        raise ValueError(
+            f"the text has {len(ids)} tokens, fewer than {num_prompts} prompts x {input_len} tokens; "
+            "use a longer text file, fewer requests or a shorter input length"
+        )
+    return [tokenizer.decode(ids[i * input_len : (i + 1) * input_len]) for i in range(num_prompts)]
 
 
 def prompts_from_file(path: str | Path, tokenizer: TextTokenizer, num_prompts: int, input_len: int) -> list[str]:
@@ -123,8 +134,14 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
 
 
 def request_payload(config: LoadConfig, model: str, prompt: str) -> dict:
-    payload = {"model": model, "prompt": prompt, "max_tokens": config.output_len,
-               "temperature": config.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": config.output_len,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if config.eos_token_ids:
         payload["logit_bias"] = {str(i): -100 for i in config.eos_token_ids}
     return payload
@@ -188,13 +205,21 @@ class _Trace:
             self.error = "the stream closed before `data: [DONE]`"
         num_output = self.num_usage_tokens if self.num_usage_tokens is not None else len(self.chunk_s)
         return RequestRecord(
-            prompt_idx=self.prompt_idx, send_s=self.send_s, chunk_s=tuple(self.chunk_s), end_s=end_s,
-            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=num_output,
-            is_usage_reported=self.num_usage_tokens is not None, text="".join(self.text), error=self.error)
+            prompt_idx=self.prompt_idx,
+            send_s=self.send_s,
+            chunk_s=tuple(self.chunk_s),
+            end_s=end_s,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=num_output,
+            is_usage_reported=self.num_usage_tokens is not None,
+            text="".join(self.text),
+            error=self.error,
+        )
 
 
-async def send_request(session: aiohttp.ClientSession, config: LoadConfig, payload: dict, prompt_idx: int,
-                       start: float) -> RequestRecord:
+async def send_request(
+    session: aiohttp.ClientSession, config: LoadConfig, payload: dict, prompt_idx: int, start: float
+) -> RequestRecord:
     """Stream one completion; failures (HTTP status, error events, broken connections) become the record's error."""
     trace = _Trace(prompt_idx, time.perf_counter() - start)
     try:
@@ -228,8 +253,10 @@ async def fetch_model_id(session: aiohttp.ClientSession, url: str) -> str:
             response.raise_for_status()
             return (await response.json())["data"][0]["id"]
     except (aiohttp.ClientError, TimeoutError, OSError, KeyError, IndexError, TypeError) as exc:
-        raise ConnectionError(f"could not read a model id from {models_url} ({type(exc).__name__}: {exc}); "
-                              "is the server running? or name the model explicitly") from exc
+        raise ConnectionError(
+            f"could not read a model id from {models_url} ({type(exc).__name__}: {exc}); "
+            "is the server running? or name the model explicitly"
+        ) from exc
 
 
 async def run_load(config: LoadConfig, prompts: Sequence[str], progress: bool = True) -> LoadResult:

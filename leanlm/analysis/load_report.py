@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -68,7 +69,7 @@ class LatencyStats:
     p99: float
 
     @classmethod
-    def of(cls, values_s: Iterable[float]) -> "LatencyStats":
+    def of(cls, values_s: Iterable[float]) -> LatencyStats:
         ms = np.asarray(list(values_s), dtype=np.float64) * 1000.0
         if ms.size == 0:
             return cls(0, math.nan, math.nan, math.nan, math.nan)
@@ -80,7 +81,7 @@ class LatencyStats:
 class LoadResult:
     """A finished run: its config, the model name sent, every request's record, and the wall time."""
 
-    config: "LoadConfig"  # what was asked for
+    config: LoadConfig  # what was asked for
     model: str  # the model name the requests carried (config.model, or what /v1/models listed)
     records: tuple[RequestRecord, ...]  # in arrival order
     duration_s: float  # first arrival to last completion
@@ -139,18 +140,29 @@ class LoadResult:
 
     def summary(self) -> dict:
         """The headline numbers, JSON-ready (NaN and inf become None and "inf")."""
-        out = {"model": self.model, "completed": self.num_completed, "failed": self.num_failed,
-               "duration_s": self.duration_s, "total_input_tokens": self.total_input_tokens,
-               "total_output_tokens": self.total_output_tokens, "request_throughput": self.request_throughput,
-               "output_throughput": self.output_throughput}
+        out = {
+            "model": self.model,
+            "completed": self.num_completed,
+            "failed": self.num_failed,
+            "duration_s": self.duration_s,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+        }
         for name in ("ttft", "tpot", "itl", "e2e_latency"):
             out[f"{name}_ms"] = dataclasses.asdict(getattr(self, name))
         return _json_safe(out)
 
     def to_dict(self) -> dict:
         """Config, summary and every record, JSON-ready."""
-        return _json_safe({"config": dataclasses.asdict(self.config), "summary": self.summary(),
-                           "records": [dataclasses.asdict(r) for r in self.records]})
+        return _json_safe(
+            {
+                "config": dataclasses.asdict(self.config),
+                "summary": self.summary(),
+                "records": [dataclasses.asdict(r) for r in self.records],
+            }
+        )
 
 
 def _json_safe(value):

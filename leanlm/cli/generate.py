@@ -48,9 +48,18 @@ def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], select
             ranking = best_of(out.outputs)
             best = ranking.best
             if args.json:
-                print(json.dumps({"prompt": prompt, "text": best.text, "token_ids": best.token_ids,
-                                  "finish_reason": best.finish_reason, "mean_logprob": ranking.score,
-                                  "num_samples": len(out.outputs)}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "text": best.text,
+                            "token_ids": best.token_ids,
+                            "finish_reason": best.finish_reason,
+                            "mean_logprob": ranking.score,
+                            "num_samples": len(out.outputs),
+                        }
+                    )
+                )
             else:
                 print(f"{prompt}{best.text}" if not args.chat else best.text)
                 print(f"[best of {len(out.outputs)} samples: mean token logprob {ranking.score:.4f}]")
@@ -58,14 +67,27 @@ def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], select
             continue
         vote = majority_vote(out.outputs, extract)
         if args.json:
-            print(json.dumps({"prompt": prompt, "answer": vote.answer, "support": vote.support, "votes": vote.votes,
-                              "num_voting": vote.num_voting, "num_samples": vote.num_samples,
-                              "counts": [[a, n] for a, n in vote.counts]}, default=str))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "answer": vote.answer,
+                        "support": vote.support,
+                        "votes": vote.votes,
+                        "num_voting": vote.num_voting,
+                        "num_samples": vote.num_samples,
+                        "counts": [[a, n] for a, n in vote.counts],
+                    },
+                    default=str,
+                )
+            )
         else:
             counts = ", ".join(f"{a!r}: {n}" for a, n in vote.counts) or "none"
             answer = "no sample gave an answer" if vote.answer is None else repr(vote.answer)
-            print(f"{prompt}\nanswer: {answer} (support {vote.support:.2f}: {vote.votes} of {vote.num_voting} "
-                  f"answering samples, {vote.num_samples} sampled; votes {counts})")
+            print(
+                f"{prompt}\nanswer: {answer} (support {vote.support:.2f}: {vote.votes} of {vote.num_voting} "
+                f"answering samples, {vote.num_samples} sampled; votes {counts})"
+            )
             print()
     return 0
 
@@ -87,13 +109,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
-                              "finish_reason": completion.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": completion.text,
+                        "token_ids": completion.token_ids,
+                        "finish_reason": completion.finish_reason,
+                    }
+                )
+            )
         else:
             print(f"{prompt}{completion.text}" if not args.chat else completion.text)
             print()
-    print(f"[{num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} tokens/s, "
-          f"{llm.model_config.name or args.model}, {str(llm.dtype).removeprefix('torch.')}]", file=sys.stderr)
+    print(
+        f"[{num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} tokens/s, "
+        f"{llm.model_config.name or args.model}, {str(llm.dtype).removeprefix('torch.')}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -102,15 +135,29 @@ def add_parser(sub) -> None:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several are batched together")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    gen.add_argument("--best-of", type=int, default=None, metavar="N",
-                     help="sample N completions per prompt (set --temperature > 0); print the one with the highest "
-                          "mean token logprob, with that score")
-    gen.add_argument("--majority-vote", type=int, default=None, metavar="K",
-                     help="self-consistency: sample K completions per prompt (set --temperature > 0), extract each "
-                          "one's answer with --answer-regex, print the most frequent answer and its support")
-    gen.add_argument("--answer-regex", default=None, metavar="REGEX",
-                     help="answer of a sample for --majority-vote: the first group of the first match (or the whole "
-                          "match); samples without a match do not vote")
+    gen.add_argument(
+        "--best-of",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sample N completions per prompt (set --temperature > 0); print the one with the highest "
+        "mean token logprob, with that score",
+    )
+    gen.add_argument(
+        "--majority-vote",
+        type=int,
+        default=None,
+        metavar="K",
+        help="self-consistency: sample K completions per prompt (set --temperature > 0), extract each "
+        "one's answer with --answer-regex, print the most frequent answer and its support",
+    )
+    gen.add_argument(
+        "--answer-regex",
+        default=None,
+        metavar="REGEX",
+        help="answer of a sample for --majority-vote: the first group of the first match (or the whole "
+        "match); samples without a match do not vote",
+    )
     add_model_args(gen)
     add_sampling_args(gen, max_tokens=64)
     gen.set_defaults(func=cmd_generate)

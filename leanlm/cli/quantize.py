@@ -22,10 +22,18 @@ METHODS = ("rtn", "gptq", "awq", "smoothquant", "llm_int8", "fp8", "zeroquant")
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant", "llm_int8")
 
 
-def build_recipe(method: str, bits: int | None = None, group_size: int | None = None, act_bits: int | None = None,
-                 alpha: float = 0.5, threshold: float = 6.0, act_order: bool = True,
-                 symmetric: bool | None = None, quantize_lm_head: bool = False,
-                 true_sequential: bool = False) -> list[MethodConfig]:
+def build_recipe(
+    method: str,
+    bits: int | None = None,
+    group_size: int | None = None,
+    act_bits: int | None = None,
+    alpha: float = 0.5,
+    threshold: float = 6.0,
+    act_order: bool = True,
+    symmetric: bool | None = None,
+    quantize_lm_head: bool = False,
+    true_sequential: bool = False,
+) -> list[MethodConfig]:
     """The recipe behind each CLI method. group_size None = the method's default (64 below 8 bits, per
     channel at 8), 0 = per channel."""
     ignore = () if quantize_lm_head else ("lm_head",)
@@ -72,23 +80,38 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
     p.add_argument("--method", choices=METHODS, required=True, help="compression method (docs/quantization.md)")
     p.add_argument("--bits", type=int, default=None, help="weight bits (default: 4; 8 for smoothquant/llm_int8/fp8)")
-    p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64 below 8 bits); 0 = per channel")
+    p.add_argument(
+        "--group-size", type=int, default=None, help="columns per scale (default 64 below 8 bits); 0 = per channel"
+    )
     p.add_argument("--act-bits", type=int, default=None, help="8: also quantize activations per token (W8A8)")
-    p.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
-                   help="symmetric weights (default: yes at 8 bits, zero points below)")
+    p.add_argument(
+        "--symmetric",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="symmetric weights (default: yes at 8 bits, zero points below)",
+    )
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     p.add_argument("--threshold", type=float, default=6.0, help="LLM.int8() outlier threshold")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True, help="GPTQ act-order")
-    p.add_argument("--true-sequential", action="store_true",
-                   help="GPTQ: fit o_proj to the quantized q/k/v and down_proj to the quantized gate/up (about "
-                        "+20%% calibration time)")
+    p.add_argument(
+        "--true-sequential",
+        action="store_true",
+        help="GPTQ: fit o_proj to the quantized q/k/v and down_proj to the quantized gate/up (about "
+        "+20%% calibration time)",
+    )
     p.add_argument("--quantize-lm-head", action="store_true", help="also quantize the output head")
     p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
-    p.add_argument("--num-samples", type=int, default=64, help="calibration windows (GPTQ, AWQ, SmoothQuant, LLM.int8())")
+    p.add_argument(
+        "--num-samples", type=int, default=64, help="calibration windows (GPTQ, AWQ, SmoothQuant, LLM.int8())"
+    )
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
     p.add_argument("--seed", type=int, default=0, help="seeds the calibration windows' positions in the text")
-    p.add_argument("--format", choices=["leanlm", "gptq"], default="leanlm",
-                   help="gptq: the qweight/qzeros/scales/g_idx layout HF transformers and vLLM read (4-bit only)")
+    p.add_argument(
+        "--format",
+        choices=["leanlm", "gptq"],
+        default="leanlm",
+        help="gptq: the qweight/qzeros/scales/g_idx layout HF transformers and vLLM read (4-bit only)",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.set_defaults(func=cmd_quantize)
@@ -99,13 +122,22 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from leanlm.compress.checkpoint import save_checkpoint
     from leanlm.compress.gptq_format import save_gptq_checkpoint
     from leanlm.compress.recipe import compress
-    from leanlm.model.device import resolve_device
     from leanlm.loading.checkpoint import load_checkpoint
+    from leanlm.model.device import resolve_device
     from leanlm.model.llama import build_model
 
-    recipe = build_recipe(args.method, args.bits, args.group_size, args.act_bits, args.alpha, args.threshold,
-                          args.act_order, args.symmetric, args.quantize_lm_head,
-                          args.true_sequential)  # validates before loading
+    recipe = build_recipe(
+        args.method,
+        args.bits,
+        args.group_size,
+        args.act_bits,
+        args.alpha,
+        args.threshold,
+        args.act_order,
+        args.symmetric,
+        args.quantize_lm_head,
+        args.true_sequential,
+    )  # validates before loading
     check_output_format(args.format, recipe)
     if args.calib is not None and not Path(args.calib).is_file():
         raise ValueError(f"calibration file {args.calib} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
@@ -133,7 +165,11 @@ def model_bytes(model: torch.nn.Module, float_dtype: torch.dtype) -> int:
         if t.data_ptr() in seen or t.device.type == "meta":
             continue
         seen.add(t.data_ptr())
-        size = torch.empty(0, dtype=float_dtype).element_size() if t.is_floating_point() and t.element_size() > 1 else t.element_size()
+        size = (
+            torch.empty(0, dtype=float_dtype).element_size()
+            if t.is_floating_point() and t.element_size() > 1
+            else t.element_size()
+        )
         total += t.numel() * size
     return total
 
@@ -143,19 +179,27 @@ def directory_bytes(path: Path) -> int:
 
 
 def format_summary(report: CompressionReport, args, bytes_before: int, bytes_after: int, save_s: float) -> str:
-    lines = [f"{args.model} -> {args.out} ({args.format} format): {' + '.join(report.methods)}",
-             f"weights: {bytes_before / 2**20:.1f} MiB (bfloat16) -> {bytes_after / 2**20:.1f} MiB on disk "
-             f"({bytes_before / max(bytes_after, 1):.2f}x smaller); compressed in {report.seconds:.1f} s, saved in {save_s:.1f} s"]
+    lines = [
+        f"{args.model} -> {args.out} ({args.format} format): {' + '.join(report.methods)}",
+        f"weights: {bytes_before / 2**20:.1f} MiB (bfloat16) -> {bytes_after / 2**20:.1f} MiB on disk "
+        f"({bytes_before / max(bytes_after, 1):.2f}x smaller); compressed in {report.seconds:.1f} s, "
+        f"saved in {save_s:.1f} s",
+    ]
     if not report.linears:
         return "\n".join(lines)
     by_kind: dict[str, list] = {}
     for r in report.linears:
         by_kind.setdefault(r.name.rsplit(".", 1)[-1], []).append(r)
-    lines.append(f"{'linear':<12} {'count':>5} {'format':<26} {'weight SQNR dB':>14} {'output rel. error (mean / max)':>30}")
+    lines.append(
+        f"{'linear':<12} {'count':>5} {'format':<26} {'weight SQNR dB':>14} {'output rel. error (mean / max)':>30}"
+    )
     for kind, rs in by_kind.items():
         errs = [r.rel_error for r in rs if r.rel_error is not None]
         err = f"{statistics.mean(errs):.2e} / {max(errs):.2e}" if errs else "n/a (no calibration data)"
-        lines.append(f"{kind:<12} {len(rs):>5} {rs[0].format:<26} {statistics.mean(r.weight_sqnr_db for r in rs):>14.1f} {err:>30}")
+        lines.append(
+            f"{kind:<12} {len(rs):>5} {rs[0].format:<26} "
+            f"{statistics.mean(r.weight_sqnr_db for r in rs):>14.1f} {err:>30}"
+        )
     worst = max((r for r in report.linears if r.rel_error is not None), key=lambda r: r.rel_error, default=None)
     if worst is not None:
         lines.append(f"largest output error: {worst.name} ({worst.rel_error:.2e})")

@@ -25,8 +25,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options["metrics_key"] = os.environ.get("LEANLM_METRICS_KEY") or None
     config = ServeConfig(**options)  # validate before the (slow) model load
     check_port_free(config.host, config.port)  # likewise: a taken port fails in a second, not after the load
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
     llm = load_llm(args)
     serve(llm, config.served_model_name or args.model, config)  # RuntimeError (exit 1) if it could not start
     return 0

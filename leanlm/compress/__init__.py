@@ -13,7 +13,17 @@ from leanlm.compress.rtn import RTNConfig
 from leanlm.compress.smoothquant import SmoothQuantConfig
 
 __all__ = [
-    "compress", "save_checkpoint", "save_gptq_checkpoint", "calibration_samples", "read_calibration_text",
-    "RTNConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig", "LLMInt8Config", "FP8Config",
-    "CompressionReport", "LinearReport",
+    "compress",
+    "save_checkpoint",
+    "save_gptq_checkpoint",
+    "calibration_samples",
+    "read_calibration_text",
+    "RTNConfig",
+    "GPTQConfig",
+    "AWQConfig",
+    "SmoothQuantConfig",
+    "LLMInt8Config",
+    "FP8Config",
+    "CompressionReport",
+    "LinearReport",
 ]

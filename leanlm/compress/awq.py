@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_SEQUENCES, NEEDS_STATS, GroupInputs, Method, MethodConfig, register_method
-from leanlm.model.quantized.numerics import fake_quantize
 from leanlm.compress.int_scheme import IntScheme
 from leanlm.compress.smoothing import fold_scales, foldable_groups, set_tensor
+from leanlm.model.quantized.numerics import fake_quantize
 
 CLIP_SKIP = ("q_proj", "k_proj")  # attention-score inputs: clipping them hurts (as in the AWQ reference)
 
@@ -58,8 +58,13 @@ def candidate_scales(mean_abs: torch.Tensor, w_mean: torch.Tensor | None, r: flo
     return s / (s.max() * s.min()).sqrt()
 
 
-def search_scales(weights: list[torch.Tensor], x: torch.Tensor, mean_abs: torch.Tensor, cfg: AWQConfig,
-                  w_mean: torch.Tensor | None = None) -> torch.Tensor:
+def search_scales(
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    mean_abs: torch.Tensor,
+    cfg: AWQConfig,
+    w_mean: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Best s [K] for the group's weights (each [N_i, K]) on input rows x [n, K], scored on the group's own
     outputs."""
     w = torch.cat(weights).float()  # [sum N, K]
@@ -75,8 +80,13 @@ def search_scales(weights: list[torch.Tensor], x: torch.Tensor, mean_abs: torch.
     return best_s
 
 
-def search_block_scales(linears: list[nn.Linear], block: Callable[[], torch.Tensor], mean_abs: torch.Tensor,
-                        cfg: AWQConfig, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+def search_block_scales(
+    linears: list[nn.Linear],
+    block: Callable[[], torch.Tensor],
+    mean_abs: torch.Tensor,
+    cfg: AWQConfig,
+    w_mean: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Best s [K] for the group's `linears`, scored on block() [S, T, N] (the output of the attention / MLP
     block they feed, on fixed calibration sequences) with their weights swapped for Q(W * s) / s. Identity
     scales are a candidate too, so the result is never worse than plain rounding on those sequences."""
@@ -84,8 +94,9 @@ def search_block_scales(linears: list[nn.Linear], block: Callable[[], torch.Tens
     originals = [lin.weight for lin in linears]
     spec = cfg.spec(originals[0].shape[1])
     best, best_s = float("inf"), None
-    candidates = [torch.ones_like(mean_abs)] + [candidate_scales(mean_abs, w_mean, i / cfg.n_grid)
-                                                for i in range(cfg.n_grid)]
+    candidates = [torch.ones_like(mean_abs)] + [
+        candidate_scales(mean_abs, w_mean, i / cfg.n_grid) for i in range(cfg.n_grid)
+    ]
     try:
         for s in candidates:
             for lin, w in zip(linears, originals):
@@ -143,7 +154,7 @@ class AWQ(Method):
             fold_scales(layer, group.producer, group.linears, s)
             if not cfg.clip:
                 continue
-            x_clip = (fed.samples[: cfg.max_clip_rows] / s)  # what feeds the scaled weights now
+            x_clip = fed.samples[: cfg.max_clip_rows] / s  # what feeds the scaled weights now
             for name in group.linears:
                 if name.rsplit(".", 1)[-1] in CLIP_SKIP or cfg.ignores(f"{prefix}.{name}"):
                     continue

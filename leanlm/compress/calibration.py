@@ -36,8 +36,10 @@ def default_calibration_file() -> Path:
     """Real Wikipedia articles shipped inside gensim's test data (never the evaluation text)."""
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("no calibration text: install gensim==4.4.0 --no-deps (it ships Wikipedia "
-                                "articles) or pass a text file with --calib")
+        raise FileNotFoundError(
+            "no calibration text: install gensim==4.4.0 --no-deps (it ships Wikipedia "
+            "articles) or pass a text file with --calib"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / _WIKI_FILE
 
 
@@ -100,8 +102,9 @@ class LayerRunner:
         param = model.model.norm.weight
         blocks_per_seq = -(-seq_len // _BLOCK_SIZE)
         # One layer's cache, reused by each layer in turn (a PagedKVCache view per layer, see _run).
-        self.kv = PagedKVCache.allocate(1, batch * blocks_per_seq, cfg.num_key_value_heads, _BLOCK_SIZE,
-                                        cfg.head_dim, param.dtype, param.device).kv  # [1, 2, N, Hkv, bs, D]
+        self.kv = PagedKVCache.allocate(
+            1, batch * blocks_per_seq, cfg.num_key_value_heads, _BLOCK_SIZE, cfg.head_dim, param.dtype, param.device
+        ).kv  # [1, 2, N, Hkv, bs, D]
         self.block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         positions = torch.arange(seq_len, device=param.device)
         self.rope = model.rotary_emb(positions.repeat(batch), param.dtype)
@@ -113,11 +116,13 @@ class LayerRunner:
     def feed(self, layer: nn.Module, hidden: torch.Tensor) -> None:
         """Run the layer on hidden [S, T, d] for its hooks only: a hook raising StopForward ends that chunk's
         forward there (the rest of the layer is not needed)."""
+
         def fn(x, rope):
             try:
                 layer(x, rope)
             except StopForward:
                 pass
+
         self._run(layer, fn, hidden, keep=False)
 
     def run_module(self, layer: nn.Module, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -151,8 +156,9 @@ class StopForward(Exception):
 class _InputObserver:
     """Forward pre-hook accumulating GroupInputs for one linear's input (all calibration tokens)."""
 
-    def __init__(self, in_features: int, num_tokens: int, with_hessian: bool, device: torch.device,
-                 num_sequence_rows: int = 0) -> None:
+    def __init__(
+        self, in_features: int, num_tokens: int, with_hessian: bool, device: torch.device, num_sequence_rows: int = 0
+    ) -> None:
         self.absmax = torch.zeros(in_features, device=device)
         self.abs_sum = torch.zeros(in_features, device=device)
         self.hessian = torch.zeros(in_features, in_features, device=device) if with_hessian else None
@@ -184,8 +190,9 @@ class _InputObserver:
         return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian, sequences)
 
 
-def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, needs: frozenset[str],
-                   groups: Sequence | None = None) -> dict[str, GroupInputs]:
+def observe_inputs(
+    layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, needs: frozenset[str], groups: Sequence | None = None
+) -> dict[str, GroupInputs]:
     """Run the layer on `hidden` [S, T, d] and return what fed each of `groups` (default: all of the layer's
     linear_groups), keyed by the group's first linear; `needs` holds the NEEDS_* of the method that reads
     them. Observing some groups only, each chunk's forward stops once they have all seen it."""
@@ -200,13 +207,15 @@ def observe_inputs(layer: nn.Module, run: LayerRunner, hidden: torch.Tensor, nee
             obs(module, args)
             if stop_early and all(o.num_calls == obs.num_calls for o in observers.values()):
                 raise StopForward
+
         return observe
 
     for group in groups:
         first = group.linears[0]
         linear = layer.get_submodule(first)
-        obs = _InputObserver(linear.in_features, hidden.shape[0] * seq_len, NEEDS_HESSIAN in needs, hidden.device,
-                             keep_rows)
+        obs = _InputObserver(
+            linear.in_features, hidden.shape[0] * seq_len, NEEDS_HESSIAN in needs, hidden.device, keep_rows
+        )
         observers[first] = obs
         handles.append(linear.register_forward_pre_hook(hook(obs)))
     try:
@@ -231,8 +240,9 @@ def observe_head(model: nn.Module, hidden: torch.Tensor, with_hessian: bool) -> 
 
 
 @torch.no_grad()
-def run_layers(model: nn.Module, methods: list[Method], samples: torch.Tensor | None, batch: int = 8,
-               progress: bool = True) -> list[LinearReport]:
+def run_layers(
+    model: nn.Module, methods: list[Method], samples: torch.Tensor | None, batch: int = 8, progress: bool = True
+) -> list[LinearReport]:
     """Apply `methods` in order to every decoder layer (then the head), propagating compressed outputs.
 
     samples [S, T] token ids, or None for data-free methods (RTN, FP8).
@@ -255,7 +265,7 @@ def run_layers(model: nn.Module, methods: list[Method], samples: torch.Tensor | 
                 reports += method.apply_layer(layer, prefix, None)
                 continue
             # a sequential method sees each group's inputs through the groups it has already compressed
-            for groups in ([(g,) for g in layer.linear_groups] if method.is_sequential else [layer.linear_groups]):
+            for groups in [(g,) for g in layer.linear_groups] if method.is_sequential else [layer.linear_groups]:
                 inputs = observe_inputs(layer, runner, hidden, method.needs, groups)
                 reports += method.apply_layer(layer, prefix, inputs)
         if hidden is not None:

@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from leanlm.loading.quantized import FORMAT_VERSION, QUANT_CONFIG_FILE
-from leanlm.model.quantized.linear import QuantLinear
 from leanlm.loading.safetensors import save_hf_dir
-
+from leanlm.model.quantized.linear import QuantLinear
 
 
 def save_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -52,8 +51,9 @@ def float_tensors(model: nn.Module, skip: Collection[str], dtype: torch.dtype) -
     return state
 
 
-def write_model_dir(model: nn.Module, path: Path, state: dict[str, torch.Tensor], head_is_quantized: bool,
-                    tokenizer=None) -> None:
+def write_model_dir(
+    model: nn.Module, path: Path, state: dict[str, torch.Tensor], head_is_quantized: bool, tokenizer=None
+) -> None:
     """config.json + safetensors (+ the tokenizer, by default the one `load_model` attached to the model).
     A quantized head is its own tensor, so the saved config unties it from the embedding."""
     config = model.config

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from leanlm.compress.base import MethodConfig, register_method
-from leanlm.model.quantized.linear import FP8Linear
-from leanlm.model.quantized.numerics import fp8_dtype, quantize_fp8
 from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.model.quantized.fp8 import FP8Linear
+from leanlm.model.quantized.numerics import fp8_dtype, quantize_fp8
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import torch
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_STATS, MethodConfig, register_method
 from leanlm.compress.hessian import inverse_cholesky_upper, prepare_hessian
-from leanlm.model.quantized.numerics import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
-from leanlm.compress.linear_quantizer import LinearQuantizer
 from leanlm.compress.int_scheme import IntScheme, build_module
+from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.model.quantized.numerics import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) 
 
 def layer_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
     """The GPTQ objective: tr((W - W') H (W - W')^T) = (2/n) |X W^T - X W'^T|^2 summed over rows."""
-    d = (weight.double() - approx.double())
+    d = weight.double() - approx.double()
     return torch.einsum("nk,kl,nl->", d, hessian.double(), d).item()
 
 

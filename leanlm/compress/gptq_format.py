@@ -21,8 +21,16 @@ from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 
 
 def gptq_config_block(group_size: int, desc_act: bool, sym: bool, damp_percent: float) -> dict[str, Any]:
-    return {"quant_method": "gptq", "bits": BITS, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "damp_percent": damp_percent, "true_sequential": False, "checkpoint_format": "gptq"}
+    return {
+        "quant_method": "gptq",
+        "bits": BITS,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": sym,
+        "damp_percent": damp_percent,
+        "true_sequential": False,
+        "checkpoint_format": "gptq",
+    }
 
 
 def save_gptq_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, damp_percent: float = 0.01) -> Path:
@@ -32,8 +40,10 @@ def save_gptq_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dam
     layers = {n: m for n, m in model.named_modules() if isinstance(m, IntGroupWeightOnlyLinear)}
     others = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in layers]
     if not layers or others:
-        raise ValueError("GPTQ export needs a model whose quantized layers are all 4-bit group-wise "
-                         f"(found {len(layers)} such layers and {len(others)} of other formats)")
+        raise ValueError(
+            "GPTQ export needs a model whose quantized layers are all 4-bit group-wise "
+            f"(found {len(layers)} such layers and {len(others)} of other formats)"
+        )
     group_sizes = {m.group_size for m in layers.values()}
     if len(group_sizes) != 1 or any(m.bits != BITS for m in layers.values()):
         raise ValueError(f"GPTQ export needs one group size and {BITS}-bit codes; found groups {sorted(group_sizes)}")
@@ -43,8 +53,9 @@ def save_gptq_checkpoint(model: nn.Module, path: str | Path, tokenizer=None, dam
     write_model_dir(model, path, state, "lm_head" in layers, tokenizer)
     cfg = json.loads((path / "config.json").read_text())
     desc_act = any(m.perm is not None for m in layers.values())
-    cfg["quantization_config"] = gptq_config_block(group_sizes.pop(), desc_act, sym=_is_symmetric(layers),
-                                                   damp_percent=damp_percent)
+    cfg["quantization_config"] = gptq_config_block(
+        group_sizes.pop(), desc_act, sym=_is_symmetric(layers), damp_percent=damp_percent
+    )
     cfg["torch_dtype"] = "float16"
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path

@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def prepare_hessian(hessian: torch.Tensor, weight: torch.Tensor, damp_percent: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_hessian(
+    hessian: torch.Tensor, weight: torch.Tensor, damp_percent: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(H dampened, W with dead columns zeroed): inputs that were always zero get H_ii = 1 and no weight,
     then `damp_percent` of the mean diagonal is added to the diagonal (numerical stability)."""
     h = hessian.double().clone()
@@ -30,7 +32,9 @@ def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
             h = h.clone()
             h.diagonal().add_(0.01 * torch.mean(torch.diag(h)) * 10**attempt)
     else:
-        raise ValueError("the Hessian is not positive definite even after extra dampening; use more "
-                         "calibration data or a larger damp_percent")
+        raise ValueError(
+            "the Hessian is not positive definite even after extra dampening; use more "
+            "calibration data or a larger damp_percent"
+        )
     h_inv = torch.cholesky_inverse(lower)
     return torch.linalg.cholesky(h_inv, upper=True)

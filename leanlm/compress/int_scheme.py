@@ -11,7 +11,10 @@ from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport
 from leanlm.model.quantized.linear import (
-    Int8DynamicActLinear, Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear,
+    Int8DynamicActLinear,
+    Int8WeightOnlyLinear,
+    IntGroupWeightOnlyLinear,
+    QuantLinear,
 )
 from leanlm.model.quantized.numerics import Granularity, QParams, QuantSpec, pack_int4, sqnr_db
 
@@ -38,8 +41,10 @@ class IntScheme:
         if self.act_bits is not None and (not self.symmetric or self.bits != 8):
             raise ValueError("int8 activations run int8 x int8 products: use bits=8 with symmetric weights")
         if self.act_bits is None and 5 <= self.bits <= 8 and self.group_size is not None:
-            raise ValueError(f"{self.bits}-bit weight-only layers are per channel; drop group_size (or use "
-                             "bits <= 4 for group-wise weights)")
+            raise ValueError(
+                f"{self.bits}-bit weight-only layers are per channel; drop group_size (or use "
+                "bits <= 4 for group-wise weights)"
+            )
         if self.act_bits is None and self.bits == 8 and not self.symmetric:
             raise ValueError("int8 weight-only layers are symmetric; set symmetric=True")
 
@@ -58,8 +63,9 @@ class IntScheme:
         return f"W{self.bits}{acts}{group}{'' if self.symmetric else ' asym'}"
 
 
-def build_module(codes: torch.Tensor, qp: QParams, scheme: IntScheme, bias: torch.Tensor | None,
-                 perm: torch.Tensor | None = None) -> QuantLinear:
+def build_module(
+    codes: torch.Tensor, qp: QParams, scheme: IntScheme, bias: torch.Tensor | None, perm: torch.Tensor | None = None
+) -> QuantLinear:
     """Runtime module for integer codes [N, K] (from quant.quantize with scheme.spec) and their QParams."""
     n, k = codes.shape
     spec = scheme.spec(k)
@@ -78,12 +84,14 @@ def build_module(codes: torch.Tensor, qp: QParams, scheme: IntScheme, bias: torc
     else:
         zero = qp.zero.reshape(n, k // group_size)
         unsigned, mins = codes.to(torch.int16), -zero * scale
-    return IntGroupWeightOnlyLinear(pack_int4(unsigned), scale, mins, bias, bits=scheme.bits,
-                                    group_size=group_size, perm=perm)
+    return IntGroupWeightOnlyLinear(
+        pack_int4(unsigned), scale, mins, bias, bits=scheme.bits, group_size=group_size, perm=perm
+    )
 
 
-def linear_report(name: str, float_weight: torch.Tensor, module: nn.Module, inputs: GroupInputs | None,
-                  bytes_before: int) -> LinearReport:
+def linear_report(
+    name: str, float_weight: torch.Tensor, module: nn.Module, inputs: GroupInputs | None, bytes_before: int
+) -> LinearReport:
     """Weight SQNR, and the relative output error on the calibration sample rows (when there are any),
     activation quantization included: the module itself runs on them."""
     w_hat = module.dequantized_weight() if isinstance(module, QuantLinear) else module.weight.float()

@@ -9,12 +9,15 @@ from collections.abc import Iterator
 from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport, Method
-from leanlm.model.quantized.linear import QuantLinear
 from leanlm.compress.int_scheme import linear_report
+from leanlm.model.quantized.linear import QuantLinear
 
 
-def group_linears(layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None,
-                  ) -> Iterator[tuple[str, str, nn.Module, GroupInputs | None]]:
+def group_linears(
+    layer: nn.Module,
+    prefix: str,
+    inputs: dict[str, GroupInputs] | None,
+) -> Iterator[tuple[str, str, nn.Module, GroupInputs | None]]:
     """(name in layer, full name, module, what fed it) for every linear of the layer, in group order; with
     inputs, only the groups they hold (a sequential method gets one group at a time)."""
     for group in layer.linear_groups:

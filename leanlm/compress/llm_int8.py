@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, MethodConfig, register_method
-from leanlm.model.quantized.linear import LLMInt8Linear
 from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.model.quantized.llm_int8 import LLMInt8Linear
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class LLMInt8Config(MethodConfig):
             raise ValueError(f"threshold must be positive, got {self.threshold}")
 
 
-def llm_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, outlier_idx: torch.Tensor,
-                    threshold: float) -> LLMInt8Linear:
+def llm_int8_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, outlier_idx: torch.Tensor, threshold: float
+) -> LLMInt8Linear:
     """Split weight [N, K]: outlier columns exact, the rest int8 with absmax scales per row."""
     w = weight.float().clone()
     outlier_weight = weight[:, outlier_idx].clone()  # [N, O], bit-exact

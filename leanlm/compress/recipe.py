@@ -18,8 +18,13 @@ from leanlm.compress.base import CompressionReport, MethodConfig, build_method
 from leanlm.compress.calibration import run_layers
 
 
-def compress(model: nn.Module, recipe: MethodConfig | Sequence[MethodConfig], calibration: torch.Tensor | None = None,
-             batch: int = 8, progress: bool = True) -> CompressionReport:
+def compress(
+    model: nn.Module,
+    recipe: MethodConfig | Sequence[MethodConfig],
+    calibration: torch.Tensor | None = None,
+    batch: int = 8,
+    progress: bool = True,
+) -> CompressionReport:
     """Compress `model` in place. calibration: token ids [num_samples, seq_len] (see calibration_samples),
     needed by GPTQ, AWQ, SmoothQuant and LLM.int8(); optional for RTN and FP8 (then it only feeds the
     error report)."""
@@ -28,8 +33,9 @@ def compress(model: nn.Module, recipe: MethodConfig | Sequence[MethodConfig], ca
         raise ValueError("the recipe is empty; pass at least one method config, e.g. RTNConfig(bits=8)")
     methods = [build_method(cfg) for cfg in recipe]  # TypeError for anything that is not a method config
     if calibration is not None and (calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"calibration must be token ids [num_samples, seq_len], got {calibration.dtype} "
-                         f"{tuple(calibration.shape)}")
+        raise ValueError(
+            f"calibration must be token ids [num_samples, seq_len], got {calibration.dtype} {tuple(calibration.shape)}"
+        )
     start = time.perf_counter()
     reports = run_layers(model, methods, calibration, batch=batch, progress=progress)
     recorded = list(getattr(model, "compression_recipe", []))

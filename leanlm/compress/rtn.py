@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import MethodConfig, register_method
-from leanlm.model.quantized.numerics import compute_qparams, quantize
-from leanlm.compress.linear_quantizer import LinearQuantizer
 from leanlm.compress.int_scheme import IntScheme, build_module
+from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.model.quantized.numerics import compute_qparams, quantize
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
@@ -29,6 +29,7 @@ from leanlm.engine.beam_search_driver import BeamSearchDriver
 from leanlm.engine.engine import LLMEngine
 from leanlm.engine.errors import EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.request_stream import RequestStream
 from leanlm.engine.scheduler import SchedulerStats
 from leanlm.sampling_params import SamplingParams
 
@@ -73,77 +74,14 @@ Command = AddRequest | AddBeamSearch | Abort
 OutputListener = Callable[[RequestOutput], None]
 
 
-class RequestStream:
-    """One request's outputs as an async iterator of cumulative RequestOutputs (the last has finished=True).
-    Closing it early (or calling abort) cancels the request in the engine and frees its KV blocks.
-
-    Outputs are cumulative (each holds all the text so far), so a newer one makes an unread older one redundant:
-    a queued non-final output is replaced by the next, and at most one non-final output and one final item wait
-    here. A client that stops reading therefore costs O(text) memory, not a full copy per step (O(T^2)), and a
-    slow reader gets bigger deltas instead of a backlog. Consumers must diff against what they last sent (the SSE
-    layer keeps a cursor per choice), never assume one output per token.
-    """
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int, client: str | None = None) -> None:
-        self.request_id = request_id
-        self.num_seqs = num_seqs  # sequences it holds in the engine (its n)
-        self.client = client  # who asked (an API key or address), for the per-client limit; None: not counted
-        self._engine = engine
-        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()  # <= 2 items
-        self._ready = asyncio.Event()  # set while _pending is not empty
-        self.finished = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        last = self._pending[-1] if self._pending else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
-            self._pending[-1] = item  # the newer output holds everything the older one did
-        else:
-            self._pending.append(item)
-        self._ready.set()
-
-    async def _get(self) -> RequestOutput | BaseException:
-        while not self._pending:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._pending.popleft()
-
-    @property
-    def num_pending(self) -> int:
-        """Items delivered and not yet read (at most 2)."""
-        return len(self._pending)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self._get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            if not self.finished:  # the consumer went away (client disconnect, cancellation)
-                self.abort()
-
-    async def result(self) -> RequestOutput:
-        """Wait for the final output."""
-        final = None
-        async for output in self:
-            final = output
-        assert final is not None and final.finished
-        return final
-
-    def abort(self) -> None:
-        self._engine.abort(self.request_id)
-
-
 class AsyncLLMEngine:
     """Serve an LLMEngine to coroutines. `max_queue` bounds the sequences waiting beyond max_num_seqs, so
     the backlog (and the memory it takes) never grows without bound; `max_seqs_per_client` bounds what one client
     may hold of that, so a few requests with n=128 cannot fill it for everyone."""
 
-    def __init__(self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0,
-                 max_seqs_per_client: int | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, max_queue: int = 256, idle_wait_s: float = 1.0, max_seqs_per_client: int | None = None
+    ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if max_seqs_per_client is not None and max_seqs_per_client < 1:
@@ -211,8 +149,12 @@ class AsyncLLMEngine:
     # -- requests (event loop) ------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        prompt_text: str | None = None, client: str | None = None,
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+        client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
@@ -226,8 +168,12 @@ class AsyncLLMEngine:
         return stream
 
     def add_beam_search(
-        self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
-        prompt_text: str | None = None, client: str | None = None,
+        self,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+        client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a beam search over one prompt; its stream yields one final RequestOutput whose
         completions are the beam_width hypotheses, best score first (logprobs None). Raises like add_request."""
@@ -243,8 +189,9 @@ class AsyncLLMEngine:
 
     def _check_accepting(self) -> None:
         if self.failure is not None:
-            raise EngineStoppedError(f"the engine loop died ({type(self.failure).__name__}: {self.failure}); "
-                                     f"the server must be restarted")
+            raise EngineStoppedError(
+                f"the engine loop died ({type(self.failure).__name__}: {self.failure}); the server must be restarted"
+            )
         if self._stopping or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests (it is stopped or shutting down)")
 
@@ -334,8 +281,12 @@ class AsyncLLMEngine:
         num_steps = 0
         while True:
             with self._wakeup:
-                while (not self._commands and not engine.has_unfinished_requests()
-                       and not self._beam_searches.has_searches() and not self._stopping):
+                while (
+                    not self._commands
+                    and not engine.has_unfinished_requests()
+                    and not self._beam_searches.has_searches()
+                    and not self._stopping
+                ):
                     self._wakeup.wait(self.idle_wait_s)
                     self.snapshot = self._take_snapshot(num_steps)  # keeps /health's heartbeat fresh
                 commands = list(self._commands)

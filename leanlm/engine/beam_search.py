@@ -260,7 +260,7 @@ class BeamSearch:
             return False
         if self.params.early_stopping:
             return True
-        return best_live_cum / group.num_generated ** self.params.length_penalty <= group.finished[-1].score
+        return best_live_cum / group.num_generated**self.params.length_penalty <= group.finished[-1].score
 
     def _fork(self, group: _Group, parent: _Beam, token_id: int, cumulative_logprob: float) -> _Beam:
         """The parent's tokens with its sampled last token replaced by `token_id`; KV shared up to it."""
@@ -273,14 +273,20 @@ class BeamSearch:
 
     def _new_request(self, group: _Group) -> Request:
         return Request(
-            f"{self.request_id_prefix}-{group.index}-{next(self._ids)}", group.prompt_token_ids, self._round_params(group.num_generated),
-            device=self.engine.device, keeps_kv=True,
+            f"{self.request_id_prefix}-{group.index}-{next(self._ids)}",
+            group.prompt_token_ids,
+            self._round_params(group.num_generated),
+            device=self.engine.device,
+            keeps_kv=True,
         )
 
     def _round_params(self, num_generated: int) -> SamplingParams:
         """One more token than the beam has, greedy (the pick is ignored), with the candidates' logprobs."""
         return SamplingParams(
-            max_tokens=num_generated + 1, temperature=0.0, ignore_eos=True, logprobs=self.num_candidates,
+            max_tokens=num_generated + 1,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=self.num_candidates,
         )
 
     def _output(self, group: _Group) -> BeamSearchOutput:

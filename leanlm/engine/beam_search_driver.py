@@ -77,8 +77,9 @@ class BeamSearchDriver:
 def _as_request_output(request_id: str, prompt_text: str | None, output: BeamSearchOutput) -> RequestOutput:
     """A finished beam search as a RequestOutput: one completion per hypothesis, best score first."""
     completions = [
-        CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids, logprobs=None,
-                         finish_reason=seq.finish_reason)
+        CompletionOutput(
+            index=i, text=seq.text, token_ids=seq.token_ids, logprobs=None, finish_reason=seq.finish_reason
+        )
         for i, seq in enumerate(output.sequences)
     ]
     return RequestOutput(request_id, prompt_text, output.prompt_token_ids, None, completions, finished=True)

@@ -26,7 +26,6 @@ from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.paged_kv import PagedKVCache
 
-
 _DECODE_ROWS = cpu_decode.MAX_ROWS  # decode entries the native decode loop takes in one call
 _CHUNK_MIN = 64  # unseen tokens past which one prefill chunk beats groups of decode entries
 
@@ -43,8 +42,11 @@ class _DraftKV:
 
     def valid_until(self, token_ids: list[int]) -> int:
         matched = 0
-        while (matched < len(self.tokens) and self.position + matched < len(token_ids)
-               and token_ids[self.position + matched] == self.tokens[matched]):  # fmt: skip
+        while (
+            matched < len(self.tokens)
+            and self.position + matched < len(token_ids)
+            and token_ids[self.position + matched] == self.tokens[matched]
+        ):
             matched += 1
         return self.position + matched if matched else min(self.num_valid, self.position)
 
@@ -54,8 +56,9 @@ class DraftProposer:
 
     writes_kv = True
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, owns_cache: bool = False,
-                 relative_cost: float = 0.0) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: PagedKVCache, owns_cache: bool = False, relative_cost: float = 0.0
+    ) -> None:
         """`kv_cache`: a separate draft's own cache (`owns_cache`, indexed by the target's block ids), or the
         target's cache, which a self-draft reads for its layers. `relative_cost`: one draft step's cost relative
         to one target step."""
@@ -99,7 +102,7 @@ class DraftProposer:
         for job, start in zip(jobs, starts):
             self._feed_backlog(job, start)
         # step 0: the newest token, after the last few unseen ones
-        inputs = [job.token_ids[max(start, job.position - _DECODE_ROWS + 1):] for job, start in zip(jobs, starts)]
+        inputs = [job.token_ids[max(start, job.position - _DECODE_ROWS + 1) :] for job, start in zip(jobs, starts)]
         num_steps = max((job.num_tokens for job in jobs), default=0)
         for step in range(num_steps):
             if step == 1:
@@ -115,11 +118,12 @@ class DraftProposer:
                 if q is not None and not requests[row].sampling_params.is_greedy:
                     probs[i].append(q[row])
         if self.owns_cache:
-            for job, start, drafted in zip(jobs, starts, tokens):
+            for job, drafted in zip(jobs, tokens):
                 # KV now valid below `position`; from it on, the newest token then all drafts but the last
                 written = [job.token_ids[-1], *drafted[:-1]]
-                self._written[job.request.request_id] = _DraftKV(job.request.num_preemptions, job.position,
-                                                                 job.position, written)
+                self._written[job.request.request_id] = _DraftKV(
+                    job.request.num_preemptions, job.position, job.position, written
+                )
         step_seconds = (time.perf_counter() - started) / (num_steps - 1) if num_steps > 1 else None
         return Drafts(tokens, [torch.stack(p) if p else None for p in probs], step_seconds)
 
@@ -132,8 +136,9 @@ class DraftProposer:
             self._forward([job.token_ids[start : start + size]], [start], [job.block_ids], logits=False)
             start += size
 
-    def _forward(self, inputs: list[list[int]], first_positions: list[int], block_ids: list[list[int]],
-                 logits: bool = True) -> torch.Tensor | None:
+    def _forward(
+        self, inputs: list[list[int]], first_positions: list[int], block_ids: list[list[int]], logits: bool = True
+    ) -> torch.Tensor | None:
         """Logits [B, V] after each request's input run (its tokens at first_position on)."""
         query_lens, seq_lens, blocks, ids, positions, last_rows = [], [], [], [], [], []
         for tokens, first, table in zip(inputs, first_positions, block_ids):

@@ -64,7 +64,10 @@ class LLMEngine:
         eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer.eos_token_ids))
         self.eos_token_ids = eos_ids
         self.scheduler = Scheduler(
-            engine_config, self.kv_cache_manager, self.max_model_len, eos_ids,
+            engine_config,
+            self.kv_cache_manager,
+            self.max_model_len,
+            eos_ids,
             stop_checker=self.output_processor.check_stop,
         )
         self.executor = IsolatingExecutor(self.model_runner, self.scheduler)
@@ -81,7 +84,9 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
         return None, token_ids
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -106,7 +111,10 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
         prompt_text: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id.
@@ -122,8 +130,13 @@ class LLMEngine:
         # The children share `params` (n is the parent's; a child's own seed is seed + i, see Request): copies
         # would repeat its per-request lists n times.
         children = [
-            Request(f"{request_id}#{i}" if params.n > 1 else request_id, token_ids, params, device=self.device,
-                    seed_offset=i)
+            Request(
+                f"{request_id}#{i}" if params.n > 1 else request_id,
+                token_ids,
+                params,
+                device=self.device,
+                seed_offset=i,
+            )
             for i in range(params.n)
         ]
         self.output_processor.add(request_id, prompt_text, children)

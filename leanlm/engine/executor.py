@@ -29,8 +29,9 @@ class IsolatingExecutor:
         except Exception:
             if len(scheduler_output.scheduled_requests) == 0:
                 raise
-            logger.exception("a batch of %d requests raised; re-running them one by one",
-                             len(scheduler_output.scheduled_requests))
+            logger.exception(
+                "a batch of %d requests raised; re-running them one by one", len(scheduler_output.scheduled_requests)
+            )
             self.num_isolations += 1
             return self._isolate(scheduler_output)
 

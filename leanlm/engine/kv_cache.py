@@ -221,5 +221,5 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, token_ids[start:start + size]))
+            hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
         return hashes[:num_full_blocks] if len(hashes) > num_full_blocks else hashes

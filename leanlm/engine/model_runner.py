@@ -105,36 +105,62 @@ class ModelRunner:
         # This runner's cache, handed to every forward it runs (the model holds none): [L, 2, N, Hkv, bs, D], and
         # an 8-bit cache's per-(token, KV head) scales [L, 2, N, Hkv, bs].
         cfg = self.config
-        self.kv_cache = PagedKVCache.allocate(cfg.num_hidden_layers, self.num_blocks, cfg.num_key_value_heads,
-                                              self.block_size, cfg.head_dim, self.kv_cache_dtype, device)
+        self.kv_cache = PagedKVCache.allocate(
+            cfg.num_hidden_layers,
+            self.num_blocks,
+            cfg.num_key_value_heads,
+            self.block_size,
+            cfg.head_dim,
+            self.kv_cache_dtype,
+            device,
+        )
         self.kv_cache_bytes = self.kv_cache.nbytes
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
 
-    def _spec_decoder(self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None,
-                      max_model_len: int | None) -> SpecDecoder | None:
+    def _spec_decoder(
+        self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
+    ) -> SpecDecoder | None:
         spec = engine_config.speculative_config
         if spec is None:
             return None
         draft = None
         if spec.method == "self":
-            draft = DraftProposer(self.model.first_layers(spec.num_draft_layers), self.kv_cache,
-                                  relative_cost=spec.num_draft_layers / self.config.num_hidden_layers)
+            draft = DraftProposer(
+                self.model.first_layers(spec.num_draft_layers),
+                self.kv_cache,
+                relative_cost=spec.num_draft_layers / self.config.num_hidden_layers,
+            )
         elif spec.method == "draft":
             if draft_model is None:
-                raise ValueError("speculative 'draft' needs the draft model: load it with LLM(speculative='draft:MODEL')")
+                raise ValueError(
+                    "speculative 'draft' needs the draft model: load it with LLM(speculative='draft:MODEL')"
+                )
             if draft_model.config.vocab_size != self.config.vocab_size:
                 raise ValueError(
                     f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
                     f"({self.config.vocab_size}); a draft must share the target's tokenizer"
                 )
-            dtype = self.kv_cache_dtype if not is_quantized(self.kv_cache_dtype) else draft_model.model.norm.weight.dtype
+            dtype = (
+                self.kv_cache_dtype if not is_quantized(self.kv_cache_dtype) else draft_model.model.norm.weight.dtype
+            )
             cfg = draft_model.config
-            cache = PagedKVCache.allocate(cfg.num_hidden_layers, self.num_blocks, cfg.num_key_value_heads,
-                                          self.block_size, cfg.head_dim, dtype, self.device)
-            draft = DraftProposer(draft_model, cache, owns_cache=True,
-                                  relative_cost=_weight_bytes(draft_model) / _weight_bytes(self.model))
+            cache = PagedKVCache.allocate(
+                cfg.num_hidden_layers,
+                self.num_blocks,
+                cfg.num_key_value_heads,
+                self.block_size,
+                cfg.head_dim,
+                dtype,
+                self.device,
+            )
+            draft = DraftProposer(
+                draft_model,
+                cache,
+                owns_cache=True,
+                relative_cost=_weight_bytes(draft_model) / _weight_bytes(self.model),
+            )
             self.kv_cache_bytes += draft.kv_cache_bytes
         return SpecDecoder(spec, draft, self.block_size, max_model_len)
 
@@ -158,8 +184,10 @@ class ModelRunner:
         if layout.sample_rows:
             logits = self.model.compute_logits(hidden[layout.sample_token_idx]).float()  # [rows, V]
             self._sample(scheduler_output, layout.sample_rows, logits, sampled, logprobs)
-        scored = [self._prompt_logprobs(r, n, hidden, start) for r, n, start in zip(
-            requests, layout.query_lens, layout.row_starts)]
+        scored = [
+            self._prompt_logprobs(r, n, hidden, start)
+            for r, n, start in zip(requests, layout.query_lens, layout.row_starts)
+        ]
         prompt_logprobs = [entries for entries, _ in scored]
         prompt_logprobs_full = [full for _, full in scored]
         spec_token_ids = None
@@ -168,16 +196,23 @@ class ModelRunner:
             spec_token_ids = self.spec_decoder.propose(requests, sampled, scheduler_output.block_ids)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids)
 
-    def _sample(self, so: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor,
-                sampled: list[list[int]], logprobs: list[list[dict[int, float]] | None]) -> None:
+    def _sample(
+        self,
+        so: SchedulerOutput,
+        sample_rows: list[int],
+        logits: torch.Tensor,
+        sampled: list[list[int]],
+        logprobs: list[list[dict[int, float]] | None],
+    ) -> None:
         """Fill `sampled` and `logprobs` for the sampling requests from their logit rows: one token each, or,
         in a step that verifies drafts, the accepted drafts plus one token each."""
         sample_reqs = [so.scheduled_requests[i] for i in sample_rows]
         drafts = [so.spec_token_ids[i] if so.spec_token_ids else [] for i in sample_rows]
         rows_per_req = [len(d) + 1 for d in drafts]
         row_reqs = [r for r, n in zip(sample_reqs, rows_per_req) for _ in range(n)]
-        metadata = SamplingMetadata.from_requests(row_reqs, self.config.vocab_size, self.device,
-                                                  self.config.eos_token_ids)
+        metadata = SamplingMetadata.from_requests(
+            row_reqs, self.config.vocab_size, self.device, self.config.eos_token_ids
+        )
         if len(row_reqs) == len(sample_reqs):  # no drafts: one row per request
             out = self.sampler(logits, metadata)
             token_ids = [[t] for t in out.sampled_token_ids.tolist()]
@@ -264,4 +299,3 @@ class ModelRunner:
             if req.sampling_params.full_prompt_logprobs:
                 full = all_logprobs.cpu()
         return entries or None, full
-

@@ -46,7 +46,9 @@ class OutputProcessor:
     def add(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         state = _PromptState(parent_id, prompt)
         for index, req in enumerate(children):
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens
+            )
             child = _CompletionState(req, index, detok)
             state.children.append(child)
             self._children[req.request_id] = (state, child)

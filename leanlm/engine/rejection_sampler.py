@@ -89,8 +89,13 @@ class RejectionSampler:
         return u
 
     @staticmethod
-    def _assemble(accept: list[bool], row_tokens: list[int], greedy: list[int], counts: list[int],
-                  logprobs: LogprobsTensors | None) -> VerifyOutput:
+    def _assemble(
+        accept: list[bool],
+        row_tokens: list[int],
+        greedy: list[int],
+        counts: list[int],
+        logprobs: LogprobsTensors | None,
+    ) -> VerifyOutput:
         token_ids, num_accepted, predictions = [], [], []
         start = 0
         for count in counts:

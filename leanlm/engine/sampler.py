@@ -1,6 +1,6 @@
 """Batched sampler: logits [B, V] + SamplingMetadata -> one token per row, plus logprobs of the raw model
-distribution. Min-tokens mask, OpenAI logit bias, penalties (CTRL repetition, OpenAI presence/frequency), greedy, temperature,
-top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by an exponential race
+distribution. Min-tokens mask, OpenAI logit bias, penalties (CTRL repetition, OpenAI presence/frequency), greedy,
+temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by an exponential race
 (argmax p/q, q ~ Exp(1)), which draws exactly from p and lets seeded rows use their own generator."""
 
 from __future__ import annotations

@@ -332,7 +332,10 @@ class Scheduler:
             # Drafts the verification rejected have KV in the cache that later tokens overwrite.
             num_rejected = num_drafts - (len(sampled) - 1) if num_drafts else 0
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[idx] - num_rejected
-            if self.shared.has_siblings(request.request_id) and request.num_computed_tokens >= request.num_prompt_tokens - 1:
+            if (
+                self.shared.has_siblings(request.request_id)
+                and request.num_computed_tokens >= request.num_prompt_tokens - 1
+            ):
                 self._fork_siblings(request)
             request.num_draft_tokens += num_drafts
             request.num_accepted_tokens += num_drafts - num_rejected

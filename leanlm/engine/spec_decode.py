@@ -67,8 +67,13 @@ class SpecDecoder:
     """Owns the one Proposer the config chose (proposer.build_proposer), each request's acceptance estimate and
     the draft distributions that verification of model drafts needs."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, block_size: int = 16,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+    ) -> None:
         """`proposer`: the model proposer a draft or self method needs; text methods build their own."""
         self.config = config
         self.proposer = build_proposer(config, proposer)
@@ -96,8 +101,13 @@ class SpecDecoder:
             self._draft_probs.pop(request_id, None)
         self.proposer.forget(request_ids)
 
-    def observe(self, requests: list[Request], verified: list[list[int]], num_accepted: list[int],
-                predictions: list[list[int]] | None = None) -> None:
+    def observe(
+        self,
+        requests: list[Request],
+        verified: list[list[int]],
+        num_accepted: list[int],
+        predictions: list[list[int]] | None = None,
+    ) -> None:
         """Record one step's verification: drafts verified and accepted per request, and (for Jacobi drafts)
         the target's argmax at each verified row. Call before the step's tokens are appended."""
         if any(verified):
@@ -128,8 +138,9 @@ class SpecDecoder:
             rows.append(block)
         return torch.cat(rows)
 
-    def propose(self, requests: list[Request], sampled: list[list[int]],
-                block_ids: list[list[int]] | None = None) -> list[list[int]]:
+    def propose(
+        self, requests: list[Request], sampled: list[list[int]], block_ids: list[list[int]] | None = None
+    ) -> list[list[int]]:
         """Drafts for the next step of each request that just got tokens (`sampled`, not yet appended). Model
         drafts write KV at the positions they take, so they stop where the request's blocks (`block_ids`) end."""
         out: list[list[int]] = [[] for _ in requests]

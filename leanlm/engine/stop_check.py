@@ -12,7 +12,10 @@ StopChecker = Callable[[Request], str | None]
 
 
 def check_stop(
-    request: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
+    request: Request,
+    token_id: int,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
     stop_checker: StopChecker | None = None,
 ) -> tuple[RequestStatus, int | str | None] | None:
     """(status, stop_reason) when `request` ends with `token_id` (already appended), else None. Conditions in

@@ -29,9 +29,17 @@ logger = logging.getLogger(__name__)
 
 # Explicit ISA flags (not -march=native): a cached library must need only what cpu_supports_bf16() checks.
 COMPILE_FLAGS = (
-    "-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
-    "-fopenmp", "-fPIC", "-shared",
-)  # fmt: skip
+    "-O3",
+    "-std=c11",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mfma",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
 
 
 def cache_dir() -> Path:
@@ -72,8 +80,16 @@ def build_command(compiler: str, source: Path, output: Path) -> list[str]:
     lib_dir = torch_lib_dir()
     # -l:libgomp.so.1 from torch/lib (and an rpath to it): GOMP_* symbols resolve to the runtime torch
     # already loaded, instead of a second libgomp whose threads would spin against torch's.
-    return [compiler, *COMPILE_FLAGS, str(source), "-o", str(output),
-            f"-L{lib_dir}", "-l:libgomp.so.1", f"-Wl,-rpath,{lib_dir}"]  # fmt: skip
+    return [
+        compiler,
+        *COMPILE_FLAGS,
+        str(source),
+        "-o",
+        str(output),
+        f"-L{lib_dir}",
+        "-l:libgomp.so.1",
+        f"-Wl,-rpath,{lib_dir}",
+    ]
 
 
 def build_library(source: Path) -> Path:
@@ -110,11 +126,15 @@ def build_library(source: Path) -> Path:
 def check_trusted(st: os.stat_result, what: Path, writable_ok: bool = False) -> None:
     """Refuse a library (or its directory) another user owns or may write: loading it would run their code."""
     if st.st_uid != os.getuid():
-        raise RuntimeError(f"refusing {what}: owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); "
-                           "delete it or point LEANLM_CACHE at a directory of your own")
+        raise RuntimeError(
+            f"refusing {what}: owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); "
+            "delete it or point LEANLM_CACHE at a directory of your own"
+        )
     if not writable_ok and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"refusing {what}: group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
-                           "delete it, or chmod go-w it if you trust its contents")
+        raise RuntimeError(
+            f"refusing {what}: group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
+            "delete it, or chmod go-w it if you trust its contents"
+        )
 
 
 def load_library(path: Path) -> ctypes.CDLL:

@@ -25,32 +25,71 @@ _KERNEL = NativeKernel(
     argtypes=[_P] * 3 + [_I64] + [_P] * 4 + [_I64] * 2 + [_P, _INT],
     restype=_INT,
 )
-_RMS_NORM = NativeKernel(source=_KERNEL.source, symbol="leanlm_rms_norm_bf16",
-                         argtypes=[_P] * 3 + [_I64] * 2 + [ctypes.c_double], restype=None)
-_SILU_MUL = NativeKernel(source=_KERNEL.source, symbol="leanlm_silu_mul_bf16", argtypes=[_P] * 3 + [_I64],
-                         restype=None)
+_RMS_NORM = NativeKernel(
+    source=_KERNEL.source,
+    symbol="leanlm_rms_norm_bf16",
+    argtypes=[_P] * 3 + [_I64] * 2 + [ctypes.c_double],
+    restype=None,
+)
+_SILU_MUL = NativeKernel(source=_KERNEL.source, symbol="leanlm_silu_mul_bf16", argtypes=[_P] * 3 + [_I64], restype=None)
 MAX_ROWS = 8  # decode tokens per call: the GEMV kernels' one-pass limit
 KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("weight", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("perm", _P),
-                ("out_features", _I64), ("in_features", _I64), ("group_size", _I64)]  # fmt: skip
+    _fields_ = [
+        ("kind", _I64),
+        ("weight", _P),
+        ("scales", _P),
+        ("mins", _P),
+        ("bias", _P),
+        ("perm", _P),
+        ("out_features", _I64),
+        ("in_features", _I64),
+        ("group_size", _I64),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("linears", _Linear * 7), ("k_cache", _P), ("v_cache", _P),
-                ("k_scales", _P), ("v_scales", _P)]  # fmt: skip
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("linears", _Linear * 7),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("k_scales", _P),
+        ("v_scales", _P),
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                          "intermediate", "block_size", "rope_positions")] + [
-        ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P),
-        ("linear_bf16", _P), ("linear_int8", _P), ("linear_int4", _P), ("attention", _P), ("attention_int8", _P),
-        ("min_parallel_bytes", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-    ]  # fmt: skip
+    _fields_ = [
+        (name, _I64)
+        for name in (
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+            "block_size",
+            "rope_positions",
+        )
+    ] + [
+        ("cos", _P),
+        ("sin", _P),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _P),
+        ("linear_bf16", _P),
+        ("linear_int8", _P),
+        ("linear_int4", _P),
+        ("attention", _P),
+        ("attention_int8", _P),
+        ("min_parallel_bytes", _I64),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+    ]
 
 
 @dataclass(frozen=True)
@@ -82,8 +121,9 @@ class NativeLinear:
             return False
         if self.bias is not None and (self.bias.dtype != _BF16 or self.bias.shape != (self.out_features,)):
             return False
-        if self.perm is not None and (self.kind != KIND_INT4 or self.perm.dtype != torch.int64
-                                      or self.perm.shape != (self.in_features,)):
+        if self.perm is not None and (
+            self.kind != KIND_INT4 or self.perm.dtype != torch.int64 or self.perm.shape != (self.in_features,)
+        ):
             return False
         if self.kind == KIND_BF16:
             return self.weight.dtype == _BF16
@@ -93,16 +133,29 @@ class NativeLinear:
         return (
             self.kind == KIND_INT4
             and self.weight.dtype == torch.uint8
-            and gs > 0 and gs % 32 == 0 and self.in_features % gs == 0
-            and self.scales is not None and self.mins is not None
-            and self.scales.dtype == _F32 and self.mins.dtype == _F32
+            and gs > 0
+            and gs % 32 == 0
+            and self.in_features % gs == 0
+            and self.scales is not None
+            and self.mins is not None
+            and self.scales.dtype == _F32
+            and self.mins.dtype == _F32
             and self.scales.shape == (self.out_features, self.in_features // gs) == self.mins.shape
-        )  # fmt: skip
+        )
 
     def to_struct(self) -> _Linear:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return _Linear(self.kind, ptr(self.weight), ptr(self.scales), ptr(self.mins), ptr(self.bias), ptr(self.perm),
-                       self.out_features, self.in_features, self.group_size)  # fmt: skip
+        return _Linear(
+            self.kind,
+            ptr(self.weight),
+            ptr(self.scales),
+            ptr(self.mins),
+            ptr(self.bias),
+            ptr(self.perm),
+            self.out_features,
+            self.in_features,
+            self.group_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -116,23 +169,22 @@ class NativeLayer:
     def is_supported(self) -> bool:
         """bf16 contiguous CPU norms and linears the kernels take."""
         norms = (self.input_norm, self.post_norm)
-        return (
-            all(t.is_cpu and t.is_contiguous() and t.dtype == _BF16 for t in norms)
-            and all(s.is_supported() for s in self.linears)
+        return all(t.is_cpu and t.is_contiguous() and t.dtype == _BF16 for t in norms) and all(
+            s.is_supported() for s in self.linears
         )
 
 
-def kv_is_supported(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
-                    v_scales: torch.Tensor | None) -> bool:
+def kv_is_supported(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+) -> bool:
     """A contiguous CPU cache [N, Hkv, bs, D]: bf16, or int8 with float32 scales [N, Hkv, bs] (fp8 caches stay
     on PyTorch)."""
     if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache)):
         return False
     if k_scales is None or v_scales is None:
         return k_scales is v_scales and k_cache.dtype == _BF16 == v_cache.dtype
-    return (
-        k_cache.dtype == torch.int8 == v_cache.dtype
-        and all(s.dtype == _F32 and s.is_contiguous() and s.shape == k_cache.shape[:-1] for s in (k_scales, v_scales))
+    return k_cache.dtype == torch.int8 == v_cache.dtype and all(
+        s.dtype == _F32 and s.is_contiguous() and s.shape == k_cache.shape[:-1] for s in (k_scales, v_scales)
     )
 
 
@@ -142,18 +194,24 @@ LINEAR_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def is_available() -> bool:
     """The loop and every kernel it calls are built and loaded."""
     return (
-        _KERNEL.is_available() and cpu_gemv.is_available() and cpu_qgemv.is_available()
+        _KERNEL.is_available()
+        and cpu_gemv.is_available()
+        and cpu_qgemv.is_available()
         and paged_attention.is_available()
-    )  # fmt: skip
+    )
 
 
 def should_use_rows(x: torch.Tensor) -> bool:
     """Policy for rms_norm / silu_and_mul: contiguous bf16 CPU rows, at most MAX_ROWS of them (the rows the
     native loop and the few-row linears take; larger batches stay on torch's multi-threaded ops)."""
     return (
-        x.dtype is _BF16 and x.is_cpu and x.is_contiguous() and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        x.dtype is _BF16
+        and x.is_cpu
+        and x.is_contiguous()
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
         and _RMS_NORM.is_available()
-    )  # fmt: skip
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,8 +242,17 @@ class DecodeLayers:
     """The native decode loop over one model's weights. `bind_kv` points it at a KV cache; __call__ runs every
     layer and the final norm."""
 
-    def __init__(self, layers: list[NativeLayer], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(
+        self,
+        layers: list[NativeLayer],
+        final_norm: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> None:
         self._keep = (layers, final_norm, cos, sin)  # the struct holds raw pointers into these
         # Whether bind_kv succeeded. The struct then points into caches this object does not keep alive: the
         # caller (model/native_decode.py) calls the loop only while the bound caches are the forward's own.
@@ -198,11 +265,27 @@ class DecodeLayers:
             for i, linear in enumerate(layer.linears):
                 dst.linears[i] = linear.to_struct()
         self._model = _Model(
-            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, 0, cos.shape[0],
-            cos.data_ptr(), sin.data_ptr(), self._layers, final_norm.data_ptr(),
-            _fn_address(cpu_gemv._KERNEL), _fn_address(cpu_qgemv._INT8_KERNEL), _fn_address(cpu_qgemv._INT4_KERNEL),
-            _fn_address(paged_attention._KERNEL), _fn_address(paged_attention._KERNEL_INT8), MIN_PARALLEL_BYTES, eps, head_dim**-0.5,
-        )  # fmt: skip
+            len(layers),
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate,
+            0,
+            cos.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self._layers,
+            final_norm.data_ptr(),
+            _fn_address(cpu_gemv._KERNEL),
+            _fn_address(cpu_qgemv._INT8_KERNEL),
+            _fn_address(cpu_qgemv._INT4_KERNEL),
+            _fn_address(paged_attention._KERNEL),
+            _fn_address(paged_attention._KERNEL_INT8),
+            MIN_PARALLEL_BYTES,
+            eps,
+            head_dim**-0.5,
+        )
         self.hidden = hidden
         widest_input = max(hidden, num_heads * head_dim, intermediate)  # room for a permuted input
         per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * intermediate + widest_input
@@ -226,8 +309,15 @@ class DecodeLayers:
         self._has_kv = True
         return True
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> torch.Tensor:
         """x [M, hidden] bf16 embeddings of M <= MAX_ROWS decode tokens (one per request; overwritten with the
         residual stream) -> final-normed hidden [M, hidden]. positions, slots, seq_lens [M] and block_tables
         [M, max_blocks]: contiguous CPU int64. The caches given to the last successful bind_kv are used."""
@@ -236,17 +326,32 @@ class DecodeLayers:
         M = x.shape[0]
         index = (positions, slots, block_tables, seq_lens)
         if not (
-            0 < M <= MAX_ROWS and x.dtype is _BF16 and x.is_cpu and x.is_contiguous() and x.shape[1] == self.hidden
+            0 < M <= MAX_ROWS
+            and x.dtype is _BF16
+            and x.is_cpu
+            and x.is_contiguous()
+            and x.shape[1] == self.hidden
             and all(t.dtype is torch.int64 and t.is_cpu and t.is_contiguous() and t.shape[0] == M for t in index)
-        ):  # fmt: skip
-            raise ValueError(f"the native decode loop takes 1-{MAX_ROWS} contiguous bf16 rows of {self.hidden} and "
-                             f"int64 index tensors with one row each; got x {tuple(x.shape)} {x.dtype}")
+        ):
+            raise ValueError(
+                f"the native decode loop takes 1-{MAX_ROWS} contiguous bf16 rows of {self.hidden} and "
+                f"int64 index tensors with one row each; got x {tuple(x.shape)} {x.dtype}"
+            )
         out = torch.empty_like(x)
         rc = _KERNEL.fn()(
-            ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), M, positions.data_ptr(), slots.data_ptr(),
-            block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.shape[1], max_seq_len,
-            self._scratch.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            ctypes.byref(self._model),
+            x.data_ptr(),
+            out.data_ptr(),
+            M,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.shape[1],
+            max_seq_len,
+            self._scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"leanlm_decode_layers failed (code {rc}); positions {positions.tolist()}")
         return out

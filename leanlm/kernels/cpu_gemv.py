@@ -80,20 +80,35 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     # The fast check (one expression: this runs ~200 times per decoded token); _check_args explains.
     if not (
         weight.dim() == 2
-        and x.dtype is _BF16 and weight.dtype is _BF16
-        and x.is_cpu and weight.is_cpu
-        and x.is_contiguous() and weight.is_contiguous()
-        and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
-        and (bias is None or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous()
-                              and bias.shape == weight.shape[:1]))
-    ):  # fmt: skip
+        and x.dtype is _BF16
+        and weight.dtype is _BF16
+        and x.is_cpu
+        and weight.is_cpu
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[1]
+        and (
+            bias is None
+            or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous() and bias.shape == weight.shape[:1])
+        )
+    ):
         _check_args(x, weight, bias)
     N, K = weight.shape
     y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
     if K == 0:  # an empty sum: the bias alone
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    rc = fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-            x.numel() // K, N, K, torch.get_num_threads(), MIN_PARALLEL_BYTES)  # fmt: skip
+    rc = fn(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x.numel() // K,
+        N,
+        K,
+        torch.get_num_threads(),
+        MIN_PARALLEL_BYTES,
+    )
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_bf16 failed (code {rc})")
     return y

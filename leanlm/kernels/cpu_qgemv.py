@@ -25,10 +25,12 @@ _INT8_KERNEL = NativeKernel(
 _INT4_KERNEL = NativeKernel(
     source=_SOURCE, symbol="leanlm_linear_int4", argtypes=[_P] * 6 + [_I64] * 4 + [_INT, _I64], restype=_INT
 )
-_DEQUANT_INT8 = NativeKernel(source=_SOURCE, symbol="leanlm_dequantize_int8", argtypes=[_P] * 3 + [_I64] * 2 + [_INT],
-                             restype=None)
-_DEQUANT_INT4 = NativeKernel(source=_SOURCE, symbol="leanlm_dequantize_int4",
-                             argtypes=[_P] * 4 + [_I64] * 3 + [_INT], restype=None)
+_DEQUANT_INT8 = NativeKernel(
+    source=_SOURCE, symbol="leanlm_dequantize_int8", argtypes=[_P] * 3 + [_I64] * 2 + [_INT], restype=None
+)
+_DEQUANT_INT4 = NativeKernel(
+    source=_SOURCE, symbol="leanlm_dequantize_int4", argtypes=[_P] * 4 + [_I64] * 3 + [_INT], restype=None
+)
 # should_use_*() accept up to this many rows of x. The kernels re-read the weight every 8 rows, yet up to
 # about 64 rows that beats dequantizing the whole weight for a GEMM (1 thread, SmolLM2's 1536 x 576: int8
 # 1.0 vs 1.6 ms at 64 rows, int4 1.4 vs 13 ms with torch's dequantization).
@@ -57,12 +59,7 @@ def _rows_ok(x: torch.Tensor, K: int) -> bool:
 
 def should_use_int8(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Policy: route an int8 linear here for contiguous CPU tensors with at most MAX_ROWS rows of bf16 x."""
-    return (
-        qweight.dim() == 2
-        and _is_cpu_contiguous(qweight, _I8)
-        and _rows_ok(x, qweight.shape[1])
-        and is_available()
-    )
+    return qweight.dim() == 2 and _is_cpu_contiguous(qweight, _I8) and _rows_ok(x, qweight.shape[1]) and is_available()
 
 
 def should_use_int4(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
@@ -120,13 +117,23 @@ def linear_int8(
     fn = _fn(_INT8_KERNEL)
     if not (
         qweight.dim() == 2
-        and x.dtype is _BF16 and qweight.dtype is _I8 and scales.dtype is _F32
-        and x.is_cpu and qweight.is_cpu and scales.is_cpu
-        and x.is_contiguous() and qweight.is_contiguous() and scales.is_contiguous()
-        and x.dim() >= 1 and x.shape[-1] == qweight.shape[1] and scales.shape == qweight.shape[:1]
-        and (bias is None or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous()
-                              and bias.shape == qweight.shape[:1]))
-    ):  # fmt: skip
+        and x.dtype is _BF16
+        and qweight.dtype is _I8
+        and scales.dtype is _F32
+        and x.is_cpu
+        and qweight.is_cpu
+        and scales.is_cpu
+        and x.is_contiguous()
+        and qweight.is_contiguous()
+        and scales.is_contiguous()
+        and x.dim() >= 1
+        and x.shape[-1] == qweight.shape[1]
+        and scales.shape == qweight.shape[:1]
+        and (
+            bias is None
+            or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous() and bias.shape == qweight.shape[:1])
+        )
+    ):
         _check_common(x, qweight, _I8, qweight.shape[1] if qweight.dim() == 2 else -1, bias)
         _check_float("scales", scales, (qweight.shape[0],))
     N, K = qweight.shape
@@ -134,8 +141,18 @@ def linear_int8(
     y = torch.empty((x.shape[0], N) if x.dim() == 2 else x.shape[:-1] + (N,), dtype=_BF16)
     if K == 0:  # an empty sum: the bias alone
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    rc = fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(),
-            y.data_ptr(), x.numel() // K, N, K, torch.get_num_threads(), MIN_PARALLEL_BYTES)  # fmt: skip
+    rc = fn(
+        x.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x.numel() // K,
+        N,
+        K,
+        torch.get_num_threads(),
+        MIN_PARALLEL_BYTES,
+    )
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_int8 failed (code {rc})")
     return y
@@ -159,20 +176,39 @@ def linear_int4(
     fn = _fn(_INT4_KERNEL)
     if not (
         qweight.dim() == 2
-        and x.dtype is _BF16 and qweight.dtype is _U8 and scales.dtype is _F32 and mins.dtype is _F32
-        and x.is_cpu and qweight.is_cpu and scales.is_cpu and mins.is_cpu
-        and x.is_contiguous() and qweight.is_contiguous() and scales.is_contiguous() and mins.is_contiguous()
-        and type(group_size) is int and group_size > 0 and group_size % 32 == 0
-        and x.dim() >= 1 and x.shape[-1] == 2 * qweight.shape[1] and x.shape[-1] % group_size == 0
-        and scales.dim() == 2 and scales.shape[0] == qweight.shape[0]
-        and scales.shape[1] * group_size == x.shape[-1] and mins.shape == scales.shape
-        and (bias is None or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous()
-                              and bias.shape == qweight.shape[:1]))
-    ):  # fmt: skip
+        and x.dtype is _BF16
+        and qweight.dtype is _U8
+        and scales.dtype is _F32
+        and mins.dtype is _F32
+        and x.is_cpu
+        and qweight.is_cpu
+        and scales.is_cpu
+        and mins.is_cpu
+        and x.is_contiguous()
+        and qweight.is_contiguous()
+        and scales.is_contiguous()
+        and mins.is_contiguous()
+        and type(group_size) is int
+        and group_size > 0
+        and group_size % 32 == 0
+        and x.dim() >= 1
+        and x.shape[-1] == 2 * qweight.shape[1]
+        and x.shape[-1] % group_size == 0
+        and scales.dim() == 2
+        and scales.shape[0] == qweight.shape[0]
+        and scales.shape[1] * group_size == x.shape[-1]
+        and mins.shape == scales.shape
+        and (
+            bias is None
+            or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous() and bias.shape == qweight.shape[:1])
+        )
+    ):
         K = 2 * qweight.shape[1] if qweight.dim() == 2 else -1
         _check_common(x, qweight, _U8, K, bias)
         if not isinstance(group_size, int) or group_size <= 0 or group_size % 32 != 0 or K % group_size != 0:
-            raise ValueError(f"group_size must be an int, a positive multiple of 32 that divides K = {K}, not {group_size!r}")
+            raise ValueError(
+                f"group_size must be an int, a positive multiple of 32 that divides K = {K}, not {group_size!r}"
+            )
         _check_float("scales", scales, (qweight.shape[0], K // group_size))
         _check_float("mins", mins, (qweight.shape[0], K // group_size))
     N, K = qweight.shape[0], 2 * qweight.shape[1]
@@ -180,9 +216,20 @@ def linear_int4(
     y = torch.empty((x.shape[0], N) if x.dim() == 2 else x.shape[:-1] + (N,), dtype=_BF16)
     if K == 0:
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    rc = fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // K, N, K, group_size,
-            torch.get_num_threads(), MIN_PARALLEL_BYTES)  # fmt: skip
+    rc = fn(
+        x.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x.numel() // K,
+        N,
+        K,
+        group_size,
+        torch.get_num_threads(),
+        MIN_PARALLEL_BYTES,
+    )
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_int4 failed (code {rc})")
     return y
@@ -192,7 +239,9 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """bf16 [N, K] = qweight [N, K] int8 * scales [N] (fp32 product, one rounding), on all threads."""
     _check_float("scales", scales, (qweight.shape[0],))
     if qweight.dim() != 2 or not _is_cpu_contiguous(qweight, _I8):
-        raise ValueError(f"qweight must be a contiguous 2-D int8 CPU tensor, not {qweight.dtype} {tuple(qweight.shape)}")
+        raise ValueError(
+            f"qweight must be a contiguous 2-D int8 CPU tensor, not {qweight.dtype} {tuple(qweight.shape)}"
+        )
     out = torch.empty(qweight.shape, dtype=_BF16)
     _fn(_DEQUANT_INT8)(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), *qweight.shape, torch.get_num_threads())
     return out
@@ -202,13 +251,23 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     """bf16 [N, K] = q * scales + mins per group (fp32 product then sum, one rounding) from packed codes
     [N, K / 2] (low nibble first); the stored column order (no act-order permutation)."""
     if qweight.dim() != 2 or not _is_cpu_contiguous(qweight, _U8):
-        raise ValueError(f"qweight must be a contiguous 2-D uint8 CPU tensor, not {qweight.dtype} {tuple(qweight.shape)}")
+        raise ValueError(
+            f"qweight must be a contiguous 2-D uint8 CPU tensor, not {qweight.dtype} {tuple(qweight.shape)}"
+        )
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     if not isinstance(group_size, int) or group_size <= 0 or K % group_size:
         raise ValueError(f"group_size must be a positive int dividing K = {K}, not {group_size!r}")
     _check_float("scales", scales, (N, K // group_size))
     _check_float("mins", mins, (N, K // group_size))
     out = torch.empty(N, K, dtype=_BF16)
-    _fn(_DEQUANT_INT4)(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(), N, K, group_size,
-                       torch.get_num_threads())  # fmt: skip
+    _fn(_DEQUANT_INT4)(
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+        out.data_ptr(),
+        N,
+        K,
+        group_size,
+        torch.get_num_threads(),
+    )
     return out

@@ -37,9 +37,11 @@ def supports_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Head shapes the kernels handle: a head dim that is a multiple of 32 up to 256, at most MAX_GROUP query
     heads per KV head."""
     return (
-        head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM
-        and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
-    )  # fmt: skip
+        head_dim % 32 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
 
 
 def should_use(q: torch.Tensor, k_cache: torch.Tensor, k_scales: torch.Tensor | None = None) -> bool:
@@ -72,13 +74,27 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     num_reqs, num_heads, head_dim = q.shape
     status = _KERNEL.fn()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), num_reqs, num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], block_tables.shape[1],
-        max_seq_len, scale, torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_reqs,
+        num_heads,
+        k_cache.shape[1],
+        head_dim,
+        k_cache.shape[2],
+        block_tables.shape[1],
+        max_seq_len,
+        scale,
+        torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"paged decode attention does not support heads={num_heads}, kv_heads={k_cache.shape[1]}, "
-                         f"head_dim={head_dim}; check should_use() first")
+        raise ValueError(
+            f"paged decode attention does not support heads={num_heads}, kv_heads={k_cache.shape[1]}, "
+            f"head_dim={head_dim}; check should_use() first"
+        )
     return out
 
 
@@ -98,11 +114,27 @@ def paged_decode_attention_int8(
     out = torch.empty_like(q)
     num_reqs, num_heads, head_dim = q.shape
     status = _KERNEL_INT8.fn()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr(),
-        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, k_cache.shape[1],
-        head_dim, k_cache.shape[2], block_tables.shape[1], max_seq_len, scale, torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_scales.data_ptr(),
+        v_scales.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_reqs,
+        num_heads,
+        k_cache.shape[1],
+        head_dim,
+        k_cache.shape[2],
+        block_tables.shape[1],
+        max_seq_len,
+        scale,
+        torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"paged decode attention does not support heads={num_heads}, kv_heads={k_cache.shape[1]}, "
-                         f"head_dim={head_dim}; check should_use() first")
+        raise ValueError(
+            f"paged decode attention does not support heads={num_heads}, kv_heads={k_cache.shape[1]}, "
+            f"head_dim={head_dim}; check should_use() first"
+        )
     return out

@@ -8,6 +8,16 @@ from leanlm.loading.safetensors import load_hf_dir, save_hf_dir
 from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
-    "Checkpoint", "load_checkpoint", "ModelLoadError", "load_gguf", "DEFAULT_MODEL", "list_models", "pull_model",
-    "resolve_model", "load_hf_dir", "save_hf_dir", "IncrementalDetokenizer", "Tokenizer",
+    "Checkpoint",
+    "load_checkpoint",
+    "ModelLoadError",
+    "load_gguf",
+    "DEFAULT_MODEL",
+    "list_models",
+    "pull_model",
+    "resolve_model",
+    "load_hf_dir",
+    "save_hf_dir",
+    "IncrementalDetokenizer",
+    "Tokenizer",
 ]

@@ -24,7 +24,6 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
 MAX_RENDER_CHARS = 8 << 20  # a rendered prompt this long is far beyond any context (about 2M tokens)
 RENDER_TIMEOUT_S = 2.0  # real templates render in milliseconds
 
@@ -55,8 +54,12 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
             if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > limit:
                 raise ChatTemplateError(f"the chat template builds a value over the {limit}-character limit")
         elif operator == "**":
-            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
-                    right * abs(left).bit_length() > 4 * limit:
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and abs(left) > 1
+                and right * abs(left).bit_length() > 4 * limit
+            ):
                 raise ChatTemplateError("the chat template computes a number too large to render")
         elif operator == "%" and isinstance(left, str):
             if any(int(width) > limit for width in _WIDE_FORMAT.findall(left)):
@@ -71,7 +74,7 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
         for value in (owner, *args, *kwargs.values()):
             if isinstance(value, int) and value > limit:
                 raise ChatTemplateError(f"the chat template passes {value} to a function (limit {limit})")
-            if isinstance(value, str) and any(int(w) > limit for w in re.findall(r"\d{%d,}" % len(str(limit)), value)):
+            if isinstance(value, str) and any(int(w) > limit for w in re.findall(rf"\d{{{len(str(limit))},}}", value)):
                 raise ChatTemplateError(f"the chat template passes a format wider than the {limit}-character limit")
         return super().call(__context, __obj, *args, **kwargs)
 
@@ -80,8 +83,13 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON like HF renders it.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -103,8 +111,13 @@ def _compile(source: str):
 
 
 def render_chat_template(
-    source: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-    max_chars: int = MAX_RENDER_CHARS, timeout_s: float = RENDER_TIMEOUT_S, **variables: Any
+    source: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    max_chars: int = MAX_RENDER_CHARS,
+    timeout_s: float = RENDER_TIMEOUT_S,
+    **variables: Any,
 ) -> str:
     """Render `source` for `messages`; `variables` (bos_token, eos_token, tools, ...) reach the template.
     Raises ChatTemplateError when the output passes max_chars or the render takes longer than timeout_s."""

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from torch import nn
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import gguf_tokenizer_metadata, load_gguf, open_gguf
-from leanlm.loading.quantized import gptq_layers, quantized_layers, read_gptq_config, read_quantization_config
 from leanlm.loading.inspect import inspect
+from leanlm.loading.quantized import gptq_layers, quantized_layers, read_gptq_config, read_quantization_config
 from leanlm.loading.registry import resolve_model
 from leanlm.loading.safetensors import load_hf_dir
 from leanlm.loading.tokenizer import Tokenizer

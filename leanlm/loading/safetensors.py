@@ -30,8 +30,10 @@ def is_hf_dir(path: Path) -> bool:
 def read_hf_config(path: Path) -> ModelConfig:
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise ModelLoadError(f"{path} has no config.json; a Hugging Face model directory needs config.json next "
-                             "to its *.safetensors files")
+        raise ModelLoadError(
+            f"{path} has no config.json; a Hugging Face model directory needs config.json next "
+            "to its *.safetensors files"
+        )
     try:
         raw = json.loads(config_path.read_text())
         return ModelConfig.from_hf_dict(raw)
@@ -46,9 +48,20 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        names += [prefix + p + ".weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                  "post_attention_layernorm")]
+        names += [
+            prefix + p + ".weight"
+            for p in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+                "input_layernorm",
+                "post_attention_layernorm",
+            )
+        ]
         if config.attention_bias:
             names += [prefix + f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
     return names
@@ -65,13 +78,16 @@ def shard_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"{path / INDEX_FILE} has no weight_map object; re-download the model")
         for name in weight_map.values():
             if not isinstance(name, str) or not name:
-                raise ModelLoadError(f"{path / INDEX_FILE} maps a tensor to {name!r}, not a file name; "
-                                     "re-download the model")
+                raise ModelLoadError(
+                    f"{path / INDEX_FILE} maps a tensor to {name!r}, not a file name; re-download the model"
+                )
         shards = [_shard_inside(path, name) for name in dict.fromkeys(weight_map.values())]
         for shard in shards:
             if not shard.is_file():
-                raise ModelLoadError(f"shard {shard.name} listed in {INDEX_FILE} is missing from {path}; "
-                                     "re-download the model (all shards are needed)")
+                raise ModelLoadError(
+                    f"shard {shard.name} listed in {INDEX_FILE} is missing from {path}; "
+                    "re-download the model (all shards are needed)"
+                )
         return shards
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
@@ -85,8 +101,10 @@ def _shard_inside(path: Path, name: str) -> Path:
     anyway, and the Hugging Face hub cache links each snapshot's shards to ../../blobs."""
     relative = Path(name)
     if relative.is_absolute() or ".." in relative.parts:
-        raise ModelLoadError(f"{path / INDEX_FILE} names shard {name!r} outside the model directory (absolute or "
-                             "'..' path); refusing it: shards must be files inside the directory")
+        raise ModelLoadError(
+            f"{path / INDEX_FILE} names shard {name!r} outside the model directory (absolute or "
+            "'..' path); refusing it: shards must be files inside the directory"
+        )
     return path / relative
 
 
@@ -122,16 +140,22 @@ def load_hf_dir(
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # the same tensor as the embedding; the model ties it
     modules = {name.rsplit(".", 1)[0] for name in state_dict}
-    missing = [n for n in expected_tensor_names(config)
-               if n not in state_dict and not (n.endswith(".weight") and n.removesuffix(".weight") in modules)]
+    missing = [
+        n
+        for n in expected_tensor_names(config)
+        if n not in state_dict and not (n.endswith(".weight") and n.removesuffix(".weight") in modules)
+    ]
     if missing:
-        raise ModelLoadError(f"{path} lacks {len(missing)} tensors the config requires (first: "
-                             f"{', '.join(missing[:3])}); the checkpoint is incomplete or for another model")
+        raise ModelLoadError(
+            f"{path} lacks {len(missing)} tensors the config requires (first: "
+            f"{', '.join(missing[:3])}); the checkpoint is incomplete or for another model"
+        )
     return config, state_dict
 
 
-def save_hf_dir(path: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                max_shard_bytes: int = 2 << 30) -> None:
+def save_hf_dir(
+    path: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], max_shard_bytes: int = 2 << 30
+) -> None:
     """Write `config.json` + safetensors shards (+ index when more than one) that `load_hf_dir` reads back."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,22 @@ from leanlm.loading.errors import ModelLoadError
 # The safetensors library's own ceiling on the JSON header; real headers are well under 1 MB.
 MAX_HEADER_BYTES = 100 << 20
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class _Invalid(Exception):
@@ -43,12 +56,12 @@ def _check_entry(name: str, entry, buffer_bytes: int) -> tuple[int, int]:
         raise _Invalid(f"tensor {name!r} data_offsets {offsets!r} is not [begin, end]")
     begin, end = offsets
     if not begin <= end <= buffer_bytes:
-        raise _Invalid(f"tensor {name!r} data_offsets [{begin}, {end}] lie outside the {buffer_bytes}-byte "
-                       "data buffer")
+        raise _Invalid(f"tensor {name!r} data_offsets [{begin}, {end}] lie outside the {buffer_bytes}-byte data buffer")
     expected = math.prod(shape) * DTYPE_BYTES[dtype]  # Python ints: a huge shape cannot overflow
     if end - begin != expected:
-        raise _Invalid(f"tensor {name!r} is {dtype} {shape} ({expected} bytes) but data_offsets span "
-                       f"{end - begin} bytes")
+        raise _Invalid(
+            f"tensor {name!r} is {dtype} {shape} ({expected} bytes) but data_offsets span {end - begin} bytes"
+        )
     return begin, end
 
 
@@ -63,8 +76,10 @@ def check_safetensors_header(path: str | Path) -> dict[str, dict]:
                 raise _Invalid(f"the file is {file_bytes} bytes, shorter than the 8-byte header length")
             (header_bytes,) = struct.unpack("<Q", f.read(8))
             if header_bytes > min(file_bytes - 8, MAX_HEADER_BYTES):
-                raise _Invalid(f"the header length {header_bytes} exceeds the {file_bytes - 8} bytes that follow "
-                               f"(or the {MAX_HEADER_BYTES}-byte limit)")
+                raise _Invalid(
+                    f"the header length {header_bytes} exceeds the {file_bytes - 8} bytes that follow "
+                    f"(or the {MAX_HEADER_BYTES}-byte limit)"
+                )
             raw = f.read(header_bytes)
         try:
             header = json.loads(raw.decode("utf-8"))
@@ -90,5 +105,6 @@ def check_safetensors_header(path: str | Path) -> dict[str, dict]:
     except _Invalid as e:
         raise ModelLoadError(f"safetensors file {path} is corrupt or truncated ({e}); re-download it") from None
     except RecursionError:
-        raise ModelLoadError(f"safetensors file {path} is corrupt or truncated (its JSON header nests too "
-                             "deeply); re-download it") from None
+        raise ModelLoadError(
+            f"safetensors file {path} is corrupt or truncated (its JSON header nests too deeply); re-download it"
+        ) from None

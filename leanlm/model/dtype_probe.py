@@ -52,8 +52,10 @@ class DtypeChoice:
     def reason(self) -> str:
         rows = ", ".join(f"{r} rows {s:.2f}x" for r, s in self.bf16_speedup.items())
         source = "cached probe" if self.from_cache else "probe"
-        return (f"{source}: bfloat16 vs float32 speed on this CPU's linear layer: {rows} "
-                f"(geometric mean {self.geomean_speedup:.2f}x)")
+        return (
+            f"{source}: bfloat16 vs float32 speed on this CPU's linear layer: {rows} "
+            f"(geometric mean {self.geomean_speedup:.2f}x)"
+        )
 
 
 def _time_linear(layer: torch.nn.Module, x: torch.Tensor) -> float:
@@ -102,8 +104,15 @@ def measure(in_features: int, out_features: int, timer=_time_linear) -> dict[int
 
 
 def _cache_key(in_features: int, out_features: int) -> str:
-    parts = [PROBE_VERSION, build.cpu_model_name() or platform.machine(), sorted(build.cpu_flags()), torch.__version__,
-             in_features, out_features, bool(os.environ.get("LEANLM_DISABLE_KERNELS"))]
+    parts = [
+        PROBE_VERSION,
+        build.cpu_model_name() or platform.machine(),
+        sorted(build.cpu_flags()),
+        torch.__version__,
+        in_features,
+        out_features,
+        bool(os.environ.get("LEANLM_DISABLE_KERNELS")),
+    ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 

@@ -6,7 +6,6 @@ Module and weight names follow HF's LlamaForCausalLM, so HF state dicts load as 
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +85,11 @@ class LlamaDecoderLayer(nn.Module):
         # v_proj's output channels reach o_proj one-to-one only without grouped-query attention.
         self.linear_groups = (
             LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-            LinearGroup("self_attn.v_proj", ("self_attn.o_proj",),
-                        can_fold=config.num_attention_heads == config.num_key_value_heads),
+            LinearGroup(
+                "self_attn.v_proj",
+                ("self_attn.o_proj",),
+                can_fold=config.num_attention_heads == config.num_key_value_heads,
+            ),
             LinearGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
             LinearGroup("mlp.up_proj", ("mlp.down_proj",)),
         )

@@ -69,12 +69,18 @@ def _build_loop(model: nn.Module) -> cpu_decode.DecodeLayers | None:
     layers, rotary, cfg = model.model.layers, model.rotary_emb, model.config
     norm = model.model.norm.weight
     if (
-        not len(layers) or rotary is None or layers[0].self_attn.backend.name != "cpu" or not cpu_decode.is_available()
-        or norm.dtype != torch.bfloat16 or not norm.is_cpu or not norm.is_contiguous()
+        not len(layers)
+        or rotary is None
+        or layers[0].self_attn.backend.name != "cpu"
+        or not cpu_decode.is_available()
+        or norm.dtype != torch.bfloat16
+        or not norm.is_cpu
+        or not norm.is_contiguous()
         or model.model.embed_tokens.weight.dtype != torch.bfloat16
-        or rotary.cos.dtype != torch.float32 or not rotary.cos.is_cpu
+        or rotary.cos.dtype != torch.float32
+        or not rotary.cos.is_cpu
         or not paged_attention.supports_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    ):  # fmt: skip
+    ):
         return None
     native: list[cpu_decode.NativeLayer] = []
     for layer in layers:
@@ -86,8 +92,16 @@ def _build_loop(model: nn.Module) -> cpu_decode.DecodeLayers | None:
         if not spec.is_supported():
             return None
         native.append(spec)
-    return cpu_decode.DecodeLayers(native, norm, rotary.cos, rotary.sin, cfg.num_attention_heads,
-                                   cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
+    return cpu_decode.DecodeLayers(
+        native,
+        norm,
+        rotary.cos,
+        rotary.sin,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+    )
 
 
 class NativeDecodePlan:
@@ -113,7 +127,8 @@ class NativeDecodePlan:
             return False
         if self._bound is None or self._bound() is not cache:
             covers = cache.first_layer <= min(self._layer_ids) and max(self._layer_ids) < (
-                cache.first_layer + cache.num_layers)
+                cache.first_layer + cache.num_layers
+            )
             self._bound_ok = covers and self.loop.bind_kv([cache.layer(i) for i in self._layer_ids])
             self._bound = weakref.ref(cache)
         return self._bound_ok
@@ -123,5 +138,6 @@ class NativeDecodePlan:
         None when the loop cannot take this model or this forward's cache."""
         if not self.accepts(ctx.kv_cache):
             return None
-        return self.loop(x, positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_seq_lens,
-                         ctx.decode_max_seq_len)
+        return self.loop(
+            x, positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
+        )

@@ -40,8 +40,10 @@ class PagedKVCache:
         if is_quantized(self.kv.dtype) != (self.scales is not None):
             raise ValueError(f"a {self.kv.dtype} KV cache needs scales exactly when it is 8-bit (int8/fp8)")
         if self.scales is not None and (self.scales.shape != self.kv.shape[:-1] or self.scales.dtype != SCALE_DTYPE):
-            raise ValueError(f"KV scales must be {SCALE_DTYPE} {tuple(self.kv.shape[:-1])}, got "
-                             f"{self.scales.dtype} {tuple(self.scales.shape)}")
+            raise ValueError(
+                f"KV scales must be {SCALE_DTYPE} {tuple(self.kv.shape[:-1])}, got "
+                f"{self.scales.dtype} {tuple(self.scales.shape)}"
+            )
         layers = tuple(
             LayerKV(self.kv[i, 0], self.kv[i, 1], *((None, None) if self.scales is None else self.scales[i]))
             for i in range(self.kv.shape[0])
@@ -49,8 +51,17 @@ class PagedKVCache:
         object.__setattr__(self, "_layers", layers)
 
     @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, first_layer: int = 0) -> PagedKVCache:
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        first_layer: int = 0,
+    ) -> PagedKVCache:
         """Zeroed values (unit scales for an 8-bit dtype)."""
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
         kv = torch.zeros(shape, dtype=dtype, device=device)
@@ -60,8 +71,10 @@ class PagedKVCache:
     def layer(self, layer_idx: int) -> LayerKV:
         i = layer_idx - self.first_layer
         if not 0 <= i < len(self._layers):
-            raise IndexError(f"this KV cache holds layers {self.first_layer}..{self.first_layer + len(self._layers) - 1}, "
-                             f"not layer {layer_idx}; give the forward a cache covering every layer it runs")
+            raise IndexError(
+                f"this KV cache holds layers {self.first_layer}..{self.first_layer + len(self._layers) - 1}, "
+                f"not layer {layer_idx}; give the forward a cache covering every layer it runs"
+            )
         return self._layers[i]
 
     @property

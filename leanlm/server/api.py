@@ -22,14 +22,24 @@ from pydantic import BaseModel, ValidationError
 from leanlm.engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.server.metrics import ServerMetrics
 from leanlm.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, LimitExceededError, UnsupportedParameterError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LimitExceededError,
+    UnsupportedParameterError,
 )
 from leanlm.server.serving import ContextLengthError, Job, ModelNotFoundError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-def error_response(status: int, message: str, err_type: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
+
+def error_response(
+    status: int,
+    message: str,
+    err_type: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -58,8 +68,14 @@ def _map_exception(exc: BaseException) -> JSONResponse:
     if isinstance(exc, (UnsupportedParameterError, LimitExceededError)):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
-        return error_response(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
-                              headers={"Retry-After": str(exc.retry_after_s)})
+        return error_response(
+            429,
+            str(exc),
+            "rate_limit_error",
+            None,
+            "rate_limit_exceeded",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
     if isinstance(exc, EngineStoppedError):
         return error_response(503, str(exc), "server_error", None, "unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, (ValueError, TypeError)):
@@ -82,8 +98,14 @@ class GuardMiddleware:
     loopback ones defeats the rebinding. With an API key the page has no key, so any Host is accepted.
     """
 
-    def __init__(self, app, api_key: str | None, max_bytes: int, metrics_key: str | None = None,
-                 allowed_hosts: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_bytes: int,
+        metrics_key: str | None = None,
+        allowed_hosts: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         metrics_key = metrics_key or api_key
@@ -135,25 +157,44 @@ class GuardMiddleware:
             name = host_name(headers.get(b"host", b""))
             if not (is_loopback(name) or name in self.allowed_hosts):
                 return error_response(
-                    403, f"the Host {name!r} is not allowed: without an API key this server answers only requests "
+                    403,
+                    f"the Host {name!r} is not allowed: without an API key this server answers only requests "
                     f"addressed to a loopback name (localhost, 127.x.x.x, [::1]); start it with --api-key, or "
-                    f"name this host in --allowed-hosts", "invalid_request_error", None, "host_not_allowed")
+                    f"name this host in --allowed-hosts",
+                    "invalid_request_error",
+                    None,
+                    "host_not_allowed",
+                )
         expected = self.expected_metrics if path == "/metrics" else self.expected if path.startswith("/v1") else None
         if expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), expected):
-            return error_response(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                                  "invalid_request_error", None, "invalid_api_key")
+            return error_response(
+                401,
+                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+            )
         if method in ("POST", "PUT", "PATCH"):
             media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if media_type != b"application/json":
                 return error_response(
-                    415, f"the request body must be sent with 'Content-Type: application/json', not "
-                    f"{media_type.decode('latin-1') or 'none'!r}", "invalid_request_error", None,
-                    "unsupported_media_type")
+                    415,
+                    f"the request body must be sent with 'Content-Type: application/json', not "
+                    f"{media_type.decode('latin-1') or 'none'!r}",
+                    "invalid_request_error",
+                    None,
+                    "unsupported_media_type",
+                )
         return None
 
     async def _refuse(self, scope, receive, send) -> None:
-        response = error_response(413, f"the request body is larger than {self.max_bytes} bytes",
-                                  "invalid_request_error", None, "request_too_large")
+        response = error_response(
+            413,
+            f"the request body is larger than {self.max_bytes} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
         await response(scope, receive, send)
 
 
@@ -165,7 +206,7 @@ def host_name(host: bytes) -> str:
     """The name in a Host header, lower-cased, without port or trailing dot: 'localhost', '127.0.0.1', '::1'."""
     text = host.decode("latin-1").strip().lower()
     if text.startswith("["):  # [v6 address]:port
-        text = text[1:text.find("]")] if "]" in text else text[1:]
+        text = text[1 : text.find("]")] if "]" in text else text[1:]
     elif text.count(":") == 1:
         text = text.split(":")[0]
     return text.rstrip(".")
@@ -189,10 +230,17 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
             return
 
 
-def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = 16 * 1024 * 1024, start_engine: bool = True, metrics_key: str | None = None,
-              allowed_hosts: tuple[str, ...] = (), enable_docs: bool = False,
-              default_max_tokens: int | None = 1024) -> FastAPI:
+def build_app(
+    engine: AsyncLLMEngine,
+    model_names: list[str],
+    api_key: str | None = None,
+    max_body_bytes: int = 16 * 1024 * 1024,
+    start_engine: bool = True,
+    metrics_key: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    enable_docs: bool = False,
+    default_max_tokens: int | None = 1024,
+) -> FastAPI:
     """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
     or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`).
 
@@ -216,8 +264,13 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     app = FastAPI(title="LeanLM", lifespan=lifespan, **docs)
     app.state.serving = serving
     app.state.metrics = metrics
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_bytes=max_body_bytes, metrics_key=metrics_key,
-                       allowed_hosts=tuple(allowed_hosts))
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_bytes=max_body_bytes,
+        metrics_key=metrics_key,
+        allowed_hosts=tuple(allowed_hosts),
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -231,12 +284,21 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": name, "object": "model", "created": started, "owned_by": "leanlm",
-                 "max_model_len": serving.max_model_len} for name in model_names]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": started,
+                "owned_by": "leanlm",
+                "max_model_len": serving.max_model_len,
+            }
+            for name in model_names
+        ]
         return JSONResponse({"object": "list", "data": data})
 
-    async def handle(request: Request, schema: type[BaseModel],
-                     start: Callable[[BaseModel, str | None], Awaitable[Job]]) -> Response:
+    async def handle(
+        request: Request, schema: type[BaseModel], start: Callable[[BaseModel, str | None], Awaitable[Job]]
+    ) -> Response:
         raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
         try:
             body = await serving.off_loop(schema.model_validate_json, raw)
@@ -245,8 +307,9 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         except Exception as exc:  # everything here is the client's input or the server's capacity
             return _map_exception(exc)
         if body.stream:
-            return StreamingResponse(_streamed(request, job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _streamed(request, job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         watcher = asyncio.ensure_future(_watch_disconnect(request, job.abort))
         try:
             return JSONResponse(await serving.full_response(job))

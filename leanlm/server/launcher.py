@@ -24,12 +24,24 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
     max_in_flight = llm.llm_engine.engine_config.max_num_seqs + config.max_queue
     per_client = None if config.max_client_share >= 1 else max(1, int(config.max_client_share * max_in_flight))
     engine = AsyncLLMEngine(llm.llm_engine, max_queue=config.max_queue, max_seqs_per_client=per_client)
-    app = build_app(engine, [model_name], api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                    start_engine=False, metrics_key=config.metrics_key, allowed_hosts=config.allowed_host_names,
-                    enable_docs=config.enable_docs, default_max_tokens=config.default_max_tokens)
+    app = build_app(
+        engine,
+        [model_name],
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        start_engine=False,
+        metrics_key=config.metrics_key,
+        allowed_hosts=config.allowed_host_names,
+        enable_docs=config.enable_docs,
+        default_max_tokens=config.default_max_tokens,
+    )
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=config.shutdown_timeout_s, access_log=False,
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=config.shutdown_timeout_s,
+        access_log=False,
     )
     return uvicorn.Server(uv_config), engine
 
@@ -50,10 +62,14 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as exc:
-            what_to_do = {errno.EADDRINUSE: "another program listens there; stop it or pick another --port",
-                          errno.EACCES: "ports below 1024 need privileges; pick another --port"}
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}; "
-                          f"{what_to_do.get(exc.errno, 'check --host and --port')}") from exc
+            what_to_do = {
+                errno.EADDRINUSE: "another program listens there; stop it or pick another --port",
+                errno.EACCES: "ports below 1024 need privileges; pick another --port",
+            }
+            raise OSError(
+                f"cannot listen on {host}:{port}: {exc.strerror}; "
+                f"{what_to_do.get(exc.errno, 'check --host and --port')}"
+            ) from exc
 
 
 def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:

@@ -62,12 +62,13 @@ class ServerMetrics:
         self.model_name = model_name
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.ttft = Histogram("leanlm_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              TTFT_BUCKETS)
-        self.itl = Histogram("leanlm_inter_token_latency_seconds", "Time between successive tokens of a request.",
-                             ITL_BUCKETS)
-        self.e2e = Histogram("leanlm_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             E2E_BUCKETS)
+        self.ttft = Histogram(
+            "leanlm_time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            "leanlm_inter_token_latency_seconds", "Time between successive tokens of a request.", ITL_BUCKETS
+        )
+        self.e2e = Histogram("leanlm_e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
         self._progress: dict[str, _Progress] = {}
         engine.output_listeners.append(self.observe)
 
@@ -101,28 +102,69 @@ class ServerMetrics:
             lines.extend(f"{name}{labels} {value}" for labels, value in samples)
 
         model = f'model_name="{self.model_name}"'
-        metric("leanlm_num_requests_running", "gauge", "Sequences in the running batch.",
-               [(f"{{{model}}}", stats.num_running)])
-        metric("leanlm_num_requests_waiting", "gauge", "Sequences waiting to be scheduled.",
-               [(f"{{{model}}}", stats.num_waiting)])
-        metric("leanlm_num_requests_in_flight", "gauge", "HTTP-level requests accepted and not yet finished.",
-               [(f"{{{model}}}", self.engine.num_requests_in_flight)])
-        metric("leanlm_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks held by requests (1 = full).",
-               [(f"{{{model}}}", stats.kv_cache_usage)])
-        metric("leanlm_kv_cache_free_blocks", "gauge", "KV-cache blocks no request holds.",
-               [(f"{{{model}}}", snap.num_free_kv_blocks)])
-        metric("leanlm_kv_cache_total_blocks", "gauge", "KV-cache blocks in the pool.",
-               [(f"{{{model}}}", snap.num_kv_blocks)])
-        metric("leanlm_prefix_cache_hit_rate", "gauge", "Prompt tokens served by the prefix cache / looked up.",
-               [(f"{{{model}}}", stats.prefix_cache_hit_rate)])
-        metric("leanlm_num_preemptions_total", "counter", "Requests preempted (KV dropped, to be recomputed).",
-               [(f"{{{model}}}", stats.num_preemptions)])
-        metric("leanlm_request_success_total", "counter", "Finished sequences by finish reason.",
-               [(f'{{{model},finished_reason="{r}"}}', stats.num_finished.get(r, 0)) for r in FINISH_REASONS])
-        metric("leanlm_prompt_tokens_total", "counter", "Prompt tokens of requests that produced a token.",
-               [(f"{{{model}}}", self.prompt_tokens)])
-        metric("leanlm_generation_tokens_total", "counter", "Generated tokens.",
-               [(f"{{{model}}}", self.generation_tokens)])
+        metric(
+            "leanlm_num_requests_running",
+            "gauge",
+            "Sequences in the running batch.",
+            [(f"{{{model}}}", stats.num_running)],
+        )
+        metric(
+            "leanlm_num_requests_waiting",
+            "gauge",
+            "Sequences waiting to be scheduled.",
+            [(f"{{{model}}}", stats.num_waiting)],
+        )
+        metric(
+            "leanlm_num_requests_in_flight",
+            "gauge",
+            "HTTP-level requests accepted and not yet finished.",
+            [(f"{{{model}}}", self.engine.num_requests_in_flight)],
+        )
+        metric(
+            "leanlm_kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV-cache blocks held by requests (1 = full).",
+            [(f"{{{model}}}", stats.kv_cache_usage)],
+        )
+        metric(
+            "leanlm_kv_cache_free_blocks",
+            "gauge",
+            "KV-cache blocks no request holds.",
+            [(f"{{{model}}}", snap.num_free_kv_blocks)],
+        )
+        metric(
+            "leanlm_kv_cache_total_blocks",
+            "gauge",
+            "KV-cache blocks in the pool.",
+            [(f"{{{model}}}", snap.num_kv_blocks)],
+        )
+        metric(
+            "leanlm_prefix_cache_hit_rate",
+            "gauge",
+            "Prompt tokens served by the prefix cache / looked up.",
+            [(f"{{{model}}}", stats.prefix_cache_hit_rate)],
+        )
+        metric(
+            "leanlm_num_preemptions_total",
+            "counter",
+            "Requests preempted (KV dropped, to be recomputed).",
+            [(f"{{{model}}}", stats.num_preemptions)],
+        )
+        metric(
+            "leanlm_request_success_total",
+            "counter",
+            "Finished sequences by finish reason.",
+            [(f'{{{model},finished_reason="{r}"}}', stats.num_finished.get(r, 0)) for r in FINISH_REASONS],
+        )
+        metric(
+            "leanlm_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of requests that produced a token.",
+            [(f"{{{model}}}", self.prompt_tokens)],
+        )
+        metric(
+            "leanlm_generation_tokens_total", "counter", "Generated tokens.", [(f"{{{model}}}", self.generation_tokens)]
+        )
         metric("leanlm_engine_steps_total", "counter", "Engine steps run.", [(f"{{{model}}}", snap.num_steps)])
         for histogram in (self.ttft, self.itl, self.e2e):
             lines.extend(histogram.render())

@@ -93,7 +93,9 @@ class _SamplingFields(_Strict):
         try:
             logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         except ValueError:
-            raise UnsupportedParameterError("logit_bias", "logit_bias keys must be token ids (integers as strings)")
+            raise UnsupportedParameterError(
+                "logit_bias", "logit_bias keys must be token ids (integers as strings)"
+            ) from None
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -165,33 +167,40 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedParameterError("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise UnsupportedParameterError(
-                "best_of", f"best_of ({self.best_of}) must be >= n ({self.n}): it is how many completions are "
-                f"sampled, n how many of them are returned"
+                "best_of",
+                f"best_of ({self.best_of}) must be >= n ({self.n}): it is how many completions are "
+                f"sampled, n how many of them are returned",
             )
         if self.use_beam_search:
             self._check_beam_search()
         elif self.stream and self.num_samples > self.n:
             raise UnsupportedParameterError(
-                "best_of", "best_of > n cannot be streamed (the best completions are known only at the end); "
-                "send stream: false, or leave best_of unset"
+                "best_of",
+                "best_of > n cannot be streamed (the best completions are known only at the end); "
+                "send stream: false, or leave best_of unset",
             )
 
     def _check_beam_search(self) -> None:
         """Beam search keeps the most likely hypotheses: what only sampling or streaming means is refused."""
         if self.stream:
             raise UnsupportedParameterError(
-                "stream", "beam search cannot be streamed (hypotheses change until the search ends); send "
-                "stream: false")
+                "stream", "beam search cannot be streamed (hypotheses change until the search ends); send stream: false"
+            )
         refused = {
-            "logprobs": self.logprobs is not None, "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
-            "logit_bias": bool(self.logit_bias), "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0, "repetition_penalty": self.repetition_penalty != 1,
+            "logprobs": self.logprobs is not None,
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "logit_bias": bool(self.logit_bias),
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1,
             "min_tokens": self.min_tokens != 0,
         }
         for param, is_set in refused.items():
             if is_set:
                 raise UnsupportedParameterError(
-                    param, f"{param} is not supported with use_beam_search; leave it unset or sample instead")
+                    param, f"{param} is not supported with use_beam_search; leave it unset or sample instead"
+                )
 
     @property
     def num_samples(self) -> int:
@@ -235,10 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def chat_messages(self) -> list[dict[str, str]]:
         # The system-like "developer" role of newer clients is what chat templates call "system".
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,14 +19,20 @@ from typing import Any, TypeVar
 
 from leanlm import selection
 from leanlm.engine import (
-    AsyncLLMEngine, BeamSearchParams, CompletionOutput, EngineStoppedError, RequestFailedError, RequestOutput,
+    AsyncLLMEngine,
+    BeamSearchParams,
+    CompletionOutput,
+    RequestOutput,
     RequestStream,
 )
 from leanlm.sampling_params import SamplingParams
-from leanlm.server import responses
+from leanlm.server import responses, streaming
 from leanlm.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, LimitExceededError, UnsupportedParameterError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LimitExceededError,
 )
+from leanlm.server.streaming import raise_if_failed
 
 _T = TypeVar("_T")
 
@@ -76,8 +81,9 @@ class Job:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_names: list[str], default_max_tokens: int | None = None) -> None:
         if default_max_tokens is not None and default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1 or None (the rest of the context), got "
-                             f"{default_max_tokens}")
+            raise ValueError(
+                f"default_max_tokens must be >= 1 or None (the rest of the context), got {default_max_tokens}"
+            )
         self.engine = engine
         # Tokens generated when a request names no max_tokens (chat; completions default to 16 as OpenAI's):
         # the whole remaining context would let every client hold its KV blocks for the longest possible time.
@@ -139,13 +145,23 @@ class OpenAIServing:
             max_tokens = self._max_tokens(len(ids), request.max_tokens, "max_tokens")
             if max_tokens not in by_max_tokens:
                 by_max_tokens[max_tokens] = dataclasses.replace(
-                    request.sampling_params(max_tokens, logprobs, prompt_logprobs), n=num_samples)
+                    request.sampling_params(max_tokens, logprobs, prompt_logprobs), n=num_samples
+                )
             jobs_params.append(by_max_tokens[max_tokens])
         texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
-        return dict(prefix="cmpl", is_chat=False, model=request.model, prompts=prompts, params=jobs_params,
-                    texts=texts, n=request.n, num_top=request.logprobs, echo=request.echo,
-                    include_usage=request.include_usage_in_stream,
-                    best_of=num_samples if num_samples > request.n else None)
+        return dict(
+            prefix="cmpl",
+            is_chat=False,
+            model=request.model,
+            prompts=prompts,
+            params=jobs_params,
+            texts=texts,
+            n=request.n,
+            num_top=request.logprobs,
+            echo=request.echo,
+            include_usage=request.include_usage_in_stream,
+            best_of=num_samples if num_samples > request.n else None,
+        )
 
     def _prepare_beam_search(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> dict:
         """best_of (else n) beams per prompt; the async engine runs each search between its steps."""
@@ -153,14 +169,27 @@ class OpenAIServing:
             BeamSearchParams(
                 beam_width=request.num_samples,
                 max_tokens=self._max_tokens(len(ids), request.max_tokens, "max_tokens"),
-                length_penalty=request.length_penalty, early_stopping=request.early_stopping,
-                ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
+                length_penalty=request.length_penalty,
+                early_stopping=request.early_stopping,
+                ignore_eos=request.ignore_eos,
+                skip_special_tokens=request.skip_special_tokens,
             )
             for _, ids in prompts
         ]
         texts = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts]
-        return dict(prefix="cmpl", is_chat=False, model=request.model, prompts=prompts, params=params, texts=texts,
-                    n=request.n, num_top=None, echo=request.echo, include_usage=False, is_beam_search=True)
+        return dict(
+            prefix="cmpl",
+            is_chat=False,
+            model=request.model,
+            prompts=prompts,
+            params=params,
+            texts=texts,
+            n=request.n,
+            num_top=None,
+            echo=request.echo,
+            include_usage=False,
+            is_beam_search=True,
+        )
 
     def _prepare_chat(self, request: ChatCompletionRequest) -> dict:
         """In a prepare thread: render the chat template, tokenize, build the parameters."""
@@ -174,16 +203,26 @@ class OpenAIServing:
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
         params = request.sampling_params(max_tokens, num_top, None)
-        return dict(prefix="chatcmpl", is_chat=True, model=request.model, prompts=[(text, ids)], params=[params],
-                    texts=[text], n=request.n, num_top=num_top, echo=False,
-                    include_usage=request.include_usage_in_stream)
+        return dict(
+            prefix="chatcmpl",
+            is_chat=True,
+            model=request.model,
+            prompts=[(text, ids)],
+            params=[params],
+            texts=[text],
+            n=request.n,
+            num_top=num_top,
+            echo=False,
+            include_usage=request.include_usage_in_stream,
+        )
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens; shorten the prompt", "messages" if param != "max_tokens" else "prompt"
+                f"{num_prompt_tokens} tokens; shorten the prompt",
+                "messages" if param != "max_tokens" else "prompt",
             )
         if requested is None:
             return min(room, self.default_max_tokens or room)
@@ -191,12 +230,27 @@ class OpenAIServing:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but you requested "
                 f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
-                f"completion); reduce the prompt or {param}", param
+                f"completion); reduce the prompt or {param}",
+                param,
             )
         return requested
 
-    def _start(self, prefix, is_chat, model, prompts, params, texts, n, num_top, echo, include_usage,
-               best_of: int | None = None, is_beam_search: bool = False, client: str | None = None) -> Job:
+    def _start(
+        self,
+        prefix,
+        is_chat,
+        model,
+        prompts,
+        params,
+        texts,
+        n,
+        num_top,
+        echo,
+        include_usage,
+        best_of: int | None = None,
+        is_beam_search: bool = False,
+        client: str | None = None,
+    ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         add = self.engine.add_beam_search if is_beam_search else self.engine.add_request
         streams: list[RequestStream] = []
@@ -208,8 +262,7 @@ class OpenAIServing:
             for stream in streams:  # all prompts of a request are queued, or none is
                 stream.abort()
             raise
-        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage, best_of,
-                   is_beam_search)
+        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage, best_of, is_beam_search)
 
     # -- whole responses ------------------------------------------------------------------------------
 
@@ -218,7 +271,7 @@ class OpenAIServing:
         choices = []
         for prompt_idx, final in enumerate(finals):
             for completion in final.outputs:
-                _raise_if_failed(completion)
+                raise_if_failed(completion)
             completions = final.outputs  # beam hypotheses come best first: the n best are the first n
             if job.best_of is not None:  # the n with the highest mean token logprob, best first
                 completions = selection.best_of(completions).top(job.n)
@@ -226,22 +279,33 @@ class OpenAIServing:
             for choice_idx, completion in enumerate(completions):
                 index = prompt_idx * job.n + choice_idx
                 choices.append(self._choice(job, prompt_idx, final, completion, index))
-        body = responses.envelope(job.request_id, "chat.completion" if job.is_chat else "text_completion",
-                                  job.model, job.created)
+        body = responses.envelope(
+            job.request_id, "chat.completion" if job.is_chat else "text_completion", job.model, job.created
+        )
         body["choices"] = choices
         body["usage"] = responses.usage(finals)
         return body
 
     def _choice(self, job: Job, prompt_idx: int, final: RequestOutput, c: CompletionOutput, index: int) -> dict:
         if job.is_chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": None, "finish_reason": responses.finish_reason(c), "stop_reason": c.stop_reason}
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": responses.finish_reason(c),
+                "stop_reason": c.stop_reason,
+            }
             if job.num_top_logprobs is not None:
                 choice["logprobs"] = responses.chat_logprobs(self.texts, c.token_ids, c.logprobs, job.num_top_logprobs)
             return choice
         prefix = job.prompt_texts[prompt_idx] if job.echo else ""
-        choice = {"index": index, "text": prefix + c.text, "logprobs": None,
-                  "finish_reason": responses.finish_reason(c), "stop_reason": c.stop_reason}
+        choice = {
+            "index": index,
+            "text": prefix + c.text,
+            "logprobs": None,
+            "finish_reason": responses.finish_reason(c),
+            "stop_reason": c.stop_reason,
+        }
         if job.num_top_logprobs is not None:
             ids, lps = list(c.token_ids), list(c.logprobs)
             if job.echo:
@@ -252,118 +316,6 @@ class OpenAIServing:
 
     # -- streams --------------------------------------------------------------------------------------
 
-    async def sse_stream(self, job: Job) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per new piece of each choice, the usage chunk if asked, then [DONE].
-        A failure after the stream started is sent as an `error` event (the HTTP status is already 200)."""
-        cursors: dict[int, responses.ChoiceCursor] = {}
-        finals: dict[int, RequestOutput] = {}
-        obj = "chat.completion.chunk" if job.is_chat else "text_completion"
-        try:
-            async for prompt_idx, output in _merged(job.streams):
-                chunk = responses.envelope(job.request_id, obj, job.model, job.created)
-                chunk["choices"] = self._delta_choices(job, prompt_idx, output, cursors)
-                if job.include_usage:
-                    chunk["usage"] = None
-                if output.finished:
-                    finals[prompt_idx] = output
-                if chunk["choices"]:
-                    yield _sse(chunk)
-            if job.include_usage:
-                chunk = responses.envelope(job.request_id, obj, job.model, job.created)
-                chunk["choices"] = []
-                chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)])
-                yield _sse(chunk)
-        except (RequestFailedError, UnsupportedParameterError, EngineStoppedError) as exc:
-            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
-        finally:
-            job.abort()  # no-op unless the client went away mid-stream
-        yield "data: [DONE]\n\n"
-
-    def _delta_choices(self, job: Job, prompt_idx: int, output: RequestOutput, cursors: dict) -> list[dict]:
-        choices = []
-        for c in output.outputs:
-            _raise_if_failed(c)
-            index = prompt_idx * job.n + c.index
-            cursor = cursors.get(index)
-            if cursor is None:
-                cursor = cursors[index] = responses.ChoiceCursor()
-                if job.is_chat:  # the first chunk of a chat choice carries the role
-                    choices.append({"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None})
-                elif job.echo:
-                    choices.append(self._echo_chunk(job, prompt_idx, output, index))
-            if cursor.finished:
-                continue
-            new_text = c.text[cursor.num_chars:]
-            new_ids = c.token_ids[cursor.num_tokens:]
-            reason = responses.finish_reason(c)
-            if not new_text and reason is None and (job.num_top_logprobs is None or not new_ids):
-                continue  # tokens whose text is still held back (a partial character or a stop prefix)
-            choice = self._delta(job, index, new_text, new_ids, c.logprobs[cursor.num_tokens:] if c.logprobs else [])
-            choice["finish_reason"] = reason
-            if reason is not None:
-                choice["stop_reason"] = c.stop_reason
-            cursor.num_chars, cursor.num_tokens, cursor.finished = len(c.text), len(c.token_ids), c.finished
-            choices.append(choice)
-        return choices
-
-    def _delta(self, job: Job, index: int, text: str, ids: list[int], lps: list) -> dict:
-        if job.is_chat:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None}
-            if job.num_top_logprobs is not None:
-                choice["logprobs"] = responses.chat_logprobs(self.texts, ids, lps, job.num_top_logprobs)
-            return choice
-        choice = {"index": index, "text": text, "logprobs": None}
-        if job.num_top_logprobs is not None:
-            choice["logprobs"] = responses.completion_logprobs(self.texts, ids, lps, job.num_top_logprobs)
-        return choice
-
-    def _echo_chunk(self, job: Job, prompt_idx: int, output: RequestOutput, index: int) -> dict:
-        choice = {"index": index, "text": job.prompt_texts[prompt_idx], "logprobs": None, "finish_reason": None}
-        if job.num_top_logprobs is not None and output.prompt_logprobs is not None:
-            choice["logprobs"] = responses.completion_logprobs(
-                self.texts, output.prompt_token_ids, output.prompt_logprobs, job.num_top_logprobs
-            )
-        return choice
-
-
-def _raise_if_failed(completion: CompletionOutput) -> None:
-    if completion.finish_reason == "error":
-        raise RequestFailedError(completion.error or "the request failed")
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams, in arrival order. The queue holds one item: a pump waits
-    while the reader is slow, so outputs coalesce in its RequestStream instead of piling up here."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-
-    async def pump(idx: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                await queue.put((idx, output))
-        except BaseException as exc:
-            await queue.put((idx, exc))
-        await queue.put((idx, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            idx, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield idx, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def sse_stream(self, job: Job) -> AsyncIterator[str]:
+        """Server-sent events of a job (server/streaming.py)."""
+        return streaming.sse_events(job, self.texts)

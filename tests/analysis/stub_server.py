@@ -72,8 +72,10 @@ async def _events(body: dict, spec: dict, state: StubState, generation: int):
             if sent:
                 await asyncio.sleep(spec.get("itl", 0.0))
             n = min(per_chunk, num_tokens - sent)
-            yield _chunk({"object": "text_completion", "choices": [
-                {"index": 0, "text": "tok " * n, "finish_reason": None}]}, crlf)
+            yield _chunk(
+                {"object": "text_completion", "choices": [{"index": 0, "text": "tok " * n, "finish_reason": None}]},
+                crlf,
+            )
             sent += n
             if fail == "stream":
                 yield _chunk({"error": {"message": "boom", "type": "server_error"}}, crlf)

@@ -6,9 +6,23 @@ import pytest
 import torch
 
 from leanlm.analysis.estimate import (
-    decode_flops_per_token, decode_step, decode_utilization, expected_experts_touched, kv_bytes_per_token,
-    kv_cache_bytes, kv_format, matmul_flops_per_token, max_batch, param_counts, peak_activation_bytes,
-    prefill_flops, prefill_step, roofline_time, serving_memory_bytes, weight_bytes, weight_format,
+    decode_flops_per_token,
+    decode_step,
+    decode_utilization,
+    expected_experts_touched,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kv_format,
+    matmul_flops_per_token,
+    max_batch,
+    param_counts,
+    peak_activation_bytes,
+    prefill_flops,
+    prefill_step,
+    roofline_time,
+    serving_memory_bytes,
+    weight_bytes,
+    weight_format,
 )
 from leanlm.analysis.hardware_profiles import HARDWARE, Hardware, measure_matmul_flops
 from leanlm.analysis.model_shape import PRESETS, ModelShape, load_shape, shape_from_config
@@ -236,8 +250,9 @@ def test_kv_estimate_matches_what_the_engine_allocates(smollm_shape):
     with torch.device("meta"):  # the runner allocates the real KV tensor; the weights do not matter here
         model = LlamaForCausalLM(config)
     budget = 48 << 20
-    runner = ModelRunner(model, EngineConfig(kv_cache_memory_bytes=budget, block_size=16), torch.device("cpu"),
-                         torch.bfloat16)
+    runner = ModelRunner(
+        model, EngineConfig(kv_cache_memory_bytes=budget, block_size=16), torch.device("cpu"), torch.bfloat16
+    )
     allocated = runner.kv_cache.nbytes
     tokens = runner.num_blocks * runner.block_size
     per_token = kv_bytes_per_token(smollm_shape, kv_format("bf16", smollm_shape.head_dim))
@@ -246,8 +261,9 @@ def test_kv_estimate_matches_what_the_engine_allocates(smollm_shape):
     assert allocated == pytest.approx(budget, rel=0.05)  # whole blocks, so a little under the budget
     assert tokens == pytest.approx(budget / per_token, rel=0.05)
     # the int8 cache: one byte per value + a float32 scale per (token, KV head), exactly
-    runner = ModelRunner(model, EngineConfig(kv_cache_memory_bytes=budget, kv_cache_dtype="int8"),
-                         torch.device("cpu"), torch.bfloat16)
+    runner = ModelRunner(
+        model, EngineConfig(kv_cache_memory_bytes=budget, kv_cache_dtype="int8"), torch.device("cpu"), torch.bfloat16
+    )
     int8 = kv_format("int8", smollm_shape.head_dim, scale_bits=32)
     assert kv_bytes_per_token(smollm_shape, int8) == runner.kv_cache_bytes / (runner.num_blocks * runner.block_size)
     assert kv_format("fp8_e4m3", 64) == kv_format("fp8", 64)

@@ -26,9 +26,14 @@ def test_strided_windows_score_every_token_after_the_first_once():
     assert scored == list(range(1, 12))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(seq_len=1), "seq_len"), (dict(seq_len=4, stride=5), "stride"), (dict(seq_len=64), "fewer than one window"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(seq_len=1), "seq_len"),
+        (dict(seq_len=4, stride=5), "stride"),
+        (dict(seq_len=64), "fewer than one window"),
+    ],
+)
 def test_bad_windows_say_what_to_change(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_windows(list(range(10)), **kwargs)
@@ -70,8 +75,9 @@ def test_kl_of_a_model_against_itself_is_zero(smollm_f32, wiki_windows):
     assert result.top1_agreement == 1.0
     assert result.base.perplexity == result.model.perplexity
     # the KL path's perplexity is the generate path's
-    assert result.base.perplexity == pytest.approx(perplexity(smollm_f32, wiki_windows[:2], use_tqdm=False).perplexity,
-                                                   rel=1e-6)
+    assert result.base.perplexity == pytest.approx(
+        perplexity(smollm_f32, wiki_windows[:2], use_tqdm=False).perplexity, rel=1e-6
+    )
 
 
 def test_kl_float32_against_bfloat16_is_small_but_not_zero(smollm_f32, wiki_windows):

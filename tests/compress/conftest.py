@@ -14,8 +14,9 @@ def tiny_model():
     def make(dtype=torch.float32, seed=0, heads=4, kv_heads=2, architecture="llama"):
         import dataclasses
 
-        cfg = dataclasses.replace(tiny_config(VOCAB, architecture), num_attention_heads=heads,
-                                  num_key_value_heads=kv_heads)
+        cfg = dataclasses.replace(
+            tiny_config(VOCAB, architecture), num_attention_heads=heads, num_key_value_heads=kv_heads
+        )
         return build_model(cfg, tiny_state_dict(cfg, seed), dtype)
 
     return make

@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from leanlm.compress import GPTQConfig, LLMInt8Config, RTNConfig, compress, save_checkpoint, save_gptq_checkpoint
-from leanlm.model.quantized.gptq_layout import (
-    from_gptq_tensors, pack_int32_rows, to_gptq_tensors, unpack_int32_rows,
-)
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.model.llama import build_model
+from leanlm.model.quantized.gptq_layout import (
+    from_gptq_tensors,
+    pack_int32_rows,
+    to_gptq_tensors,
+    unpack_int32_rows,
+)
+from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from tests.compress.conftest import dense_logits
 
 
@@ -21,10 +24,16 @@ def _reload(path, dtype=torch.float32):
     return build_model(ckpt.config, ckpt.state_dict, dtype, quantized=ckpt.quantized)
 
 
-@pytest.mark.parametrize("recipe", [
-    [RTNConfig(bits=4, group_size=32, ignore=())], [RTNConfig(bits=8, group_size=None)],
-    [RTNConfig(bits=8, group_size=None, act_bits=8)], [GPTQConfig(bits=3, group_size=32)], [LLMInt8Config()],
-])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        [RTNConfig(bits=4, group_size=32, ignore=())],
+        [RTNConfig(bits=8, group_size=None)],
+        [RTNConfig(bits=8, group_size=None, act_bits=8)],
+        [GPTQConfig(bits=3, group_size=32)],
+        [LLMInt8Config()],
+    ],
+)
 def test_checkpoint_round_trip_is_exact(tiny_model, calib, tokenizer, tmp_path, recipe):
     model = tiny_model()
     compress(model, recipe, calib, progress=False)
@@ -91,8 +100,14 @@ def test_gptq_checkpoint_loads_back(tiny_model, calib, tokenizer, tmp_path):
     compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
     save_gptq_checkpoint(model, tmp_path, tokenizer)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["quantization_config"] == {**cfg["quantization_config"], "quant_method": "gptq", "bits": 4,
-                                          "group_size": 32, "desc_act": True, "sym": True}
+    assert cfg["quantization_config"] == {
+        **cfg["quantization_config"],
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "desc_act": True,
+        "sym": True,
+    }
     assert not (tmp_path / "quantization_config.json").exists()
     loaded = _reload(tmp_path)
     ref, out = dense_logits(model, calib), dense_logits(loaded, calib)
@@ -165,6 +180,7 @@ def _set_first(value):
         t = t.clone()
         t[0] = value
         return t
+
     return edit
 
 
@@ -215,10 +231,13 @@ def test_intact_checkpoints_still_load(saved_checkpoints):
     assert layer.perm is not None and torch.equal(layer.perm.sort().values, torch.arange(128))
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda t: {**t, "qzeros": t["qzeros"][:-1].contiguous()}, r"qzeros \[3, 8\] do not match"),
-    (lambda t: {**t, "g_idx": _set_first(7)(t["g_idx"])}, r"g_idx holds groups outside \[0, 4\)"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda t: {**t, "qzeros": t["qzeros"][:-1].contiguous()}, r"qzeros \[3, 8\] do not match"),
+        (lambda t: {**t, "g_idx": _set_first(7)(t["g_idx"])}, r"g_idx holds groups outside \[0, 4\)"),
+    ],
+)
 def test_damaged_gptq_checkpoint_is_refused(tiny_model, calib, tokenizer, tmp_path, edit, match):
     from safetensors.torch import load_file, save_file
 
@@ -227,7 +246,7 @@ def test_damaged_gptq_checkpoint_is_refused(tiny_model, calib, tokenizer, tmp_pa
     save_gptq_checkpoint(model, tmp_path, tokenizer)
     state = load_file(str(tmp_path / "model.safetensors"))
     prefix = "model.layers.0.mlp.down_proj."
-    layer = edit({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    layer = edit({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     save_file({**state, **{prefix + k: v for k, v in layer.items()}}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=match):
         load_checkpoint(tmp_path, progress=False)

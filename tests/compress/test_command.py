@@ -3,8 +3,8 @@
 import pytest
 
 from leanlm.cli import main
-from leanlm.compress import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig
 from leanlm.cli.quantize import build_recipe
+from leanlm.compress import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig
 
 
 def test_recipes_behind_the_methods():
@@ -18,13 +18,16 @@ def test_recipes_behind_the_methods():
     assert build_recipe("rtn", quantize_lm_head=True)[0].ignore == ()
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--method", "rtn", "--bits", "4", "--group-size", "48"], "multiple of 32"),
-    (["--method", "gptq", "--calib", "/no/such/file"], "does not exist"),
-    (["--method", "gptq", "--format", "gptq"], "--symmetric"),
-    (["--method", "smoothquant", "--format", "gptq"], "4-bit weight-only"),
-    (["--method", "rtn", "--bits", "9"], "bits"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "rtn", "--bits", "4", "--group-size", "48"], "multiple of 32"),
+        (["--method", "gptq", "--calib", "/no/such/file"], "does not exist"),
+        (["--method", "gptq", "--format", "gptq"], "--symmetric"),
+        (["--method", "smoothquant", "--format", "gptq"], "4-bit weight-only"),
+        (["--method", "rtn", "--bits", "9"], "bits"),
+    ],
+)
 def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
     assert main(["quantize", *argv, "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err

@@ -6,15 +6,21 @@ import pytest
 import torch
 
 from leanlm.compress import (
-    AWQConfig, FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SmoothQuantConfig, compress,
+    AWQConfig,
+    FP8Config,
+    GPTQConfig,
+    LLMInt8Config,
+    RTNConfig,
+    SmoothQuantConfig,
+    compress,
 )
 from leanlm.compress.awq import search_block_scales, search_scales
 from leanlm.compress.calibration import LayerRunner
 from leanlm.compress.gptq import gptq_quantize, layer_error
-from leanlm.model.quantized.linear import QuantLinear
-from leanlm.model.quantized.numerics import fake_quantize, sqnr_db
 from leanlm.compress.smoothquant import smoothing_scales
 from leanlm.model.llama import LinearGroup
+from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.quantized.numerics import fake_quantize, sqnr_db
 from tests.compress.conftest import dense_logits
 
 
@@ -43,8 +49,10 @@ def test_smoothquant_transform_leaves_outputs_unchanged(tiny_model, calib, heads
 
 def test_smoothquant_makes_w8a8_better_on_outlier_activations(tiny_model, calib):
     errors = {}
-    for name, recipe in {"plain": [RTNConfig(bits=8, act_bits=8)],
-                         "smooth": [SmoothQuantConfig(alpha=0.5), RTNConfig(bits=8, act_bits=8)]}.items():
+    for name, recipe in {
+        "plain": [RTNConfig(bits=8, act_bits=8)],
+        "smooth": [SmoothQuantConfig(alpha=0.5), RTNConfig(bits=8, act_bits=8)],
+    }.items():
         model = _spiky(tiny_model(torch.float64))
         ref = dense_logits(model, calib)
         compress(model, recipe, calib, progress=False)
@@ -77,6 +85,7 @@ def test_gptq_layer_error_is_at_most_rtn(bits, group_size, act_order, shrink):
         assert gptq_err < 0.8 * rtn_err  # a real improvement, not a tie
     # the codes + parameters it returns reproduce the dequantized weight exactly
     from leanlm.compress.int_scheme import build_module
+
     module = build_module(result.codes, result.qparams, cfg, None, result.perm)
     assert torch.allclose(module.dequantized_weight(), result.dequantized, atol=1e-5)
 
@@ -106,7 +115,7 @@ def test_observing_one_group_stops_early_and_sees_what_the_full_pass_sees(tiny_m
     layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: calls.append(1))
     for group in layer.linear_groups:
         one = observe_inputs(layer, runner, hidden, frozenset({"hessian"}), (group,))
-        (name, fed), = one.items()
+        ((name, fed),) = one.items()
         assert torch.allclose(fed.hessian, full[name].hessian, atol=1e-10) and fed.num_tokens == full[name].num_tokens
     assert len(calls) == 2  # down_proj ran only when its own group was observed (2 chunks of 2 samples)
 
@@ -139,8 +148,10 @@ def test_awq_scale_search_protects_salient_channels():
 
 def test_awq_then_rtn_beats_rtn_on_model(tiny_model, calib):
     out = {}
-    for name, recipe in {"rtn": [RTNConfig(bits=3, group_size=32)],
-                         "awq": [AWQConfig(bits=3, group_size=32), RTNConfig(bits=3, group_size=32)]}.items():
+    for name, recipe in {
+        "rtn": [RTNConfig(bits=3, group_size=32)],
+        "awq": [AWQConfig(bits=3, group_size=32), RTNConfig(bits=3, group_size=32)],
+    }.items():
         model = _spiky(tiny_model())
         ref = dense_logits(model, calib)
         compress(model, recipe, calib, progress=False)
@@ -216,7 +227,14 @@ def test_recipes_validate_and_record_themselves(tiny_model, calib):
         RTNConfig(bits=4, group_size=48)
     with pytest.raises(ValueError, match="per channel"):
         RTNConfig(bits=8, group_size=64)
-    compress(model, [FP8Config(), ], None, progress=False)
+    compress(
+        model,
+        [
+            FP8Config(),
+        ],
+        None,
+        progress=False,
+    )
     assert model.compression_recipe[0]["method"] == "fp8"
     assert isinstance(model.lm_head, torch.nn.Linear)  # lm_head ignored by default
 

@@ -7,15 +7,24 @@ import pytest
 import torch
 
 from leanlm.compress import (
-    AWQConfig, FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SmoothQuantConfig, calibration_samples, compress,
+    AWQConfig,
+    FP8Config,
+    GPTQConfig,
+    LLMInt8Config,
+    RTNConfig,
+    SmoothQuantConfig,
+    calibration_samples,
+    compress,
     read_calibration_text,
 )
-from leanlm.model.quantized.numerics import sqnr_db
 from leanlm.model.llama import build_model
+from leanlm.model.quantized.numerics import sqnr_db
 from tests.compress.conftest import dense_logits
 
-TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
-        "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
+TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+    "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889."
+)
 
 pytestmark = pytest.mark.real_model  # the bundled model throughout
 
@@ -84,17 +93,22 @@ def test_quantized_checkpoint_is_served(tmp_path):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
         # A completion whose first token leads by ~2.5 nats in float32: bf16 rounding cannot flip it (the chat
         # answer's first token is a 0.08-nat tie, which CPUs round either way).
-        reply = client.completions.create(model=str(out), prompt="The capital of France is", max_tokens=4,
-                                          temperature=0)
+        reply = client.completions.create(
+            model=str(out), prompt="The capital of France is", max_tokens=4, temperature=0
+        )
         assert reply.choices[0].text.startswith(" Paris")
 
 
-@pytest.mark.parametrize("recipe,max_kl", [
-    ([SmoothQuantConfig(alpha=0.5), RTNConfig(bits=8, act_bits=8)], 0.03),  # measured 0.010
-    ([LLMInt8Config()], 0.05),  # 0.018
-    ([FP8Config()], 0.1),  # 0.045
-    ([AWQConfig(bits=4, group_size=64), RTNConfig(bits=4, group_size=64)], 0.35),  # 0.17
-], ids=["smoothquant-w8a8", "llm_int8", "fp8", "awq-w4"])
+@pytest.mark.parametrize(
+    "recipe,max_kl",
+    [
+        ([SmoothQuantConfig(alpha=0.5), RTNConfig(bits=8, act_bits=8)], 0.03),  # measured 0.010
+        ([LLMInt8Config()], 0.05),  # 0.018
+        ([FP8Config()], 0.1),  # 0.045
+        ([AWQConfig(bits=4, group_size=64), RTNConfig(bits=4, group_size=64)], 0.35),  # 0.17
+    ],
+    ids=["smoothquant-w8a8", "llm_int8", "fp8", "awq-w4"],
+)
 def test_methods_on_the_real_model(smollm, eval_ids, recipe, max_kl):
     """Each method end to end on SmolLM2 with a little calibration data: logits stay close to float."""
     text = read_calibration_text()[:100_000]

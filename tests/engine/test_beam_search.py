@@ -69,14 +69,14 @@ def reference_beam_search(hf, prompt, width, max_tokens, length_penalty, early_s
         for rank, (cum, tokens) in enumerate(candidates):
             if length == max_tokens or tokens[-1] in eos_ids:
                 if rank < width:
-                    finished.append((cum / length ** length_penalty, tokens, cum))
+                    finished.append((cum / length**length_penalty, tokens, cum))
                     num_ended_by_eos += tokens[-1] in eos_ids
             elif len(beams) < width:
                 beams.append((tokens, cum))
         finished = sorted(finished, key=lambda f: -f[0])[:width]
         if length == max_tokens or not beams:
             break
-        if len(finished) == width and (early_stopping or beams[0][1] / length ** length_penalty <= finished[-1][0]):
+        if len(finished) == width and (early_stopping or beams[0][1] / length**length_penalty <= finished[-1][0]):
             break
     return finished, num_ended_by_eos
 
@@ -99,7 +99,8 @@ def eos_that_ends_hypotheses(hf, tokenizer, prompt, width, max_tokens, length_pe
     for eos in tried:
         eos_ids = {eos, *tokenizer.eos_token_ids}
         hypotheses, num_ended = reference_beam_search(
-            hf, prompt, width, max_tokens, length_penalty, early_stopping, eos_ids)
+            hf, prompt, width, max_tokens, length_penalty, early_stopping, eos_ids
+        )
         if any(tokens[-1] == eos for _, tokens, _ in hypotheses):
             return eos
         if num_ended:
@@ -164,22 +165,25 @@ def test_forked_requests_see_the_same_logits_as_a_fresh_run(tokenizer, tiny, kv_
         (2, 0.0, False, {"num_kv_blocks": 10, "enable_prefix_caching": False}, True),  # forks share by ref count only
     ],
 )
-def test_beam_search_equals_a_dense_reference(tokenizer, tiny, width, length_penalty, early_stopping, options,
-                                              ends_by_eos):
+def test_beam_search_equals_a_dense_reference(
+    tokenizer, tiny, width, length_penalty, early_stopping, options, ends_by_eos
+):
     config, state_dict, hf = tiny
     prompts = random_prompts(config.vocab_size)
     eos = eos_that_ends_hypotheses(hf, tokenizer, prompts[0], width, 8, length_penalty, early_stopping)
     engine = make_engine(tokenizer, config, state_dict, eos_token_id=eos, **options)
-    params = BeamSearchParams(beam_width=width, max_tokens=8, length_penalty=length_penalty,
-                              early_stopping=early_stopping)
+    params = BeamSearchParams(
+        beam_width=width, max_tokens=8, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     outputs = BeamSearch(engine, params).run(prompts)
     num_stopped = 0
     for prompt, output in zip(prompts, outputs):
-        expected, _ = reference_beam_search(hf, prompt, width, 8, length_penalty, early_stopping,
-                                            set(engine.eos_token_ids))
+        expected, _ = reference_beam_search(
+            hf, prompt, width, 8, length_penalty, early_stopping, set(engine.eos_token_ids)
+        )
         assert output.prompt_token_ids == prompt
         assert [s.token_ids for s in output.sequences] == [tokens for _, tokens, _ in expected]
-        for seq, (score, tokens, cum) in zip(output.sequences, expected):
+        for seq, (_, tokens, cum) in zip(output.sequences, expected):
             # The engine's logprobs are float32 (like HF's beam search), off by ~4e-6 per token.
             assert seq.cumulative_logprob == pytest.approx(cum, abs=1e-4)
             assert seq.score == pytest.approx(seq.cumulative_logprob / len(tokens) ** length_penalty, rel=1e-12)
@@ -198,19 +202,28 @@ def test_beam_search_equals_hf_generate(tokenizer, tiny, width, length_penalty, 
     prompt = random_prompts(config.vocab_size, lengths=(7,), seed=3)[0]
     eos = eos_that_ends_hypotheses(hf, tokenizer, prompt, width, 6, length_penalty, early_stopping)
     engine = make_engine(tokenizer, config, state_dict, eos_token_id=eos)
-    params = BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=length_penalty,
-                              early_stopping=early_stopping)
+    params = BeamSearchParams(
+        beam_width=width, max_tokens=6, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     (output,) = BeamSearch(engine, params).run([prompt])
     eos_ids = list(engine.eos_token_ids)
     with torch.no_grad():
         ref = hf.generate(
-            torch.tensor([prompt]), num_beams=width, num_return_sequences=width, max_new_tokens=6, do_sample=False,
-            length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos_ids,
-            pad_token_id=eos_ids[0], output_scores=True, return_dict_in_generate=True,
+            torch.tensor([prompt]),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=6,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            eos_token_id=eos_ids,
+            pad_token_id=eos_ids[0],
+            output_scores=True,
+            return_dict_in_generate=True,
         )
     assert len(output.sequences) == width
     for seq, row, score in zip(output.sequences, ref.sequences.tolist(), ref.sequences_scores.tolist()):
-        assert row[len(prompt): len(prompt) + len(seq.token_ids)] == seq.token_ids
+        assert row[len(prompt) : len(prompt) + len(seq.token_ids)] == seq.token_ids
         assert seq.score == pytest.approx(score, abs=1e-4)
 
 

@@ -26,7 +26,7 @@ def dense_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
     with torch.no_grad():
         for _ in range(num_tokens):
             ids.append(int(hf(torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -85,8 +85,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(make_tiny_engine, to
 
 def test_n_completions_share_the_prompt_and_differ(make_tiny_engine, tokenizer):
     engine = make_tiny_engine(dtype=torch.float32)
-    rid = engine.add_request(_prompts(tokenizer.vocab_size)[2], SamplingParams(n=3, max_tokens=8, seed=7,
-                                                                               ignore_eos=True))
+    rid = engine.add_request(
+        _prompts(tokenizer.vocab_size)[2], SamplingParams(n=3, max_tokens=8, seed=7, ignore_eos=True)
+    )
     out = run_to_completion(engine)[rid]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
@@ -103,8 +104,12 @@ def test_stop_string_spanning_tokens(make_tiny_engine, tokenizer):
 
     def spans(i: int) -> bool:  # token i's text ends with 2+ characters and token i + 1 adds 2+ more
         end = len(pieces[i])
-        return (end >= 2 and len(pieces[i + 1]) >= end + 2 and full.text.startswith(pieces[i + 1])
-                and full.text.find(full.text[end - 2 : end + 2]) == end - 2)
+        return (
+            end >= 2
+            and len(pieces[i + 1]) >= end + 2
+            and full.text.startswith(pieces[i + 1])
+            and full.text.find(full.text[end - 2 : end + 2]) == end - 2
+        )
 
     # a stop string made of the end of token j's text and the start of token j + 1's
     j = next(i for i in range(len(pieces) - 1) if spans(i))
@@ -121,8 +126,9 @@ def test_stop_string_spanning_tokens(make_tiny_engine, tokenizer):
 def test_logprobs_match_the_dense_reference(make_tiny_engine, tokenizer):
     prompt = _prompts(tokenizer.vocab_size)[0]
     engine = make_tiny_engine()
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
-                                                    logprobs=4, prompt_logprobs=2))
+    rid = engine.add_request(
+        prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=4, prompt_logprobs=2)
+    )
     out = run_to_completion(engine)[rid]
     config = tiny_config(tokenizer.vocab_size)
     hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
@@ -159,14 +165,17 @@ def test_full_prompt_logprobs_cover_every_chunk_and_match_the_dense_reference(ma
         assert out.prompt_logprobs[j][prompt[j]] == pytest.approx(float(full[j - 1, prompt[j]]), abs=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n must be"),
+    ],
+)
 def test_invalid_sampling_params_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -206,14 +215,16 @@ def test_abort_frees_blocks(make_tiny_engine):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_quantized_kv_is_the_same_under_chunking_prefix_hits_and_preemption(make_tiny_engine, tokenizer,
-                                                                            kv_cache_dtype):
+def test_quantized_kv_is_the_same_under_chunking_prefix_hits_and_preemption(
+    make_tiny_engine, tokenizer, kv_cache_dtype
+):
     """An 8-bit cache is read exactly as written, so schedule shape changes nothing: the chunked, prefix-cached,
     preempted batch gives each prompt the tokens it gets alone, prefilled whole in a roomy cache."""
     prompts = _prompts(tokenizer.vocab_size)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    engine = make_tiny_engine(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=6,
-                              kv_cache_dtype=kv_cache_dtype)
+    engine = make_tiny_engine(
+        block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=6, kv_cache_dtype=kv_cache_dtype
+    )
     assert engine.model_runner.kv_cache.dtype == {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_cache_dtype]
     ids = [engine.add_request(p, params) for p in prompts]
     outputs = run_to_completion(engine)
@@ -224,8 +235,9 @@ def test_quantized_kv_is_the_same_under_chunking_prefix_hits_and_preemption(make
     hf = dense_reference(config, {k: v.double() for k, v in tiny_state_dict(config).items()})
     num_agree = 0
     for request_id, prompt in zip(ids, prompts):
-        alone = make_tiny_engine(block_size=16, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype,
-                                 enable_prefix_caching=False)
+        alone = make_tiny_engine(
+            block_size=16, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False
+        )
         rid = alone.add_request(prompt, params)
         tokens = outputs[request_id].outputs[0].token_ids
         assert run_to_completion(alone)[rid].outputs[0].token_ids == tokens, request_id

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
@@ -54,7 +52,9 @@ def test_a_request_that_raises_fails_alone(make_tiny_engine, tokenizer, monkeypa
 
     bad = final["bad"].outputs[0]
     assert bad.finish_reason == "error" and "poisoned batch" in bad.error and bad.token_ids == []
-    assert final["sharer"].outputs[0].finish_reason == "error" and "shared KV blocks" in final["sharer"].outputs[0].error
+    assert (
+        final["sharer"].outputs[0].finish_reason == "error" and "shared KV blocks" in final["sharer"].outputs[0].error
+    )
     assert {rid: final[rid].outputs[0].token_ids for rid in expected} == expected
     assert engine.executor.num_isolations == 1
     kv = engine.kv_cache_manager
@@ -92,11 +92,10 @@ def test_a_batch_error_of_a_lone_request_still_fails_only_it(make_tiny_engine, t
     engine.add_request([POISON + 1, POISON], SamplingParams(max_tokens=3), request_id="bad")
     final = run_to_completion(engine)
     assert final["bad"].outputs[0].finish_reason == "error"
-    engine.add_request([POISON + 1, POISON + 2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       request_id="ok")
+    engine.add_request(
+        [POISON + 1, POISON + 2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), request_id="ok"
+    )
     assert len(run_to_completion(engine)["ok"].outputs[0].token_ids) == 3
-
-
 
 
 def test_isolated_forks_keep_their_block_copies(make_tiny_engine, tokenizer, monkeypatch):

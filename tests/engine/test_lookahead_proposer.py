@@ -19,7 +19,10 @@ def test_pool_ngrams_come_first_newest_wins():
     p.observe("r", [7, 8, 9], [8, 1, 2], num_accepted=1)  # n-grams (7: 8, 1) and (8: 1, 2)
     assert p.propose("r", [5, 7], 2) == [8, 1]
     assert p.propose("r", [5, 6, 8, 7, 5, 6], 2) == [8, 7]  # (6: 8, 7), from the text itself
-    assert p.propose("r", [5, 6, 8, 7, 5, 6, 9, 8], 2) == [7, 5]  # the text's (8: 7, 5) is newer than the Jacobi (8: 1, 2)
+    assert p.propose("r", [5, 6, 8, 7, 5, 6, 9, 8], 2) == [
+        7,
+        5,
+    ]  # the text's (8: 7, 5) is newer than the Jacobi (8: 1, 2)
 
 
 def test_short_candidates_are_padded_and_requests_forgotten():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
@@ -43,8 +41,8 @@ def test_samples_share_the_prompt_and_equal_independent_requests(make_tiny_engin
         out, peak = _peak_blocks(alone)
         assert out[one].outputs[0].token_ids == sample
         alone_peak += peak
-    # Between steps, each alone holds up to 5 blocks (80 tokens with KV). Shared: the prompt's 5 blocks once, 3 copies of its
-    # partial last block (the first sample writes into its own), and nothing more: 12 tokens fit in that block.
+    # Between steps, each alone holds up to 5 blocks (80 tokens with KV). Shared: the prompt's 5 blocks once, 3
+    # copies of its partial last block (the first sample writes into its own), and nothing more: 12 tokens fit in it.
     assert alone_peak == 4 * 5
     assert shared_peak == 5 + 3
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks

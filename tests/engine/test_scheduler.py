@@ -59,16 +59,29 @@ class FakeRunner:
         # The real runner's contract: entry j scores prompt token j from position j-1 (entry 0 is None),
         # and only entries not recorded yet are emitted, contiguous from len(req.prompt_logprobs).
         indices = ([0] if start == 0 else []) + list(range(start + 1, min(end, req.num_prompt_tokens - 1) + 1))
-        entries = [None if j == 0 else {req.prompt_token_ids[j]: -float(j)} for j in indices
-                   if j >= len(req.prompt_logprobs)]
+        entries = [
+            None if j == 0 else {req.prompt_token_ids[j]: -float(j)} for j in indices if j >= len(req.prompt_logprobs)
+        ]
         return entries or None
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1000,
-                   eos_token_ids=(), stop_checker=None, enable_prefix_caching=True):
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks,
-                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                          enable_prefix_caching=enable_prefix_caching)
+def make_scheduler(
+    num_blocks=64,
+    block_size=4,
+    max_num_batched_tokens=64,
+    max_num_seqs=8,
+    max_model_len=1000,
+    eos_token_ids=(),
+    stop_checker=None,
+    enable_prefix_caching=True,
+):
+    config = EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     kv = KVCacheManager(BlockPool(num_blocks, enable_prefix_caching), block_size)
     return Scheduler(config, kv, max_model_len, eos_token_ids, stop_checker)
 
@@ -105,6 +118,7 @@ def expected_outputs(prompt, num):
 
 
 # ---- the scheduling rule -------------------------------------------------------------------------------
+
 
 def test_chunked_prefill_then_decode():
     sched = make_scheduler(max_num_batched_tokens=8)
@@ -171,6 +185,7 @@ def test_max_num_seqs_limits_running():
 
 # ---- prefix caching ------------------------------------------------------------------------------------
 
+
 def test_prefix_hit_across_steps_and_in_the_same_step():
     sched = make_scheduler()
     runner = FakeRunner(4)
@@ -206,6 +221,7 @@ def test_prefix_hit_on_freed_blocks_after_finish():
 
 
 # ---- preemption ----------------------------------------------------------------------------------------
+
 
 def test_preempt_newest_running_then_resume_and_finish():
     sched = make_scheduler(num_blocks=4, block_size=4)
@@ -262,6 +278,7 @@ def test_preempted_request_does_not_duplicate_prompt_logprobs():
 
 
 # ---- aborts and errors ---------------------------------------------------------------------------------
+
 
 def test_abort_waiting_and_running_frees_blocks():
     sched = make_scheduler(num_blocks=8, max_num_seqs=1)
@@ -427,6 +444,7 @@ def test_duplicate_request_id_is_refused():
 
 # ---- stop conditions -----------------------------------------------------------------------------------
 
+
 def generate(prompt, eos_token_ids=(), max_model_len=1000, stop_checker=None, **params):
     sched = make_scheduler(eos_token_ids=eos_token_ids, max_model_len=max_model_len, stop_checker=stop_checker)
     req = make_request("r", prompt, **params)
@@ -446,8 +464,12 @@ def generate(prompt, eos_token_ids=(), max_model_len=1000, stop_checker=None, **
         (dict(stop_token_ids=(7,), min_tokens=3, max_tokens=4), [6, 7, 8, 9], RequestStatus.FINISHED_LENGTH, None),
         (dict(max_tokens=3), [6, 7, 8], RequestStatus.FINISHED_LENGTH, None),
         (dict(max_model_len=8, max_tokens=10), [6, 7, 8], RequestStatus.FINISHED_LENGTH, None),
-        (dict(stop_checker=lambda r: "seven" if r.output_token_ids[-1] == 7 else None), [6, 7],
-         RequestStatus.FINISHED_STOPPED, "seven"),
+        (
+            dict(stop_checker=lambda r: "seven" if r.output_token_ids[-1] == 7 else None),
+            [6, 7],
+            RequestStatus.FINISHED_STOPPED,
+            "seven",
+        ),
         (dict(eos_token_ids=(9,), max_tokens=4), [6, 7, 8, 9], RequestStatus.FINISHED_STOPPED, None),
     ],
 )
@@ -463,6 +485,7 @@ def test_stop_checker_waits_for_min_tokens():
 
 
 # ---- everything at once ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_workload_runs_to_completion(seed):

@@ -19,15 +19,15 @@ from tests.conftest import tiny_config, tiny_state_dict
 def _model(vocab_size: int, native: bool):
     config = tiny_config(vocab_size)
     if native:  # shapes the native decode loop takes (head_dim 64, 3 query heads per KV head)
-        config = dataclasses.replace(config, hidden_size=384, intermediate_size=512, num_attention_heads=6,
-                                     head_dim=64)
+        config = dataclasses.replace(config, hidden_size=384, intermediate_size=512, num_attention_heads=6, head_dim=64)
     dtype = torch.bfloat16 if native else torch.float64
     return build_model(config, tiny_state_dict(config, seed=4), dtype), dtype
 
 
 def _engine(model, tokenizer, dtype, num_kv_blocks: int) -> LLMEngine:
-    return LLMEngine(model, tokenizer, EngineConfig(block_size=4, num_kv_blocks=num_kv_blocks), torch.device("cpu"),
-                     dtype)
+    return LLMEngine(
+        model, tokenizer, EngineConfig(block_size=4, num_kv_blocks=num_kv_blocks), torch.device("cpu"), dtype
+    )
 
 
 def _run(engine: LLMEngine, request_id: str) -> list[int]:

@@ -99,8 +99,14 @@ def _draft_engine(tokenizer, noise: float = 0.3, *, adaptive=True, max_batch_siz
     gen = torch.Generator().manual_seed(5)
     noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in weights.items()}
     target, draft = build_model(config, weights, torch.float64), build_model(config, noisy, torch.float64)
-    engine = LLMEngine(target, tokenizer, EngineConfig(speculative="draft:noisy-copy", **options),
-                       torch.device("cpu"), torch.float64, draft)
+    engine = LLMEngine(
+        target,
+        tokenizer,
+        EngineConfig(speculative="draft:noisy-copy", **options),
+        torch.device("cpu"),
+        torch.float64,
+        draft,
+    )
     runner = engine.model_runner
     config = SpeculativeConfig("draft", draft_model="noisy-copy", adaptive=adaptive, max_batch_size=max_batch_size)
     runner.spec_decoder = SpecDecoder(config, runner.spec_decoder.proposer, runner.block_size, engine.max_model_len)
@@ -255,8 +261,10 @@ def test_bad_speculative_settings_are_refused():
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
 
 
-_CODE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
-                "def mul(a, b):\n    return a * b\n\n\ndef")
+_CODE_PROMPT = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a * b\n\n\ndef"
+)
 _REAL_PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
@@ -342,8 +350,9 @@ def test_model_drafts_get_lookahead_slots():
 def test_a_draft_identical_to_the_target_is_always_accepted(tokenizer, num_kv_blocks):
     """The draft's KV is right after catching up lazily, after partial acceptance and after preemption (20
     blocks force it): a draft with the target's own weights proposes exactly the target's greedy tokens."""
-    engine = _draft_engine(tokenizer, noise=0.0, adaptive=False, block_size=4, num_kv_blocks=num_kv_blocks,
-                           max_num_batched_tokens=12)
+    engine = _draft_engine(
+        tokenizer, noise=0.0, adaptive=False, block_size=4, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=12
+    )
     for prompt in _repetitive_prompts(tokenizer.vocab_size):
         engine.add_request(prompt, GREEDY)
     run_to_completion(engine)

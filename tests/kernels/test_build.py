@@ -11,7 +11,8 @@ from leanlm.kernels import build, cpu_gemv
 needs_kernels = pytest.mark.skipif(not cpu_gemv.is_available(), reason=f"{cpu_gemv.unavailable_reason()}")
 needs_compiler = pytest.mark.skipif(
     not (shutil.which("cc") or shutil.which("gcc")) or not (build.torch_lib_dir() / "libgomp.so.1").exists(),
-    reason="needs a C compiler and torch's libgomp")
+    reason="needs a C compiler and torch's libgomp",
+)
 
 
 @needs_kernels

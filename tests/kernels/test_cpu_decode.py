@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from leanlm.compress import RTNConfig, compress
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
+from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from tests.conftest import tiny_state_dict
 
 pytestmark = pytest.mark.skipif(not cpu_decode.is_available(), reason="native CPU kernels unavailable")
@@ -29,10 +29,20 @@ BLOCK = 4
 def _config(architecture: str = "llama", layers: int = 2) -> ModelConfig:
     # head_dim 64 and 3 query heads per KV head: shapes the native attention kernel takes, like SmolLM2's
     return ModelConfig(
-        architecture=architecture, vocab_size=97, hidden_size=384, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-        rope_theta=100000.0, tie_word_embeddings=True, attention_bias=architecture == "qwen2", eos_token_ids=(2,),
-    )  # fmt: skip
+        architecture=architecture,
+        vocab_size=97,
+        hidden_size=384,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        attention_bias=architecture == "qwen2",
+        eos_token_ids=(2,),
+    )
 
 
 def _to_bf16(model):
@@ -62,12 +72,20 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
 
 def _cache(model, kv_dtype=torch.bfloat16) -> PagedKVCache:
     cfg = model.config
-    return PagedKVCache.allocate(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, BLOCK, cfg.head_dim, kv_dtype,
-                                 "cpu")
+    return PagedKVCache.allocate(
+        cfg.num_hidden_layers, 64, cfg.num_key_value_heads, BLOCK, cfg.head_dim, kv_dtype, "cpu"
+    )
 
 
-def _decode(model, native: bool, batch: int, steps: int = 5, seed: int = 3, kv_dtype=torch.bfloat16,
-            cache: PagedKVCache | None = None) -> torch.Tensor:
+def _decode(
+    model,
+    native: bool,
+    batch: int,
+    steps: int = 5,
+    seed: int = 3,
+    kv_dtype=torch.bfloat16,
+    cache: PagedKVCache | None = None,
+) -> torch.Tensor:
     """Prefill `batch` prompts one by one (PyTorch path), then decode them together: hidden [steps, B, hidden]."""
     cache = cache if cache is not None else _cache(model, kv_dtype)
     assert model.native_decode_plan().accepts(cache)

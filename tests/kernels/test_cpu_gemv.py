@@ -3,8 +3,6 @@ of ulps, exact round-to-nearest-even ties, thread-count invariance, the should_u
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,11 +45,7 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
 
 
 SHAPES = [
-    (M, N, K)
-    for M in (1, 2, 3, 8)
-    for K in (576, 1536, 896, 100)
-    for N in (192, 576, 1536, 49152, 7)
-    if N != 49152
+    (M, N, K) for M in (1, 2, 3, 8) for K in (576, 1536, 896, 100) for N in (192, 576, 1536, 49152, 7) if N != 49152
 ] + [(1, 49152, 576), (8, 49152, 576), (3, 49152, 100)]  # lm_head-sized N: a few cases, they take seconds
 
 

@@ -74,8 +74,13 @@ def _check(y, x, w_deq, bias, slack_weight):
 
 
 INT8_SHAPES = [(M, N, K) for M in (1, 2, 3, 4, 8) for N, K in ((576, 576), (37, 100), (7, 1536), (192, 33))] + [
-    (5, 100, 64), (6, 33, 31), (7, 50, 96), (11, 200, 96), (17, 40, 576), (1, 49152, 576),
-]  # fmt: skip
+    (5, 100, 64),
+    (6, 33, 31),
+    (7, 50, 96),
+    (11, 200, 96),
+    (17, 40, 576),
+    (1, 49152, 576),
+]
 
 
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
@@ -91,8 +96,17 @@ INT4_CASES = [
     (M, N, K, gs)
     for M in (1, 2, 4, 8)
     for N, K, gs in ((576, 576, 64), (37, 1536, 128), (7, 1536, 256), (192, 576, 32), (33, 96, 96), (40, 320, 64))
-] + [(3, 100, 256, 256), (5, 64, 576, 576), (6, 50, 160, 32), (7, 24, 384, 128), (11, 200, 256, 64),
-     (17, 40, 1536, 32), (1, 49152, 576, 64), (3, 9, 32, 32), (2, 1536, 2048, 128)]  # fmt: skip
+] + [
+    (3, 100, 256, 256),
+    (5, 64, 576, 576),
+    (6, 50, 160, 32),
+    (7, 24, 384, 128),
+    (11, 200, 256, 64),
+    (17, 40, 1536, 32),
+    (1, 49152, 576, 64),
+    (3, 9, 32, 32),
+    (2, 1536, 2048, 128),
+]
 
 
 def _check_int4(x, codes, qweight, scales, mins, gs, bias):
@@ -159,8 +173,12 @@ def test_thread_count_does_not_change_results(M, N, K):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((cpu_qgemv.linear_int8(x, qweight, scales, bias),
-                            cpu_qgemv.linear_int4(x, qweight4, scales4, mins4, 64, bias)))  # fmt: skip
+            results.append(
+                (
+                    cpu_qgemv.linear_int8(x, qweight, scales, bias),
+                    cpu_qgemv.linear_int4(x, qweight4, scales4, mins4, 64, bias),
+                )
+            )
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
@@ -186,8 +204,9 @@ def test_leading_dims_and_rows_beyond_one_pass():
 def test_empty_k_gives_the_bias():
     bias = torch.arange(3, dtype=torch.bfloat16)
     x = torch.zeros(2, 0, dtype=torch.bfloat16)
-    assert torch.equal(cpu_qgemv.linear_int8(x, torch.zeros(3, 0, dtype=torch.int8), torch.ones(3), bias),
-                       bias.expand(2, 3))  # fmt: skip
+    assert torch.equal(
+        cpu_qgemv.linear_int8(x, torch.zeros(3, 0, dtype=torch.int8), torch.ones(3), bias), bias.expand(2, 3)
+    )
 
 
 def test_int8_rejects_what_it_cannot_read():

@@ -6,13 +6,12 @@ fallback against fallback and still checks that the whole engine runs without th
 from __future__ import annotations
 
 import json
-
-import pytest
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from leanlm import LLM, SamplingParams
@@ -38,8 +37,13 @@ _CHILD = textwrap.dedent("""
 
 def _run_without_kernels() -> dict:
     env = dict(os.environ, LEANLM_DISABLE_KERNELS="1")
-    result = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(PROMPTS), str(NUM_TOKENS)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(PROMPTS), str(NUM_TOKENS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -61,8 +65,12 @@ def test_the_engine_on_the_fallback_matches_the_native_kernels():
         assert torch.equal(got[len(prompt) - 1 :].argmax(-1)[clear], ref[len(prompt) - 1 :].argmax(-1)[clear])
     # Free-running greedy decode (the native decode loop where available) agrees up to the first near tie.
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    for prompt, theirs, out, ref in zip(prompts, fallback["tokens"], llm.generate(prompts, params, use_tqdm=False),
-                                        (torch.tensor(s) for s in fallback["scores"])):
+    for prompt, theirs, out, ref in zip(
+        prompts,
+        fallback["tokens"],
+        llm.generate(prompts, params, use_tqdm=False),
+        (torch.tensor(s) for s in fallback["scores"]),
+    ):
         top2 = ref[len(prompt) - 1 :].topk(2).values
         first_tie = next((i for i, m in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if m < 0.5), NUM_TOKENS)
         assert out.outputs[0].token_ids[:first_tie] == theirs[:first_tie]

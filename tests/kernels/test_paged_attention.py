@@ -10,8 +10,9 @@ from leanlm.model.attention import get_backend
 from leanlm.model.context import build_forward_context
 from leanlm.model.paged_kv import PagedKVCache
 
-pytestmark = pytest.mark.skipif(not paged_attention.is_available(),
-                                reason=f"{paged_attention._KERNEL.unavailable_reason}")
+pytestmark = pytest.mark.skipif(
+    not paged_attention.is_available(), reason=f"{paged_attention._KERNEL.unavailable_reason}"
+)
 
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
@@ -94,7 +95,8 @@ def test_int8_kv_matches_float64_reference(num_heads, num_kv, head_dim, lengths)
     scale = head_dim**-0.5
     assert paged_attention.should_use(q, k_cache, k_scales)
     got = paged_attention.paged_decode_attention_int8(
-        q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, max(lengths), scale)
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, max(lengths), scale
+    )
     ref = _reference(q, k_float, v_float, block_tables, seq_lens, scale)  # the dequantized cache, float64
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=8e-3)
 

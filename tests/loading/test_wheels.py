@@ -14,8 +14,9 @@ from tests.loading.test_registry import build_wheel
 DATA = b"model bytes " * 1000
 
 
-@pytest.mark.parametrize("evil", ["/etc/passwd", "../outside.bin", "pkg/../../outside.bin", "..\\outside.bin",
-                                  "C:/windows/x.bin"])
+@pytest.mark.parametrize(
+    "evil", ["/etc/passwd", "../outside.bin", "pkg/../../outside.bin", "..\\outside.bin", "C:/windows/x.bin"]
+)
 def test_member_paths_that_leave_the_archive(tmp_path, evil):
     wheel = build_wheel(tmp_path, "pkg", "1.0", {"pkg/data/part01.bin": DATA, evil: b"x"})
     with pytest.raises(ModelLoadError, match="leaves the archive root; refusing the wheel"):

@@ -41,8 +41,12 @@ def _run(schedule: list[list[tuple[_Sequence, int, int]]], kv_cache_dtype: str, 
     attention = get_backend(backend)
     rows = {}
     for step in schedule:
-        ctx = build_forward_context([end - start for _, start, end in step], [end for _, _, end in step],
-                                    [seq.blocks for seq, _, _ in step], cache)
+        ctx = build_forward_context(
+            [end - start for _, start, end in step],
+            [end for _, _, end in step],
+            [seq.blocks for seq, _, _ in step],
+            cache,
+        )
         q, k, v = (torch.cat([getattr(seq, name)[start:end] for seq, start, end in step]) for name in "qkv")
         out = attention.forward(q, k, v, cache.layer(0), HEAD_DIM**-0.5, ctx)
         flat = [(seq, pos) for seq, start, end in step for pos in range(start, end)]
@@ -52,25 +56,43 @@ def _run(schedule: list[list[tuple[_Sequence, int, int]]], kv_cache_dtype: str, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("kv_cache_dtype,dtype", [
-    ("auto", torch.float32), ("int8", torch.float32), ("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.float32),
-    ("auto", torch.bfloat16), ("int8", torch.bfloat16), ("fp8_e4m3", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,dtype",
+    [
+        ("auto", torch.float32),
+        ("int8", torch.float32),
+        ("fp8_e4m3", torch.float32),
+        ("fp8_e5m2", torch.float32),
+        ("auto", torch.bfloat16),
+        ("int8", torch.bfloat16),
+        ("fp8_e4m3", torch.bfloat16),
+    ],
+)
 def test_outputs_do_not_depend_on_chunking_or_batching(kv_cache_dtype, dtype, backend):
     a, b = _Sequence(37, 0, seed=1, dtype=dtype), _Sequence(23, 20, seed=2, dtype=dtype)
     # alone: each prompt whole, then its decodes one at a time
-    steps = [[[(seq, 0, prompt_len)]] + [[(seq, p, p + 1)] for p in range(prompt_len, len(seq.q))]
-             for seq, prompt_len in ((a, 30), (b, 17))]
+    steps = [
+        [[(seq, 0, prompt_len)]] + [[(seq, p, p + 1)] for p in range(prompt_len, len(seq.q))]
+        for seq, prompt_len in ((a, 30), (b, 17))
+    ]
     alone, stored_a = _run(steps[0] + steps[1], kv_cache_dtype, dtype, backend)  # a, then b, in one cache
     # together: a in chunks of 8 (the last chunk beside b's first), b prefilled in two chunks, then batched decodes
-    together, stored_together = _run([
-        [(a, 0, 8)], [(a, 8, 16)], [(a, 16, 24), (b, 0, 9)], [(a, 24, 30), (b, 9, 17)],
-        *[[(a, 30 + i, 31 + i), (b, 17 + i, 18 + i)] for i in range(6)], [(a, 36, 37)],
-    ], kv_cache_dtype, dtype, backend)
+    together, stored_together = _run(
+        [
+            [(a, 0, 8)],
+            [(a, 8, 16)],
+            [(a, 16, 24), (b, 0, 9)],
+            [(a, 24, 30), (b, 9, 17)],
+            *[[(a, 30 + i, 31 + i), (b, 17 + i, 18 + i)] for i in range(6)],
+            [(a, 36, 37)],
+        ],
+        kv_cache_dtype,
+        dtype,
+        backend,
+    )
     for before, after in zip(stored_a, stored_together):
         assert torch.equal(before, after)  # the same cache bytes (and 8-bit scales), bit for bit
     assert alone.keys() == together.keys()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype is torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for key, row in alone.items():
         torch.testing.assert_close(row, together[key], **tol)
-

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from leanlm.model.device import resolve_dtype
-from tests.conftest import tiny_config
 from leanlm.model import dtype_probe
+from leanlm.model.device import resolve_dtype
 from leanlm.model.dtype_probe import DECODE_ROWS, PREFILL_ROWS, choose_cpu_dtype
+from tests.conftest import tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +25,7 @@ def _timer(seconds: dict[torch.dtype, float], calls: list | None = None):
         if calls is not None:
             calls.append((x.dtype, x.shape[0]))
         return seconds[x.dtype]
+
     return timer
 
 
@@ -36,12 +37,15 @@ def test_the_real_probe_measures_every_row_count_on_this_cpu():
     assert "geometric mean" in choice.reason and "1 rows" in choice.reason
 
 
-@pytest.mark.parametrize("bf16_s,f32_s,expected", [
-    (1.0, 2.0, torch.bfloat16),  # bf16 twice as fast
-    (1.0, 1.0, torch.bfloat16),  # a tie keeps bf16: half the memory
-    (1.03, 1.0, torch.bfloat16),  # within the probe's noise margin
-    (2.0, 1.0, torch.float32),  # the Xeon case: torch's bf16 GEMM slower than float32
-])
+@pytest.mark.parametrize(
+    "bf16_s,f32_s,expected",
+    [
+        (1.0, 2.0, torch.bfloat16),  # bf16 twice as fast
+        (1.0, 1.0, torch.bfloat16),  # a tie keeps bf16: half the memory
+        (1.03, 1.0, torch.bfloat16),  # within the probe's noise margin
+        (2.0, 1.0, torch.float32),  # the Xeon case: torch's bf16 GEMM slower than float32
+    ],
+)
 def test_the_rule_follows_the_measurement(bf16_s, f32_s, expected):
     choice = choose_cpu_dtype(64, 128, timer=_timer({torch.bfloat16: bf16_s, torch.float32: f32_s}))
     assert choice.dtype == expected

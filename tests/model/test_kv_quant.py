@@ -7,7 +7,12 @@ import torch
 
 from leanlm.config import KV_CACHE_DTYPES, EngineConfig
 from leanlm.model.kv_quant import (
-    STORAGE_DTYPES, dequantize_kv, is_quantized, kv_storage_dtype, quantize_kv, store_kv,
+    STORAGE_DTYPES,
+    dequantize_kv,
+    is_quantized,
+    kv_storage_dtype,
+    quantize_kv,
+    store_kv,
 )
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -27,16 +32,21 @@ def test_int8_round_trip_is_within_half_a_step_per_row():
     values, scales = quantize_kv(x, torch.int8)
     assert values.dtype == torch.int8 and values.shape == x.shape
     assert scales.dtype == torch.float32 and scales.shape == x.shape[:-1]  # one scale per (token, head)
-    torch.testing.assert_close(scales, (x.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        scales, (x.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny), rtol=1e-6, atol=0
+    )
     assert values.abs().max() == 127  # absmax maps onto the full range
     error = (dequantize_kv(values, scales, torch.float32) - x).abs()
     assert torch.all(error <= scales.unsqueeze(-1) * (0.5 + 1e-5))  # round to nearest: at most half a step
 
 
-@pytest.mark.parametrize("dtype,mantissa_bits,min_normal_exp", [
-    (torch.float8_e4m3fn, 3, -6), (torch.float8_e5m2, 2, -14),
-])
+@pytest.mark.parametrize(
+    "dtype,mantissa_bits,min_normal_exp",
+    [
+        (torch.float8_e4m3fn, 3, -6),
+        (torch.float8_e5m2, 2, -14),
+    ],
+)
 def test_fp8_round_trip_has_the_format_relative_error(dtype, mantissa_bits, min_normal_exp):
     x = _kv(1)
     values, scales = quantize_kv(x, dtype)

@@ -17,9 +17,17 @@ transformers = pytest.importorskip("transformers")
 
 def _hf_pair(arch: str, tie: bool, rope_scaling: dict | None = None):
     torch.manual_seed(0)
-    kwargs = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=tie, rope_scaling=rope_scaling)
+    kwargs = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        rope_scaling=rope_scaling,
+    )
     if arch == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
     else:
@@ -34,8 +42,9 @@ def _hf_pair(arch: str, tie: bool, rope_scaling: dict | None = None):
 # float64 everywhere but the float32 rotary table (HF rounds its own table differently): ~1e-7 apart.
 def _paged_logits(model, ids: torch.Tensor, chunks: list[int], block_ids: list[int], block_size: int = 4):
     cfg = model.config
-    cache = PagedKVCache.allocate(cfg.num_hidden_layers, 16, cfg.num_key_value_heads, block_size, cfg.head_dim,
-                                  torch.float64, "cpu")
+    cache = PagedKVCache.allocate(
+        cfg.num_hidden_layers, 16, cfg.num_key_value_heads, block_size, cfg.head_dim, torch.float64, "cpu"
+    )
     done, outs = 0, []
     for n in chunks:
         blocks = block_ids[: math.ceil((done + n) / block_size)]
@@ -76,13 +85,19 @@ def test_batched_decode_and_prefill_in_one_forward():
 
 
 def test_llama3_rope_scaling_matches_hf():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     hf, ours = _hf_pair("llama", True, rope_scaling=scaling)
     assert ours.config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
     ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(_paged_logits(ours, ids, [40], list(range(10))), hf(ids[None]).logits[0],
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        _paged_logits(ours, ids, [40], list(range(10))), hf(ids[None]).logits[0], atol=1e-6, rtol=0
+    )
     plain = rope_inv_freq(16, 10000.0, None)
     scaled = rope_inv_freq(16, 10000.0, ours.config.rope_scaling)
     assert torch.equal(scaled[0], plain[0])  # the highest frequency is kept

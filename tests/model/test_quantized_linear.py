@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from leanlm.compress.llm_int8 import llm_int8_linear
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, FP8Linear, Int8DynamicActLinear
-from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
-from leanlm.compress.rtn import quantize_rtn
 from leanlm.compress.int_scheme import IntScheme
+from leanlm.compress.llm_int8 import llm_int8_linear
+from leanlm.compress.rtn import quantize_rtn
+from leanlm.model.quantized.fp8 import FP8Linear
+from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, Int8DynamicActLinear
+from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -16,12 +17,18 @@ def _linear(n=96, k=128):
     return torch.randn(n, k, generator=GEN) / k**0.5, torch.randn(n, generator=GEN) * 0.1
 
 
-@pytest.mark.parametrize("scheme,min_db", [
-    (IntScheme(bits=8, group_size=None), 38), (IntScheme(bits=4, group_size=64), 17),
-    (IntScheme(bits=4, group_size=32, symmetric=True), 15), (IntScheme(bits=3, group_size=64), 11),
-    (IntScheme(bits=2, group_size=32), 5), (IntScheme(bits=8, group_size=None, act_bits=8), 33),
-    (IntScheme(bits=8, group_size=64, act_bits=8), 33),
-])
+@pytest.mark.parametrize(
+    "scheme,min_db",
+    [
+        (IntScheme(bits=8, group_size=None), 38),
+        (IntScheme(bits=4, group_size=64), 17),
+        (IntScheme(bits=4, group_size=32, symmetric=True), 15),
+        (IntScheme(bits=3, group_size=64), 11),
+        (IntScheme(bits=2, group_size=32), 5),
+        (IntScheme(bits=8, group_size=None, act_bits=8), 33),
+        (IntScheme(bits=8, group_size=64, act_bits=8), 33),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_layers_track_float_outputs(scheme, min_db, dtype):
     w, b = _linear()
@@ -36,8 +43,15 @@ def test_quantized_layers_track_float_outputs(scheme, min_db, dtype):
         assert sqnr_db(x @ layer.dequantized_weight().t() + b, y.float()) > (40 if dtype == torch.float32 else 30)
 
 
-@pytest.mark.parametrize("scheme", [IntScheme(bits=8, group_size=None), IntScheme(bits=4, group_size=64),
-                                    IntScheme(bits=3, group_size=32), IntScheme(bits=8, group_size=None, act_bits=8)])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        IntScheme(bits=8, group_size=None),
+        IntScheme(bits=4, group_size=64),
+        IntScheme(bits=3, group_size=32),
+        IntScheme(bits=8, group_size=None, act_bits=8),
+    ],
+)
 def test_metadata_and_tensors_rebuild_the_same_layer(scheme):
     w, b = _linear()
     layer = quantize_rtn(w, b, scheme)
@@ -51,8 +65,10 @@ def test_metadata_and_tensors_rebuild_the_same_layer(scheme):
 
 def test_weight_bytes_shrink_with_bits():
     w, b = _linear(256, 256)
-    sizes = {bits: quantize_rtn(w, b, IntScheme(bits=bits, group_size=None if bits == 8 else 64)).weight_bytes()
-             for bits in (8, 4)}
+    sizes = {
+        bits: quantize_rtn(w, b, IntScheme(bits=bits, group_size=None if bits == 8 else 64)).weight_bytes()
+        for bits in (8, 4)
+    }
     assert sizes[8] == 256 * 256 + 256 * 4
     assert sizes[4] == 256 * 128 + 2 * 256 * 4 * 4  # codes + scales + mins (float32, 4 groups)
 
@@ -63,6 +79,7 @@ def test_w8a8_int_mm_matches_its_float_simulation():
     assert isinstance(layer, Int8DynamicActLinear)
     x = torch.randn(20, 128, generator=GEN)
     from leanlm.model.quantized.numerics import quantize_per_token_int8
+
     xq, xs = quantize_per_token_int8(x)
     sim = (xq.double() * xs.double()) @ layer.dequantized_weight().double().t() + b.double()
     assert torch.allclose(layer(x).double(), sim, atol=1e-5)

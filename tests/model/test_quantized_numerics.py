@@ -4,7 +4,17 @@ import pytest
 import torch
 
 from leanlm.model.quantized.numerics import (
-    Granularity, QuantSpec, compute_qparams, dequantize, grouped, shrink_qparams, fake_quantize, pack_int4, quantize, quantize_fp8, sqnr_db,
+    Granularity,
+    QuantSpec,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    grouped,
+    pack_int4,
+    quantize,
+    quantize_fp8,
+    shrink_qparams,
+    sqnr_db,
     unpack_int4,
 )
 
@@ -21,6 +31,7 @@ def test_codes_stay_on_the_grid_and_error_is_half_a_step(bits, symmetric, gran, 
     err = (dequantize(q, qp, spec) - x).abs()
     # every value lies inside its unit's range, so the error is at most half a step of that unit
     from leanlm.model.quantized.numerics import grouped
+
     step = qp.scale.expand_as(grouped(x, spec)).reshape(x.shape) if gran != "tensor" else qp.scale
     assert torch.all(err <= step / 2 + 1e-6)
 

@@ -21,11 +21,12 @@ class LiveServer:
 
     def __init__(self, app) -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -48,13 +49,14 @@ class LiveServer:
         return self.app.state.serving.engine
 
 
-def serve_engine(llm_engine, api_key: str | None = None, max_queue: int = 256, max_body_bytes: int = 1 << 20,
-                 **app_options):
+def serve_engine(
+    llm_engine, api_key: str | None = None, max_queue: int = 256, max_body_bytes: int = 1 << 20, **app_options
+):
     """A LiveServer over `llm_engine`; app_options go to build_app (metrics_key, allowed_hosts, ...)."""
-    async_engine = AsyncLLMEngine(llm_engine, max_queue=max_queue,
-                                  max_seqs_per_client=app_options.pop("max_seqs_per_client", None))
-    return LiveServer(build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes,
-                                **app_options))
+    async_engine = AsyncLLMEngine(
+        llm_engine, max_queue=max_queue, max_seqs_per_client=app_options.pop("max_seqs_per_client", None)
+    )
+    return LiveServer(build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes, **app_options))
 
 
 @pytest.fixture(scope="session")

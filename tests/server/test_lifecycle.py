@@ -44,16 +44,40 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"LEANLM_API_KEY": "k3y"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "leanlm.cli", "serve", "--model", MODEL, "--port", str(port),
-         "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout-s", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "leanlm.cli",
+            "serve",
+            "--model",
+            MODEL,
+            "--port",
+            str(port),
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--shutdown-timeout-s",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     try:
         _wait_healthy(url, proc)
-        body = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 64, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Authorization": "Bearer k3y", "Content-Type": "application/json"})
+        body = {
+            "model": MODEL,
+            "prompt": "Tell me about the sea.",
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": "Bearer k3y", "Content-Type": "application/json"},
+        )
         events: list = []
         first_event = threading.Event()
 
@@ -108,17 +132,25 @@ def _kill_the_engine_loop_once_healthy(llm_engine, url: str, monkeypatch) -> thr
     return watcher
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread re-raises on purpose
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the engine thread re-raises on purpose
 def test_a_dead_engine_loop_answers_503_at_once(make_tiny_engine, monkeypatch):
     from tests.server.conftest import serve_engine
     from tests.server.test_safety import _assert_error, _request
 
     llm_engine = make_tiny_engine(kv_cache_memory_bytes=32 << 20)
     with serve_engine(llm_engine) as server:
-        stream = urllib.request.urlopen(urllib.request.Request(
-            server.url + "/v1/completions", headers={"Content-Type": "application/json"},
-            data=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True,
-                             "stream": True}).encode()), timeout=30)
+        stream = urllib.request.urlopen(
+            urllib.request.Request(
+                server.url + "/v1/completions",
+                headers={"Content-Type": "application/json"},
+                data=json.dumps(
+                    {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                ).encode(),
+            ),
+            timeout=30,
+        )
         _kill_the_engine_loop_once_healthy(llm_engine, server.url, monkeypatch).join()
         deadline = time.monotonic() + 10
         while server.engine.failure is None and time.monotonic() < deadline:
@@ -133,7 +165,9 @@ def test_a_dead_engine_loop_answers_503_at_once(make_tiny_engine, monkeypatch):
         assert _request(server.url, "/health")[0] == 503
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread re-raises on purpose
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the engine thread re-raises on purpose
 def test_serve_stops_and_fails_when_the_engine_loop_dies(make_tiny_engine, monkeypatch):
     """`leanlm serve` must not keep an HTTP server up in front of a dead engine: uvicorn stops, serve() raises
     (and the command exits 1)."""

@@ -76,6 +76,7 @@ def test_tokenizing_and_templating_run_off_the_event_loop(tiny_engine_factory, m
 
     async def scenario(url: str) -> tuple[float, int]:
         async with aiohttp.ClientSession() as session:
+
             async def slow():
                 async with session.post(url + "/v1/chat/completions", json=chat) as resp:
                     return resp.status
@@ -95,13 +96,23 @@ def test_tokenizing_and_templating_run_off_the_event_loop(tiny_engine_factory, m
 
 
 def test_non_finite_numbers_are_refused_in_every_float_field(tiny_engine_factory):
-    fields = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-              "length_penalty"]
+    fields = [
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "length_penalty",
+    ]
     with serve_engine(tiny_engine_factory()) as server:
         for name in fields:
             for literal in (b"Infinity", b"-Infinity", b"NaN"):
-                raw = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "%s": %s}' % (MODEL.encode(), name.encode(),
-                                                                                      literal)
+                raw = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "%s": %s}' % (
+                    MODEL.encode(),
+                    name.encode(),
+                    literal,
+                )
                 status, _, body = _request(server.url, "/v1/completions", raw)
                 _assert_error(status, body, 400, name)
         raw = b'{"model": "%s", "prompt": "hi", "logit_bias": {"5": NaN}}' % MODEL.encode()
@@ -116,8 +127,16 @@ def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
     from leanlm.server.protocol import CompletionRequest
     from leanlm.server.serving import OpenAIServing
 
-    fields = dict(model=MODEL, prompt=["Once upon", "The sea"], n=2, max_tokens=40, temperature=1.0, seed=3,
-                  logprobs=1, stop=["zq"])
+    fields = dict(
+        model=MODEL,
+        prompt=["Once upon", "The sea"],
+        n=2,
+        max_tokens=40,
+        temperature=1.0,
+        seed=3,
+        logprobs=1,
+        stop=["zq"],
+    )
 
     async def scenario(engine: AsyncLLMEngine):
         serving = OpenAIServing(engine, [MODEL])
@@ -155,8 +174,11 @@ def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
 
 def test_a_chat_template_that_renders_for_ever_fails_its_request_alone(tiny_engine_factory, monkeypatch):
     engine = tiny_engine_factory()
-    monkeypatch.setattr(engine.tokenizer, "chat_template",
-                        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    monkeypatch.setattr(
+        engine.tokenizer,
+        "chat_template",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    )
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with serve_engine(engine) as server:
         start = time.monotonic()

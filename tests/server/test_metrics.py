@@ -32,15 +32,19 @@ def test_metrics_follow_requests(real_server):
     url = real_server.url
     before = _parse(_request(url, "/metrics")[2])
     for i in range(3):
-        status, _, body = _request(url, "/v1/completions", {"model": MODEL, "prompt": f"Count: {i}", "max_tokens": 5,
-                                                            "ignore_eos": True})
+        status, _, body = _request(
+            url, "/v1/completions", {"model": MODEL, "prompt": f"Count: {i}", "max_tokens": 5, "ignore_eos": True}
+        )
         assert status == 200
     after = _parse(_request(url, "/metrics")[2])
     label = f'{{model_name="{MODEL}"}}'
     assert after["leanlm_generation_tokens_total" + label] - before["leanlm_generation_tokens_total" + label] == 15
     assert after["leanlm_prompt_tokens_total" + label] > before["leanlm_prompt_tokens_total" + label]
-    for name, per_request in (("leanlm_time_to_first_token_seconds", 1), ("leanlm_e2e_request_latency_seconds", 1),
-                              ("leanlm_inter_token_latency_seconds", 4)):
+    for name, per_request in (
+        ("leanlm_time_to_first_token_seconds", 1),
+        ("leanlm_e2e_request_latency_seconds", 1),
+        ("leanlm_inter_token_latency_seconds", 4),
+    ):
         assert _histogram_count(after, name) - _histogram_count(before, name) == 3 * per_request
     length = f'{{model_name="{MODEL}",finished_reason="length"}}'
     assert after["leanlm_request_success_total" + length] - before["leanlm_request_success_total" + length] == 3

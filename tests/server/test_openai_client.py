@@ -40,8 +40,7 @@ def test_chat_answers_and_stream_equals_non_stream(openai_client, real_llm):
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
     for seed in (None, 7):
-        kwargs = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0 if seed is None else 0.9,
-                      seed=seed)
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0 if seed is None else 0.9, seed=seed)
         whole = openai_client.chat.completions.create(**kwargs)
         texts, reasons, usage = _stream_texts(
             openai_client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs),
@@ -73,8 +72,9 @@ def test_completions_several_prompts_and_token_prompts(openai_client, real_llm):
     whole = openai_client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2)
     assert [c.index for c in whole.choices] == [0, 1, 2, 3]
     assert whole.choices[0].text == whole.choices[1].text  # greedy: both completions agree
-    ids = openai_client.completions.create(model=MODEL, prompt=tokenizer.encode(prompts[1]), max_tokens=8,
-                                           temperature=0)
+    ids = openai_client.completions.create(
+        model=MODEL, prompt=tokenizer.encode(prompts[1]), max_tokens=8, temperature=0
+    )
     assert ids.choices[0].text == whole.choices[2].text
 
 
@@ -89,8 +89,9 @@ def test_stop_strings(openai_client):
 
 
 def test_completion_logprobs_and_echo(openai_client):
-    out = openai_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                           temperature=0, logprobs=2)
+    out = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
     choice = out.choices[0]
     lp = choice.logprobs
     assert "".join(lp.tokens) == choice.text and len(lp.token_logprobs) == 6
@@ -101,8 +102,9 @@ def test_completion_logprobs_and_echo(openai_client):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
     # Scoring the way lm-evaluation-harness does: echo the prompt with its logprobs.
-    echo = openai_client.completions.create(model=MODEL, prompt="The capital of France is Paris", max_tokens=1,
-                                            temperature=0, logprobs=1, echo=True)
+    echo = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is Paris", max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
     elp = echo.choices[0].logprobs
     assert echo.choices[0].text.startswith("The capital of France is Paris")
     assert elp.tokens[:6] == ["The", " capital", " of", " France", " is", " Paris"] and len(elp.tokens) == 6 + 1
@@ -113,8 +115,12 @@ def test_completion_logprobs_and_echo(openai_client):
 
 def test_chat_logprobs(openai_client):
     out = openai_client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=5, temperature=0,
-        logprobs=True, top_logprobs=3,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = out.choices[0].logprobs.content
     assert "".join(item.token for item in content) == out.choices[0].message.content

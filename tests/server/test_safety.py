@@ -47,8 +47,12 @@ def _assert_error(status, body, expected_status, param=None):
 
 def _engine_is_idle(engine: AsyncLLMEngine) -> bool:
     snap = engine.snapshot
-    return (snap.num_free_kv_blocks == snap.num_kv_blocks and snap.scheduler.num_running == 0
-            and snap.scheduler.num_waiting == 0 and engine.num_requests_in_flight == 0)
+    return (
+        snap.num_free_kv_blocks == snap.num_kv_blocks
+        and snap.scheduler.num_running == 0
+        and snap.scheduler.num_waiting == 0
+        and engine.num_requests_in_flight == 0
+    )
 
 
 def _metric(url: str, name: str, labels: str = "") -> float:
@@ -121,8 +125,13 @@ def test_post_bodies_must_be_json(tiny_engine_factory):
     """A cross-site form or text/plain POST (no CORS preflight) must not reach the model."""
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
     with serve_engine(tiny_engine_factory()) as server:
-        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                             "application/jsonp", ""):
+        for content_type in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "application/jsonp",
+            "",
+        ):
             status, out = _post(server.url, body, {"Content-Type": content_type})
             _assert_error(status, out, 415)
             assert out["error"]["code"] == "unsupported_media_type"
@@ -135,8 +144,15 @@ def test_without_a_key_only_loopback_host_names_are_answered(tiny_engine_factory
     """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
     port_free = ("localhost", "127.0.0.1", "127.3.4.5", "[::1]", "LOCALHOST.")
     with serve_engine(tiny_engine_factory()) as server:
-        for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example", "0.0.0.0", "[::2]",
-                     "localhost.evil.example", ""):
+        for host in (
+            "evil.example",
+            f"evil.example:{server.port}",
+            "127.0.0.1.evil.example",
+            "0.0.0.0",
+            "[::2]",
+            "localhost.evil.example",
+            "",
+        ):
             for path in ("/v1/models", "/metrics", "/health"):
                 status, _, out = _request(server.url, path, headers={"Host": host})
                 _assert_error(status, out, 403)
@@ -187,10 +203,14 @@ def test_invalid_requests_get_4xx_and_the_server_stays_healthy(tiny_engine_facto
         chat_invalid = [
             ({"model": MODEL, "messages": []}, "messages"),
             ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, None),
-            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-             "tools"),
-            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
-             "max_completion_tokens"),
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+                "tools",
+            ),
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
+                "max_completion_tokens",
+            ),
         ]
         for body, param in chat_invalid:
             status, _, out = _request(server.url, "/v1/chat/completions", body)
@@ -199,14 +219,16 @@ def test_invalid_requests_get_4xx_and_the_server_stays_healthy(tiny_engine_facto
         _assert_error(status, out, 413)
         # The same body streamed without a Content-Length (chunked transfer encoding).
         chunks = iter([b'{"model": "'] + [b"x" * 8192] * 12 + [b'"}'])
-        status, _, out = _request(server.url, "/v1/completions", chunks, {"Content-Type": "application/json"},
-                                  method="POST")
+        status, _, out = _request(
+            server.url, "/v1/completions", chunks, {"Content-Type": "application/json"}, method="POST"
+        )
         _assert_error(status, out, 413)
         # Still healthy, nothing leaked, and a good request works.
         assert _request(server.url, "/health")[0] == 200
         assert _engine_is_idle(server.engine)
-        status, _, out = _request(server.url, "/v1/completions",
-                                  {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        status, _, out = _request(
+            server.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+        )
         assert status == 200 and out["usage"]["completion_tokens"] == 3
 
 
@@ -253,13 +275,17 @@ def test_an_exception_in_one_request_fails_it_alone(tiny_engine_factory):
 
     async def scenario(url: str):
         async with aiohttp.ClientSession() as session:
+
             async def complete(prompt, stream=False):
                 async with session.post(url + "/v1/completions", json=good | {"prompt": prompt, "stream": stream}) as r:
                     return r.status, (await _read_events(r) if stream else await r.json())
 
             return await asyncio.gather(
-                complete([11, 12, 13]), complete([11, POISON, 13]), complete([14, 15] * 20),
-                complete([16, POISON], stream=True), complete([17, 18], stream=True),
+                complete([11, 12, 13]),
+                complete([11, POISON, 13]),
+                complete([14, 15] * 20),
+                complete([16, POISON], stream=True),
+                complete([17, 18], stream=True),
             )
 
     with serve_engine(tiny_engine_factory(delay_s=0.002)) as server:
@@ -281,10 +307,17 @@ def test_64_concurrent_streams_complete_with_exact_token_counts(real_server):
 
     async def scenario(url: str):
         async with aiohttp.ClientSession() as session:
+
             async def one(i: int):
-                body = {"model": MODEL, "prompt": f"Story number {i}: once upon a time", "max_tokens": num_tokens,
-                        "ignore_eos": True, "temperature": 0.8, "seed": i,
-                        "stream_options": {"include_usage": True}}
+                body = {
+                    "model": MODEL,
+                    "prompt": f"Story number {i}: once upon a time",
+                    "max_tokens": num_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0.8,
+                    "seed": i,
+                    "stream_options": {"include_usage": True},
+                }
                 return await _read_events(await _open_stream(session, url, body))
 
             return await asyncio.gather(*(one(i) for i in range(64)))
@@ -301,8 +334,7 @@ def test_64_concurrent_streams_complete_with_exact_token_counts(real_server):
 
 
 def test_disconnecting_clients_free_their_kv_blocks(real_server):
-    body = {"model": MODEL, "prompt": "Write a very long essay about the sea.", "max_tokens": 2000,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Write a very long essay about the sea.", "max_tokens": 2000, "ignore_eos": True}
 
     async def scenario(url: str) -> None:
         async with aiohttp.ClientSession() as session:

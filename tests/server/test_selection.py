@@ -35,8 +35,9 @@ def test_best_of_returns_the_n_most_likely_samples(openai_client):
 
 
 def test_best_of_with_several_prompts_indexes_choices_per_prompt(openai_client):
-    out = openai_client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], n=2, best_of=3,
-                                           max_tokens=6, temperature=0.9, seed=1)
+    out = openai_client.completions.create(
+        model=MODEL, prompt=["The sky is", "Water is"], n=2, best_of=3, max_tokens=6, temperature=0.9, seed=1
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
 
 
@@ -48,8 +49,11 @@ def test_best_of_errors_are_400s(openai_client):
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
         openai_client.completions.create(model=MODEL, prompt="hi", best_of=2, max_tokens=2, stream=True)
     # best_of equal to n is plain n, and streams.
-    chunks = list(openai_client.completions.create(model=MODEL, prompt="hi", n=2, best_of=2, max_tokens=2,
-                                                   stream=True, temperature=0.5))
+    chunks = list(
+        openai_client.completions.create(
+            model=MODEL, prompt="hi", n=2, best_of=2, max_tokens=2, stream=True, temperature=0.5
+        )
+    )
     assert {choice.index for chunk in chunks for choice in chunk.choices} == {0, 1}
 
 
@@ -58,14 +62,22 @@ def test_beam_search_extension_matches_hf_beam_search(openai_client, real_llm, h
 
     tok = real_llm.get_tokenizer()
     prompt = "The capital of France is"
-    out = openai_client.completions.create(model=MODEL, prompt=prompt, n=2, best_of=4, max_tokens=12,
-                                           extra_body={"use_beam_search": True})
+    out = openai_client.completions.create(
+        model=MODEL, prompt=prompt, n=2, best_of=4, max_tokens=12, extra_body={"use_beam_search": True}
+    )
     eos = list(real_llm.llm_engine.eos_token_ids)
     ids = tok.encode(prompt)
     with torch.no_grad():
-        ref = hf_smollm.generate(torch.tensor([ids]), num_beams=4, num_return_sequences=4, max_new_tokens=12,
-                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-    expected = [tok.decode(row[len(ids):], skip_special_tokens=True) for row in ref.tolist()[:2]]
+        ref = hf_smollm.generate(
+            torch.tensor([ids]),
+            num_beams=4,
+            num_return_sequences=4,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    expected = [tok.decode(row[len(ids) :], skip_special_tokens=True) for row in ref.tolist()[:2]]
     assert [c.index for c in out.choices] == [0, 1]
     assert [c.text for c in out.choices] == expected and "Paris" in expected[0]
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, extra_body={"use_beam_search": True})
@@ -85,22 +97,31 @@ def test_beam_search_runs_beside_sampling_and_frees_on_disconnect(real_server, o
 
     plain = dict(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
     alone = openai_client.completions.create(**plain).choices[0].text
-    beam = {"model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": 24, "best_of": 3,
-            "use_beam_search": True, "ignore_eos": True}
+    beam = {
+        "model": MODEL,
+        "prompt": "Write a long story about the sea.",
+        "max_tokens": 24,
+        "best_of": 3,
+        "use_beam_search": True,
+        "ignore_eos": True,
+    }
 
     async def scenario(url: str):
         async with aiohttp.ClientSession() as session:
+
             async def post(body):
                 async with session.post(url + "/v1/completions", json=body) as r:
                     return r.status, (await _read_events(r) if body.get("stream") else await r.json())
 
-            results = await asyncio.gather(post(beam), post(plain | {"stream": True}), post(beam | {"n": 2}),
-                                           post(plain))
+            results = await asyncio.gather(
+                post(beam), post(plain | {"stream": True}), post(beam | {"n": 2}), post(plain)
+            )
             # A client that gives up on a long beam search (2000 rounds: far longer than the wait below): its
             # beams' blocks must come back at once.
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(session.post(url + "/v1/completions", json=beam | {"max_tokens": 2000}),
-                                       timeout=1.0)
+                await asyncio.wait_for(
+                    session.post(url + "/v1/completions", json=beam | {"max_tokens": 2000}), timeout=1.0
+                )
             return results
 
     (s1, b1), (s2, events), (s3, b3), (s4, p4) = asyncio.run(scenario(real_server.url))
@@ -116,8 +137,12 @@ def test_beam_search_runs_beside_sampling_and_frees_on_disconnect(real_server, o
 def test_beam_search_errors_are_400s(openai_client):
     openai = pytest.importorskip("openai")
     beam = {"use_beam_search": True}
-    for kwargs, param in [(dict(stream=True), "stream"), (dict(logprobs=1), "logprobs"), (dict(stop=["."]), "stop"),
-                          (dict(n=3, best_of=2), "best_of")]:
+    for kwargs, param in [
+        (dict(stream=True), "stream"),
+        (dict(logprobs=1), "logprobs"),
+        (dict(stop=["."]), "stop"),
+        (dict(n=3, best_of=2), "best_of"),
+    ]:
         with pytest.raises(openai.BadRequestError) as err:
             openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=beam, **kwargs)
         assert err.value.body["param"] == param, err.value.body

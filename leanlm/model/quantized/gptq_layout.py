@@ -39,12 +39,14 @@ def to_gptq_tensors(layer: IntGroupWeightOnlyLinear) -> dict[str, torch.Tensor]:
     """qweight / qzeros / scales / g_idx (+ bias) of one 4-bit layer, in the original column order."""
     if layer.bits != BITS:
         raise ValueError(f"the GPTQ layout holds {BITS}-bit codes; this layer has {layer.bits}")
-    n, k = layer.out_features, layer.in_features
+    k = layer.in_features
     codes = unpack_int4(layer.qweight).to(torch.int64)  # [N, K] stored order
     zeros = torch.round(-layer.mins / layer.scales)  # [N, G]: w = (q - z) * s
     if (zeros < 1).any() or (zeros > 15).any():
-        raise ValueError("a group has zero point 0, which the GPTQ format (zero - 1 stored) cannot hold; "
-                         "quantize with symmetric=True for GPTQ export")
+        raise ValueError(
+            "a group has zero point 0, which the GPTQ format (zero - 1 stored) cannot hold; "
+            "quantize with symmetric=True for GPTQ export"
+        )
     group_of_stored = torch.arange(k) // layer.group_size  # [K]
     g_idx = group_of_stored
     if layer.perm is not None:
@@ -66,22 +68,27 @@ def from_gptq_tensors(tensors: dict[str, torch.Tensor], group_size: int) -> IntG
     """Our runtime layer from one GPTQ layer's tensors (any g_idx whose groups each hold group_size columns)."""
     qweight, scales = tensors["qweight"], tensors["scales"].float()
     if qweight.dim() != 2 or qweight.dtype != torch.int32 or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"GPTQ qweight must be an int32 matrix and group_size a positive integer, got "
-                         f"{qweight.dtype} {list(qweight.shape)} and group_size={group_size!r}")
+        raise ValueError(
+            f"GPTQ qweight must be an int32 matrix and group_size a positive integer, got "
+            f"{qweight.dtype} {list(qweight.shape)} and group_size={group_size!r}"
+        )
     codes = unpack_int32_rows(qweight).t()  # [N, K]
     n, k = codes.shape
     if k % group_size:
         raise ValueError(f"GPTQ layer of K={k} input columns is not a multiple of group_size={group_size}")
     num_groups = k // group_size
     if scales.shape != (num_groups, n) or tensors["qzeros"].shape != (num_groups, -(-n // CODES_PER_INT32)):
-        raise ValueError(f"GPTQ scales {list(scales.shape)} / qzeros {list(tensors['qzeros'].shape)} do not match "
-                         f"[G, N] = [{num_groups}, {n}] / [G, N / {CODES_PER_INT32}]")
+        raise ValueError(
+            f"GPTQ scales {list(scales.shape)} / qzeros {list(tensors['qzeros'].shape)} do not match "
+            f"[G, N] = [{num_groups}, {n}] / [G, N / {CODES_PER_INT32}]"
+        )
     zeros = (unpack_int32_rows(tensors["qzeros"].t().contiguous())[:n] + 1).float()  # [N, G]
     g_idx = tensors.get("g_idx")
     if g_idx is not None:
         if g_idx.dim() != 1 or g_idx.numel() != k or g_idx.dtype.is_floating_point:
-            raise ValueError(f"GPTQ g_idx must hold one integer group per input column ({k}), got {g_idx.dtype} "
-                             f"{list(g_idx.shape)}")
+            raise ValueError(
+                f"GPTQ g_idx must hold one integer group per input column ({k}), got {g_idx.dtype} {list(g_idx.shape)}"
+            )
         if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
             raise ValueError(f"GPTQ g_idx holds groups outside [0, {num_groups})")
     perm = None
@@ -92,5 +99,6 @@ def from_gptq_tensors(tensors: dict[str, torch.Tensor], group_size: int) -> IntG
             raise ValueError("g_idx groups do not each hold group_size columns; this GPTQ layout is not supported")
         codes = codes[:, perm]
     s = scales.t().contiguous()  # [N, G]
-    return IntGroupWeightOnlyLinear(pack_int4(codes), s, -zeros * s, tensors.get("bias"), bits=BITS,
-                                    group_size=group_size, perm=perm)
+    return IntGroupWeightOnlyLinear(
+        pack_int4(codes), s, -zeros * s, tensors.get("bias"), bits=BITS, group_size=group_size, perm=perm
+    )

@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.model.quantized.numerics import quantize_fp8, quantize_per_token_int8, unpack_int4
 from leanlm.kernels import cpu_decode, cpu_qgemv
+from leanlm.model.quantized.numerics import quantize_per_token_int8, unpack_int4
 
-QUANT_LINEAR_FORMATS: dict[str, type["QuantLinear"]] = {}
+QUANT_LINEAR_FORMATS: dict[str, type[QuantLinear]] = {}
 
 
-def register_format(cls: type["QuantLinear"]) -> type["QuantLinear"]:
+def register_format(cls: type[QuantLinear]) -> type[QuantLinear]:
     QUANT_LINEAR_FORMATS[cls.format] = cls
     return cls
 
@@ -30,18 +30,18 @@ def register_format(cls: type["QuantLinear"]) -> type["QuantLinear"]:
 # N, K and group size without bounds checks, so every shape and index is checked when a layer is built.
 
 
-def _matrix(fmt: str, name: str, t: torch.Tensor) -> tuple[int, int]:
+def matrix_shape(fmt: str, name: str, t: torch.Tensor) -> tuple[int, int]:
     if t.dim() != 2 or 0 in t.shape:
         raise ValueError(f"{fmt} tensor {name} has shape {list(t.shape)}; expected a non-empty matrix")
     return int(t.shape[0]), int(t.shape[1])
 
 
-def _check_shape(fmt: str, name: str, t: torch.Tensor | None, *shape: int) -> None:
+def check_shape(fmt: str, name: str, t: torch.Tensor | None, *shape: int) -> None:
     if t is not None and tuple(t.shape) != shape:
         raise ValueError(f"{fmt} tensor {name} has shape {list(t.shape)}; expected {list(shape)}")
 
 
-def _check_numel(fmt: str, name: str, t: torch.Tensor, n: int) -> None:
+def check_numel(fmt: str, name: str, t: torch.Tensor, n: int) -> None:
     if t.numel() != n:
         raise ValueError(f"{fmt} tensor {name} has {t.numel()} values (shape {list(t.shape)}); expected {n}")
 
@@ -51,7 +51,7 @@ def _check_group_size(fmt: str, group_size, k: int) -> None:
         raise ValueError(f"{fmt} group_size {group_size!r} must be a positive integer dividing in_features={k}")
 
 
-def _check_indices(fmt: str, name: str, t: torch.Tensor, k: int, permutation: bool) -> torch.Tensor:
+def check_indices(fmt: str, name: str, t: torch.Tensor, k: int, permutation: bool) -> torch.Tensor:
     """int64 copy of an index tensor whose values lie in [0, k) without repeats (all of them when a permutation)."""
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype is torch.bool:
         raise ValueError(f"{fmt} tensor {name} must be a 1-D integer tensor, got {t.dtype} {list(t.shape)}")
@@ -59,8 +59,9 @@ def _check_indices(fmt: str, name: str, t: torch.Tensor, k: int, permutation: bo
     if permutation and idx.numel() != k:
         raise ValueError(f"{fmt} tensor {name} has {idx.numel()} entries; a permutation of in_features needs {k}")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
-        raise ValueError(f"{fmt} tensor {name} holds indices outside [0, {k}) (min {int(idx.min())}, max "
-                         f"{int(idx.max())})")
+        raise ValueError(
+            f"{fmt} tensor {name} holds indices outside [0, {k}) (min {int(idx.min())}, max {int(idx.max())})"
+        )
     if torch.unique(idx).numel() != idx.numel():
         raise ValueError(f"{fmt} tensor {name} repeats an index; each input column may appear once")
     return idx.contiguous()
@@ -77,10 +78,10 @@ class QuantLinear(nn.Module, ABC):
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        _check_shape(self.format, "bias", bias, out_features)
+        check_shape(self.format, "bias", bias, out_features)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
-    def set_compute_dtype(self, dtype: torch.dtype) -> "QuantLinear":
+    def set_compute_dtype(self, dtype: torch.dtype) -> QuantLinear:
         """Cast the float buffers that take part in the model dtype's arithmetic (see compute_dtype_buffers)."""
         for name in self.compute_dtype_buffers:
             t = getattr(self, name)
@@ -93,7 +94,7 @@ class QuantLinear(nn.Module, ABC):
         return {"format": self.format, "in_features": self.in_features, "out_features": self.out_features}
 
     @classmethod
-    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> "QuantLinear":
+    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantLinear:
         """Rebuild from saved metadata and tensors (names from `tensor_names`, plus optional 'bias')."""
         kwargs = {k: v for k, v in meta.items() if k not in ("format", "in_features", "out_features")}
         missing = [n for n in cls.tensor_names if n not in tensors]
@@ -102,8 +103,10 @@ class QuantLinear(nn.Module, ABC):
         layer = cls(*(tensors[n] for n in cls.tensor_names), bias=tensors.get("bias"), **kwargs)
         declared = (meta.get("in_features"), meta.get("out_features"))
         if declared != (layer.in_features, layer.out_features):
-            raise ValueError(f"{cls.format} layer declares in/out features {declared} but its tensors hold "
-                             f"{(layer.in_features, layer.out_features)}")
+            raise ValueError(
+                f"{cls.format} layer declares in/out features {declared} but its tensors hold "
+                f"{(layer.in_features, layer.out_features)}"
+            )
         return layer
 
     @abstractmethod
@@ -130,9 +133,13 @@ def _dequantizes_natively(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Te
     """bf16 CPU activations (and bias) over a CPU weight: dequantize to bf16 natively rather than in fp32 torch
     ops (about 10x faster for int4), same values rounded once."""
     return (
-        x.dtype is torch.bfloat16 and x.is_cpu and qweight.is_cpu and qweight.is_contiguous()
-        and (bias is None or bias.dtype is torch.bfloat16) and cpu_qgemv.is_available()
-    )  # fmt: skip
+        x.dtype is torch.bfloat16
+        and x.is_cpu
+        and qweight.is_cpu
+        and qweight.is_contiguous()
+        and (bias is None or bias.dtype is torch.bfloat16)
+        and cpu_qgemv.is_available()
+    )
 
 
 def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -151,8 +158,8 @@ class Int8WeightOnlyLinear(QuantLinear):
     tensor_names = ("qweight", "scales")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        n, k = _matrix(self.format, "qweight", qweight)
-        _check_numel(self.format, "scales", scales, n)
+        n, k = matrix_shape(self.format, "qweight", qweight)
+        check_numel(self.format, "scales", scales, n)
         super().__init__(k, n, bias)
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
@@ -183,19 +190,30 @@ class IntGroupWeightOnlyLinear(QuantLinear):
     format = "int_group_weight_only"
     tensor_names = ("qweight", "scales", "mins")
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, bits: int, group_size: int, perm: torch.Tensor | None = None) -> None:
-        n, half_k = _matrix(self.format, "qweight", qweight)
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        bits: int,
+        group_size: int,
+        perm: torch.Tensor | None = None,
+    ) -> None:
+        n, half_k = matrix_shape(self.format, "qweight", qweight)
         super().__init__(half_k * 2, n, bias)
         if not isinstance(bits, int) or not 2 <= bits <= 4:
             raise ValueError(f"group-wise weight-only layers hold 2-4 bit codes, got bits={bits!r}")
         _check_group_size(self.format, group_size, self.in_features)
         if scales.shape != (self.out_features, self.in_features // group_size):
-            raise ValueError(f"scales {tuple(scales.shape)} do not match [N, K / group_size] for "
-                             f"K={self.in_features}, group_size={group_size}")
-        _check_shape(self.format, "mins", mins, *scales.shape)
+            raise ValueError(
+                f"scales {tuple(scales.shape)} do not match [N, K / group_size] for "
+                f"K={self.in_features}, group_size={group_size}"
+            )
+        check_shape(self.format, "mins", mins, *scales.shape)
         if perm is not None:
-            perm = _check_indices(self.format, "perm", perm, self.in_features, permutation=True)
+            perm = check_indices(self.format, "perm", perm, self.in_features, permutation=True)
         self.bits, self.group_size = bits, group_size
         self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())  # [N, K/2]
         self.register_buffer("scales", scales.float().contiguous())  # [N, G]
@@ -206,7 +224,7 @@ class IntGroupWeightOnlyLinear(QuantLinear):
     def from_tensors(cls, meta, tensors):
         layer = super().from_tensors(meta, {k: v for k, v in tensors.items() if k != "perm"})
         if "perm" in tensors:  # a permutation of range(K): the kernel gathers x[:, perm] unchecked
-            layer.perm = _check_indices(cls.format, "perm", tensors["perm"], layer.in_features, permutation=True)
+            layer.perm = check_indices(cls.format, "perm", tensors["perm"], layer.in_features, permutation=True)
         return layer
 
     def metadata(self) -> dict[str, Any]:
@@ -238,8 +256,9 @@ class IntGroupWeightOnlyLinear(QuantLinear):
         return self.reference_forward(x)
 
     def native_linear(self) -> cpu_decode.NativeLinear:
-        return cpu_decode.NativeLinear(cpu_decode.KIND_INT4, self.qweight, self.scales, self.mins, self.bias,
-                                       self.group_size, self.perm)  # fmt: skip
+        return cpu_decode.NativeLinear(
+            cpu_decode.KIND_INT4, self.qweight, self.scales, self.mins, self.bias, self.group_size, self.perm
+        )
 
 
 @register_format
@@ -253,13 +272,19 @@ class Int8DynamicActLinear(QuantLinear):
     format = "int8_dynamic_activation"
     tensor_names = ("qweight", "scales")
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, group_size: int | None = None) -> None:
-        n, k = _matrix(self.format, "qweight", qweight)
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int | None = None,
+    ) -> None:
+        n, k = matrix_shape(self.format, "qweight", qweight)
         super().__init__(k, n, bias)
         if group_size is not None:
             _check_group_size(self.format, group_size, k)
-        _check_numel(self.format, "scales", scales, n if group_size is None else n * (k // group_size))
+        check_numel(self.format, "scales", scales, n if group_size is None else n * (k // group_size))
         self.group_size = group_size
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         scales = scales.float().reshape(n) if group_size is None else scales.float().reshape(n, -1)
@@ -281,99 +306,6 @@ class Int8DynamicActLinear(QuantLinear):
         xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
         if self.group_size is None:
             y = int8_matmul(xq, xs, self.qweight, self.scales)
-        else:
-            y = (xq.float() * xs) @ self.dequantized_weight().t()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-
-@register_format
-class LLMInt8Linear(QuantLinear):
-    """LLM.int8(): vector-wise int8 (per-row weight scales, per-token activation scales) plus a 16-bit product
-    over outlier feature columns. `outlier_idx` columns (found on calibration data) keep their exact weights
-    in `outlier_weight`; input columns exceeding `threshold` at run time that are not among them take the
-    16-bit path with their int8 weights dequantized, as bitsandbytes does.
-    """
-
-    format = "llm_int8"
-    tensor_names = ("qweight", "scales", "outlier_idx", "outlier_weight")
-    compute_dtype_buffers = ("bias", "outlier_weight")
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, outlier_idx: torch.Tensor,
-                 outlier_weight: torch.Tensor, bias: torch.Tensor | None = None, *, threshold: float = 6.0) -> None:
-        n, k = _matrix(self.format, "qweight", qweight)
-        super().__init__(k, n, bias)
-        _check_numel(self.format, "scales", scales, n)
-        outlier_idx = _check_indices(self.format, "outlier_idx", outlier_idx, k, permutation=False)
-        _check_shape(self.format, "outlier_weight", outlier_weight, n, outlier_idx.numel())
-        self.threshold = threshold
-        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K], outlier columns 0
-        self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
-        self.register_buffer("outlier_idx", outlier_idx)  # [O]
-        self.register_buffer("outlier_weight", outlier_weight.contiguous())  # [N, O], 16/32-bit, exact
-        mask = torch.zeros(self.in_features, dtype=torch.bool, device=qweight.device)
-        mask[self.outlier_idx] = True
-        self.register_buffer("is_static_outlier", mask, persistent=False)  # [K]
-
-    def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "threshold": self.threshold}
-
-    def dequantized_weight(self) -> torch.Tensor:
-        w = self.qweight.float() * self.scales[:, None]
-        w[:, self.outlier_idx] = self.outlier_weight.float()
-        return w
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        dynamic = (x2.abs() > self.threshold).any(dim=0) & ~self.is_static_outlier  # [K] new outlier columns
-        inliers = x2.masked_fill(self.is_static_outlier | dynamic, 0)
-        xq, xs = quantize_per_token_int8(inliers)
-        y = int8_matmul(xq, xs, self.qweight, self.scales).to(x.dtype) + x2[:, self.outlier_idx] @ self.outlier_weight.to(x.dtype).t()
-        if dynamic.any():
-            cols = dynamic.nonzero().squeeze(1)
-            w_cols = (self.qweight[:, cols].float() * self.scales[:, None]).to(x.dtype)  # [N, O']
-            y = y + x2[:, cols] @ w_cols.t()
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
-
-
-def scaled_mm_supported(device: torch.device) -> bool:
-    """torch._scaled_mm runs FP8 on CPU and on CUDA from compute capability 8.9 (Ada, Hopper)."""
-    if device.type == "cpu":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-@register_format
-class FP8Linear(QuantLinear):
-    """FP8 W8A8: weights in e4m3 (or e5m2) with per-channel scales, activations scaled per token on the fly,
-    multiplied by torch._scaled_mm (fp32 accumulation) where supported, else dequantized."""
-
-    format = "fp8"
-    tensor_names = ("weight", "weight_scale")
-
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        n, k = _matrix(self.format, "weight", weight)
-        if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"{self.format} tensor weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
-        _check_numel(self.format, "weight_scale", weight_scale, n)
-        super().__init__(k, n, bias)
-        self.register_buffer("weight", weight.contiguous())  # [N, K] float8
-        self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1).contiguous())  # [N, 1]
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight.float() * self.weight_scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, xs = quantize_fp8(x2, self.weight.dtype, per_row=True)  # [T, K], [T, 1]
-        if scaled_mm_supported(x.device) and self.weight.dtype is torch.float8_e4m3fn:
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
-                                 bias=None, out_dtype=torch.float32)
         else:
             y = (xq.float() * xs) @ self.dequantized_weight().t()
         if self.bias is not None:

@@ -84,8 +84,9 @@ def compute_qparams(x: torch.Tensor, spec: QuantSpec) -> QParams:
     return qparams_from_range(lo, hi, spec)
 
 
-def shrink_qparams(x: torch.Tensor, spec: QuantSpec, max_shrink: float = 0.2, n_grid: int = 20,
-                   norm: float = 2.4) -> QParams:
+def shrink_qparams(
+    x: torch.Tensor, spec: QuantSpec, max_shrink: float = 0.2, n_grid: int = 20, norm: float = 2.4
+) -> QParams:
     """Like compute_qparams, but each unit's range [lo, hi] shrinks by the factor in 1, 1 - max_shrink / n_grid,
     ..., 1 - max_shrink that minimises sum |x - fake_quantize(x)|^norm over the unit: clipping a few
     outliers buys a finer grid for the rest (the `mse` grid of the GPTQ reference quantizer)."""
@@ -106,8 +107,10 @@ def shrink_qparams(x: torch.Tensor, spec: QuantSpec, max_shrink: float = 0.2, n_
         err = error(qp)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best = QParams(torch.where(better, qp.scale, best.scale),
-                       None if qp.zero is None else torch.where(better, qp.zero, best.zero))
+        best = QParams(
+            torch.where(better, qp.scale, best.scale),
+            None if qp.zero is None else torch.where(better, qp.zero, best.zero),
+        )
     return best
 
 
@@ -126,7 +129,11 @@ def quantize(x: torch.Tensor, qp: QParams, spec: QuantSpec) -> torch.Tensor:
     q = torch.round(xg / qp.scale)
     if qp.zero is not None:
         q = q + qp.zero
-    return q.clamp_(spec.qmin, spec.qmax).to(torch.int8 if spec.symmetric or spec.bits < 8 else torch.uint8).reshape(x.shape)
+    return (
+        q.clamp_(spec.qmin, spec.qmax)
+        .to(torch.int8 if spec.symmetric or spec.bits < 8 else torch.uint8)
+        .reshape(x.shape)
+    )
 
 
 def dequantize(q: torch.Tensor, qp: QParams, spec: QuantSpec) -> torch.Tensor:

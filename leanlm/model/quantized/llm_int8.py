@@ -1,0 +1,81 @@
+"""LLM.int8() (Dettmers et al. 2022): int8 weights and activations, with outlier input columns in a 16-bit product."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from leanlm.model.quantized.linear import (
+    QuantLinear,
+    check_indices,
+    check_numel,
+    check_shape,
+    matrix_shape,
+    int8_matmul,
+    register_format,
+)
+from leanlm.model.quantized.numerics import quantize_per_token_int8
+
+
+@register_format
+class LLMInt8Linear(QuantLinear):
+    """LLM.int8(): vector-wise int8 (per-row weight scales, per-token activation scales) plus a 16-bit product
+    over outlier feature columns. `outlier_idx` columns (found on calibration data) keep their exact weights
+    in `outlier_weight`; input columns exceeding `threshold` at run time that are not among them take the
+    16-bit path with their int8 weights dequantized, as bitsandbytes does.
+    """
+
+    format = "llm_int8"
+    tensor_names = ("qweight", "scales", "outlier_idx", "outlier_weight")
+    compute_dtype_buffers = ("bias", "outlier_weight")
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        outlier_idx: torch.Tensor,
+        outlier_weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        threshold: float = 6.0,
+    ) -> None:
+        n, k = matrix_shape(self.format, "qweight", qweight)
+        super().__init__(k, n, bias)
+        check_numel(self.format, "scales", scales, n)
+        outlier_idx = check_indices(self.format, "outlier_idx", outlier_idx, k, permutation=False)
+        check_shape(self.format, "outlier_weight", outlier_weight, n, outlier_idx.numel())
+        self.threshold = threshold
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K], outlier columns 0
+        self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
+        self.register_buffer("outlier_idx", outlier_idx)  # [O]
+        self.register_buffer("outlier_weight", outlier_weight.contiguous())  # [N, O], 16/32-bit, exact
+        mask = torch.zeros(self.in_features, dtype=torch.bool, device=qweight.device)
+        mask[self.outlier_idx] = True
+        self.register_buffer("is_static_outlier", mask, persistent=False)  # [K]
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "threshold": self.threshold}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = self.qweight.float() * self.scales[:, None]
+        w[:, self.outlier_idx] = self.outlier_weight.float()
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        dynamic = (x2.abs() > self.threshold).any(dim=0) & ~self.is_static_outlier  # [K] new outlier columns
+        inliers = x2.masked_fill(self.is_static_outlier | dynamic, 0)
+        xq, xs = quantize_per_token_int8(inliers)
+        y = (
+            int8_matmul(xq, xs, self.qweight, self.scales).to(x.dtype)
+            + x2[:, self.outlier_idx] @ self.outlier_weight.to(x.dtype).t()
+        )
+        if dynamic.any():
+            cols = dynamic.nonzero().squeeze(1)
+            w_cols = (self.qweight[:, cols].float() * self.scales[:, None]).to(x.dtype)  # [N, O']
+            y = y + x2[:, cols] @ w_cols.t()
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)

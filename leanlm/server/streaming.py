@@ -1,0 +1,144 @@
+"""Server-sent events for a job: a chunk per new piece of each choice (OpenAI's completions and chat chunk
+shapes), the usage chunk if asked, then [DONE]; several prompts' streams merged in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from leanlm.engine import CompletionOutput, EngineStoppedError, RequestFailedError, RequestOutput, RequestStream
+from leanlm.server import responses
+from leanlm.server.protocol import UnsupportedParameterError
+
+if TYPE_CHECKING:
+    from leanlm.server.serving import Job
+
+
+async def sse_events(job: Job, texts: responses.TokenTexts) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per new piece of each choice, the usage chunk if asked, then [DONE].
+    A failure after the stream started is sent as an `error` event (the HTTP status is already 200)."""
+    cursors: dict[int, responses.ChoiceCursor] = {}
+    finals: dict[int, RequestOutput] = {}
+    obj = "chat.completion.chunk" if job.is_chat else "text_completion"
+    try:
+        async for prompt_idx, output in _merged(job.streams):
+            chunk = responses.envelope(job.request_id, obj, job.model, job.created)
+            chunk["choices"] = _delta_choices(job, texts, prompt_idx, output, cursors)
+            if job.include_usage:
+                chunk["usage"] = None
+            if output.finished:
+                finals[prompt_idx] = output
+            if chunk["choices"]:
+                yield _sse(chunk)
+        if job.include_usage:
+            chunk = responses.envelope(job.request_id, obj, job.model, job.created)
+            chunk["choices"] = []
+            chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)])
+            yield _sse(chunk)
+    except (RequestFailedError, UnsupportedParameterError, EngineStoppedError) as exc:
+        yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+    finally:
+        job.abort()  # no-op unless the client went away mid-stream
+    yield "data: [DONE]\n\n"
+
+
+def _delta_choices(
+    job: Job, texts: responses.TokenTexts, prompt_idx: int, output: RequestOutput, cursors: dict
+) -> list[dict]:
+    choices = []
+    for c in output.outputs:
+        raise_if_failed(c)
+        index = prompt_idx * job.n + c.index
+        cursor = cursors.get(index)
+        if cursor is None:
+            cursor = cursors[index] = responses.ChoiceCursor()
+            if job.is_chat:  # the first chunk of a chat choice carries the role
+                choices.append(
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            elif job.echo:
+                choices.append(_echo_chunk(job, texts, prompt_idx, output, index))
+        if cursor.finished:
+            continue
+        new_text = c.text[cursor.num_chars :]
+        new_ids = c.token_ids[cursor.num_tokens :]
+        reason = responses.finish_reason(c)
+        if not new_text and reason is None and (job.num_top_logprobs is None or not new_ids):
+            continue  # tokens whose text is still held back (a partial character or a stop prefix)
+        choice = _delta(job, texts, index, new_text, new_ids, c.logprobs[cursor.num_tokens :] if c.logprobs else [])
+        choice["finish_reason"] = reason
+        if reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        cursor.num_chars, cursor.num_tokens, cursor.finished = len(c.text), len(c.token_ids), c.finished
+        choices.append(choice)
+    return choices
+
+
+def _delta(job: Job, texts: responses.TokenTexts, index: int, text: str, ids: list[int], lps: list) -> dict:
+    if job.is_chat:
+        choice = {"index": index, "delta": {"content": text}, "logprobs": None}
+        if job.num_top_logprobs is not None:
+            choice["logprobs"] = responses.chat_logprobs(texts, ids, lps, job.num_top_logprobs)
+        return choice
+    choice = {"index": index, "text": text, "logprobs": None}
+    if job.num_top_logprobs is not None:
+        choice["logprobs"] = responses.completion_logprobs(texts, ids, lps, job.num_top_logprobs)
+    return choice
+
+
+def _echo_chunk(job: Job, texts: responses.TokenTexts, prompt_idx: int, output: RequestOutput, index: int) -> dict:
+    choice = {"index": index, "text": job.prompt_texts[prompt_idx], "logprobs": None, "finish_reason": None}
+    if job.num_top_logprobs is not None and output.prompt_logprobs is not None:
+        choice["logprobs"] = responses.completion_logprobs(
+            texts, output.prompt_token_ids, output.prompt_logprobs, job.num_top_logprobs
+        )
+    return choice
+
+
+def raise_if_failed(completion: CompletionOutput) -> None:
+    if completion.finish_reason == "error":
+        raise RequestFailedError(completion.error or "the request failed")
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams, in arrival order. The queue holds one item: a pump waits
+    while the reader is slow, so outputs coalesce in its RequestStream instead of piling up here."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(idx: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((idx, output))
+        except BaseException as exc:
+            await queue.put((idx, exc))
+        await queue.put((idx, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            idx, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield idx, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
