@@ -11,8 +11,8 @@ from leanlm.model.quantized.linear import (
     check_indices,
     check_numel,
     check_shape,
-    matrix_shape,
     int8_matmul,
+    matrix_shape,
     register_format,
 )
 from leanlm.model.quantized.numerics import quantize_per_token_int8
