@@ -1,0 +1,27 @@
+"""Configuration as frozen dataclasses, validated on construction with messages that say what to do: the model
+(model.py), the engine and speculative decoding (engine.py), the server (serve.py)."""
+
+from leanlm.config.engine import KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from leanlm.config.model import (
+    DTYPES,
+    MAX_POSITION_EMBEDDINGS,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+    parse_dtype,
+)
+from leanlm.config.serve import ServeConfig
+
+__all__ = [
+    "DTYPES",
+    "KV_CACHE_DTYPES",
+    "MAX_POSITION_EMBEDDINGS",
+    "SPECULATIVE_METHODS",
+    "SUPPORTED_ARCHITECTURES",
+    "EngineConfig",
+    "ModelConfig",
+    "RopeScaling",
+    "ServeConfig",
+    "SpeculativeConfig",
+    "parse_dtype",
+]

@@ -1,0 +1,162 @@
+"""EngineConfig (the engine's knobs) and SpeculativeConfig (how speculative decoding drafts and verifies):
+frozen dataclasses, validated on construction; each EngineConfig field is a CLI flag."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the engine loop and the paged KV cache. Each field is a CLI flag of the commands that load a
+    model; its `help` metadata is the flag's help (and says what the field means)."""
+
+    block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = dataclasses.field(
+        default=None, metadata={"help": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)"}
+    )
+    kv_cache_memory_bytes: int = dataclasses.field(
+        default=1 << 30, metadata={"help": "KV pool budget in bytes when --num-kv-blocks is not given"}
+    )
+    max_num_batched_tokens: int = dataclasses.field(
+        default=2048, metadata={"help": "token budget of one engine step (prompt chunks + decodes)"}
+    )
+    max_num_seqs: int = dataclasses.field(
+        default=128,
+        metadata={"help": "most sequences running at once (serve: with --max-queue, the admission capacity)"},
+    )
+    max_model_len: int | None = dataclasses.field(
+        default=None, metadata={"help": "context limit in tokens (default: the model's max_position_embeddings)"}
+    )
+    enable_prefix_caching: bool = dataclasses.field(
+        default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
+    )
+    # 8-bit storage keeps a float32 scale per token and KV head (leanlm.model.kv_quant)
+    kv_cache_dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "choices": KV_CACHE_DTYPES,
+            "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales",
+        },
+    )
+    speculative: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
+            "self:K (the target's first K layers); default: off, one token a step"
+        },
+    )
+    num_speculative_tokens: int = dataclasses.field(
+        default=4, metadata={"help": "most draft tokens verified per request and step"}
+    )
+    speculative_max_batch_size: int = dataclasses.field(
+        default=8, metadata={"help": "steps sampling more requests than this do not speculate"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None:
+            _ = self.speculative_config  # parses and validates the proposer name
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
+                f"(auto keeps the model dtype)"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        return dataclasses.replace(
+            SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens),
+            max_batch_size=self.speculative_max_batch_size,
+        )
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "self", "lookahead")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How speculative decoding proposes and how much it verifies (Leviathan et al. 2023, Chen et al. 2023).
+
+    The number of draft tokens adapts to each request's acceptance rate: k maximizes expected tokens per unit
+    of step cost, where one step costs 1 + verify_overhead (when k > 0) + draft_cost * k.
+    """
+
+    # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail; draft: a smaller
+    # model with the same tokenizer; self: the target's own first layers with its final norm and head;
+    # lookahead: Jacobi iteration of the target itself plus an n-gram pool (no draft model)
+    method: str
+    draft_model: str | None = None  # draft: a bundled name, GGUF file or HF directory (a quantized copy works)
+    num_draft_layers: int | None = None  # self: how many of the target's first layers draft
+    num_speculative_tokens: int = 4  # most draft tokens per request and step (k)
+    prompt_lookup_min: int = 1  # ngram: shortest tail n-gram that may match
+    prompt_lookup_max: int = 4  # ngram: longest tail n-gram tried first
+    adaptive: bool = True  # adapt k to each request's acceptance rate; False always proposes up to k
+    max_batch_size: int = 8  # steps sampling more requests than this do not speculate: verification stops paying
+    verify_overhead: float = 0.2  # a verifying step's extra cost over a plain decode step (relative)
+    # each draft token's extra cost (proposing it and verifying its row), relative to a target step; None: 0.05
+    # for n-gram drafts, and for a draft model its measured step time over the target's (before 3 of each are
+    # measured: its weight bytes over the target's, as a decode step reads every weight)
+    draft_cost: float | None = None
+    probe_interval: int = 16  # steps a request waits at k = 0 before proposing again to re-measure acceptance
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model goes with method 'draft' (and only with it): use --speculative draft:MODEL")
+        if (self.method == "self") != (self.num_draft_layers is not None):
+            raise ValueError("a layer count goes with method 'self' (and only with it): use --speculative self:K")
+        if self.num_draft_layers is not None and self.num_draft_layers < 1:
+            raise ValueError(f"self-speculation needs at least 1 draft layer, got {self.num_draft_layers}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.verify_overhead < 0 or (self.draft_cost is not None and self.draft_cost < 0):
+            raise ValueError("verify_overhead and draft_cost are relative costs and must be >= 0")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model that writes KV for them: the scheduler reserves lookahead slots."""
+        return self.method in ("draft", "self")
+
+    @classmethod
+    def parse(cls, spec: str, num_speculative_tokens: int = 4) -> SpeculativeConfig:
+        """From the CLI form: 'ngram', 'lookahead', 'draft:MODEL' or 'self:K'."""
+        method, _, arg = spec.strip().partition(":")
+        if method == "draft":
+            if not arg:
+                raise ValueError("--speculative draft needs a model: draft:MODEL (a name, GGUF file or directory)")
+            return cls(method, draft_model=arg, num_speculative_tokens=num_speculative_tokens)
+        if method == "self":
+            if not arg.isdigit():
+                raise ValueError(f"--speculative self needs a layer count: self:K, got {spec!r}")
+            return cls(method, num_draft_layers=int(arg), num_speculative_tokens=num_speculative_tokens)
+        if arg:
+            raise ValueError(f"speculative method {method!r} takes no argument, got {spec!r}")
+        return cls(method, num_speculative_tokens=num_speculative_tokens)

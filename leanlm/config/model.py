@@ -1,0 +1,186 @@
+"""ModelConfig: one Llama-family decoder (llama, qwen2 are flags, not classes), built from an HF `config.json`
+dict or from GGUF metadata (`leanlm.loading.gguf`); RopeScaling; the dtype names."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# The longest context we build rotary tables for: 2^20 positions x D/2 x cos/sin in float32 is already 512 MiB
+# at head_dim 128. A larger value in a file is damage (or a model we cannot serve), never something to allocate.
+MAX_POSITION_EMBEDDINGS = 1 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (or aliases fp32/bf16/fp16) or a torch dtype -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
+        return dtype
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    name = aliases.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency-dependent RoPE scaling (rope_type 'llama3'); 'linear' divides positions."""
+
+    rope_type: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use 'llama3' or 'linear'")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family decoder, with HF field names."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES; qwen2 = llama + q/k/v bias
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int  # the context length
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q_proj / k_proj / v_proj (qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, eot, im_end, ...)
+    name: str = ""  # human-readable model name, for logs
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"max_position_embeddings (context length) is {self.max_position_embeddings}, above the "
+                f"{MAX_POSITION_EMBEDDINGS} positions leanlm builds rotary tables for; the model file is damaged, "
+                "or fix the value in its config (a smaller context is safe: it only limits prompt + output length)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be > 0")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope_scaling = None
+        # transformers >= 5 writes `rope_parameters` (rope_theta inside); older configs `rope_scaling`.
+        rope_params = cfg.get("rope_parameters") or {}
+        raw_scaling = cfg.get("rope_scaling") or rope_params
+        if raw_scaling:
+            rope_type = raw_scaling.get("rope_type", raw_scaling.get("type"))
+            if rope_type not in (None, "default"):
+                rope_scaling = RopeScaling(
+                    rope_type=rope_type,
+                    factor=float(raw_scaling["factor"]),
+                    low_freq_factor=float(raw_scaling.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(raw_scaling.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(raw_scaling.get("original_max_position_embeddings", 8192)),
+                )
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=str(cfg.get("_name_or_path", "")),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` a Hugging Face loader reads for this model."""
+        cfg: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM" if self.architecture == "llama" else "Qwen2ForCausalLM"],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.architecture == "llama":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        return cfg

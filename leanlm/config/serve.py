@@ -1,0 +1,88 @@
+"""ServeConfig: how `leanlm serve` listens and what it accepts; each field is a flag."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server listens and what it accepts (the engine's own settings live in EngineConfig). Each field
+    is a `leanlm serve` flag; its `help` metadata is the flag's help (docs/serving.md lists the limits)."""
+
+    host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata={"help": "address to listen on; loopback by default (exposing a model is your explicit choice)"},
+    )
+    port: int = dataclasses.field(default=8000, metadata={"help": "TCP port to listen on"})
+    api_key: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "bearer key required on /v1 routes and /metrics (default: $LEANLM_API_KEY); without one only "
+            "loopback Host names are answered"
+        },
+    )
+    served_model_name: str | None = dataclasses.field(
+        default=None, metadata={"help": "the name clients send as `model` (default: the --model value)"}
+    )
+    max_queue: int = dataclasses.field(
+        default=256, metadata={"help": "sequences that may wait beyond max_num_seqs before requests get 429"}
+    )
+    max_body_bytes: int = dataclasses.field(
+        default=16 * 1024 * 1024, metadata={"help": "larger request bodies get 413"}
+    )
+    shutdown_timeout_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "on SIGTERM, how long in-flight requests may take to finish"}
+    )
+    log_level: str = dataclasses.field(
+        default="info", metadata={"help": "uvicorn and leanlm log level (debug, info, warning)"}
+    )
+    metrics_key: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "bearer key for /metrics only (default: $LEANLM_METRICS_KEY, else the API key; open if neither)"
+        },
+    )
+    allowed_hosts: str = dataclasses.field(
+        default="",
+        metadata={"help": "comma-separated extra Host names answered without an API key (for a proxy), '*' for any"},
+    )
+    enable_docs: bool = dataclasses.field(
+        default=False, metadata={"help": "serve /docs, /redoc and /openapi.json (open)"}
+    )
+    default_max_tokens: int = dataclasses.field(
+        default=1024,
+        metadata={"help": "tokens a chat request generates when it names no max_tokens (capped by the context)"},
+    )
+    max_client_share: float = dataclasses.field(
+        default=0.5,
+        metadata={
+            "help": "fraction of the admission capacity (max_num_seqs + max_queue sequences) one client address may "
+            "hold; beyond it 429 with Retry-After"
+        },
+    )
+
+    @property
+    def allowed_host_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.allowed_hosts.split(",") if name.strip())
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if not 0 < self.max_client_share <= 1:
+            raise ValueError(
+                f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}"
+            )
+        if self.metrics_key is not None and not self.metrics_key.strip():
+            raise ValueError("metrics_key is empty; give a real key or leave it unset")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty; give a real key or leave it unset")
