@@ -1,0 +1,55 @@
+"""The package edges docs/architecture.md states, checked on the source: who may import whom, and size."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import leanlm
+
+PACKAGE = Path(leanlm.__file__).parent
+# an engine's collaborators, reached through it (`engine.scheduler`, `llm.llm_engine.model_runner`, ...)
+ENGINE_INTERNALS = re.compile(
+    r"engine\.(scheduler|model_runner|kv_cache_manager|output_processor|spec_decoder|executor)\b"
+)
+MAX_LINES = 400
+
+
+def _modules(*exclude: str) -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if not any(p.is_relative_to(PACKAGE / e) for e in exclude)]
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_nothing_outside_the_engine_reaches_into_it():
+    offenders = []
+    for path in _modules("engine"):
+        inner = [m for m in _imports(path) if m.startswith("leanlm.engine.")]
+        touched = ENGINE_INTERNALS.findall(path.read_text())
+        if inner or touched:
+            offenders.append(f"{path.relative_to(PACKAGE)}: {inner + touched}")
+    assert not offenders, "import from leanlm.engine and use LLMEngine's methods:\n" + "\n".join(offenders)
+
+
+def test_loading_and_model_do_not_import_compress():
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for sub in ("loading", "model", "kernels", "config")
+        for path in sorted((PACKAGE / sub).rglob("*.py"))
+        if any(m == "leanlm.compress" or m.startswith("leanlm.compress.") for m in _imports(path))
+    ]
+    assert not offenders
+
+
+def test_no_module_passes_the_size_where_it_should_be_split():
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
+    assert not {name: n for name, n in sizes.items() if n > MAX_LINES}
