@@ -56,7 +56,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, in order
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # Tokens whose KV is in the cache. Written by the Scheduler alone (admission, update, preemption, eviction
+        # of held KV, forks: Scheduler.fork_request takes the count); everything else only reads it.
+        self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
         self.num_preemptions = 0
         # Speculative decoding: draft tokens for the next step (they follow all_token_ids, unverified), and

@@ -120,11 +120,13 @@ class Scheduler:
         """n samples of one prompt that share its KV: `first` computes the prompt; each sibling then forks the
         blocks of all but the prompt's last token (copy-on-write), computes that token itself and samples its
         own first token from it. Should `first` finish before that, the siblings run on their own."""
-        for sibling in siblings:
+        for sibling in siblings:  # every check before anything is queued: a refused group leaves no trace
+            if sibling.prompt_token_ids != first.prompt_token_ids:
+                raise ValueError("a sampling group shares one prompt")
             if sibling.request_id in self.requests or sibling.request_id == first.request_id:
                 raise ValueError(f"request id {sibling.request_id!r} is already in the engine; use a unique id")
-        self.shared.add_siblings(first, siblings)
         self.add_request(first)
+        self.shared.add_siblings(first, siblings)
         for sibling in siblings:
             self.requests[sibling.request_id] = sibling
 

@@ -49,9 +49,7 @@ class SharedKV:
     # ---- parallel-sampling siblings ------------------------------------------------------------------
 
     def add_siblings(self, first: Request, siblings: list[Request]) -> None:
-        for request in siblings:
-            if request.prompt_token_ids != first.prompt_token_ids:
-                raise ValueError("a sampling group shares one prompt")
+        """`siblings` (same prompt as `first`, checked by the scheduler) wait for `first`'s prompt KV."""
         self._siblings[first.request_id] = list(siblings)
 
     def has_siblings(self, request_id: str) -> bool:
