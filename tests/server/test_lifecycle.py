@@ -108,15 +108,15 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
 
 def _kill_the_engine_loop_once_healthy(llm_engine, url: str, monkeypatch) -> threading.Thread:
     """Make the engine loop die (an error outside a step: its idle snapshot) once the server answers /health."""
-    real_stats = llm_engine.scheduler.stats
+    real_stats = llm_engine.stats
     healthy = threading.Event()
 
     def stats():
         if healthy.is_set():
-            raise RuntimeError("scheduler state is corrupt")
+            raise RuntimeError("engine state is corrupt")
         return real_stats()
 
-    monkeypatch.setattr(llm_engine.scheduler, "stats", stats)
+    monkeypatch.setattr(llm_engine, "stats", stats)
 
     def watch() -> None:
         deadline = time.monotonic() + 60
