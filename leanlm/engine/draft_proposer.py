@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from leanlm.config import SpeculativeConfig
 from leanlm.engine.proposer import DraftJob, Drafts
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import exponential_race, process_logits, target_probs
 from leanlm.engine.sampling_metadata import SamplingMetadata
 from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.kv_quant import is_quantized
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.paged_kv import PagedKVCache
 
@@ -172,3 +174,59 @@ class DraftProposer:
         q = q / q.sum(dim=-1, keepdim=True)
         sampled = torch.where(metadata.is_greedy, greedy, exponential_race(q, metadata.generators))
         return sampled.tolist(), q
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: parameters and buffers (quantized layers keep their weights in buffers),
+    without the rotary tables."""
+    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if "rotary" not in name)]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def _early_exit(
+    spec: SpeculativeConfig, target: LlamaForCausalLM, target_cache: PagedKVCache, draft_model: LlamaForCausalLM | None
+) -> DraftProposer:
+    """Self-speculation: the target's first layers, reading the target's cache for them."""
+    relative_cost = spec.num_draft_layers / target.config.num_hidden_layers
+    return DraftProposer(target.first_layers(spec.num_draft_layers), target_cache, relative_cost=relative_cost)
+
+
+def _separate(
+    spec: SpeculativeConfig, target: LlamaForCausalLM, target_cache: PagedKVCache, draft_model: LlamaForCausalLM | None
+) -> DraftProposer:
+    """A smaller model with the target's tokenizer, on a cache of its own indexed by the target's block ids (in
+    the target's KV dtype, or its own weight dtype when the target's cache is 8-bit)."""
+    if draft_model is None:
+        raise ValueError("speculative 'draft' needs the draft model: load it with LLM(speculative='draft:MODEL')")
+    if draft_model.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}); a draft must share the target's tokenizer"
+        )
+    dtype = target_cache.dtype if not is_quantized(target_cache.dtype) else draft_model.model.norm.weight.dtype
+    cfg = draft_model.config
+    cache = PagedKVCache.allocate(
+        cfg.num_hidden_layers,
+        target_cache.num_blocks,
+        cfg.num_key_value_heads,
+        target_cache.block_size,
+        cfg.head_dim,
+        dtype,
+        target_cache.device,
+    )
+    relative_cost = _weight_bytes(draft_model) / _weight_bytes(target)
+    return DraftProposer(draft_model, cache, owns_cache=True, relative_cost=relative_cost)
+
+
+# The model proposers by SpeculativeConfig.method (the text ones are proposer.TEXT_PROPOSERS).
+MODEL_PROPOSERS = {"self": _early_exit, "draft": _separate}
+
+
+def model_proposer(
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_cache: PagedKVCache,
+    draft_model: LlamaForCausalLM | None = None,
+) -> DraftProposer:
+    """The DraftProposer a `self` or `draft` method runs, over the target's KV cache layout."""
+    return MODEL_PROPOSERS[spec.method](spec, target, target_cache, draft_model)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.config import EngineConfig, ModelConfig
-from leanlm.engine.draft_proposer import DraftProposer
+from leanlm.engine.draft_proposer import model_proposer
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
@@ -57,13 +57,6 @@ class _BatchLayout:
     sample_rows: list[int]  # requests whose chunk ends at their last token (and drafts, if any)
     sample_token_idx: list[int]  # batch rows that give logits: per sampling request, its last token's row
     # and its drafts' rows (1 + drafts rows each, consecutive)
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: parameters and buffers (quantized layers keep their weights in buffers),
-    without the rotary tables."""
-    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if "rotary" not in name)]
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
 def _attention_entries(so: SchedulerOutput, layout: _BatchLayout) -> tuple[list[int], list[int], list[list[int]]]:
@@ -125,44 +118,10 @@ class ModelRunner:
         spec = engine_config.speculative_config
         if spec is None:
             return None
-        draft = None
-        if spec.method == "self":
-            draft = DraftProposer(
-                self.model.first_layers(spec.num_draft_layers),
-                self.kv_cache,
-                relative_cost=spec.num_draft_layers / self.config.num_hidden_layers,
-            )
-        elif spec.method == "draft":
-            if draft_model is None:
-                raise ValueError(
-                    "speculative 'draft' needs the draft model: load it with LLM(speculative='draft:MODEL')"
-                )
-            if draft_model.config.vocab_size != self.config.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
-                    f"({self.config.vocab_size}); a draft must share the target's tokenizer"
-                )
-            dtype = (
-                self.kv_cache_dtype if not is_quantized(self.kv_cache_dtype) else draft_model.model.norm.weight.dtype
-            )
-            cfg = draft_model.config
-            cache = PagedKVCache.allocate(
-                cfg.num_hidden_layers,
-                self.num_blocks,
-                cfg.num_key_value_heads,
-                self.block_size,
-                cfg.head_dim,
-                dtype,
-                self.device,
-            )
-            draft = DraftProposer(
-                draft_model,
-                cache,
-                owns_cache=True,
-                relative_cost=_weight_bytes(draft_model) / _weight_bytes(self.model),
-            )
-            self.kv_cache_bytes += draft.kv_cache_bytes
-        return SpecDecoder(spec, draft, self.block_size, max_model_len)
+        proposer = model_proposer(spec, self.model, self.kv_cache, draft_model) if spec.uses_model else None
+        if proposer is not None:
+            self.kv_cache_bytes += proposer.kv_cache_bytes  # a separate draft's own cache
+        return SpecDecoder(spec, proposer, self.block_size, max_model_len)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
