@@ -1,0 +1,132 @@
+"""A bfloat16 linear layer for many rows (batched decode, mixed prefill+decode steps) on x86-64 CPUs with
+AVX512-BF16, on weights packed once into the layout its micro-kernel reads (see gemm_bf16.c).
+
+Built and loaded like cpu_gemv.py. `PackedBF16` is the packed weight; `should_use` says when it pays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from leanlm.kernels.build import NativeKernel
+
+_SOURCE = Path(__file__).with_name("gemm_bf16.c")
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_KERNEL = NativeKernel(source=_SOURCE, symbol="leanlm_gemm_bf16", argtypes=[_P] * 4 + [_I64] * 3 + [_INT], restype=_INT)
+_PEAK = NativeKernel(
+    source=_SOURCE, symbol="leanlm_bf16_dot_peak", argtypes=[_I64, _INT, ctypes.c_float], restype=ctypes.c_double
+)
+NR = 32  # output columns per packed panel
+# Fewer rows go to the GEMV kernel (cpu_gemv), which reads W row-major once per 8 rows. No upper bound:
+# on Zen 4 the kernel beat torch's bf16 GEMM (oneDNN) at every M measured, 9 to 4096 (engine-performance.md).
+MIN_ROWS = 9
+
+_BF16 = torch.bfloat16
+
+
+def is_available() -> bool:
+    """True when the kernel is built and loaded (x86-64 Linux, AVX512-BF16, a C compiler)."""
+    return _KERNEL.is_available()
+
+
+def unavailable_reason() -> str | None:
+    """Why is_available() is False (None when it is True)."""
+    return _KERNEL.unavailable_reason
+
+
+@dataclass(frozen=True)
+class PackedBF16:
+    """W [N, K] bf16 (+ bias [N]) in the kernel's layout.
+
+    data: [ceil(N / 32), Kp / 2, 32, 2] bf16, zero-padded (Kp = K rounded up to even).
+    bias: [ceil(N / 32) * 32] float32, zero-padded, or None.
+    """
+
+    data: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.data.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedBF16:
+    """Pack a bf16 weight [N, K] (and bias [N]) for gemm(); a copy: later changes to `weight` are not seen."""
+    if weight.dim() != 2 or weight.dtype != _BF16:
+        raise ValueError(f"pack takes a bf16 weight [N, K], not {weight.dtype} {tuple(weight.shape)}")
+    N, K = weight.shape
+    Np, Kp = -(-N // NR) * NR, K + (K & 1)
+    w = F.pad(weight.detach().cpu(), (0, Kp - K, 0, Np - N))  # [Np, Kp]
+    data = w.view(Np // NR, NR, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()  # [Np/32, Kp/2, 32, 2]
+    b = None
+    if bias is not None:
+        if bias.shape != (N,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({N},)")
+        b = F.pad(bias.detach().cpu().float(), (0, Np - N)).contiguous()
+    return PackedBF16(data, b, N, K)
+
+
+def should_use(x: torch.Tensor, packed: PackedBF16 | None) -> bool:
+    """Policy: contiguous bf16 CPU rows x [M, K] with M >= MIN_ROWS, and a packed weight."""
+    return (
+        packed is not None
+        and x.dtype is _BF16
+        and x.is_cpu
+        and x.dim() == 2
+        and x.shape[0] >= MIN_ROWS
+        and x.shape[1] == packed.in_features
+        and x.is_contiguous()
+        and is_available()
+    )
+
+
+def gemm(x: torch.Tensor, packed: PackedBF16) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T + bias in bf16 (fp32 accumulation, one rounding), on torch.get_num_threads()."""
+    fn = _KERNEL.fn()
+    if fn is None:
+        raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {_KERNEL.unavailable_reason}")
+    if not (x.dim() == 2 and x.dtype is _BF16 and x.is_cpu and x.shape[1] == packed.in_features):
+        raise ValueError(f"x must be bf16 CPU rows [M, {packed.in_features}], not {x.dtype} {tuple(x.shape)}")
+    Kp = packed.padded_in_features
+    x = F.pad(x, (0, Kp - x.shape[1])) if Kp != x.shape[1] else x.contiguous()
+    M, N = x.shape[0], packed.out_features
+    y = torch.empty(M, N, dtype=_BF16)
+    bias_ptr = None if packed.bias is None else packed.bias.data_ptr()
+    rc = fn(x.data_ptr(), packed.data.data_ptr(), bias_ptr, y.data_ptr(), M, N, Kp, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"leanlm_gemm_bf16 failed (code {rc})")
+    return y
+
+
+def measure_dot_peak(threads: int | None = None, seconds: float = 0.2) -> float:
+    """The vdpbf16ps peak of `threads` cores in GFLOP/s, measured (register-only chains, best of 3 runs)."""
+    fn = _PEAK.fn()
+    if fn is None:
+        raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {_PEAK.unavailable_reason}")
+    threads = threads or torch.get_num_threads()
+    iters = 1 << 16
+    while True:  # grow the run until it lasts long enough to time
+        t = time.perf_counter()
+        flop = fn(iters, threads, 1.0)
+        dt = time.perf_counter() - t
+        if dt >= seconds / 3:
+            break
+        iters *= 2
+    best = flop / dt
+    for _ in range(2):
+        t = time.perf_counter()
+        flop = fn(iters, threads, 1.0)
+        best = max(best, flop / (time.perf_counter() - t))
+    return best / 1e9
