@@ -58,14 +58,17 @@ class LLM:
         device: str | torch.device | None = None,
         attention_backend: str = "auto",
         progress: bool = True,
+        dequantize_gguf: bool = False,
         **engine_options,
     ) -> None:
+        """`dequantize_gguf`: run a GGUF file's 4-bit linears on float weights dequantized at load, as before
+        they ran on their codes (the base for re-quantization experiments; 2-3x the weight memory)."""
         unknown = set(engine_options) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(_ENGINE_FIELDS)}")
         self.engine_config = EngineConfig(**engine_options)
         self.device = resolve_device(device)
-        checkpoint = load_checkpoint(model, progress=progress)
+        checkpoint = load_checkpoint(model, progress=progress, gguf_codes=not dequantize_gguf)
         self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -81,7 +84,7 @@ class LLM:
         draft = None
         spec = self.engine_config.speculative_config
         if spec is not None and spec.method == "draft":
-            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress)
+            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress, gguf_codes=not dequantize_gguf)
             draft = build_model(
                 draft_checkpoint.config,
                 draft_checkpoint.state_dict,

@@ -45,6 +45,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    parser.add_argument(
+        "--dequantize-gguf",
+        action="store_true",
+        help="run a GGUF file's Q4_0/Q4_1/Q4_K linears on float weights dequantized at load, not on their codes",
+    )
     add_dataclass_args(parser, EngineConfig)
 
 
@@ -94,4 +99,10 @@ def sampling_params(args: argparse.Namespace):
 def load_llm(args: argparse.Namespace):
     from leanlm.llm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, **engine_options(args))
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        dequantize_gguf=getattr(args, "dequantize_gguf", False),
+        **engine_options(args),
+    )

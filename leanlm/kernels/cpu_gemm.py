@@ -19,6 +19,9 @@ from leanlm.kernels.build import NativeKernel
 _SOURCE = Path(__file__).with_name("gemm_bf16.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(source=_SOURCE, symbol="leanlm_gemm_bf16", argtypes=[_P] * 4 + [_I64] * 3 + [_INT], restype=_INT)
+_QUANT_KERNEL = NativeKernel(
+    source=_SOURCE, symbol="leanlm_gemm_quant", argtypes=[_P] * 6 + [_I64] * 4 + [_INT, _INT], restype=_INT
+)
 _PEAK = NativeKernel(
     source=_SOURCE, symbol="leanlm_bf16_dot_peak", argtypes=[_I64, _INT, ctypes.c_float], restype=ctypes.c_double
 )
@@ -33,6 +36,11 @@ _BF16 = torch.bfloat16
 def is_available() -> bool:
     """True when the kernel is built and loaded (x86-64 Linux, AVX512-BF16, a C compiler)."""
     return _KERNEL.is_available()
+
+
+def quant_is_available() -> bool:
+    """True when the weight-only int4 / int8 entry point (gemm_quant) is built and loaded."""
+    return _QUANT_KERNEL.is_available()
 
 
 def unavailable_reason() -> str | None:
@@ -70,12 +78,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedBF16:
     Np, Kp = -(-N // NR) * NR, K + (K & 1)
     w = F.pad(weight.detach().cpu(), (0, Kp - K, 0, Np - N))  # [Np, Kp]
     data = w.view(Np // NR, NR, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()  # [Np/32, Kp/2, 32, 2]
-    b = None
-    if bias is not None:
-        if bias.shape != (N,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({N},)")
-        b = F.pad(bias.detach().cpu().float(), (0, Np - N)).contiguous()
-    return PackedBF16(data, b, N, K)
+    return PackedBF16(data, _packed_bias(bias, N, Np), N, K)
 
 
 def should_use(x: torch.Tensor, packed: PackedBF16 | None) -> bool:
@@ -107,6 +110,128 @@ def gemm(x: torch.Tensor, packed: PackedBF16) -> torch.Tensor:
     rc = fn(x.data_ptr(), packed.data.data_ptr(), bias_ptr, y.data_ptr(), M, N, Kp, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"leanlm_gemm_bf16 failed (code {rc})")
+    return y
+
+
+@dataclass(frozen=True)
+class PackedQuant:
+    """A weight-only int4 (group-wise, w = q * scale + min) or int8 (per channel, w = q * scale) weight in the
+    kernel's panel order; widened to bf16 one panel at a time inside the kernel.
+
+    codes: [ceil(N / 32), Kp / 2, 32] uint8 (int4: code i and i + 32 of a pair-row in one byte) or
+           [ceil(N / 32), Kp / 2, 64] int8.
+    scales, mins: [ceil(N / 32), Kp / group_size, 64] float32, each column's value twice (pair order).
+    bias: as PackedBF16.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bias: torch.Tensor | None
+    bits: int
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.codes.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.bias is None else self.bias.numel() * 4
+        return self.codes.numel() + (self.scales.numel() + self.mins.numel()) * 4 + extra
+
+
+def _panel_order(t: torch.Tensor, Np: int, Kp: int) -> torch.Tensor:
+    """[N, K] -> [Np / 32, Kp / 2, 64]: each pair-row's 32 columns x 2 in the bf16 panel's order."""
+    t = F.pad(t, (0, Kp - t.shape[1], 0, Np - t.shape[0]))
+    return t.view(Np // NR, NR, Kp // 2, 2).permute(0, 2, 1, 3).reshape(Np // NR, Kp // 2, 2 * NR)
+
+
+def _group_order(t: torch.Tensor, Np: int) -> torch.Tensor:
+    """[N, G] float -> [Np / 32, G, 64]: per panel and group, each column's value twice."""
+    t = F.pad(t.float(), (0, 0, 0, Np - t.shape[0]))
+    return t.view(Np // NR, NR, -1).permute(0, 2, 1).repeat_interleave(2, dim=-1).contiguous()
+
+
+def _packed_bias(bias: torch.Tensor | None, N: int, Np: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.shape != (N,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({N},)")
+    return F.pad(bias.detach().cpu().float(), (0, Np - N)).contiguous()
+
+
+def pack_quant(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> PackedQuant:
+    """Pack unpacked codes [N, K] (int4: uint8 0..15; int8: int8) with scales / mins [N, K / group_size]
+    (mins None: zero) for gemm_quant(). int4 needs an even group_size dividing K; int8 takes one group."""
+    if bits not in (4, 8) or codes.dim() != 2:
+        raise ValueError(f"pack_quant takes 4- or 8-bit codes [N, K], not {bits} bits {tuple(codes.shape)}")
+    N, K = codes.shape
+    if bits == 4 and (group_size % 2 or K % group_size):
+        raise ValueError(f"int4 group_size {group_size} must be even and divide K={K}")
+    Np, Kp = -(-N // NR) * NR, K + (K & 1)
+    if bits == 8:
+        group_size = Kp  # one group: per-channel scales, K padded with zero codes
+    if scales.shape != (N, Kp // group_size) or (mins is not None and mins.shape != scales.shape):
+        raise ValueError(
+            f"scales / mins {tuple(scales.shape)} do not match [N, K / group_size] = [{N}, {K // group_size}]"
+        )
+    ordered = _panel_order(codes.detach().cpu(), Np, Kp)  # [P, Kp/2, 64]
+    if bits == 4:
+        ordered = (ordered[..., :NR] | (ordered[..., NR:] << 4)).to(torch.uint8)  # [P, Kp/2, 32]
+    mins = torch.zeros_like(scales, dtype=torch.float32) if mins is None else mins
+    return PackedQuant(
+        ordered.contiguous(),
+        _group_order(scales.detach().cpu(), Np),
+        _group_order(mins.detach().cpu(), Np),
+        _packed_bias(bias, N, Np),
+        bits,
+        group_size,
+        N,
+        K,
+    )
+
+
+def should_use_quant(x: torch.Tensor, packed: PackedQuant | None) -> bool:
+    """Policy: as should_use, for a packed quantized weight."""
+    return (
+        packed is not None
+        and x.dtype is _BF16
+        and x.is_cpu
+        and x.dim() == 2
+        and x.shape[0] >= MIN_ROWS
+        and x.shape[1] == packed.in_features
+        and x.is_contiguous()
+        and _QUANT_KERNEL.is_available()
+    )
+
+
+def gemm_quant(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequantized(W)^T + bias in bf16: the weight widened to bf16 exactly as
+    cpu_qgemv's dequantize kernels round it, then gemm()'s arithmetic."""
+    fn = _QUANT_KERNEL.fn()
+    if fn is None:
+        raise RuntimeError(f"CPU quantized GEMM kernel unavailable: {_QUANT_KERNEL.unavailable_reason}")
+    if not (x.dim() == 2 and x.dtype is _BF16 and x.is_cpu and x.shape[1] == packed.in_features):
+        raise ValueError(f"x must be bf16 CPU rows [M, {packed.in_features}], not {x.dtype} {tuple(x.shape)}")
+    Kp = packed.padded_in_features
+    x = F.pad(x, (0, Kp - x.shape[1])) if Kp != x.shape[1] else x.contiguous()
+    M, N = x.shape[0], packed.out_features
+    y = torch.empty(M, N, dtype=_BF16)
+    bias_ptr = None if packed.bias is None else packed.bias.data_ptr()
+    ptrs = (packed.codes.data_ptr(), packed.scales.data_ptr(), packed.mins.data_ptr(), bias_ptr)
+    rc = fn(x.data_ptr(), *ptrs, y.data_ptr(), M, N, Kp, packed.group_size, packed.bits, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"leanlm_gemm_quant failed (code {rc})")
     return y
 
 

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
@@ -78,6 +79,18 @@ typedef void (*micro_fn)(const uint16_t *, const uint16_t *, const float *, uint
 static const micro_fn MICRO[MR_MAX + 1] = {0,        micro_1, micro_2, micro_3,  micro_4,  micro_5, micro_6,
                                            micro_7,  micro_8, micro_9, micro_10, micro_11, micro_12};
 
+/* The row blocks of x against one bf16 panel: y[:, n0 : n0 + width]. */
+static void panel_rows(const uint16_t *x, const uint16_t *panel, const float *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t Kp, int64_t n0) {
+    const int64_t width = N - n0 < NR ? N - n0 : NR;
+    const __mmask32 cols = width == NR ? (__mmask32)0xffffffffu : (__mmask32)((1u << width) - 1u);
+    const float *b = bias ? bias + n0 : 0;
+    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;
+        MICRO[mr](x + m0 * Kp, panel, b, y + m0 * N + n0, Kp, N, cols);
+    }
+}
+
 /* Exported entry point. x [M, Kp] bf16 (Kp = K rounded up to even; the caller pads an odd K), packed
  * [ceil(N / 32), Kp / 2, 32, 2] bf16, bias [ceil(N / 32) * 32] float32 or NULL, y [M, N] bf16 (row stride
  * N). Runs on up to num_threads threads. Returns 0, or -1 on bad sizes. */
@@ -92,19 +105,90 @@ int leanlm_gemm_bf16(const uint16_t *x, const uint16_t *packed, const float *bia
     {
         const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
         const int64_t p_begin = panels * tid / nthr, p_end = panels * (tid + 1) / nthr;
-        for (int64_t p = p_begin; p < p_end; p++) {
-            const uint16_t *panel = packed + p * Kp * NR;
-            const int64_t n0 = p * NR;
-            const int64_t width = N - n0 < NR ? N - n0 : NR;
-            const __mmask32 cols = width == NR ? (__mmask32)0xffffffffu : (__mmask32)((1u << width) - 1u);
-            const float *b = bias ? bias + n0 : 0;
-            for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-                const int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;
-                MICRO[mr](x + m0 * Kp, panel, b, y + m0 * N + n0, Kp, N, cols);
+        for (int64_t p = p_begin; p < p_end; p++) panel_rows(x, packed + p * Kp * NR, bias, y, M, N, Kp, p * NR);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- weight-only int4 and int8 */
+
+/* Quantized panels hold codes in the bf16 panel's order, pair-row kk = 64 codes (column c, k parity j at
+ * 2c + j): int8 as 64 signed bytes; int4 as 32 bytes, code i in the low nibble of byte i and code i + 32 in
+ * the high one. scales / mins [panels, groups, 64] float32 repeat each column's value twice, matching those
+ * 64 positions, for groups of `group_size` input columns (even). A panel is widened once into a per-thread
+ * bf16 panel, w = q * scale + min in fp32 (see widen), then round-to-nearest-even to bf16: the values cpu_qgemv's
+ * dequantize kernels give, and the bf16 micro-kernel runs on it. */
+
+/* 16 codes (as int32) -> 16 fp32 weights, q * scale rounded and then + min rounded (not fused: the order
+ * of cpu_qgemv's dequantize kernels and of the layers' torch reference; with fp16 scales, as in GGUF, the
+ * product is exact anyway). */
+ALWAYS_INLINE __m512 widen(__m512i q, const float *scale, const float *min) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(scale)), _mm512_loadu_ps(min));
+}
+
+ALWAYS_INLINE void store_pairs(uint16_t *dst, __m512 a, __m512 b, __m512 c, __m512 d) {
+    _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    _mm512_storeu_si512((void *)(dst + 32), (__m512i)_mm512_cvtne2ps_pbh(d, c));
+}
+
+static void widen_panel(const uint8_t *codes, const float *scales, const float *mins, uint16_t *out, int64_t Kp,
+                        int64_t group_size, int bits) {
+    const int64_t groups = Kp / group_size;
+    for (int64_t g = 0; g < groups; g++) {
+        const float *s = scales + g * 64, *m = mins + g * 64;
+        for (int64_t kk = g * group_size / 2; kk < (g + 1) * group_size / 2; kk++) {
+            uint16_t *dst = out + kk * 2 * NR;
+            if (bits == 4) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(codes + kk * 32));
+                const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0f));
+                store_pairs(dst, widen(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)), s, m),
+                            widen(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)), s + 16, m + 16),
+                            widen(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)), s + 32, m + 32),
+                            widen(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)), s + 48, m + 48));
+            } else {
+                const int8_t *q = (const int8_t *)codes + kk * 64;
+                store_pairs(dst, widen(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)), s, m),
+                            widen(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))), s + 16, m + 16),
+                            widen(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32))), s + 32, m + 32),
+                            widen(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 48))), s + 48, m + 48));
             }
         }
     }
-    return 0;
+}
+
+/* Exported entry point. x [M, Kp] bf16, codes [ceil(N / 32), Kp / 2, 64 * bits / 8] bytes, scales and mins
+ * [ceil(N / 32), Kp / group_size, 64] float32, bias as leanlm_gemm_bf16, y [M, N] bf16. bits is 4 or 8.
+ * Returns 0, -1 on bad sizes, -2 when a thread's panel buffer cannot be allocated. */
+int leanlm_gemm_quant(const uint16_t *x, const uint8_t *codes, const float *scales, const float *mins,
+                      const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t Kp, int64_t group_size, int bits,
+                      int num_threads) {
+    if (M < 0 || N < 0 || Kp < 0 || (Kp & 1) || group_size < 2 || (group_size & 1) || Kp % group_size ||
+        (bits != 4 && bits != 8))
+        return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t panels = (N + NR - 1) / NR, groups = Kp / group_size;
+    const int64_t panel_code_bytes = Kp / 2 * 64 * bits / 8;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > panels) threads = (int)panels;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
+        const int64_t p_begin = panels * tid / nthr, p_end = panels * (tid + 1) / nthr;
+        uint16_t *wide = (uint16_t *)aligned_alloc(64, (size_t)(Kp * NR * sizeof(uint16_t) + 63) / 64 * 64);
+        if (wide == NULL) {
+            failed = 1;
+        } else {
+            for (int64_t p = p_begin; p < p_end; p++) {
+                widen_panel(codes + p * panel_code_bytes, scales + p * groups * 64, mins + p * groups * 64, wide,
+                            Kp, group_size, bits);
+                panel_rows(x, wide, bias, y, M, N, Kp, p * NR);
+            }
+            free(wide);
+        }
+    }
+    return failed ? -2 : 0;
 }
 
 /* The machine's vdpbf16ps peak: `iters` rounds of 24 independent dot-product chains on each of num_threads

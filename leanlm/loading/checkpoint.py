@@ -14,7 +14,7 @@ from torch import nn
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import gguf_tokenizer_metadata, load_gguf, open_gguf
+from leanlm.loading.gguf import gguf_model_config, gguf_state_dict, gguf_tokenizer_metadata, open_gguf
 from leanlm.loading.inspect import inspect
 from leanlm.loading.quantized import gptq_layers, quantized_layers, read_gptq_config, read_quantization_config
 from leanlm.loading.registry import resolve_model
@@ -35,13 +35,22 @@ class Checkpoint:
     quantized: dict[str, nn.Module] = field(default_factory=dict)
 
 
-def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
-    """Resolve a bundled name or path and load it; every failure is a ModelLoadError saying what to do."""
+def load_checkpoint(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, gguf_codes: bool = False
+) -> Checkpoint:
+    """Resolve a bundled name or path and load it; every failure is a ModelLoadError saying what to do.
+
+    A GGUF file is dequantized to float unless `gguf_codes`: then its Q4_0 / Q4_1 / Q4_K linears stay 4-bit
+    codes in runtime layers (`quantized`), which is how the engine runs it. Compression starts from floats.
+    """
     source = inspect(name_or_path)
     if source.is_directory:
         return _load_hf_checkpoint(source.path, dtype, progress)
-    config, state_dict, meta = load_gguf(source.path, dtype=dtype, progress=progress)
-    return Checkpoint(config, state_dict, Tokenizer.from_gguf_metadata(meta), source.path)
+    reader = open_gguf(source.path)
+    config = gguf_model_config(reader)
+    state_dict, quantized = gguf_state_dict(reader, config, dtype=dtype, progress=progress, keep_codes=gguf_codes)
+    meta = gguf_tokenizer_metadata(reader)
+    return Checkpoint(config, state_dict, Tokenizer.from_gguf_metadata(meta), source.path, quantized)
 
 
 def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:

@@ -1,6 +1,7 @@
-"""Read a GGUF file (llama.cpp's format): metadata -> ModelConfig, tensors -> a float HF-named state dict.
+"""Read a GGUF file (llama.cpp's format): metadata -> ModelConfig, tensors -> a float HF-named state dict
+(and, on request, 4-bit linears as runtime layers that keep their codes: gguf_codes.py).
 
-Every quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the Q/K rows of *llama*
+Every other quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the Q/K rows of *llama*
 models permuted for its interleaved rotary layout; we undo that so weights match HF's rotate-half convention.
 """
 
@@ -20,7 +21,9 @@ from tqdm.auto import tqdm
 
 from leanlm.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
 from leanlm.loading.gguf_header import GGUF_MAGIC, scan_gguf_header
+from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
 
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
@@ -79,7 +82,7 @@ def load_gguf(
     """Read config, dequantized HF-named state dict and tokenizer metadata from one GGUF file."""
     reader = open_gguf(path)
     config = gguf_model_config(reader)
-    state_dict = gguf_state_dict(reader, config, dtype=dtype, progress=progress)
+    state_dict, _ = gguf_state_dict(reader, config, dtype=dtype, progress=progress)
     return config, state_dict, gguf_tokenizer_metadata(reader)
 
 
@@ -268,21 +271,20 @@ def expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...]:
 
 
 def gguf_state_dict(
-    reader: GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to `dtype` under its HF name, in HF's [out, in] layout."""
+    reader: GGUFReader,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    keep_codes: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, IntGroupWeightOnlyLinear]]:
+    """Every tensor under its HF name, in HF's [out, in] layout: dequantized to `dtype`, except, with
+    `keep_codes`, linears in a 4-bit block format (gguf_codes.CODE_TYPES), which come back as runtime layers
+    by module name (the embedding is a lookup table and always dequantized)."""
     state_dict: dict[str, torch.Tensor] = {}
+    coded: dict[str, tuple] = {}  # module name -> runtime_linear's arguments, built once the biases are read
     tensors = [t for t in reader.tensors if t.name not in _SKIPPED_TENSORS]
     for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name)
-        try:
-            # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(
-                f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: {e}"
-            ) from e
-        weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
         stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
         expected = expected_shape(name, config)
@@ -291,12 +293,28 @@ def gguf_state_dict(
                 f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "
                 f"{list(expected)}; the file is corrupt, re-download it"
             )
-        weight = weight.reshape(expected)
+        heads = None
         if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        if keep_codes and tensor.tensor_type in CODE_TYPES and name.endswith(".weight") and "embed_tokens" not in name:
+            row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
+            coded[name.removesuffix(".weight")] = (tensor.tensor_type, tensor.data, expected, row_order)
+            continue
+        try:
+            # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(
+                f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: {e}"
+            ) from e
+        weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
+        weight = weight.reshape(expected)
+        if heads is not None:
             weight = unpermute_rotary(weight, heads)
         state_dict[name] = weight.to(dtype).contiguous()
-    return state_dict
+    # a bias (qwen2's q/k/v) stays float, on the runtime layer
+    quantized = {m: runtime_linear(*args, bias=state_dict.pop(m + ".bias", None)) for m, args in coded.items()}
+    return state_dict, quantized
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer

@@ -10,6 +10,7 @@ from torch import nn
 
 from leanlm.config import RopeScaling
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv
+from leanlm.model.packed_cache import PackedCache
 
 
 class Linear(nn.Linear):
@@ -22,10 +23,9 @@ class Linear(nn.Linear):
     memory). Everything else, and anything autograd must see, goes to F.linear.
     """
 
-    _packed: cpu_gemm.PackedBF16 | None = None
-    # What _packed was made from: the weight and bias objects, their storages (held, so an address cannot
-    # be reused by a new tensor while the copy exists) and _tensor_state() of each.
-    _packed_from: tuple = (None, None, None, None)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed = PackedCache()  # the weight and bias packed for cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         w = self.weight
@@ -39,41 +39,18 @@ class Linear(nn.Linear):
             if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.is_available():
                 return cpu_gemv.linear_bf16(x, w, self.bias)
             if x.dim() == 2 and cpu_gemm.should_use(x, self.packed_weight()):
-                return cpu_gemm.gemm(x, self._packed)
+                return cpu_gemm.gemm(x, self.packed.value)
         return F.linear(x, w, self.bias)
 
     def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
-        """The weight (and bias) packed for cpu_gemm, current with the parameters; None off the kernel's path.
-
-        A new parameter, a new `.data` and in-place edits under no_grad (which bump the version counter) are
-        seen; an in-place edit through `.data` is not, so drop_packed_weight() after one.
-        """
-        w, b = self.weight, self.bias
-        if w.dtype is not torch.bfloat16 or not w.is_cpu or not cpu_gemm.is_available():
+        """The weight (and bias) packed for cpu_gemm, current with the parameters; None off the kernel's path."""
+        if self.weight.dtype is not torch.bfloat16 or not self.weight.is_cpu or not cpu_gemm.is_available():
             return None
-        state = (_tensor_state(w), _tensor_state(b))
-        fw, fb, _, fstate = self._packed_from
-        if not (fw is w and fb is b and fstate == state):
-            self.drop_packed_weight()  # free the stale copy before making the new one
-            self._packed = cpu_gemm.pack(w, b)
-            storages = (w.untyped_storage(), None if b is None else b.untyped_storage())
-            self._packed_from = (w, b, storages, state)
-        return self._packed
-
-    def drop_packed_weight(self) -> None:
-        self._packed, self._packed_from = None, (None, None, None, None)
+        return self.packed.get((self.weight, self.bias), cpu_gemm.pack)
 
     def native_linear(self) -> cpu_decode.NativeLinear:
         """This layer as the native decode loop reads it (checked there with is_supported())."""
         return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.weight, bias=self.bias)
-
-
-def _tensor_state(t: torch.Tensor | None) -> tuple | None:
-    """Data pointer and version counter (inference tensors have none; they cannot be edited in place outside
-    inference mode anyway)."""
-    if t is None:
-        return None
-    return (t.data_ptr(), None if t.is_inference() else t._version)
 
 
 class RMSNorm(nn.Module):

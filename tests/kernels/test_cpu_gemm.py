@@ -1,6 +1,7 @@
 """The AVX512-BF16 many-row linear kernel on packed weights: float64 references within fp32 accumulation and
 bf16 rounding, padded N and K, batch and thread invariance, the packing layout, and the Linear layer that
-routes 9+ rows to it and repacks when its parameters change."""
+routes 9+ rows to it and repacks when its parameters change; its weight-only int4 / int8 entry point, bit for
+bit the bf16 kernel on the dequantized weight, and the quantized layers that route batches to it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_gemm
+from leanlm.kernels import cpu_gemm, cpu_qgemv
 from leanlm.model.layers import Linear
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
+from leanlm.model.quantized.numerics import pack_int4
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.is_available(), reason=f"CPU bf16 GEMM kernel: {cpu_gemm.unavailable_reason()}"
@@ -122,12 +125,12 @@ def test_linear_routes_many_rows_to_the_packed_kernel():
     layer = _linear(96, 64, bias=True)
     x, *_ = _inputs(40, 96, 64, False)
     y = layer(x)
-    assert layer._packed is not None
+    assert layer.packed.value is not None
     assert torch.equal(y, cpu_gemm.gemm(x, cpu_gemm.pack(layer.weight, layer.bias)))
     torch.testing.assert_close(y.float(), F.linear(x, layer.weight, layer.bias).float(), rtol=2**-7, atol=1e-2)
     small = _linear(96, 64, bias=True)
     small(x[:8])
-    assert small._packed is None  # a batch-1..8 model never pays for the copy
+    assert small.packed.value is None  # a batch-1..8 model never pays for the copy
 
 
 @pytest.mark.parametrize("edit", ["in_place", "new_data", "new_parameter", "bias"])
@@ -153,4 +156,63 @@ def test_linear_leaves_autograd_to_torch():
     layer = _linear(64, 64, bias=False).requires_grad_(True)
     x, *_ = _inputs(16, 64, 64, False)
     layer(x).float().sum().backward()
-    assert layer.weight.grad is not None and layer._packed is None
+    assert layer.weight.grad is not None and layer.packed.value is None
+
+
+# ------------------------------------------------------------------------------ weight-only int4 / int8
+
+
+def _int4(N: int, K: int, group_size: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scales = torch.rand(N, K // group_size, generator=g) * 0.02  # fp32: q * scale rounds (as in RTN/GPTQ)
+    mins = -torch.rand(N, K // group_size, generator=g) * 0.1
+    return q, scales, mins
+
+
+@pytest.mark.parametrize("M,N,K,group_size", [(9, 96, 64, 32), (40, 200, 576, 64), (13, 33, 128, 128), (64, 7, 96, 2)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_int4_is_the_bf16_gemm_on_the_dequantized_weight(M, N, K, group_size, has_bias):
+    """Widened panels hold exactly cpu_qgemv.dequantize_int4's bf16 values, so the product is bit-identical."""
+    q, scales, mins = _int4(N, K, group_size)
+    x, _, b = _inputs(M, N, K, has_bias)
+    packed = cpu_gemm.pack_quant(q, scales, mins, group_size, 4, b)
+    w = cpu_qgemv.dequantize_int4(pack_int4(q), scales, mins, group_size)
+    assert torch.equal(cpu_gemm.gemm_quant(x, packed), cpu_gemm.gemm(x, cpu_gemm.pack(w, b)))
+
+
+@pytest.mark.parametrize("M,N,K", [(9, 96, 64), (30, 70, 577), (100, 40, 1536)])
+def test_int8_is_the_bf16_gemm_on_the_dequantized_weight(M, N, K):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) * 0.01
+    x, _, b = _inputs(M, N, K, True)
+    packed = cpu_gemm.pack_quant(q, scales[:, None], None, K, 8, b)
+    w = cpu_qgemv.dequantize_int8(q, scales)
+    assert torch.equal(cpu_gemm.gemm_quant(x, packed), cpu_gemm.gemm(x, cpu_gemm.pack(w, b)))
+
+
+def test_pack_quant_rejects_bad_shapes():
+    q, scales, mins = _int4(32, 64, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_gemm.pack_quant(q, scales, mins, 24, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_gemm.pack_quant(q, scales[:, :1], mins[:, :1], 32, 4)
+    with pytest.raises(ValueError, match="4- or 8-bit"):
+        cpu_gemm.pack_quant(q, scales, mins, 32, 3)
+
+
+def test_quantized_layers_route_batches_to_the_packed_gemm():
+    q, scales, mins = _int4(64, 128, 32)
+    layer = IntGroupWeightOnlyLinear(pack_int4(q), scales, mins, bits=4, group_size=32)
+    x, *_ = _inputs(16, 64, 128, False)
+    y = layer(x)
+    assert layer.packed.value is not None
+    assert torch.equal(y, cpu_gemm.gemm_quant(x, cpu_gemm.pack_quant(q, scales, mins, 32, 4)))
+    torch.testing.assert_close(y.float(), layer.reference_forward(x).float(), rtol=2**-7, atol=1e-2)
+    with torch.no_grad():
+        layer.scales.mul_(2)  # an in-place edit: the packed copy is remade
+    torch.testing.assert_close(layer(x).float(), layer.reference_forward(x).float(), rtol=2**-7, atol=1e-2)
+    int8 = Int8WeightOnlyLinear(q.to(torch.int8) - 8, scales[:, 0])
+    torch.testing.assert_close(int8(x).float(), int8.reference_forward(x).float(), rtol=2**-7, atol=1e-2)
+    assert int8.packed.value is not None

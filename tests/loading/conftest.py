@@ -54,9 +54,15 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, arch: str, tied: bool = True, seed: int = 0, rope_freqs: np.ndarray | None = None
+    path: Path,
+    arch: str,
+    tied: bool = True,
+    seed: int = 0,
+    rope_freqs: np.ndarray | None = None,
+    linear_type: str = "Q8_0",
 ) -> dict[str, torch.Tensor]:
-    """Write a 2-layer GGUF (Q8_0 linears, F16 embedding, F32 norms) and return the HF state dict it encodes."""
+    """Write a 2-layer GGUF (`linear_type` linears: Q8_0, Q4_0 or Q4_1; F16 embedding, F32 norms) and return
+    the HF state dict it encodes."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
@@ -85,6 +91,7 @@ def write_tiny_gguf(
     def add(gguf_name: str, hf_name: str, w: np.ndarray, qtype: Q, permute_heads: int = 0) -> None:
         stored = llama_cpp_permute(w, permute_heads) if permute_heads else w
         if qtype == Q.Q8_0:
+            qtype = Q[linear_type]
             writer.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
             # Rows are quantized independently, so the row permutation commutes with quantization.
             expected[hf_name] = torch.from_numpy(dequantize(quantize(w, qtype), qtype).copy())

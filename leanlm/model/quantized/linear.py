@@ -1,7 +1,7 @@
 """Runtime quantized linear layers, one class per saved format, each with a fast path and a reference path.
 
-Weight-only int8 / int2-4 (group-wise) run batch-1..8 decode on leanlm's native CPU kernels and everything
-else as dequantize + F.linear; W8A8 int8 runs torch's int8 x int8 matmul; FP8 W8A8 runs torch's scaled FP8
+Weight-only int8 / int2-4 (group-wise) run few-row decode on leanlm's native GEMV kernels and 9+ bf16 rows on
+its packed GEMM (the weight widened a panel at a time), everything else as dequantize + F.linear; W8A8 int8 runs torch's int8 x int8 matmul; FP8 W8A8 runs torch's scaled FP8
 matmul (CPU, and CUDA on Hopper); LLM.int8() splits outlier columns into a 16-bit product (Dettmers 2022).
 `QUANT_LINEAR_FORMATS` maps the `format` saved in a checkpoint to the class that loads it.
 """
@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.kernels import cpu_decode, cpu_qgemv
+from leanlm.kernels import cpu_decode, cpu_gemm, cpu_qgemv
+from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.numerics import quantize_per_token_int8, unpack_int4
 
 QUANT_LINEAR_FORMATS: dict[str, type[QuantLinear]] = {}
@@ -80,6 +81,7 @@ class QuantLinear(nn.Module, ABC):
         self.in_features, self.out_features = in_features, out_features
         check_shape(self.format, "bias", bias, out_features)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.packed = PackedCache()  # the weight in cpu_gemm's panel order, for 9+ bf16 rows (packs_rows)
 
     def set_compute_dtype(self, dtype: torch.dtype) -> QuantLinear:
         """Cast the float buffers that take part in the model dtype's arithmetic (see compute_dtype_buffers)."""
@@ -129,6 +131,20 @@ class QuantLinear(nn.Module, ABC):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
+def packs_rows(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """9+ contiguous bf16 CPU rows [M, K] (bias bf16 or none) over a CPU weight: the packed GEMM's case."""
+    return (
+        x.dim() == 2
+        and x.shape[0] >= cpu_gemm.MIN_ROWS
+        and x.dtype is torch.bfloat16
+        and x.is_cpu
+        and x.is_contiguous()
+        and qweight.is_cpu
+        and (bias is None or bias.dtype is torch.bfloat16)
+        and cpu_gemm.quant_is_available()
+    )
+
+
 def _dequantizes_natively(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """bf16 CPU activations (and bias) over a CPU weight: dequantize to bf16 natively rather than in fp32 torch
     ops (about 10x faster for int4), same values rounded once."""
@@ -167,7 +183,12 @@ class Int8WeightOnlyLinear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.float() * self.scales[:, None]
 
+    def _pack(self, qweight, scales, bias) -> cpu_gemm.PackedQuant:
+        return cpu_gemm.pack_quant(qweight, scales[:, None], None, qweight.shape[1], 8, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
+            return cpu_gemm.gemm_quant(x, self.packed.get((self.qweight, self.scales, self.bias), self._pack))
         if cpu_qgemv.should_use_int8(x, self.qweight) and (self.bias is None or self.bias.dtype is x.dtype):
             return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias)
         if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
@@ -243,7 +264,14 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             w = torch.empty_like(w).index_copy_(1, self.perm, w)  # stored column j is input column perm[j]
         return w
 
+    def _pack(self, qweight, scales, mins, bias) -> cpu_gemm.PackedQuant:
+        return cpu_gemm.pack_quant(unpack_int4(qweight), scales, mins, self.group_size, 4, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
+            xp = x if self.perm is None else x.index_select(-1, self.perm)
+            packed = self.packed.get((self.qweight, self.scales, self.mins, self.bias), self._pack)
+            return cpu_gemm.gemm_quant(xp, packed)
         if cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and (
             self.bias is None or self.bias.dtype is x.dtype
         ):

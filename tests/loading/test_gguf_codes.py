@@ -1,0 +1,78 @@
+"""GGUF 4-bit linears kept as codes: every block format's runtime layer dequantizes exactly as gguf-py does,
+llama's Q/K rows come out un-permuted and qwen2's biases stay on the layer, and a model built on the codes
+computes what the dequantized model computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
+from leanlm.model.llama import build_model
+from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
+from tests.compress.conftest import dense_logits
+from tests.loading.conftest import write_tiny_gguf
+
+BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q4_K: (256, 144)}
+
+
+def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random codes and 6-bit scales, with finite fp16 d (and m / dmin) of mixed signs and magnitudes."""
+    rng = np.random.default_rng(seed)
+    weights, nbytes = BLOCK[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // weights, nbytes), dtype=np.uint8)
+    halves = 2 if qtype == Q.Q4_0 else 4  # bytes of fp16 fields at the start of a block
+    fp16 = (rng.standard_normal((rows, cols // weights, halves // 2)) * 0.01).astype(np.float16)
+    blocks[..., :halves] = fp16.view(np.uint8).reshape(rows, cols // weights, halves)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(CODE_TYPES, key=int))
+def test_layers_dequantize_exactly_as_gguf(qtype):
+    rows, cols = 48, 512
+    data = _random_blocks(qtype, rows, cols)
+    layer = runtime_linear(qtype, data, (rows, cols))
+    assert isinstance(layer, IntGroupWeightOnlyLinear) and layer.group_size == 32 and layer.bits == 4
+    expected = torch.from_numpy(dequantize(data, qtype).reshape(rows, cols).copy())
+    assert torch.equal(layer.dequantized_weight(), expected)
+
+
+def test_row_order_and_bias():
+    data = _random_blocks(Q.Q4_1, 8, 64)
+    order = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4])
+    bias = torch.arange(8.0)
+    layer = runtime_linear(Q.Q4_1, data, (8, 64), row_order=order, bias=bias)
+    expected = torch.from_numpy(dequantize(data, Q.Q4_1).reshape(8, 64).copy())[order]
+    assert torch.equal(layer.dequantized_weight(), expected) and torch.equal(layer.bias, bias)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1"])
+def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, arch, tied=False, linear_type=linear_type)
+    codes = load_checkpoint(path, progress=False, gguf_codes=True)
+    dense = load_checkpoint(path, progress=False)
+    linears = {k.removesuffix(".weight") for k in expected if k.endswith("proj.weight") or k == "lm_head.weight"}
+    assert set(codes.quantized) == linears
+    assert not any(k.startswith(tuple(m + "." for m in linears)) for k in codes.state_dict)  # biases moved too
+    for name, layer in codes.quantized.items():
+        assert torch.equal(layer.dequantized_weight(), dense.state_dict[name + ".weight"]), name
+        assert torch.equal(layer.dequantized_weight(), expected[name + ".weight"]), name
+        if arch == "qwen2" and name.endswith(("q_proj", "k_proj", "v_proj")):
+            assert torch.equal(layer.bias, dense.state_dict[name + ".bias"])
+    # both models compute the same function: exactly the dense one's in float32 (the codes' reference path),
+    # and close to it in bf16 (the int4 kernels: the GEMV for few rows, the packed GEMM for 9+)
+    ids = torch.randint(0, codes.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    dense_net = build_model(dense.config, dense.state_dict, torch.float32, "cpu")
+    with torch.inference_mode():
+        reference = dense_logits(dense_net, ids)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+            net = build_model(codes.config, codes.state_dict, dtype, "cpu", quantized=codes.quantized)
+            for rows in (ids[:1, :4], ids):  # 4 rows (GEMV) and 24 rows (packed GEMM)
+                got = dense_logits(net, rows).float()
+                torch.testing.assert_close(got, reference[: rows.shape[0], : rows.shape[1]], atol=tol, rtol=tol)
