@@ -1,6 +1,7 @@
 """Outputs of the bundled model recorded before a refactor, and the rule that compares a run with them.
 
-`python -m tests.golden_cases` records tests/golden_outputs.json (run it on a tree whose outputs are known good);
+`python -m tests.golden_cases [CASE ...]` records tests/golden_outputs.json, every case or the named ones (run it
+on a tree whose outputs are known good);
 tests/test_golden_outputs.py replays every case. Greedy cases store each token's margin (top-1 minus top-2
 logprob). On the machine that recorded them (same CPU model, ISA flags and torch) every token must match; on
 another machine a greedy comparison stops at the first near tie, since other kernels' rounding may break a tie
@@ -35,6 +36,8 @@ class Case:
     engine_options: dict = field(default_factory=dict)
     # greedy: positions whose recorded margin is below this are near ties; the comparison stops there
     tie_margin: float = 1e-3
+    # run the GGUF's Q4_1 linears on their codes; the other cases use the file dequantized (recorded so)
+    gguf_codes: bool = False
 
 
 CASES = (
@@ -52,6 +55,8 @@ CASES = (
     Case("bf16_spec_lookahead", "bfloat16", tie_margin=0.15, engine_options=dict(speculative="lookahead")),
     Case("fp32_sample_n3", "float32", kind="sample"),
     Case("fp32_beam3", "float32", kind="beam", max_tokens=12),
+    Case("bf16_gguf_codes", "bfloat16", tie_margin=0.15, gguf_codes=True),
+    Case("bf16_gguf_codes_batched", "bfloat16", prompts=PROMPTS + SHARED_PROMPTS, tie_margin=0.15, gguf_codes=True),
 )
 
 
@@ -59,7 +64,13 @@ def run_case(case: Case) -> list[dict]:
     """One record per prompt (per completion for sampling, per hypothesis for beams)."""
     from leanlm import LLM, BeamSearchParams, SamplingParams
 
-    llm = LLM(dtype=case.dtype, progress=False, num_kv_blocks=256, **case.engine_options)
+    llm = LLM(
+        dtype=case.dtype,
+        progress=False,
+        num_kv_blocks=256,
+        dequantize_gguf=not case.gguf_codes,
+        **case.engine_options,
+    )
     if case.kind == "beam":
         outputs = llm.beam_search(
             list(case.prompts), BeamSearchParams(beam_width=3, max_tokens=case.max_tokens), use_tqdm=False
@@ -112,11 +123,24 @@ def agreeing_prefix(expected: dict, actual: list[int], tie_margin: float) -> tup
     return min(len(expected["token_ids"]), len(actual)), None
 
 
-def main() -> None:
-    golden = {"machine": machine_key(), **{case.name: run_case(case) for case in CASES}}
+def recorded_on(golden: dict, name: str) -> str:
+    """The machine key a case was recorded on: its own entry in "machines", else the file's "machine"."""
+    return golden.get("machines", {}).get(name, golden["machine"])
+
+
+def main(names: list[str]) -> None:
+    """Record every case, or only the named ones (the others keep their records and machine keys)."""
+    golden = json.loads(GOLDEN_PATH.read_text()) if names and GOLDEN_PATH.exists() else {"machine": machine_key()}
+    for case in CASES:
+        if not names or case.name in names:
+            golden[case.name] = run_case(case)
+            if golden["machine"] != machine_key():
+                golden.setdefault("machines", {})[case.name] = machine_key()
     GOLDEN_PATH.write_text(json.dumps(golden, indent=1) + "\n")
-    print(f"wrote {GOLDEN_PATH} ({len(golden)} cases)")
+    print(f"wrote {GOLDEN_PATH}")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

@@ -20,7 +20,7 @@ import torch
 from leanlm.config import SpeculativeConfig
 from leanlm.engine.proposer import DraftJob, Drafts
 from leanlm.engine.request import Request
-from leanlm.engine.sampler import exponential_race, process_logits, target_probs
+from leanlm.engine.sampler import inverse_cdf_sample, process_logits, target_probs
 from leanlm.engine.sampling_metadata import SamplingMetadata
 from leanlm.kernels import cpu_decode
 from leanlm.model.context import build_forward_context, forward_context
@@ -172,7 +172,7 @@ class DraftProposer:
             return greedy.tolist(), None
         q = target_probs(processed, metadata)
         q = q / q.sum(dim=-1, keepdim=True)
-        sampled = torch.where(metadata.is_greedy, greedy, exponential_race(q, metadata.generators))
+        sampled = torch.where(metadata.is_greedy, greedy, inverse_cdf_sample(q, metadata.generators))
         return sampled.tolist(), q
 
 

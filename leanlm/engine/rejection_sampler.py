@@ -12,8 +12,8 @@ import torch
 
 from leanlm.engine.sampler import (
     LogprobsTensors,
-    exponential_race,
     gather_logprobs,
+    inverse_cdf_sample,
     process_logits,
     target_probs,
 )
@@ -71,7 +71,7 @@ class RejectionSampler:
             ratio = (p_draft / q_draft.clamp_min(torch.finfo(torch.float32).tiny)).squeeze(1)  # [N]
             random_accept = has_draft & (self._uniforms(num_rows, metadata, device) < ratio)
             # A residual that is all zero (p == q) is never sampled: its row always accepts.
-            random_replacement = exponential_race(residual, metadata.generators)
+            random_replacement = inverse_cdf_sample(residual, metadata.generators)
             accept = torch.where(metadata.is_greedy, accept, random_accept)
             replacement = torch.where(metadata.is_greedy, greedy, random_replacement)
         row_tokens = torch.where(accept, drafts, replacement)  # [N]: the token each row emits if reached

@@ -1,7 +1,8 @@
 """Batched sampler: logits [B, V] + SamplingMetadata -> one token per row, plus logprobs of the raw model
 distribution. Min-tokens mask, OpenAI logit bias, penalties (CTRL repetition, OpenAI presence/frequency), greedy,
-temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by an exponential race
-(argmax p/q, q ~ Exp(1)), which draws exactly from p and lets seeded rows use their own generator."""
+temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by inverse CDF
+(one uniform per row against the running mass), which draws exactly from p and lets seeded rows use their own
+generator."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ class Sampler:
         return self.sample(logits, metadata)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if metadata.max_num_logprobs is None and is_plain_greedy(metadata):
+            # argmax is the same on the raw logits (bf16 -> float32 is exact and monotone, ties go to the
+            # first index either way): skip the [B, V] float32 copy, ~3 ms of a 64-row step
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # vLLM's default: logprobs of the raw model distribution, before any processing.
@@ -49,8 +54,18 @@ class Sampler:
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before temperature edits logits
-        sampled = exponential_race(target_probs(logits, metadata), metadata.generators)
+        sampled = inverse_cdf_sample(target_probs(logits, metadata), metadata.generators)
         return sampled if greedy is None else torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def is_plain_greedy(metadata: SamplingMetadata) -> bool:
+    """Every row greedy, and nothing edits the logits before the argmax."""
+    return (
+        metadata.all_greedy
+        and metadata.no_penalties
+        and metadata.min_tokens_rows is None
+        and metadata.logit_bias_rows is None
+    )
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -134,20 +149,23 @@ def apply_top_k_top_p(
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Zero the tokens whose probability is below min_p times the row's max. Unnormalized is fine: the
-    exponential race samples proportionally to whatever mass is left."""
+    inverse-CDF draw samples proportionally to whatever mass is left."""
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(p / q), q ~ Exp(1): token i wins with probability p_i / sum(p). Seeded rows draw their own q,
-    so their tokens do not depend on the rest of the batch; the loop runs over seeded rows only."""
-    q = torch.empty_like(probs).exponential_()  # [B, V]
+def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from unnormalized probs [B, V] (>= 0): the first token whose running mass exceeds
+    u * total, u ~ U[0, 1). Token i wins with probability p_i / sum(p); zero-probability tokens never win.
+    Seeded rows draw their own u, so their tokens do not depend on the rest of the batch. One uniform per
+    row and a cumulative sum: ~3 ms for 64 x 49152, where an exponential race (argmax p / q, q ~ Exp(1))
+    drew 3M exponentials in ~60 ms."""
+    cdf = probs.cumsum(dim=-1)  # [B, V] float32
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype)  # [B, 1]
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # Exp(1) can round to 0; a tiny floor keeps p / q finite (0 / tiny = 0, never NaN).
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+        u[row] = torch.rand(1, generator=generator, dtype=cdf.dtype)
+    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # [B]
+    return sampled.clamp_max_(probs.shape[-1] - 1)  # u * total rounding up to total: the last positive token
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

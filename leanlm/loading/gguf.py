@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from leanlm.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
-from leanlm.loading.gguf_header import GGUF_MAGIC, scan_gguf_header
+from leanlm.loading.gguf_file import GGUFFile, read_gguf
+from leanlm.loading.gguf_header import GGUF_MAGIC
 from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
 
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
@@ -89,7 +89,7 @@ def load_gguf(
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     """Open and validate a GGUF file; any problem becomes a ModelLoadError that says what to do."""
     path = Path(path)
     if not path.exists():
@@ -101,32 +101,23 @@ def open_gguf(path: str | Path) -> GGUFReader:
             f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); pass a .gguf "
             "model file or a Hugging Face model directory with config.json"
         )
-    # The `gguf` reader trusts declared counts (a huge one makes it loop for ever): our bounded scan checks
-    # every count, length, tensor type and tensor byte range first.
-    scan_gguf_header(path)
     try:
-        return GGUFReader(path)
-    except Exception as e:  # what the scan does not model; the reader raises ValueError/IndexError/KeyError
+        return read_gguf(path)  # the bounded scan checks every count, length, tensor type and byte range
+    except ModelLoadError:
+        raise
+    except Exception as e:  # what the scan does not model (the big-endian path's GGUFReader, a bad ggml type)
         raise ModelLoadError(
             f"GGUF file {path} has a corrupt or truncated header ({type(e).__name__}: {e}); re-download it, or "
             "re-assemble a bundled model with `leanlm models pull NAME`"
         ) from e
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    try:
-        value = field.contents()
-    except Exception as e:
-        raise ModelLoadError(
-            f"GGUF metadata key {key!r} is unreadable ({e}); the file is corrupt, re-download it"
-        ) from e
-    return value
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
-def _required(reader: GGUFReader, key: str) -> Any:
+def _required(reader: GGUFFile, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
         raise ModelLoadError(f"GGUF metadata is missing {key!r}; the file is not a complete model, re-download it")
@@ -136,7 +127,7 @@ def _required(reader: GGUFReader, key: str) -> Any:
 # ---------------------------------------------------------------------------------------------- config
 
 
-def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     """Build the ModelConfig from `general.*`, `{arch}.*` and `tokenizer.ggml.*` metadata."""
     arch = _required(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -183,7 +174,7 @@ def _eos_token_ids(eos_token_id: int | None, tokens: list[str]) -> tuple[int, ..
     return tuple(dict.fromkeys(ids))
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> RopeScaling | None:
     """'linear' from `{arch}.rope.scaling.*`; llama3 scaling is recovered from the `rope_freqs` tensor."""
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
@@ -198,7 +189,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
     return RopeScaling(rope_type="linear", factor=float(factor))
 
 
-def _llama3_scaling(stored: np.ndarray, reader: GGUFReader, arch: str, orig_ctx: int) -> RopeScaling:
+def _llama3_scaling(stored: np.ndarray, reader: GGUFFile, arch: str, orig_ctx: int) -> RopeScaling:
     """llama.cpp stores the per-frequency divisors; fit factor (its max) and check Llama 3's default shape."""
     scaling = RopeScaling(rope_type="llama3", factor=float(stored.max()), original_max_position_embeddings=orig_ctx)
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
@@ -271,7 +262,7 @@ def expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...]:
 
 
 def gguf_state_dict(
-    reader: GGUFReader,
+    reader: GGUFFile,
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
@@ -320,7 +311,7 @@ def gguf_state_dict(
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 
-def gguf_tokenizer_metadata(reader: GGUFReader) -> GGUFTokenizerMetadata:
+def gguf_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
     """Collect the `tokenizer.*` keys the Tokenizer is built from."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if not tokens:

@@ -20,7 +20,6 @@ import torch
 from gguf import GGMLQuantizationType
 
 from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
-from leanlm.model.quantized.numerics import pack_int4
 
 GROUP = 32
 Q = GGMLQuantizationType
@@ -82,7 +81,8 @@ def runtime_linear(
     `bias` [out] is already in that order."""
     rows, cols = shape
     codes, scales, mins = group_codes(tensor_type, data, rows, cols)
-    codes, scales, mins = torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # pack_int4's layout; codes are 0..15 by construction
+    packed, scales, mins = torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(mins)
     if row_order is not None:
-        codes, scales, mins = codes[row_order], scales[row_order], mins[row_order]
-    return IntGroupWeightOnlyLinear(pack_int4(codes), scales, mins, bias, bits=4, group_size=GROUP)
+        packed, scales, mins = packed[row_order], scales[row_order], mins[row_order]
+    return IntGroupWeightOnlyLinear(packed, scales, mins, bias, bits=4, group_size=GROUP)

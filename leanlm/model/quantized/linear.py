@@ -1,8 +1,9 @@
 """Runtime quantized linear layers, one class per saved format, each with a fast path and a reference path.
 
 Weight-only int8 / int2-4 (group-wise) run few-row decode on leanlm's native GEMV kernels and 9+ bf16 rows on
-its packed GEMM (the weight widened a panel at a time), everything else as dequantize + F.linear; W8A8 int8 runs torch's int8 x int8 matmul; FP8 W8A8 runs torch's scaled FP8
-matmul (CPU, and CUDA on Hopper); LLM.int8() splits outlier columns into a 16-bit product (Dettmers 2022).
+its packed GEMM (the weight widened a panel at a time), everything else as dequantize + F.linear; W8A8 int8
+runs torch's int8 x int8 matmul; FP8 W8A8 runs torch's scaled FP8 matmul (CPU, and CUDA on Hopper);
+LLM.int8() splits outlier columns into a 16-bit product (Dettmers 2022).
 `QUANT_LINEAR_FORMATS` maps the `format` saved in a checkpoint to the class that loads it.
 """
 
