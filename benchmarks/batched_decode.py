@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    lines = [f"Machine: {describe_machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads.", ""]
+    lines = [f"Machine: {describe_machine()}.", ""]
     lines += linear_table([int(r) for r in args.linear_rows.split(",")]) + [""]
     print("\n".join(lines), flush=True)
 
