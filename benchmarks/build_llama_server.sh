@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (parallel slots, continuous batching) from the llama.cpp source that the
-# installed llama-cpp-python's PyPI sdist vendors, into peers/llama.cpp beside the checkout (never in the repo).
+# Build llama.cpp's llama-server (parallel slots, continuous batching), llama-bench and llama-batched-bench from
+# the llama.cpp source that the installed llama-cpp-python's PyPI sdist vendors, into peers/llama.cpp beside the
+# checkout (never in the repo).
 # Usage: benchmarks/build_llama_server.sh [PYTHON]   (PYTHON: the venv's python; default .venv/bin/python)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,5 +21,5 @@ cd "$peers/llama.cpp"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_USE_PREBUILT_UI=OFF
-cmake --build build --target llama-server llama-quantize -j"${JOBS:-2}"
+cmake --build build --target llama-server llama-quantize llama-bench llama-batched-bench -j"${JOBS:-2}"
 echo "built $peers/llama.cpp/build/bin/llama-server (llama.cpp vendored by llama-cpp-python $version)"

@@ -81,8 +81,8 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedBF16:
     return PackedBF16(data, _packed_bias(bias, N, Np), N, K)
 
 
-def should_use(x: torch.Tensor, packed: PackedBF16 | None) -> bool:
-    """Policy: contiguous bf16 CPU rows x [M, K] with M >= MIN_ROWS, and a packed weight."""
+def _rows_fit(x: torch.Tensor, packed: PackedBF16 | PackedQuant | None) -> bool:
+    """Contiguous bf16 CPU rows x [M, K] with M >= MIN_ROWS for a packed weight of K inputs."""
     return (
         packed is not None
         and x.dtype is _BF16
@@ -91,8 +91,24 @@ def should_use(x: torch.Tensor, packed: PackedBF16 | None) -> bool:
         and x.shape[0] >= MIN_ROWS
         and x.shape[1] == packed.in_features
         and x.is_contiguous()
-        and is_available()
     )
+
+
+def should_use(x: torch.Tensor, packed: PackedBF16 | None) -> bool:
+    """Policy: route x @ W^T here when _rows_fit and the kernel is loaded."""
+    return _rows_fit(x, packed) and is_available()
+
+
+def _padded_rows(x: torch.Tensor, packed: PackedBF16 | PackedQuant) -> torch.Tensor:
+    """x [M, K] checked and zero-padded to the packed weight's even Kp (the kernels read raw pointers)."""
+    if not (x.dim() == 2 and x.dtype is _BF16 and x.is_cpu and x.shape[1] == packed.in_features):
+        raise ValueError(f"x must be bf16 CPU rows [M, {packed.in_features}], not {x.dtype} {tuple(x.shape)}")
+    Kp = packed.padded_in_features
+    return F.pad(x, (0, Kp - x.shape[1])) if Kp != x.shape[1] else x.contiguous()
+
+
+def _bias_ptr(packed: PackedBF16 | PackedQuant) -> int | None:
+    return None if packed.bias is None else packed.bias.data_ptr()
 
 
 def gemm(x: torch.Tensor, packed: PackedBF16) -> torch.Tensor:
@@ -100,14 +116,10 @@ def gemm(x: torch.Tensor, packed: PackedBF16) -> torch.Tensor:
     fn = _KERNEL.fn()
     if fn is None:
         raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {_KERNEL.unavailable_reason}")
-    if not (x.dim() == 2 and x.dtype is _BF16 and x.is_cpu and x.shape[1] == packed.in_features):
-        raise ValueError(f"x must be bf16 CPU rows [M, {packed.in_features}], not {x.dtype} {tuple(x.shape)}")
-    Kp = packed.padded_in_features
-    x = F.pad(x, (0, Kp - x.shape[1])) if Kp != x.shape[1] else x.contiguous()
-    M, N = x.shape[0], packed.out_features
+    x = _padded_rows(x, packed)
+    M, N, Kp = x.shape[0], packed.out_features, x.shape[1]
     y = torch.empty(M, N, dtype=_BF16)
-    bias_ptr = None if packed.bias is None else packed.bias.data_ptr()
-    rc = fn(x.data_ptr(), packed.data.data_ptr(), bias_ptr, y.data_ptr(), M, N, Kp, torch.get_num_threads())
+    rc = fn(x.data_ptr(), packed.data.data_ptr(), _bias_ptr(packed), y.data_ptr(), M, N, Kp, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"leanlm_gemm_bf16 failed (code {rc})")
     return y
@@ -201,34 +213,16 @@ def pack_quant(
     )
 
 
-def should_use_quant(x: torch.Tensor, packed: PackedQuant | None) -> bool:
-    """Policy: as should_use, for a packed quantized weight."""
-    return (
-        packed is not None
-        and x.dtype is _BF16
-        and x.is_cpu
-        and x.dim() == 2
-        and x.shape[0] >= MIN_ROWS
-        and x.shape[1] == packed.in_features
-        and x.is_contiguous()
-        and _QUANT_KERNEL.is_available()
-    )
-
-
 def gemm_quant(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequantized(W)^T + bias in bf16: the weight widened to bf16 exactly as
     cpu_qgemv's dequantize kernels round it, then gemm()'s arithmetic."""
     fn = _QUANT_KERNEL.fn()
     if fn is None:
         raise RuntimeError(f"CPU quantized GEMM kernel unavailable: {_QUANT_KERNEL.unavailable_reason}")
-    if not (x.dim() == 2 and x.dtype is _BF16 and x.is_cpu and x.shape[1] == packed.in_features):
-        raise ValueError(f"x must be bf16 CPU rows [M, {packed.in_features}], not {x.dtype} {tuple(x.shape)}")
-    Kp = packed.padded_in_features
-    x = F.pad(x, (0, Kp - x.shape[1])) if Kp != x.shape[1] else x.contiguous()
-    M, N = x.shape[0], packed.out_features
+    x = _padded_rows(x, packed)
+    M, N, Kp = x.shape[0], packed.out_features, x.shape[1]
     y = torch.empty(M, N, dtype=_BF16)
-    bias_ptr = None if packed.bias is None else packed.bias.data_ptr()
-    ptrs = (packed.codes.data_ptr(), packed.scales.data_ptr(), packed.mins.data_ptr(), bias_ptr)
+    ptrs = (packed.codes.data_ptr(), packed.scales.data_ptr(), packed.mins.data_ptr(), _bias_ptr(packed))
     rc = fn(x.data_ptr(), *ptrs, y.data_ptr(), M, N, Kp, packed.group_size, packed.bits, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"leanlm_gemm_quant failed (code {rc})")

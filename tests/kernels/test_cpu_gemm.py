@@ -13,20 +13,13 @@ from leanlm.kernels import cpu_gemm, cpu_qgemv
 from leanlm.model.layers import Linear
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 from leanlm.model.quantized.numerics import pack_int4
+from tests.kernels.linear_inputs import EPS32, linear_inputs
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.is_available(), reason=f"CPU bf16 GEMM kernel: {cpu_gemm.unavailable_reason()}"
 )
 
-EPS32 = 2.0**-23
-
-
-def _inputs(M: int, N: int, K: int, has_bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
-    b = torch.randn(N, generator=g).to(torch.bfloat16) if has_bias else None
-    return x, w, b
+_inputs = linear_inputs
 
 
 def _check_close_to_exact(y: torch.Tensor, x, w, b) -> None:

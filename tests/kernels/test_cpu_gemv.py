@@ -8,20 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.kernels import cpu_gemv
+from tests.kernels.linear_inputs import EPS32, linear_inputs
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.is_available(), reason=f"CPU bf16 GEMV kernel: {cpu_gemv.unavailable_reason()}"
 )
 
-EPS32 = 2.0**-23
-
-
-def _inputs(M: int, N: int, K: int, has_bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
-    b = torch.randn(N, generator=g).to(torch.bfloat16) if has_bias else None
-    return x, w, b
+_inputs = linear_inputs
 
 
 def _reference(x, w, b, depth: int | None = None):
