@@ -5,7 +5,10 @@ Workload (issue 16): 64 prompts of 16-32 tokens (fixed seed), 128 greedy output 
 capped at `batch` running requests (HF: padded batches of `batch`, sorted by length). Engines:
 - LeanLM on the bundled GGUF as shipped (Q4_1 linears on their codes, the Q8_0 embedding tied as a bf16 head);
 - LeanLM on the same file dequantized to bf16 (`--dequantize-gguf`);
-- HF transformers on a dense bf16 safetensors directory written from the dequantized model.
+- HF transformers on a dense bf16 safetensors directory written from the dequantized model;
+- llama.cpp's llama-batched-bench on the same GGUF (when benchmarks/build_llama_server.sh has built it):
+  `batch` sequences of a 24-token prompt (the workload's mean) and 128 generated tokens each, 2 threads;
+  its output tok/s is batch * 128 / (prompt time + generation time), as ours counts.
 Every timed repetition records the CPU share other processes used (/proc/stat); repetitions above
 --max-other-cpu are discarded and counted.
 
@@ -15,7 +18,9 @@ Every timed repetition records the CPU share other processes used (/proc/stat); 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +31,11 @@ import torch.nn.functional as F
 from leanlm import LLM, SamplingParams
 from leanlm.analysis.bench import HFRunner
 from leanlm.analysis.host import CpuMonitor, describe_machine
+from leanlm.analysis.peers import PEERS_DIR
 from leanlm.kernels import cpu_gemm
-from leanlm.loading.registry import DEFAULT_MODEL
+from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
+
+LLAMA_BATCHED_BENCH = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-batched-bench"
 
 SHAPES = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576)}
 SHAPES |= {"down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
@@ -81,7 +89,7 @@ def timed(run, reps: int, max_other: float) -> tuple[float, int, float]:
         with CpuMonitor() as mon:
             t0 = time.perf_counter()
             tokens = run()
-            rate = tokens / (time.perf_counter() - t0)
+            rate = getattr(run, "rate", None) or tokens / (time.perf_counter() - t0)
         if mon.sample.is_contaminated(max_other):
             discarded += 1
             continue
@@ -110,6 +118,23 @@ def hf_runner(hf_dir: Path, batch: int, prompts, output_len: int):
     def run() -> int:
         runner.throughput(prompts, output_len)
         return len(prompts) * output_len
+
+    return run
+
+
+def llama_cpp_runner(model: str, batch: int, output_len: int, prompt_len: int = 24):
+    """llama-batched-bench, one configuration per call; None when it is not built."""
+    if not LLAMA_BATCHED_BENCH.is_file():
+        return None
+    command = [str(LLAMA_BATCHED_BENCH), "-m", str(resolve_model(model)), "-t", str(torch.get_num_threads())]
+    command += ["-c", str(batch * (prompt_len + output_len) + 64), "-b", "2048", "-ub", "512"]
+    command += ["-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(batch), "--output-format", "jsonl"]
+
+    def run() -> int:
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+        run.rate = batch * output_len / (row["t_pp"] + row["t_tg"])  # timed by the tool, not by us
+        return batch * output_len
 
     return run
 
@@ -145,8 +170,9 @@ def main() -> None:
         f"Offline throughput, output tokens/s (best of {args.reps} clean repetitions; {args.num_prompts} prompts of "
         f"16-32 tokens x {args.output_len} greedy tokens; batch 1 runs 4 prompts):",
         "",
-        "| batch | LeanLM, GGUF Q4_1 codes | LeanLM, bf16 (dequantized) | HF dense bf16 | codes / HF | bf16 / HF |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | LeanLM, GGUF Q4_1 codes | LeanLM, bf16 (dequantized) | HF dense bf16 | llama.cpp, GGUF Q4_1 "
+        "| codes / HF | bf16 / HF | codes / llama.cpp |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     notes = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,17 +185,22 @@ def main() -> None:
                 ("codes", lambda: leanlm_runner(args.model, batch, False, work, args.output_len)),
                 ("bf16", lambda: leanlm_runner(args.model, batch, True, work, args.output_len)),
                 ("hf", lambda: hf_runner(Path(tmp) / "dense", batch, work, args.output_len)),
+                ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len)),
             ):
                 if name == "hf" and batch not in hf_batches:
                     continue
-                rate, dropped, worst = timed(make(), args.reps, args.max_other_cpu)
+                run = make()
+                if run is None:
+                    continue
+                rate, dropped, worst = timed(run, args.reps, args.max_other_cpu)
                 rates[name] = rate
                 notes.append(f"batch {batch} {name}: {dropped} repetition(s) discarded, other CPU <= {worst:.1%}")
                 print(f"batch {batch} {name}: {rate:.1f} tok/s ({notes[-1]})", flush=True)
-                del make
-            hf = rates.get("hf")
+                del run
+            hf, llama = rates.get("hf"), rates.get("llama.cpp")
             ratio = [f"{rates[k] / hf:.2f}x" if hf else "-" for k in ("codes", "bf16")]
-            cells = [f"{rates[k]:.1f}" if k in rates else "-" for k in ("codes", "bf16", "hf")]
+            ratio.append(f"{rates['codes'] / llama:.2f}x" if llama else "-")
+            cells = [f"{rates[k]:.1f}" if k in rates else "-" for k in ("codes", "bf16", "hf", "llama.cpp")]
             table.append(f"| {batch} | " + " | ".join(cells + ratio) + " |")
     lines += table + ["", "Repetitions: " + "; ".join(notes) + "."]
     text = "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import time
 
 from leanlm.cli.common import (
     add_dataclass_args,
@@ -28,7 +29,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+    started = time.perf_counter()
     llm = load_llm(args)
+    logging.getLogger("leanlm.serve").info(
+        "model %s loaded in %.2f s (%s, %s)", args.model, time.perf_counter() - started, llm.dtype, llm.device
+    )
     serve(llm, config.served_model_name or args.model, config)  # RuntimeError (exit 1) if it could not start
     return 0
 
