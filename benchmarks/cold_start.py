@@ -23,8 +23,8 @@ from leanlm.analysis.peers import LlamaServer, LlamaServerConfig, PeerUnavailabl
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
 
-def first_token_s(url: str) -> float:
-    body = json.dumps({"prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+def first_token_s(url: str, model: str) -> float:
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
     request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -32,13 +32,13 @@ def first_token_s(url: str) -> float:
     return time.perf_counter() - t0
 
 
-def one_start(make) -> tuple[float, float]:
+def one_start(make, model: str) -> tuple[float, float]:
     """(seconds from launch to healthy, seconds of the first one-token request)."""
     server = make()
     t0 = time.perf_counter()
     with server:
         ready = time.perf_counter() - t0
-        return ready, first_token_s(server.url)
+        return ready, first_token_s(server.url, model)
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
         for name, make in engines.items():
             try:
                 with CpuMonitor() as mon:
-                    sample = one_start(make)
+                    sample = one_start(make, args.model)
             except PeerUnavailable as e:
                 print(f"{name}: {e}")
                 continue

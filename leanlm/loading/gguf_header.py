@@ -122,6 +122,28 @@ class _Cursor:
             raise _Corrupt(start, f"{what} is not valid UTF-8") from None
         return data
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """n strings, checked as string() checks one; a tight loop (a vocabulary is ~100k of them)."""
+        buf, pos, size = self.buf, self.pos, self.size
+        length_at = struct.Struct(self.order + "Q").unpack_from
+        out = []
+        for _ in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, f"{what} length")
+            (length,) = length_at(buf, pos)
+            if length > size - pos - 8:
+                raise _Corrupt(
+                    pos, f"{what} length is {length}, more than the {size - pos - 8} bytes that remain can hold"
+                )
+            try:
+                out.append(buf[pos + 8 : pos + 8 + length].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise _Corrupt(pos, f"{what} is not valid UTF-8") from None
+            pos += 8 + length
+        self.pos = pos
+        return out
+
     def scalars(self, value_type: int, n: int, what: str) -> list:
         """n scalars of one GGUFValueType (their bytes already checked to fit)."""
         size = _SCALAR_BYTES[value_type]
@@ -146,6 +168,8 @@ def _read_value(cur: _Cursor, value_type: int, depth: int, what: str):
         n = cur.count(f"{what} array length", _MIN_VALUE[item_type])
         if item_type in _SCALAR_BYTES:
             return cur.scalars(item_type, n, what)  # checked above: fits in what remains
+        if item_type == _STRING:
+            return cur.strings(n, what)
         # n <= remaining / 8: the loop is bounded by the file size
         return [_read_value(cur, item_type, depth + 1, what) for _ in range(n)]
     raise _Corrupt(cur.pos, f"{what} has unknown value type {value_type}")
