@@ -76,3 +76,22 @@ def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
             for rows in (ids[:1, :4], ids):  # 4 rows (GEMV) and 24 rows (packed GEMM)
                 got = dense_logits(net, rows).float()
                 torch.testing.assert_close(got, reference[: rows.shape[0], : rows.shape[1]], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q6_K, Q.F16])
+def test_dequantize_tensor_is_gguf_dequantize(qtype, monkeypatch):
+    """The loader's run-of-blocks dequantization gives gguf-py's values, across call boundaries too."""
+    from gguf import GGML_QUANT_SIZES
+
+    from leanlm.loading import gguf as gguf_loader
+
+    monkeypatch.setattr(gguf_loader, "_BLOCKS_PER_CALL", 7)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 12, 2 * max(block_size, 256)
+    data = np.random.default_rng(3).integers(0, 256, size=(rows, cols // block_size * type_size), dtype=np.uint8)
+    if qtype == Q.F16:
+        data = data.view(np.float16)
+    with np.errstate(all="ignore"):  # random fp16 scales include infinities and NaNs
+        expected = dequantize(data, qtype)
+        got = gguf_loader.dequantize_tensor(data, qtype)
+    assert got.shape == expected.shape and np.array_equal(got, expected, equal_nan=True)
