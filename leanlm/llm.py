@@ -62,7 +62,8 @@ class LLM:
         **engine_options,
     ) -> None:
         """`dequantize_gguf`: run a GGUF file's 4-bit linears on float weights dequantized at load, as before
-        they ran on their codes (the base for re-quantization experiments; 2-3x the weight memory)."""
+        they ran on their codes (the base for re-quantization experiments; in bf16, about 3.5x the memory of
+        4-bit codes)."""
         unknown = set(engine_options) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(_ENGINE_FIELDS)}")

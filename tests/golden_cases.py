@@ -55,8 +55,10 @@ CASES = (
     Case("bf16_spec_lookahead", "bfloat16", tie_margin=0.15, engine_options=dict(speculative="lookahead")),
     Case("fp32_sample_n3", "float32", kind="sample"),
     Case("fp32_beam3", "float32", kind="beam", max_tokens=12),
-    Case("bf16_gguf_codes", "bfloat16", tie_margin=0.15, gguf_codes=True),
-    Case("bf16_gguf_codes_batched", "bfloat16", prompts=PROMPTS + SHARED_PROMPTS, tie_margin=0.15, gguf_codes=True),
+    # Without the int4 kernels (another CPU) the codes run as bf16-rounded weights, not exact codes arithmetic:
+    # logits move by a few bf16 steps (0.125 near 20), so ties are wider than for the dense bf16 cases.
+    Case("bf16_gguf_codes", "bfloat16", tie_margin=0.5, gguf_codes=True),
+    Case("bf16_gguf_codes_batched", "bfloat16", prompts=PROMPTS + SHARED_PROMPTS, tie_margin=0.5, gguf_codes=True),
 )
 
 

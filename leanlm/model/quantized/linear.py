@@ -142,6 +142,7 @@ def packs_rows(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None
         and x.is_contiguous()
         and qweight.is_cpu
         and (bias is None or bias.dtype is torch.bfloat16)
+        and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
         and cpu_gemm.quant_is_available()
     )
 
