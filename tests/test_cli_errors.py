@@ -141,6 +141,22 @@ def test_a_taken_port_fails_before_the_model_loads(files):
     )
 
 
+def _first_http_request(listener: socket.socket) -> socket.socket:
+    """The first accepted connection that sends an HTTP request line. A connection that sends nothing (a
+    stray client of an earlier test that had this port) is dropped: interrupting on it would signal the
+    child before it runs any code of ours."""
+    while True:
+        connection, _ = listener.accept()
+        connection.settimeout(30)
+        try:
+            head = connection.recv(16)
+        except TimeoutError:
+            head = b""
+        if head.startswith((b"GET ", b"POST ")):
+            return connection
+        connection.close()
+
+
 def test_ctrl_c_exits_130_quietly(tmp_path):
     """SIGINT while `bench serve` waits on a server that accepted the connection and never answers."""
     tokenizer = word_tokenizer_dir(tmp_path / "tokenizer")
@@ -174,7 +190,7 @@ def test_ctrl_c_exits_130_quietly(tmp_path):
             text=True,
         )
         try:
-            connection, _ = silent.accept()  # the request is in flight
+            connection = _first_http_request(silent)  # the child's request is in flight
             with connection:
                 proc.send_signal(signal.SIGINT)
                 _, stderr = proc.communicate(timeout=60)
