@@ -184,7 +184,7 @@ def test_ctrl_c_exits_130_quietly(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "leanlm", *argv],
             cwd=ROOT,
-            env=leanlm_env(),
+            env=leanlm_env(PYTHONFAULTHANDLER="1"),  # SIGABRT then prints every thread's stack
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -193,7 +193,12 @@ def test_ctrl_c_exits_130_quietly(tmp_path):
             connection = _first_http_request(silent)  # the child's request is in flight
             with connection:
                 proc.send_signal(signal.SIGINT)
-                _, stderr = proc.communicate(timeout=60)
+                try:
+                    _, stderr = proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGABRT)
+                    _, stacks = proc.communicate(timeout=30)
+                    pytest.fail(f"still running 60 s after SIGINT; its threads:\n{stacks[-6000:]}")
         finally:
             proc.kill()
     assert proc.returncode == 130
