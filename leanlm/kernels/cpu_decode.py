@@ -1,9 +1,10 @@
-"""All decoder layers of a batch-1..8 decode step in one native call (decode_layers.c), on AVX512-BF16 CPUs.
+"""All decoder layers of a decode step in one native call (decode_layers.c), on AVX512-BF16 CPUs.
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
-linears and attention run on the same kernels as the PyTorch path (cpu_gemv, cpu_qgemv, paged_attention),
-passed to the C loop as function pointers.
+linears and attention run on the same kernels as the PyTorch path (cpu_gemv and cpu_qgemv up to 8 rows,
+cpu_gemm from 9, paged_attention), passed to the C loop as function pointers. A loop whose linears carry their
+packed weights (`NativeLinear.packed`) takes any number of rows; without them, at most MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.kernels import cpu_gemv, cpu_qgemv, paged_attention
+from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_qgemv, paged_attention
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 
@@ -28,11 +29,13 @@ _KERNEL = NativeKernel(
 _RMS_NORM = NativeKernel(
     source=_KERNEL.source,
     symbol="leanlm_rms_norm_bf16",
-    argtypes=[_P] * 3 + [_I64] * 2 + [ctypes.c_double],
+    argtypes=[_P] * 3 + [_I64] * 2 + [ctypes.c_double, _INT],
     restype=None,
 )
-_SILU_MUL = NativeKernel(source=_KERNEL.source, symbol="leanlm_silu_mul_bf16", argtypes=[_P] * 3 + [_I64], restype=None)
-MAX_ROWS = 8  # decode tokens per call: the GEMV kernels' one-pass limit
+_SILU_MUL = NativeKernel(
+    source=_KERNEL.source, symbol="leanlm_silu_mul_bf16", argtypes=[_P] * 3 + [_I64, _INT], restype=None
+)
+MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
 KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2
 _BF16, _F32 = torch.bfloat16, torch.float32
 
@@ -48,6 +51,12 @@ class _Linear(ctypes.Structure):
         ("out_features", _I64),
         ("in_features", _I64),
         ("group_size", _I64),
+        ("packed", _P),
+        ("packed_scales", _P),
+        ("packed_mins", _P),
+        ("packed_bias", _P),
+        ("packed_bits", _I64),
+        ("packed_group", _I64),
     ]
 
 
@@ -86,6 +95,9 @@ class _Model(ctypes.Structure):
         ("linear_int4", _P),
         ("attention", _P),
         ("attention_int8", _P),
+        ("gemm_bf16", _P),
+        ("gemm_quant", _P),
+        ("min_gemm_rows", _I64),
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
@@ -96,7 +108,9 @@ class _Model(ctypes.Structure):
 class NativeLinear:
     """y = x W^T + b in a kernel format: bf16 weight [N, K]; int8 [N, K] with scales [N]; or 4-bit codes
     uint8 [N, K / 2] with scales and mins [N, K / group_size] (w = q * scale + min), whose columns may be
-    stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order)."""
+    stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order).
+    `packed` is the same weight in cpu_gemm's layout (what the layer's own products use from 9 rows on), or
+    None for a loop of at most MAX_ROWS rows."""
 
     kind: int
     weight: torch.Tensor
@@ -105,6 +119,7 @@ class NativeLinear:
     bias: torch.Tensor | None = None  # bf16 [N]
     group_size: int = 0
     perm: torch.Tensor | None = None
+    packed: cpu_gemm.PackedBF16 | cpu_gemm.PackedQuant | None = None
 
     @property
     def out_features(self) -> int:
@@ -125,6 +140,8 @@ class NativeLinear:
             self.kind != KIND_INT4 or self.perm.dtype != torch.int64 or self.perm.shape != (self.in_features,)
         ):
             return False
+        if self.packed is not None and not self._packed_matches():
+            return False
         if self.kind == KIND_BF16:
             return self.weight.dtype == _BF16
         if self.kind == KIND_INT8:
@@ -143,8 +160,22 @@ class NativeLinear:
             and self.scales.shape == (self.out_features, self.in_features // gs) == self.mins.shape
         )
 
+    def _packed_matches(self) -> bool:
+        """The packed weight has this layer's shape, an even K (the loop passes its rows unpadded) and the
+        format of `kind` (bf16 panels, 8-bit or 4-bit code panels with this group size)."""
+        p = self.packed
+        if (p.out_features, p.in_features, p.padded_in_features) != (self.out_features,) + (self.in_features,) * 2:
+            return False
+        if self.kind == KIND_BF16:
+            return isinstance(p, cpu_gemm.PackedBF16)
+        if not isinstance(p, cpu_gemm.PackedQuant):
+            return False
+        return p.bits == 8 if self.kind == KIND_INT8 else (p.bits, p.group_size) == (4, self.group_size)
+
     def to_struct(self) -> _Linear:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        p = self.packed
+        quant = isinstance(p, cpu_gemm.PackedQuant)
         return _Linear(
             self.kind,
             ptr(self.weight),
@@ -155,6 +186,12 @@ class NativeLinear:
             self.out_features,
             self.in_features,
             self.group_size,
+            None if p is None else ptr(p.codes if quant else p.data),
+            ptr(p.scales) if quant else None,
+            ptr(p.mins) if quant else None,
+            None if p is None else ptr(p.bias),
+            p.bits if quant else 0,
+            p.group_size if quant else 0,
         )
 
 
@@ -197,30 +234,25 @@ def is_available() -> bool:
         _KERNEL.is_available()
         and cpu_gemv.is_available()
         and cpu_qgemv.is_available()
+        and cpu_gemm.is_available()
+        and cpu_gemm.quant_is_available()
         and paged_attention.is_available()
     )
 
 
 def should_use_rows(x: torch.Tensor) -> bool:
-    """Policy for rms_norm / silu_and_mul: contiguous bf16 CPU rows, at most MAX_ROWS of them (the rows the
-    native loop and the few-row linears take; larger batches stay on torch's multi-threaded ops)."""
-    return (
-        x.dtype is _BF16
-        and x.is_cpu
-        and x.is_contiguous()
-        and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
-        and _RMS_NORM.is_available()
-    )
+    """Policy for rms_norm / silu_and_mul: contiguous bf16 CPU rows (any number: the native loop runs every
+    decode step's norms and SiLU on these functions, so the PyTorch path runs them too and both agree)."""
+    return x.dtype is _BF16 and x.is_cpu and x.is_contiguous() and x.dim() == 2 and _RMS_NORM.is_available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of bf16 rows x [M, n] with a bf16 weight [n], in fp32 with one rounding: the function the
-    native loop runs, so few-row steps agree bit for bit whichever path runs them (see should_use_rows)."""
+    native loop runs, so its steps agree bit for bit whichever path runs them (see should_use_rows)."""
     if not (should_use_rows(x) and weight.dtype is _BF16 and weight.is_contiguous() and weight.shape == x.shape[1:]):
-        raise ValueError(f"rms_norm takes contiguous bf16 CPU rows [<= {MAX_ROWS}, n] and a bf16 weight [n]")
+        raise ValueError("rms_norm takes contiguous bf16 CPU rows [M, n] and a bf16 weight [n]")
     y = torch.empty_like(x)
-    _RMS_NORM.fn()(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    _RMS_NORM.fn()(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return y
 
 
@@ -228,9 +260,9 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """bf16(bf16(silu(gate)) * up) for bf16 rows [M, n], as F.silu(gate) * up rounds, in the native loop's
     arithmetic (see rms_norm)."""
     if not (should_use_rows(gate) and up.dtype is _BF16 and up.is_contiguous() and up.shape == gate.shape):
-        raise ValueError(f"silu_and_mul takes two contiguous bf16 CPU tensors [<= {MAX_ROWS}, n] of one shape")
+        raise ValueError("silu_and_mul takes two contiguous bf16 CPU tensors [M, n] of one shape")
     y = torch.empty_like(gate)
-    _SILU_MUL.fn()(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
+    _SILU_MUL.fn()(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel(), torch.get_num_threads())
     return y
 
 
@@ -240,7 +272,8 @@ def _fn_address(kernel: NativeKernel) -> int:
 
 class DecodeLayers:
     """The native decode loop over one model's weights. `bind_kv` points it at a KV cache; __call__ runs every
-    layer and the final norm."""
+    layer and the final norm. It takes up to `max_rows` tokens a call: MAX_ROWS, or any number when every
+    linear carries its packed weight."""
 
     def __init__(
         self,
@@ -282,14 +315,20 @@ class DecodeLayers:
             _fn_address(cpu_qgemv._INT4_KERNEL),
             _fn_address(paged_attention._KERNEL),
             _fn_address(paged_attention._KERNEL_INT8),
+            _fn_address(cpu_gemm._KERNEL),
+            _fn_address(cpu_gemm._QUANT_KERNEL),
+            cpu_gemm.MIN_ROWS,
             MIN_PARALLEL_BYTES,
             eps,
             head_dim**-0.5,
         )
         self.hidden = hidden
         widest_input = max(hidden, num_heads * head_dim, intermediate)  # room for a permuted input
-        per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * intermediate + widest_input
-        self._scratch = torch.empty(MAX_ROWS * per_row, dtype=_BF16)
+        self._per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * intermediate
+        self._per_row += widest_input
+        self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=_BF16)  # grown for larger batches
+        packed = all(linear.packed is not None for layer in layers for linear in layer.linears)
+        self.max_rows: int | None = None if packed else MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 
     def bind_kv(self, caches: list) -> bool:
@@ -318,7 +357,7 @@ class DecodeLayers:
         seq_lens: torch.Tensor,
         max_seq_len: int,
     ) -> torch.Tensor:
-        """x [M, hidden] bf16 embeddings of M <= MAX_ROWS decode tokens (one per request; overwritten with the
+        """x [M, hidden] bf16 embeddings of M <= max_rows decode tokens (one per request; overwritten with the
         residual stream) -> final-normed hidden [M, hidden]. positions, slots, seq_lens [M] and block_tables
         [M, max_blocks]: contiguous CPU int64. The caches given to the last successful bind_kv are used."""
         if not self._has_kv:
@@ -326,7 +365,7 @@ class DecodeLayers:
         M = x.shape[0]
         index = (positions, slots, block_tables, seq_lens)
         if not (
-            0 < M <= MAX_ROWS
+            0 < M <= (self.max_rows or M)
             and x.dtype is _BF16
             and x.is_cpu
             and x.is_contiguous()
@@ -334,9 +373,11 @@ class DecodeLayers:
             and all(t.dtype is torch.int64 and t.is_cpu and t.is_contiguous() and t.shape[0] == M for t in index)
         ):
             raise ValueError(
-                f"the native decode loop takes 1-{MAX_ROWS} contiguous bf16 rows of {self.hidden} and "
-                f"int64 index tensors with one row each; got x {tuple(x.shape)} {x.dtype}"
+                f"the native decode loop takes 1-{self.max_rows or 'any number of'} contiguous bf16 rows of "
+                f"{self.hidden} and int64 index tensors with one row each; got x {tuple(x.shape)} {x.dtype}"
             )
+        if self._scratch.numel() < M * self._per_row:
+            self._scratch = torch.empty(M * self._per_row, dtype=_BF16)
         out = torch.empty_like(x)
         rc = _KERNEL.fn()(
             ctypes.byref(self._model),

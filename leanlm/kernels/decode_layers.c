@@ -1,4 +1,4 @@
-/* Every decoder layer of a Llama-family model for a batch of 1-8 decode tokens, in one native call.
+/* Every decoder layer of a Llama-family model for a batch of decode tokens (one per request), in one native call.
  *
  * At batch 1 a SmolLM2 decode step spends about as long in PyTorch's per-op overhead (some 40 small ops per
  * layer: norms, rotary, residual adds, views, cache writes) as in its matrix products. Here the layer loop
@@ -9,10 +9,16 @@
  * Numerics equal the PyTorch path's bit for bit: rotary and residual adds round to bfloat16 after each op
  * as torch's bf16 ops do (a product of two bf16 values is exact in fp32), the products and attention are
  * the same kernels, and that path runs few-row RMSNorm and SiLU-and-multiply on the exported functions
- * below (torch's own reductions and exp sum and round in another order). */
+ * below (torch's own reductions and exp sum and round in another order).
+ *
+ * Up to 8 tokens the linears run on the GEMV kernels (cpu_gemv, cpu_qgemv); from 9 on, on the packed GEMM
+ * (cpu_gemm), as the PyTorch path's layers choose. The element-wise work is 16-lane AVX512 and, for many
+ * rows, split by rows over OpenMP threads: each row's result is the same whatever the batch or thread count. */
 
 #include <float.h>
+#include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -27,6 +33,10 @@ typedef int (*linear_int8_fn)(const uint16_t *, const int8_t *, const float *, c
                               int64_t, int64_t, int, int64_t);
 typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const uint16_t *,
                               uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
+                            int);
+typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
+                             uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int);
 typedef int (*attention_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, const int64_t *,
                             uint16_t *, int, int, int, int, int, int, int64_t, float, int);
 typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t *, const float *, const float *,
@@ -43,6 +53,12 @@ typedef struct {
     const uint16_t *bias;   /* bf16 [N] or NULL */
     const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
     int64_t out_features, in_features, group_size;
+    /* The weight in cpu_gemm's panel layout, for 9+ rows (NULL: this linear takes at most 8): bf16 panels
+     * (packed_bits 0) or int4 / int8 code panels with their panel-ordered scales and mins. */
+    const void *packed;
+    const float *packed_scales, *packed_mins;
+    const float *packed_bias; /* float32 [panels * 32] or NULL */
+    int64_t packed_bits, packed_group;
 } decode_linear;
 
 typedef struct {
@@ -62,11 +78,12 @@ typedef struct {
     linear_int4_fn linear_int4;
     attention_fn attention;
     attention_int8_fn attention_int8;
+    gemm_bf16_fn gemm_bf16;
+    gemm_quant_fn gemm_quant;
+    int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
 } decode_model;
-
-ALWAYS_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* y [M, N] = x [M, K] W^T + b; permuted: [M, K] scratch for the gathered input. */
 static int run_linear(const decode_model *m, const decode_linear *l, const uint16_t *x, uint16_t *y, int64_t M,
@@ -76,6 +93,14 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
         for (int64_t t = 0; t < M; t++)
             for (int64_t j = 0; j < K; j++) permuted[t * K + j] = x[t * K + l->perm[j]];
         x = permuted;
+    }
+    if (M >= m->min_gemm_rows) {
+        if (l->packed == NULL) return -11;
+        if (l->packed_bits == 0)
+            return m->gemm_bf16(x, (const uint16_t *)l->packed, l->packed_bias, y, M, l->out_features,
+                                l->in_features, threads);
+        return m->gemm_quant(x, (const uint8_t *)l->packed, l->packed_scales, l->packed_mins, l->packed_bias, y, M,
+                             l->out_features, l->in_features, l->packed_group, (int)l->packed_bits, threads);
     }
     switch (l->kind) {
     case KIND_BF16:
@@ -92,45 +117,125 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
     }
 }
 
-/* y[i] = bf16(x[i] * rsqrt(mean(x^2) + eps) * w[i]) in fp32, as torch's rms_norm on bf16 input. */
-void leanlm_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t n, double eps) {
-    for (int64_t t = 0; t < M; t++) {
-        const uint16_t *xr = x + t * n;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            const float v = bf16_to_f32(xr[i]);
-            sum += v * v;
-        }
-        const float r = 1.0f / sqrtf(sum / (float)n + (float)eps);
-        for (int64_t i = 0; i < n; i++) y[t * n + i] = f32_to_bf16(bf16_to_f32(xr[i]) * r * bf16_to_f32(w[i]));
+/* ---------------------------------------------------------------- 16-lane helpers (AVX512F; exact)
+ * Every rounding below is f32_to_bf16's (nearest-even, NaN kept quiet) done on 16 lanes with integer ops, so
+ * a vector lane and a scalar gives the same bits; vcvtneps2bf16 would flush denormals, torch does not. */
+
+ALWAYS_INLINE __m512 load16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+ALWAYS_INLINE __m512i bits_bf16(__m512 f) { /* f32_to_bf16 of 16 lanes, in the low half of each 32-bit lane */
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
+        16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+
+ALWAYS_INLINE __m512 round16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits_bf16(f), 16)); }
+
+ALWAYS_INLINE void store16(uint16_t *p, __m512 f, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits_bf16(f)));
+}
+
+ALWAYS_INLINE __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+
+/* Rows per OpenMP thread below which the element-wise loops stay on one thread (a parallel region costs a
+ * few microseconds; a 576-wide row of RMSNorm about one). */
+#define ROWS_PER_THREAD 8
+
+ALWAYS_INLINE int row_threads(int64_t rows, int threads) {
+    const int64_t most = rows / ROWS_PER_THREAD;
+    return most < 1 ? 1 : most < threads ? (int)most : threads;
+}
+
+/* y = bf16(x * rsqrt(mean(x^2) + eps) * w) per row, in fp32: the sum of squares in 16 lanes (in index order
+ * within a lane), then lanes added in _mm512_reduce_add_ps's fixed order. */
+static void rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = load16(x + i, tail16(n - i));
+        acc = _mm512_fmadd_ps(v, v, acc);
     }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail16(n - i);
+        store16(y + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i, m), r), load16(w + i, m)), m);
+    }
+}
+
+/* RMSNorm of M bf16 rows [M, n] by a bf16 weight [n] (exported: the PyTorch path's RMSNorm on bf16 CPU rows). */
+void leanlm_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t n, double eps,
+                          int threads) {
+#pragma omp parallel for num_threads(row_threads(M, threads)) schedule(static)
+    for (int64_t t = 0; t < M; t++) rms_norm_row(x + t * n, w, y + t * n, n, (float)eps);
 }
 
 /* Rotate-half RoPE in place on heads [num_heads, D] of one token, with cos/sin rounded to bf16 first (the
  * PyTorch path casts the table to the model dtype) and every op rounded to bf16 as torch's bf16 ops are. */
 static void rotary(uint16_t *heads, int64_t num_heads, int64_t head_dim, const float *cos_row, const float *sin_row) {
     const int64_t half = head_dim / 2;
-    for (int64_t h = 0; h < num_heads; h++) {
-        uint16_t *v = heads + h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-            const float c = round_bf16(cos_row[i]), s = round_bf16(sin_row[i]);
-            const float x1 = bf16_to_f32(v[i]), x2 = bf16_to_f32(v[i + half]);
-            v[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
-            v[i + half] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail16(half - i);
+        const __m512 c = round16(_mm512_maskz_loadu_ps(m, cos_row + i)), s = round16(_mm512_maskz_loadu_ps(m, sin_row + i));
+        for (int64_t h = 0; h < num_heads; h++) {
+            uint16_t *v = heads + h * head_dim + i;
+            const __m512 x1 = load16(v, m), x2 = load16(v + half, m);
+            store16(v, _mm512_sub_ps(round16(_mm512_mul_ps(x1, c)), round16(_mm512_mul_ps(x2, s))), m);
+            store16(v + half, _mm512_add_ps(round16(_mm512_mul_ps(x2, c)), round16(_mm512_mul_ps(x1, s))), m);
         }
     }
 }
 
 /* x += y, both bf16, one rounding per element (torch's bf16 add). */
 static void add_residual(uint16_t *x, const uint16_t *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail16(n - i);
+        store16(x + i, _mm512_add_ps(load16(x + i, m), load16(y + i, m)), m);
+    }
 }
 
-/* out = bf16(bf16(silu(gate)) * up), as F.silu(gate) * up on bf16 tensors; out may be gate. */
-void leanlm_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float g = bf16_to_f32(gate[i]);
-        out[i] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_f32(up[i]));
+/* x += y over M rows of n. */
+static void add_rows(uint16_t *x, const uint16_t *y, int64_t M, int64_t n, int threads) {
+#pragma omp parallel for num_threads(row_threads(M, threads)) schedule(static)
+    for (int64_t t = 0; t < M; t++) add_residual(x + t * n, y + t * n, n);
+}
+
+/* e^x in 16 lanes: x = k ln2 + r (k integer, ln2 in two parts), e^r by Cephes expf's polynomial (within 2 ulp
+ * of e^x), times 2^k with vscalefps (exact, overflow to inf, gradual underflow). x is clamped to [-100, 100]
+ * first, where e^x is already 0 or inf in float32; NaN becomes 100 (its silu stays NaN: g / (1 + e^-g)). */
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-100.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* out = bf16(bf16(silu(gate)) * up) for n elements, silu(g) = g / (1 + e^-g) with exp16; out may be gate.
+ * Exported: the PyTorch path's SiLU-and-multiply on bf16 CPU rows. */
+void leanlm_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n, int threads) {
+    const int64_t chunks = (n + 15) / 16;
+#pragma omp parallel for num_threads(row_threads(chunks / 64, threads)) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t i = c * 16;
+        const __mmask16 m = tail16(n - i);
+        const __m512 g = load16(gate + i, m);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(out + i, _mm512_mul_ps(round16(silu), load16(up + i, m)), m);
     }
 }
 
@@ -188,11 +293,12 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
         const decode_layer *layer = m->layers + li;
         const decode_linear *lin = layer->linears;
         int rc;
-        leanlm_rms_norm_bf16(x, layer->input_norm, h, M, hid, m->eps);
+        leanlm_rms_norm_bf16(x, layer->input_norm, h, M, hid, m->eps, threads);
         if ((rc = run_linear(m, lin + Q_PROJ, h, q, M, threads, permuted)) ||
             (rc = run_linear(m, lin + K_PROJ, h, k, M, threads, permuted)) ||
             (rc = run_linear(m, lin + V_PROJ, h, v, M, threads, permuted)))
             return rc;
+#pragma omp parallel for num_threads(row_threads(M, threads)) schedule(static)
         for (int64_t t = 0; t < M; t++) {
             const float *c = m->cos + positions[t] * (D / 2), *s = m->sin + positions[t] * (D / 2);
             rotary(q + t * H * D, H, D, c, s);
@@ -208,15 +314,15 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
                               (int)D, (int)m->block_size, (int)max_blocks, max_seq_len, (float)m->scale, threads);
         if (rc) return rc;
         if ((rc = run_linear(m, lin + O_PROJ, attn, h, M, threads, permuted))) return rc;
-        add_residual(x, h, M * hid);
-        leanlm_rms_norm_bf16(x, layer->post_norm, h, M, hid, m->eps);
+        add_rows(x, h, M, hid, threads);
+        leanlm_rms_norm_bf16(x, layer->post_norm, h, M, hid, m->eps, threads);
         if ((rc = run_linear(m, lin + GATE_PROJ, h, gate, M, threads, permuted)) ||
             (rc = run_linear(m, lin + UP_PROJ, h, up, M, threads, permuted)))
             return rc;
-        leanlm_silu_mul_bf16(gate, up, gate, M * I);
+        leanlm_silu_mul_bf16(gate, up, gate, M * I, threads);
         if ((rc = run_linear(m, lin + DOWN_PROJ, gate, h, M, threads, permuted))) return rc;
-        add_residual(x, h, M * hid);
+        add_rows(x, h, M, hid, threads);
     }
-    leanlm_rms_norm_bf16(x, m->final_norm, out, M, hid, m->eps);
+    leanlm_rms_norm_bf16(x, m->final_norm, out, M, hid, m->eps, threads);
     return 0;
 }

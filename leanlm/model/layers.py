@@ -48,9 +48,11 @@ class Linear(nn.Linear):
             return None
         return self.packed.get((self.weight, self.bias), cpu_gemm.pack)
 
-    def native_linear(self) -> cpu_decode.NativeLinear:
-        """This layer as the native decode loop reads it (checked there with is_supported())."""
-        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.weight, bias=self.bias)
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
+        """This layer as the native decode loop reads it (checked there with is_supported()); with `packed`,
+        with its packed weight too (None off the kernel's path), for loops of more than 8 rows."""
+        packed_weight = self.packed_weight() if packed else None
+        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.weight, bias=self.bias, packed=packed_weight)
 
 
 class RMSNorm(nn.Module):

@@ -133,14 +133,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, get_backend(attention_backend))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb: RotaryEmbedding | None = None  # built on the real device by build_model
-        # Every layer in one native call for all-decode steps of <= 8 tokens, rebuilt when the weights change.
+        # Every layer in one native call for all-decode steps, rebuilt when the weights change.
         self._native_plan: NativeDecodePlan | None = None
         self.allow_native_decode = True  # False keeps every step on the PyTorch path (tests compare the two)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         ctx = get_forward_context()
-        if self.allow_native_decode and ctx.is_all_decode and x.shape[0] <= cpu_decode.MAX_ROWS:
+        if self.allow_native_decode and ctx.is_all_decode:
             hidden = self.native_decode_plan().run(x, positions, ctx)
             if hidden is not None:
                 return hidden

@@ -63,9 +63,10 @@ def _modules_read(model: nn.Module) -> list[nn.Module]:
     return modules
 
 
-def _build_loop(model: nn.Module) -> cpu_decode.DecodeLayers | None:
+def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | None:
     """The loop over every layer, when each piece is on a path it has: the native attention backend, bf16 norms
-    and embeddings, and linears that are bf16, int8 weight-only or group-wise int2-4."""
+    and embeddings, and linears that are bf16, int8 weight-only or group-wise int2-4. With `packed`, every
+    linear brings its packed weight (packing it now if it has not yet), so the loop takes any number of rows."""
     layers, rotary, cfg = model.model.layers, model.rotary_emb, model.config
     norm = model.model.norm.weight
     if (
@@ -85,8 +86,8 @@ def _build_loop(model: nn.Module) -> cpu_decode.DecodeLayers | None:
     native: list[cpu_decode.NativeLayer] = []
     for layer in layers:
         modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
-        specs = tuple(getattr(modules[n], "native_linear", lambda: None)() for n in cpu_decode.LINEAR_ORDER)
-        if any(s is None for s in specs):
+        specs = tuple(_native_linear(modules[n], packed) for n in cpu_decode.LINEAR_ORDER)
+        if any(s is None or (packed and s.packed is None) for s in specs):
             return None
         spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs)
         if not spec.is_supported():
@@ -104,21 +105,19 @@ def _build_loop(model: nn.Module) -> cpu_decode.DecodeLayers | None:
     )
 
 
-class NativeDecodePlan:
-    """The loop built from a model's current weights (None where it does not apply), and the snapshot that
-    says whether it still matches them."""
+def _native_linear(module: nn.Module, packed: bool) -> cpu_decode.NativeLinear | None:
+    native_linear = getattr(module, "native_linear", None)
+    return None if native_linear is None else native_linear(packed=packed)
 
-    def __init__(self, model: nn.Module) -> None:
-        self.snapshot = ModuleSnapshot(_modules_read(model))
-        self.loop = _build_loop(model)
-        self._layer_ids = [layer.self_attn.layer_idx for layer in model.model.layers]
-        # The cache the loop points into, held weakly (a discarded engine's cache must be freed): the loop runs
-        # only on the cache of the forward at hand, so a dead one is never read.
+
+class _BoundLoop:
+    """A loop and the KV cache it points into, held weakly (a discarded engine's cache must be freed): the
+    loop runs only on the cache of the forward at hand, so a dead one is never read."""
+
+    def __init__(self, loop: cpu_decode.DecodeLayers | None, layer_ids: list[int]) -> None:
+        self.loop, self._layer_ids = loop, layer_ids
         self._bound: weakref.ref[PagedKVCache] | None = None
         self._bound_ok = False
-
-    def is_current(self) -> bool:
-        return self.snapshot.is_current()
 
     def accepts(self, cache: PagedKVCache) -> bool:
         """Whether the loop runs on `cache` (it then points into it): a bf16 or int8 CPU cache covering every
@@ -126,18 +125,55 @@ class NativeDecodePlan:
         if self.loop is None:
             return False
         if self._bound is None or self._bound() is not cache:
-            covers = cache.first_layer <= min(self._layer_ids) and max(self._layer_ids) < (
-                cache.first_layer + cache.num_layers
-            )
-            self._bound_ok = covers and self.loop.bind_kv([cache.layer(i) for i in self._layer_ids])
+            ids = self._layer_ids
+            covers = cache.first_layer <= min(ids) and max(ids) < cache.first_layer + cache.num_layers
+            self._bound_ok = covers and self.loop.bind_kv([cache.layer(i) for i in ids])
             self._bound = weakref.ref(cache)
         return self._bound_ok
 
+
+class NativeDecodePlan:
+    """The loops built from a model's current weights (None where they do not apply), and the snapshot that
+    says whether they still match them: one on the linears' own weights for up to MAX_ROWS tokens, and one
+    on their packed copies for more, built at the first such step (a model that only ever decodes a few
+    requests at a time never pays the packed copies' memory)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.snapshot = ModuleSnapshot(_modules_read(model))
+        self._model = weakref.ref(model)  # the plan lives on the model: no cycle
+        self._layer_ids = [layer.self_attn.layer_idx for layer in model.model.layers]
+        self._few = _BoundLoop(_build_loop(model, packed=False), self._layer_ids)
+        self._many: _BoundLoop | None = None
+
+    @property
+    def loop(self) -> cpu_decode.DecodeLayers | None:
+        """The loop for up to MAX_ROWS tokens (None: this model has no native path)."""
+        return self._few.loop
+
+    @property
+    def batched_loop(self) -> cpu_decode.DecodeLayers | None:
+        """The loop for more tokens, once a step has needed it (None before, or where packing is unavailable)."""
+        return None if self._many is None else self._many.loop
+
+    def is_current(self) -> bool:
+        return self.snapshot.is_current()
+
+    def accepts(self, cache: PagedKVCache) -> bool:
+        return self._few.accepts(cache)
+
+    def _for_rows(self, rows: int) -> _BoundLoop:
+        if rows <= cpu_decode.MAX_ROWS or self._few.loop is None:
+            return self._few
+        if self._many is None:
+            self._many = _BoundLoop(_build_loop(self._model(), packed=True), self._layer_ids)
+        return self._many
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """Final-normed hidden [M, hidden] for an all-decode batch of embeddings x [M, hidden] (overwritten), or
-        None when the loop cannot take this model or this forward's cache."""
-        if not self.accepts(ctx.kv_cache):
+        None when no loop takes this model, this many rows or this forward's cache."""
+        bound = self._for_rows(x.shape[0])
+        if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]):
             return None
-        return self.loop(
+        return bound.loop(
             x, positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
         )

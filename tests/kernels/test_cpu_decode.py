@@ -1,8 +1,9 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
 over several decode steps, for bf16, int8, int4 and act-order int4 linears, with and without q/k/v biases,
-batch 1 and 3, over bf16 and int8 KV caches; when it steps aside (fp8 KV cache, the torch backend, layers it
-has no format for); that it is rebuilt when the weights change (compress(), a dtype cast, an in-place edit);
-its row helpers; and greedy SmolLM2 output unchanged by it."""
+batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV caches, on any thread count;
+when it steps aside (fp8 KV cache, the torch backend, layers it has no format for); that it is rebuilt when the
+weights change (compress(), a dtype cast, an in-place edit); its row helpers; and greedy SmolLM2 output
+unchanged by it."""
 
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
     return _to_bf16(model)
 
 
-def _cache(model, kv_dtype=torch.bfloat16) -> PagedKVCache:
+def _cache(model, kv_dtype=torch.bfloat16, num_blocks: int = 64) -> PagedKVCache:
     cfg = model.config
     return PagedKVCache.allocate(
-        cfg.num_hidden_layers, 64, cfg.num_key_value_heads, BLOCK, cfg.head_dim, kv_dtype, "cpu"
+        cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, BLOCK, cfg.head_dim, kv_dtype, "cpu"
     )
 
 
@@ -87,7 +88,7 @@ def _decode(
     cache: PagedKVCache | None = None,
 ) -> torch.Tensor:
     """Prefill `batch` prompts one by one (PyTorch path), then decode them together: hidden [steps, B, hidden]."""
-    cache = cache if cache is not None else _cache(model, kv_dtype)
+    cache = cache if cache is not None else _cache(model, kv_dtype, num_blocks=max(64, 16 * batch))
     assert model.native_decode_plan().accepts(cache)
     model.allow_native_decode = native
     cfg, gen = model.config, torch.Generator().manual_seed(seed)
@@ -112,20 +113,34 @@ def _decode(
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-perm"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 12])
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
     model = _model(kind, architecture)
     native = _decode(model, native=True, batch=batch)
     reference = _decode(model, native=False, batch=batch)
     assert native.abs().max() > 0
     assert torch.equal(native, reference)
+    # 9+ rows ran on the loop over packed weights (built at the first such step), fewer never built it
+    assert (model.native_decode_plan().batched_loop is not None) == (batch > cpu_decode.MAX_ROWS)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_int8_kv_cache_is_bit_identical_too(architecture):
+@pytest.mark.parametrize("batch", [3, 12])
+def test_int8_kv_cache_is_bit_identical_too(architecture, batch):
     model = _model("int4", architecture)
-    native = _decode(model, native=True, batch=3, kv_dtype=torch.int8)
-    assert torch.equal(native, _decode(model, native=False, batch=3, kv_dtype=torch.int8))
+    native = _decode(model, native=True, batch=batch, kv_dtype=torch.int8)
+    assert torch.equal(native, _decode(model, native=False, batch=batch, kv_dtype=torch.int8))
+
+
+def test_batched_rows_do_not_depend_on_the_thread_count():
+    model = _model("int4")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _decode(model, native=True, batch=12)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, _decode(model, native=True, batch=12))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
@@ -186,7 +201,7 @@ def test_wrong_inputs_are_refused_with_a_message():
     loop = plan.loop
     x = torch.zeros(9, 384, dtype=torch.bfloat16)
     idx = torch.zeros(9, dtype=torch.long)
-    with pytest.raises(ValueError, match="1-8"):
+    with pytest.raises(ValueError, match="1-8"):  # the loop on the linears' own weights; 9+ rows have another
         loop(x, idx, idx, torch.zeros(9, 1, dtype=torch.long), idx, 1)
     with pytest.raises(ValueError, match="int64"):
         loop(x[:1], idx[:1].int(), idx[:1], torch.zeros(1, 1, dtype=torch.long), idx[:1], 1)
@@ -210,8 +225,31 @@ def test_row_helpers_match_float_references():
     assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()
     with pytest.raises(ValueError, match="bf16"):
         cpu_decode.rms_norm(x.float(), w, 1e-5)
+    edges = torch.tensor([-1e30, -100.0, -88.0, -1e-30, 0.0, 1e-30, 88.0, 100.0, 1e30, float("inf")])
+    got = cpu_decode.silu_and_mul(edges.to(torch.bfloat16)[None], torch.ones(1, 10, dtype=torch.bfloat16))
+    assert torch.equal(got[0].float(), torch.nn.functional.silu(edges.double()).to(torch.bfloat16).float())
+    nan = torch.full((1, 3), float("nan"), dtype=torch.bfloat16)
+    assert cpu_decode.silu_and_mul(nan, torch.ones_like(nan)).isnan().all()
     with pytest.raises(ValueError, match="one shape"):
         cpu_decode.silu_and_mul(gate, up[:, :8].contiguous())
+
+
+def test_row_helpers_give_each_row_the_same_bits_in_any_batch():
+    """Rows of an odd width (vector tails) alone, in a batch of 37, and on one thread: identical."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 100, generator=gen) * 2).to(torch.bfloat16)
+    up = torch.randn(37, 100, generator=gen).to(torch.bfloat16)
+    w = torch.randn(100, generator=gen).to(torch.bfloat16)
+    norm, act = cpu_decode.rms_norm(x, w, 1e-6), cpu_decode.silu_and_mul(x, up)
+    assert torch.equal(cpu_decode.rms_norm(x[5:6], w, 1e-6), norm[5:6])
+    assert torch.equal(cpu_decode.silu_and_mul(x[30:], up[30:]), act[30:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_decode.rms_norm(x, w, 1e-6), norm)
+        assert torch.equal(cpu_decode.silu_and_mul(x, up), act)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_smollm2_greedy_output_is_unchanged(smollm_path):

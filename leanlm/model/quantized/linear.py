@@ -120,8 +120,14 @@ class QuantLinear(nn.Module, ABC):
         """Bytes of the stored weight representation (codes + scales), bias excluded."""
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names)
 
-    def native_linear(self) -> cpu_decode.NativeLinear | None:
-        """This layer in a format of the native decode loop, or None (that loop then is not used)."""
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+        """This layer in a format of the native decode loop, or None (that loop then is not used); with
+        `packed`, with the packed weight its own products use from 9 rows on (see packed_weight)."""
+        return None
+
+    def packed_weight(self) -> cpu_gemm.PackedQuant | None:
+        """The weight in cpu_gemm's panel order (packed on first use, remade when the tensors change), or None
+        where this format or device has no packed GEMM."""
         return None
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,17 +194,25 @@ class Int8WeightOnlyLinear(QuantLinear):
     def _pack(self, qweight, scales, bias) -> cpu_gemm.PackedQuant:
         return cpu_gemm.pack_quant(qweight, scales[:, None], None, qweight.shape[1], 8, bias)
 
+    def packed_weight(self) -> cpu_gemm.PackedQuant | None:
+        if not (self.qweight.is_cpu and cpu_gemm.quant_is_available()):
+            return None
+        return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
-            return cpu_gemm.gemm_quant(x, self.packed.get((self.qweight, self.scales, self.bias), self._pack))
+            return cpu_gemm.gemm_quant(x, self.packed_weight())
         if cpu_qgemv.should_use_int8(x, self.qweight) and (self.bias is None or self.bias.dtype is x.dtype):
             return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias)
         if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
             return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales), self.bias)
         return self.reference_forward(x)
 
-    def native_linear(self) -> cpu_decode.NativeLinear:
-        return cpu_decode.NativeLinear(cpu_decode.KIND_INT8, self.qweight, self.scales, bias=self.bias)
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
+        packed_weight = self.packed_weight() if packed else None
+        return cpu_decode.NativeLinear(
+            cpu_decode.KIND_INT8, self.qweight, self.scales, bias=self.bias, packed=packed_weight
+        )
 
 
 @register_format
@@ -269,11 +283,15 @@ class IntGroupWeightOnlyLinear(QuantLinear):
     def _pack(self, qweight, scales, mins, bias) -> cpu_gemm.PackedQuant:
         return cpu_gemm.pack_quant(unpack_int4(qweight), scales, mins, self.group_size, 4, bias)
 
+    def packed_weight(self) -> cpu_gemm.PackedQuant | None:
+        if not (self.qweight.is_cpu and cpu_gemm.quant_is_available()):  # 2-4 bit codes: nibbles alike
+            return None
+        return self.packed.get((self.qweight, self.scales, self.mins, self.bias), self._pack)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
             xp = x if self.perm is None else x.index_select(-1, self.perm)
-            packed = self.packed.get((self.qweight, self.scales, self.mins, self.bias), self._pack)
-            return cpu_gemm.gemm_quant(xp, packed)
+            return cpu_gemm.gemm_quant(xp, self.packed_weight())
         if cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and (
             self.bias is None or self.bias.dtype is x.dtype
         ):
@@ -285,9 +303,16 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             return F.linear(xp, w, self.bias)
         return self.reference_forward(x)
 
-    def native_linear(self) -> cpu_decode.NativeLinear:
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
         return cpu_decode.NativeLinear(
-            cpu_decode.KIND_INT4, self.qweight, self.scales, self.mins, self.bias, self.group_size, self.perm
+            cpu_decode.KIND_INT4,
+            self.qweight,
+            self.scales,
+            self.mins,
+            self.bias,
+            self.group_size,
+            self.perm,
+            packed=self.packed_weight() if packed else None,
         )
 
 
