@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp512.h"
 
 enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2 };
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
@@ -206,26 +207,7 @@ static void add_rows(uint16_t *x, const uint16_t *y, int64_t M, int64_t n, int t
     for (int64_t t = 0; t < M; t++) add_residual(x + t * n, y + t * n, n);
 }
 
-/* e^x in 16 lanes: x = k ln2 + r (k integer, ln2 in two parts), e^r by Cephes expf's polynomial (within 2 ulp
- * of e^x), times 2^k with vscalefps (exact, overflow to inf, gradual underflow). x is clamped to [-100, 100]
- * first, where e^x is already 0 or inf in float32; NaN becomes 100 (its silu stays NaN: g / (1 + e^-g)). */
-ALWAYS_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-100.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, k);
-}
-
-/* out = bf16(bf16(silu(gate)) * up) for n elements, silu(g) = g / (1 + e^-g) with exp16; out may be gate.
+/* out = bf16(bf16(silu(gate)) * up) for n elements, silu(g) = g / (1 + e^-g) with exp512_ps; out may be gate.
  * Exported: the PyTorch path's SiLU-and-multiply on bf16 CPU rows. */
 void leanlm_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n, int threads) {
     const int64_t chunks = (n + 15) / 16;
@@ -234,7 +216,7 @@ void leanlm_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *ou
         const int64_t i = c * 16;
         const __mmask16 m = tail16(n - i);
         const __m512 g = load16(gate + i, m);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         store16(out + i, _mm512_mul_ps(round16(silu), load16(up + i, m)), m);
     }
 }
