@@ -260,8 +260,10 @@ def test_smollm2_greedy_output_is_unchanged(smollm_path):
     model = llm.llm_engine.model
     assert model.native_decode_plan().accepts(llm.llm_engine.model_runner.kv_cache)
     prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Paris is the capital of"]
+    prompts += [f"{p} ({i})" for i in range(3) for p in prompts]  # 12 rows: the loop over packed weights too
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert model.native_decode_plan().batched_loop is not None
     model.allow_native_decode = False
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert native == reference
