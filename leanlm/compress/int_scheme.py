@@ -36,17 +36,15 @@ class IntScheme:
             raise ValueError(f"group_size must be a multiple of 32 (the kernels' unit), got {self.group_size}")
         if self.act_bits not in (None, 8):
             raise ValueError(f"act_bits must be None (weight-only) or 8 (per-token int8), got {self.act_bits}")
-        if self.symmetric is None:
-            object.__setattr__(self, "symmetric", self.bits == 8 or self.act_bits is not None)
+        if self.symmetric is None:  # 5-8 bit codes are stored as signed int8: symmetric
+            object.__setattr__(self, "symmetric", self.bits >= 5 or self.act_bits is not None)
         if self.act_bits is not None and (not self.symmetric or self.bits != 8):
             raise ValueError("int8 activations run int8 x int8 products: use bits=8 with symmetric weights")
-        if self.act_bits is None and 5 <= self.bits <= 8 and self.group_size is not None:
+        if self.act_bits is None and self.bits >= 5 and not self.symmetric:
             raise ValueError(
-                f"{self.bits}-bit weight-only layers are per channel; drop group_size (or use "
-                "bits <= 4 for group-wise weights)"
+                f"{self.bits}-bit weight-only layers store signed int8 codes with no zero point; set symmetric=True "
+                "(or use bits <= 4 for asymmetric weights)"
             )
-        if self.act_bits is None and self.bits == 8 and not self.symmetric:
-            raise ValueError("int8 weight-only layers are symmetric; set symmetric=True")
 
     def spec(self, in_features: int) -> QuantSpec:
         """The weight QuantSpec for a layer with `in_features` inputs."""
@@ -74,7 +72,9 @@ def build_module(
     if scheme.bits > 4:
         if perm is not None:
             raise ValueError("act-order permutations need group-wise 2-4 bit layers")
-        return Int8WeightOnlyLinear(codes, qp.scale.reshape(n), bias)
+        if spec.group_size is None:
+            return Int8WeightOnlyLinear(codes, qp.scale.reshape(n), bias)
+        return Int8WeightOnlyLinear(codes, qp.scale.reshape(n, -1), bias, group_size=spec.group_size)
     # Unsigned codes with w = q * scale + min per group: symmetric codes shift by 2^(b-1).
     group_size = spec.group_size or k
     scale = qp.scale.reshape(n, k // group_size)

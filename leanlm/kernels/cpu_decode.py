@@ -106,7 +106,8 @@ class _Model(ctypes.Structure):
 
 @dataclass(frozen=True)
 class NativeLinear:
-    """y = x W^T + b in a kernel format: bf16 weight [N, K]; int8 [N, K] with scales [N]; or 4-bit codes
+    """y = x W^T + b in a kernel format: bf16 weight [N, K]; int8 [N, K] with scales [N] (group_size 0) or
+    [N, K / group_size]; or 4-bit codes
     uint8 [N, K / 2] with scales and mins [N, K / group_size] (w = q * scale + min), whose columns may be
     stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order).
     `packed` is the same weight in cpu_gemm's layout (what the layer's own products use from 9 rows on), or
@@ -144,8 +145,16 @@ class NativeLinear:
             return False
         if self.kind == KIND_BF16:
             return self.weight.dtype == _BF16
-        if self.kind == KIND_INT8:
-            return self.weight.dtype == torch.int8 and self.scales is not None and self.scales.dtype == _F32
+        if self.kind == KIND_INT8:  # group_size 0: scales [N] per channel; else [N, K / group_size]
+            gs, K = self.group_size, self.in_features
+            shape = (self.out_features,) if gs == 0 else (self.out_features, K // gs)
+            return (
+                self.weight.dtype == torch.int8
+                and (gs == 0 or (gs > 0 and gs % 32 == 0 and K % gs == 0))
+                and self.scales is not None
+                and self.scales.dtype == _F32
+                and self.scales.shape == shape
+            )
         gs = self.group_size
         return (
             self.kind == KIND_INT4
@@ -170,7 +179,9 @@ class NativeLinear:
             return isinstance(p, cpu_gemm.PackedBF16)
         if not isinstance(p, cpu_gemm.PackedQuant):
             return False
-        return p.bits == 8 if self.kind == KIND_INT8 else (p.bits, p.group_size) == (4, self.group_size)
+        if self.kind == KIND_INT8:  # per channel packs as one group of K
+            return (p.bits, p.group_size) == (8, self.group_size or self.in_features)
+        return (p.bits, p.group_size) == (4, self.group_size)
 
     def to_struct(self) -> _Linear:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731

@@ -127,8 +127,8 @@ def gemm(x: torch.Tensor, packed: PackedBF16) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedQuant:
-    """A weight-only int4 (group-wise, w = q * scale + min) or int8 (per channel, w = q * scale) weight in the
-    kernel's panel order; widened to bf16 one panel at a time inside the kernel.
+    """A weight-only int4 (group-wise, w = q * scale + min) or int8 (per channel or per group, w = q * scale)
+    weight in the kernel's panel order; widened to bf16 one panel at a time inside the kernel.
 
     codes: [ceil(N / 32), Kp / 2, 32] uint8 (int4: code i and i + 32 of a pair-row in one byte) or
            [ceil(N / 32), Kp / 2, 64] int8.
@@ -184,15 +184,15 @@ def pack_quant(
     bias: torch.Tensor | None = None,
 ) -> PackedQuant:
     """Pack unpacked codes [N, K] (int4: uint8 0..15; int8: int8) with scales / mins [N, K / group_size]
-    (mins None: zero) for gemm_quant(). int4 needs an even group_size dividing K; int8 takes one group."""
+    (mins None: zero) for gemm_quant(). group_size: even and dividing K, or (int8) K for per-channel scales."""
     if bits not in (4, 8) or codes.dim() != 2:
         raise ValueError(f"pack_quant takes 4- or 8-bit codes [N, K], not {bits} bits {tuple(codes.shape)}")
     N, K = codes.shape
-    if bits == 4 and (group_size % 2 or K % group_size):
-        raise ValueError(f"int4 group_size {group_size} must be even and divide K={K}")
     Np, Kp = -(-N // NR) * NR, K + (K & 1)
-    if bits == 8:
+    if bits == 8 and group_size == K:
         group_size = Kp  # one group: per-channel scales, K padded with zero codes
+    elif group_size <= 0 or group_size % 2 or K % group_size:
+        raise ValueError(f"group_size {group_size} must be even and divide K={K}")
     if scales.shape != (N, Kp // group_size) or (mins is not None and mins.shape != scales.shape):
         raise ValueError(
             f"scales / mins {tuple(scales.shape)} do not match [N, K / group_size] = [{N}, {K // group_size}]"

@@ -20,13 +20,13 @@ from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 _SOURCE = Path(__file__).with_name("gemv_quant.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _INT8_KERNEL = NativeKernel(
-    source=_SOURCE, symbol="leanlm_linear_int8", argtypes=[_P] * 5 + [_I64] * 3 + [_INT, _I64], restype=_INT
+    source=_SOURCE, symbol="leanlm_linear_int8", argtypes=[_P] * 5 + [_I64] * 4 + [_INT, _I64], restype=_INT
 )
 _INT4_KERNEL = NativeKernel(
     source=_SOURCE, symbol="leanlm_linear_int4", argtypes=[_P] * 6 + [_I64] * 4 + [_INT, _I64], restype=_INT
 )
 _DEQUANT_INT8 = NativeKernel(
-    source=_SOURCE, symbol="leanlm_dequantize_int8", argtypes=[_P] * 3 + [_I64] * 2 + [_INT], restype=None
+    source=_SOURCE, symbol="leanlm_dequantize_int8", argtypes=[_P] * 3 + [_I64] * 3 + [_INT], restype=None
 )
 _DEQUANT_INT4 = NativeKernel(
     source=_SOURCE, symbol="leanlm_dequantize_int4", argtypes=[_P] * 4 + [_I64] * 3 + [_INT], restype=None
@@ -57,9 +57,19 @@ def _rows_ok(x: torch.Tensor, K: int) -> bool:
     return _is_cpu_contiguous(x, _BF16) and x.dim() >= 1 and x.shape[-1] == K and x.numel() <= MAX_ROWS * K
 
 
-def should_use_int8(x: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Policy: route an int8 linear here for contiguous CPU tensors with at most MAX_ROWS rows of bf16 x."""
-    return qweight.dim() == 2 and _is_cpu_contiguous(qweight, _I8) and _rows_ok(x, qweight.shape[1]) and is_available()
+def should_use_int8(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None = None) -> bool:
+    """Policy: route an int8 linear here for contiguous CPU tensors with at most MAX_ROWS rows of bf16 x
+    (per channel, or in groups of a multiple of 32 dividing K)."""
+    if qweight.dim() != 2 or not _is_cpu_contiguous(qweight, _I8):
+        return False
+    return _group_ok(group_size, qweight.shape[1]) and _rows_ok(x, qweight.shape[1]) and is_available()
+
+
+def _group_ok(group_size: int | None, K: int) -> bool:
+    """None (per channel) or a positive multiple of 32 dividing K: the group sizes the kernels take."""
+    return group_size is None or (
+        type(group_size) is int and group_size > 0 and group_size % 32 == 0 and K % group_size == 0
+    )
 
 
 def should_use_int4(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
@@ -106,15 +116,27 @@ def _fn(kernel: NativeKernel):
 
 
 def linear_int8(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ (qweight[N, K] * scales[N, None])^T + bias[N] -> bf16 [..., N], fp32 accumulation.
+    """x [..., K] @ (qweight[N, K] * scales)^T + bias[N] -> bf16 [..., N], fp32 accumulation.
 
-    x: contiguous bf16; qweight: contiguous int8 (symmetric, per output channel); scales: float32 [N];
-    bias: bf16 [N] or None; all on the CPU (checked: the C code reads raw pointers). Any number of rows
-    works, but the weight is re-read every 8 rows. Runs on torch.get_num_threads() threads.
+    x: contiguous bf16; qweight: contiguous int8 (symmetric); scales: float32 [N] per output channel
+    (group_size None), or [N, K // group_size] per group of group_size input columns (a multiple of 32
+    dividing K: GGUF Q8_0 and Q5_0 blocks); bias: bf16 [N] or None; all on the CPU (checked: the C code
+    reads raw pointers). Any number of rows works, but the weight is re-read every 8 rows. Runs on
+    torch.get_num_threads() threads.
     """
     fn = _fn(_INT8_KERNEL)
+    K = qweight.shape[1] if qweight.dim() == 2 else -1
+    scale_shape = (
+        (qweight.shape[0],)
+        if group_size is None
+        else (qweight.shape[0], K // group_size if _group_ok(group_size, K) else -1)
+    )
     if not (
         qweight.dim() == 2
         and x.dtype is _BF16
@@ -127,16 +149,21 @@ def linear_int8(
         and qweight.is_contiguous()
         and scales.is_contiguous()
         and x.dim() >= 1
-        and x.shape[-1] == qweight.shape[1]
-        and scales.shape == qweight.shape[:1]
+        and x.shape[-1] == K
+        and _group_ok(group_size, K)
+        and scales.shape == scale_shape
         and (
             bias is None
             or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous() and bias.shape == qweight.shape[:1])
         )
     ):
-        _check_common(x, qweight, _I8, qweight.shape[1] if qweight.dim() == 2 else -1, bias)
-        _check_float("scales", scales, (qweight.shape[0],))
-    N, K = qweight.shape
+        _check_common(x, qweight, _I8, K, bias)
+        if not _group_ok(group_size, K):
+            raise ValueError(
+                f"group_size must be None or an int, a positive multiple of 32 that divides K = {K}, not {group_size!r}"
+            )
+        _check_float("scales", scales, scale_shape)
+    N = qweight.shape[0]
     # (x.shape[0], N) for the usual 2-D x: building a torch.Size from x.shape[:-1] costs about a microsecond
     y = torch.empty((x.shape[0], N) if x.dim() == 2 else x.shape[:-1] + (N,), dtype=_BF16)
     if K == 0:  # an empty sum: the bias alone
@@ -150,6 +177,7 @@ def linear_int8(
         x.numel() // K,
         N,
         K,
+        K if group_size is None else group_size,
         torch.get_num_threads(),
         MIN_PARALLEL_BYTES,
     )
@@ -235,15 +263,20 @@ def linear_int4(
     return y
 
 
-def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """bf16 [N, K] = qweight [N, K] int8 * scales [N] (fp32 product, one rounding), on all threads."""
-    _check_float("scales", scales, (qweight.shape[0],))
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """bf16 [N, K] = qweight [N, K] int8 * scales ([N], or [N, K / group_size] per group) (fp32 product, one
+    rounding), on all threads."""
     if qweight.dim() != 2 or not _is_cpu_contiguous(qweight, _I8):
         raise ValueError(
             f"qweight must be a contiguous 2-D int8 CPU tensor, not {qweight.dtype} {tuple(qweight.shape)}"
         )
+    N, K = qweight.shape
+    if not _group_ok(group_size, K):
+        raise ValueError(f"group_size must be None or a positive multiple of 32 dividing K = {K}, not {group_size!r}")
+    _check_float("scales", scales, (N,) if group_size is None else (N, K // group_size))
     out = torch.empty(qweight.shape, dtype=_BF16)
-    _fn(_DEQUANT_INT8)(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), *qweight.shape, torch.get_num_threads())
+    gs = K if group_size is None else group_size
+    _fn(_DEQUANT_INT8)(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), N, K, gs, torch.get_num_threads())
     return out
 
 

@@ -31,7 +31,7 @@ enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEAR
 typedef int (*linear_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
                               int64_t, int, int64_t);
 typedef int (*linear_int8_fn)(const uint16_t *, const int8_t *, const float *, const uint16_t *, uint16_t *, int64_t,
-                              int64_t, int64_t, int, int64_t);
+                              int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const uint16_t *,
                               uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
@@ -49,7 +49,7 @@ typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t 
 typedef struct {
     int64_t kind;           /* KIND_* */
     const void *weight;     /* bf16 [N, K], int8 [N, K] or packed 4-bit codes uint8 [N, K / 2] */
-    const float *scales;    /* int8: [N]; int4: [N, K / group_size]; NULL for bf16 */
+    const float *scales;    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size]; NULL for bf16 */
     const float *mins;      /* int4: [N, K / group_size]; NULL otherwise */
     const uint16_t *bias;   /* bf16 [N] or NULL */
     const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
@@ -109,7 +109,7 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
                               m->min_parallel_bytes);
     case KIND_INT8:
         return m->linear_int8(x, (const int8_t *)l->weight, l->scales, l->bias, y, M, l->out_features, l->in_features,
-                              threads, m->min_parallel_bytes);
+                              l->group_size > 0 ? l->group_size : l->in_features, threads, m->min_parallel_bytes);
     case KIND_INT4:
         return m->linear_int4(x, (const uint8_t *)l->weight, l->scales, l->mins, l->bias, y, M, l->out_features,
                               l->in_features, l->group_size, threads, m->min_parallel_bytes);

@@ -1,5 +1,5 @@
 /* Small-M weight-only quantized linear layers for x86-64 with AVX512-BF16 (batch-1..8 decode):
- *   int8: y[M, N] = x[M, K] @ (q[N, K] * scale[N, None])^T (+ bias[N])       (symmetric, per channel)
+ *   int8: y[M, N] = x[M, K] @ (q[N, K] * scale[N, g])^T (+ bias[N])   (symmetric, per channel or per group)
  *   int4: y[M, N] = x[M, K] @ (q[N, K] * scale[N, g] + min[N, g])^T (+ bias)  (g = k / group_size)
  *
  * Weights are widened to bfloat16 exactly in registers and multiplied with the unchanged bf16 activations
@@ -111,33 +111,97 @@ ALWAYS_INLINE void tile_i8(const uint16_t *x, const int8_t *w, const float *scal
     }
 }
 
+/* The group-wise form (GGUF Q8_0 / Q5_0, gs a multiple of 32 dividing K): each group's dot product is
+ * accumulated on its own, then scaled into the row's total (tot += acc_g * s_g) as tile_i4 does, because a
+ * group scale times an int8 code is not exact in bf16. */
+ALWAYS_INLINE void tile_i8g(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
+                            uint16_t *y, int64_t K, int64_t N, int64_t gs, int64_t n0, const int M, const int NB) {
+    __m512 tot[MAX_ROWS][8];
+    const int8_t *wr[8];
+    const float *sr[8];
+    const int64_t G = K / gs;
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; j++) wr[j] = w + (n0 + j) * K, sr[j] = scales + (n0 + j) * G;
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++) tot[i][j] = _mm512_setzero_ps();
+
+    const char *ahead = (const char *)(w + n0 * K) + PREFETCH_BYTES;
+    prefetch_rows(scales, G * (int64_t)sizeof(float), n0 + rows_ahead(K), NB, N);
+    prefetch_rows(bias, sizeof(uint16_t), n0 + rows_ahead(K), NB, N);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 acc[MAX_ROWS][8];
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32, ahead += 32 * NB) {
+            __m512bh wv[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, PREFETCH_HINT);
+#pragma GCC unroll 8
+            for (int j = 0; j < NB; j++)
+                wv[j] = i8_to_bf16(_mm_loadu_si128((const __m128i *)(wr[j] + k)),
+                                   _mm_loadu_si128((const __m128i *)(wr[j] + k + 16)));
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k));
+#pragma GCC unroll 8
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++) {
+            const __m512 sv = _mm512_set1_ps(sr[j][g]);
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) tot[i][j] = _mm512_fmadd_ps(acc[i][j], sv, tot[i][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; j++) {
+        const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) y[i * N + n0 + j] = f32_to_bf16(_mm512_reduce_add_ps(tot[i][j]) + b);
+    }
+}
+
 ALWAYS_INLINE void warm_range(const void *start, int64_t range_bytes) {
     /* Nothing is in flight yet at the start of a thread's range: request its first PREFETCH_BYTES. */
     const int64_t warm = range_bytes < PREFETCH_BYTES ? range_bytes : PREFETCH_BYTES;
     for (int64_t off = 0; off < warm; off += 64) _mm_prefetch((const char *)start + off, PREFETCH_HINT);
 }
 
-#define DEFINE_ROWS_I8(M_, NB_)                                                                          \
+/* gs == K: per channel (tile_i8, any K); otherwise groups of gs (tile_i8g). The grouped tile holds two
+ * accumulators per (row, weight row), hence its own, smaller NB. */
+#define DEFINE_ROWS_I8(M_, NB_, NBG_)                                                                    \
     static void rows_i8_m##M_(const uint16_t *x, const int8_t *w, const float *s, const uint16_t *bias,  \
-                              uint16_t *y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {       \
+                              uint16_t *y, int64_t K, int64_t N, int64_t gs, int64_t n_begin,            \
+                              int64_t n_end) {                                                           \
+        const int64_t G = K / gs;                                                                        \
         warm_range(w + n_begin * K, (n_end - n_begin) * K);                                              \
-        prefetch_rows(s, sizeof(float), n_begin, rows_ahead(K) + NB_, n_end);                            \
+        prefetch_rows(s, G * (int64_t)sizeof(float), n_begin, rows_ahead(K) + NB_, n_end);               \
         prefetch_rows(bias, sizeof(uint16_t), n_begin, rows_ahead(K) + NB_, n_end);                      \
         int64_t n = n_begin;                                                                             \
-        for (; n + NB_ <= n_end; n += NB_) tile_i8(x, w, s, bias, y, K, N, n, M_, NB_);                  \
-        for (; n < n_end; n++) tile_i8(x, w, s, bias, y, K, N, n, M_, 1);                                \
+        if (G == 1) {                                                                                    \
+            for (; n + NB_ <= n_end; n += NB_) tile_i8(x, w, s, bias, y, K, N, n, M_, NB_);              \
+            for (; n < n_end; n++) tile_i8(x, w, s, bias, y, K, N, n, M_, 1);                            \
+        } else {                                                                                         \
+            for (; n + NBG_ <= n_end; n += NBG_) tile_i8g(x, w, s, bias, y, K, N, gs, n, M_, NBG_);      \
+            for (; n < n_end; n++) tile_i8g(x, w, s, bias, y, K, N, gs, n, M_, 1);                       \
+        }                                                                                                \
     }
-DEFINE_ROWS_I8(1, 8)
-DEFINE_ROWS_I8(2, 8)
-DEFINE_ROWS_I8(3, 4)
-DEFINE_ROWS_I8(4, 4)
-DEFINE_ROWS_I8(5, 2)
-DEFINE_ROWS_I8(6, 2)
-DEFINE_ROWS_I8(7, 2)
-DEFINE_ROWS_I8(8, 2)
+DEFINE_ROWS_I8(1, 8, 8)
+DEFINE_ROWS_I8(2, 8, 4)
+DEFINE_ROWS_I8(3, 4, 2)
+DEFINE_ROWS_I8(4, 4, 2)
+DEFINE_ROWS_I8(5, 2, 1)
+DEFINE_ROWS_I8(6, 2, 1)
+DEFINE_ROWS_I8(7, 2, 1)
+DEFINE_ROWS_I8(8, 2, 1)
 
 typedef void (*rows_i8_fn)(const uint16_t *, const int8_t *, const float *, const uint16_t *, uint16_t *,
-                           int64_t, int64_t, int64_t, int64_t);
+                           int64_t, int64_t, int64_t, int64_t, int64_t);
 static const rows_i8_fn ROWS_I8[MAX_ROWS + 1] = {0,           rows_i8_m1, rows_i8_m2, rows_i8_m3, rows_i8_m4,
                                                  rows_i8_m5, rows_i8_m6, rows_i8_m7, rows_i8_m8};
 
@@ -156,26 +220,28 @@ static void thread_range(int64_t N, int tid, int nthr, int64_t *n_begin, int64_t
     if (*n_end > N) *n_end = N;
 }
 
-/* x [M, K] bf16, w [N, K] int8, scales [N] fp32, bias [N] bf16 or NULL, y [M, N] bf16; all contiguous.
+/* x [M, K] bf16, w [N, K] int8, scales [N, K / gs] fp32, bias [N] bf16 or NULL, y [M, N] bf16; all
+ * contiguous. gs == K: one scale per channel (any K); else a multiple of 32 dividing K.
  * Returns 0, or -1 on bad sizes. */
 int leanlm_linear_int8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
-                       uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads,
+                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
                        int64_t min_parallel_bytes) {
     if (M < 0 || N < 0 || K < 0) return -1;
     if (M == 0 || N == 0) return 0;
+    if (gs != K && (gs <= 0 || gs % 32 != 0 || K % gs != 0)) return -1;
     const int threads = thread_count(num_threads, N, N * K, min_parallel_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
         const rows_i8_fn fn = ROWS_I8[m];
         if (threads == 1) { /* no OpenMP call at all: even an if(0) parallel region costs ~1 us */
-            fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, 0, N);
+            fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, gs, 0, N);
             continue;
         }
 #pragma omp parallel num_threads(threads)
         {
             int64_t n_begin, n_end;
             thread_range(N, omp_get_thread_num(), omp_get_num_threads(), &n_begin, &n_end);
-            if (n_begin < n_end) fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, n_begin, n_end);
+            if (n_begin < n_end) fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, gs, n_begin, n_end);
         }
     }
     return 0;
@@ -454,15 +520,19 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
  * Each value is computed as the reference path computes it in fp32 (a product, then a sum: no FMA, this
  * file is ISO C so contraction is off) and rounded once to bf16. Rows are split across threads. */
 
-/* out [N, K] bf16 = q [N, K] int8 * scales [N]. */
-void leanlm_dequantize_int8(const int8_t *w, const float *scales, uint16_t *out, int64_t N, int64_t K,
+/* out [N, K] bf16 = q [N, K] int8 * scales [N, K / gs] (gs == K: per channel). */
+void leanlm_dequantize_int8(const int8_t *w, const float *scales, uint16_t *out, int64_t N, int64_t K, int64_t gs,
                             int num_threads) {
+    if (K == 0) return;
+    const int64_t G = K / gs;
 #pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = w + n * K;
         uint16_t *dst = out + n * K;
-        const float s = scales[n];
-        for (int64_t k = 0; k < K; k++) dst[k] = f32_to_bf16((float)row[k] * s);
+        for (int64_t g = 0; g < G; g++) {
+            const float s = scales[n * G + g];
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) dst[k] = f32_to_bf16((float)row[k] * s);
+        }
     }
 }
 

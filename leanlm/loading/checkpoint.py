@@ -6,6 +6,7 @@ its extension.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,9 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Resolve a bundled name or path and load it; every failure is a ModelLoadError saying what to do.
 
-    A GGUF file is dequantized to float unless `gguf_codes`: then its Q4_0 / Q4_1 / Q4_K linears stay 4-bit
-    codes in runtime layers (`quantized`), which is how the engine runs it. Compression starts from floats.
+    A GGUF file is dequantized to float unless `gguf_codes`: then its Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 linears
+    (and a tied head in such a format) stay codes in runtime layers (`quantized`), which is how the engine
+    runs it. Compression starts from floats.
     """
     source = inspect(name_or_path)
     if source.is_directory:
@@ -49,6 +51,8 @@ def load_checkpoint(
     reader = open_gguf(source.path)
     config = gguf_model_config(reader)
     state_dict, quantized = gguf_state_dict(reader, config, dtype=dtype, progress=progress, keep_codes=gguf_codes)
+    if "lm_head" in quantized:  # the tied head runs on its own copy of the embedding's codes
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     meta = gguf_tokenizer_metadata(reader)
     return Checkpoint(config, state_dict, Tokenizer.from_gguf_metadata(meta), source.path, quantized)
 

@@ -1,5 +1,5 @@
 """Read a GGUF file (llama.cpp's format): metadata -> ModelConfig, tensors -> a float HF-named state dict
-(and, on request, 4-bit linears as runtime layers that keep their codes: gguf_codes.py).
+(and, on request, linears in the block formats our kernels compute on, kept as codes: gguf_codes.py).
 
 Every other quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the Q/K rows of *llama*
 models permuted for its interleaved rotary layout; we undo that so weights match HF's rotate-half convention.
@@ -25,7 +25,7 @@ from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
 from leanlm.loading.gguf_file import GGUFFile, read_gguf
 from leanlm.loading.gguf_header import GGUF_MAGIC
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
+from leanlm.model.quantized.linear import QuantLinear
 
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
@@ -287,10 +287,11 @@ def gguf_state_dict(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     keep_codes: bool = False,
-) -> tuple[dict[str, torch.Tensor], dict[str, IntGroupWeightOnlyLinear]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantLinear]]:
     """Every tensor under its HF name, in HF's [out, in] layout: dequantized to `dtype`, except, with
-    `keep_codes`, linears in a 4-bit block format (gguf_codes.CODE_TYPES), which come back as runtime layers
-    by module name (the embedding is a lookup table and always dequantized)."""
+    `keep_codes`, linears in a block format the kernels compute on (gguf_codes.CODE_TYPES), which come back as
+    runtime layers by module name. The embedding is a lookup table and always dequantized; a tied head in such
+    a format comes back as an "lm_head" layer on the embedding's codes (the caller unties the config)."""
     state_dict: dict[str, torch.Tensor] = {}
     coded: dict[str, tuple] = {}  # module name -> runtime_linear's arguments, built once the biases are read
     tensors = [t for t in reader.tensors if t.name not in _SKIPPED_TENSORS]
@@ -307,10 +308,14 @@ def gguf_state_dict(
         heads = None
         if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-        if keep_codes and tensor.tensor_type in CODE_TYPES and name.endswith(".weight") and "embed_tokens" not in name:
-            row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
-            coded[name.removesuffix(".weight")] = (tensor.tensor_type, tensor.data, expected, row_order)
-            continue
+        if keep_codes and tensor.tensor_type in CODE_TYPES and name.endswith(".weight"):
+            if name == "model.embed_tokens.weight":  # a lookup table: dequantized below; as the tied head, codes
+                if config.tie_word_embeddings:
+                    coded["lm_head"] = (tensor.tensor_type, tensor.data, expected, None)
+            else:
+                row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
+                coded[name.removesuffix(".weight")] = (tensor.tensor_type, tensor.data, expected, row_order)
+                continue
         try:
             # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
             array = dequantize_tensor(tensor.data, tensor.tensor_type)

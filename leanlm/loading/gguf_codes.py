@@ -1,6 +1,9 @@
-"""GGUF's 4-bit block formats kept as codes: Q4_0, Q4_1 and Q4_K linears become IntGroupWeightOnlyLinear layers
-(4-bit codes in groups of 32, w = q * scale + min) that the int4 kernels compute on, so a llama.cpp file runs
-at its own bits with no `quantize` step.
+"""GGUF's block formats kept as codes, so a llama.cpp file runs at its own bits with no `quantize` step:
+  - 4-bit Q4_0, Q4_1 and Q4_K linears become IntGroupWeightOnlyLinear layers (4-bit codes in groups of 32,
+    w = q * scale + min) that the int4 kernels compute on;
+  - 8-bit Q8_0 and 5-bit Q5_0 linears become group-wise Int8WeightOnlyLinear layers (signed int8 codes in
+    groups of 32, w = q * scale) that the int8 kernels compute on (Q5_0 then reads 8 bits a weight, not 5.5:
+    still half of bf16).
 
 Each group's scale and min are products of an fp16 and a small integer, exact in float32, so the layer's
 dequantized weight equals `gguf.quants.dequantize` bit for bit (tests/loading/test_gguf_codes.py).
@@ -9,8 +12,10 @@ Block layouts (llama.cpp ggml-common.h), per 32 weights unless said:
   Q4_1: d fp16, m fp16, 16 bytes; w = d * q + m.
   Q4_K: per 256 weights d fp16, dmin fp16, 12 bytes of 6-bit (scale, min) pairs for 8 groups, 128 bytes;
         w = d * sc_j * q - dmin * m_j.
-In all three a 32-byte (or 16-byte) run of nibbles holds elements i (low nibble) and i + 32 (or + 16) (high).
-Other types (Q5_*, Q6_K, Q8_0, floats) are dequantized as before.
+  Q8_0: d fp16, 32 int8; w = d * q.
+  Q5_0: d fp16, 4 bytes qh (bit e: the fifth bit of element e), 16 bytes of nibbles; w = d * (q - 16).
+In the nibble formats a 32-byte (or 16-byte) run holds elements i (low nibble) and i + 32 (or + 16) (high).
+Other types (Q5_1, Q5_K, Q6_K with its 16-weight groups, floats) are dequantized as before.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 
 GROUP = 32
 Q = GGMLQuantizationType
-CODE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
-_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}
-_BLOCK_WEIGHTS = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: 256}
+INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+INT8_TYPES = frozenset({Q.Q8_0, Q.Q5_0})
+CODE_TYPES = INT4_TYPES | INT8_TYPES
+_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22}
+_BLOCK_WEIGHTS = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: 256, Q.Q8_0: 32, Q.Q5_0: 32}
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:
@@ -47,12 +54,32 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int):
-    """A tensor's raw blocks [rows, row_bytes] -> codes [rows, cols] uint8 (0..15), scales and mins
-    [rows, cols / 32] float32, with w = q * scale + min."""
+def _blocks(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Raw bytes [rows, row_bytes] -> [rows, blocks per row, block bytes]."""
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // _BLOCK_WEIGHTS[tensor_type], -1)
     if blocks.shape[-1] != _BLOCK_BYTES[tensor_type]:
         raise ValueError(f"{tensor_type.name} blocks of {blocks.shape[-1]} bytes, expected {_BLOCK_BYTES[tensor_type]}")
+    return blocks
+
+
+def signed_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int):
+    """A Q8_0 or Q5_0 tensor's raw blocks -> codes [rows, cols] int8 and scales [rows, cols / 32] float32,
+    with w = q * scale."""
+    blocks = _blocks(tensor_type, data, rows, cols)
+    scales = _fp16(blocks[..., 0:2])  # [R, B]
+    if tensor_type == Q.Q8_0:
+        codes = blocks[..., 2:].view(np.int8)  # [R, B, 32]
+    else:  # Q5_0: low nibbles from qs, the fifth bit of element e is bit e of the little-endian qh
+        qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [R, B, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [R, B, 32]
+        codes = ((_nibbles(blocks[..., 6:]) | high).astype(np.int16) - 16).astype(np.int8)
+    return codes.reshape(rows, cols), scales
+
+
+def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int):
+    """A 4-bit tensor's raw blocks [rows, row_bytes] -> codes [rows, cols] uint8 (0..15), scales and mins
+    [rows, cols / 32] float32, with w = q * scale + min."""
+    blocks = _blocks(tensor_type, data, rows, cols)
     if tensor_type == Q.Q4_K:
         d, dmin = _fp16(blocks[..., 0:2])[..., None], _fp16(blocks[..., 2:4])[..., None]  # [R, B, 1]
         sc, mn = _q4_k_scales(blocks[..., 4:16].reshape(-1, 12))
@@ -75,11 +102,16 @@ def runtime_linear(
     shape: tuple[int, int],
     row_order: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-) -> IntGroupWeightOnlyLinear:
+) -> IntGroupWeightOnlyLinear | Int8WeightOnlyLinear:
     """The linear layer [out, in] = `shape` that computes on the tensor's codes. `row_order`, when given,
     reorders output rows (llama.cpp's Q/K rotary permutation undone: a row permutation leaves groups whole);
     `bias` [out] is already in that order."""
     rows, cols = shape
+    if tensor_type in INT8_TYPES:
+        codes, scales = (torch.from_numpy(a) for a in signed_codes(tensor_type, data, rows, cols))
+        if row_order is not None:
+            codes, scales = codes[row_order], scales[row_order]
+        return Int8WeightOnlyLinear(codes, scales, bias, group_size=GROUP)
     codes, scales, mins = group_codes(tensor_type, data, rows, cols)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # pack_int4's layout; codes are 0..15 by construction
     packed, scales, mins = torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(mins)

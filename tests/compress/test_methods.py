@@ -225,8 +225,8 @@ def test_recipes_validate_and_record_themselves(tiny_model, calib):
         compress(model, [RTNConfig(bits=8, group_size=None)], torch.randn(2, 8), progress=False)
     with pytest.raises(ValueError, match="group_size"):
         RTNConfig(bits=4, group_size=48)
-    with pytest.raises(ValueError, match="per channel"):
-        RTNConfig(bits=8, group_size=64)
+    with pytest.raises(ValueError, match="symmetric=True"):  # signed int8 storage has no zero point
+        RTNConfig(bits=6, group_size=None, symmetric=False)
     compress(
         model,
         [

@@ -1,5 +1,5 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
-over several decode steps, for bf16, int8, int4 and act-order int4 linears, with and without q/k/v biases,
+over several decode steps, for bf16, int8 (per channel and group-wise), int4 and act-order int4 linears, with and without q/k/v biases,
 batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV caches, on any thread count;
 when it steps aside (fp8 KV cache, the torch backend, layers it has no format for); that it is rebuilt when the
 weights change (compress(), a dtype cast, an in-place edit); its row helpers; and greedy SmolLM2 output
@@ -61,6 +61,8 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
     model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
     if kind == "int8":
         compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
+    elif kind == "int8-g32":  # GGUF Q8_0's layout
+        compress(model, [RTNConfig(bits=8, group_size=32)], None, progress=False)
     elif kind in ("int4", "int4-perm"):
         compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
     if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
@@ -111,7 +113,7 @@ def _decode(
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-perm"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int8-g32", "int4", "int4-perm"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3, 12])
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):

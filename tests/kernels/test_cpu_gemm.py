@@ -185,6 +185,17 @@ def test_int8_is_the_bf16_gemm_on_the_dequantized_weight(M, N, K):
     assert torch.equal(cpu_gemm.gemm_quant(x, packed), cpu_gemm.gemm(x, cpu_gemm.pack(w, b)))
 
 
+@pytest.mark.parametrize("M,N,K,group_size", [(9, 96, 64, 32), (40, 70, 576, 32), (17, 40, 1536, 64)])
+def test_int8_group_wise_is_the_bf16_gemm_on_the_dequantized_weight(M, N, K, group_size):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, K // group_size, generator=g) * 0.01
+    x, _, b = _inputs(M, N, K, True)
+    packed = cpu_gemm.pack_quant(q, scales, None, group_size, 8, b)
+    w = cpu_qgemv.dequantize_int8(q, scales, group_size)
+    assert torch.equal(cpu_gemm.gemm_quant(x, packed), cpu_gemm.gemm(x, cpu_gemm.pack(w, b)))
+
+
 def test_pack_quant_rejects_bad_shapes():
     q, scales, mins = _int4(32, 64, 32)
     with pytest.raises(ValueError, match="group_size"):
@@ -206,6 +217,9 @@ def test_quantized_layers_route_batches_to_the_packed_gemm():
     with torch.no_grad():
         layer.scales.mul_(2)  # an in-place edit: the packed copy is remade
     torch.testing.assert_close(layer(x).float(), layer.reference_forward(x).float(), rtol=2**-7, atol=1e-2)
-    int8 = Int8WeightOnlyLinear(q.to(torch.int8) - 8, scales[:, 0])
-    torch.testing.assert_close(int8(x).float(), int8.reference_forward(x).float(), rtol=2**-7, atol=1e-2)
-    assert int8.packed.value is not None
+    for int8 in (
+        Int8WeightOnlyLinear(q.to(torch.int8) - 8, scales[:, 0]),
+        Int8WeightOnlyLinear(q.to(torch.int8) - 8, scales, group_size=32),
+    ):
+        torch.testing.assert_close(int8(x).float(), int8.reference_forward(x).float(), rtol=2**-7, atol=1e-2)
+        assert int8.packed.value is not None

@@ -1,4 +1,4 @@
-"""The int8 / int4 weight-only small-M linear kernels: float64 references on the dequantized weight within
+"""The int8 (per channel and group-wise) / int4 weight-only small-M linear kernels: float64 references on the dequantized weight within
 bf16 output rounding (random and adversarial inputs, every supported group size, partial tiles and K
 blocks, M = 1..8 and several passes), thread-count invariance, argument checks and the should_use policy."""
 
@@ -92,6 +92,42 @@ def test_int8_matches_float64(M, N, K, has_bias):
     _check(cpu_qgemv.linear_int8(x, qweight, scales, bias), x, w_deq, bias, w_deq.abs())
 
 
+INT8_GROUP_CASES = [
+    (M, N, K, gs) for M in (1, 2, 3, 4, 8) for N, K, gs in ((576, 576, 32), (37, 1536, 64), (192, 96, 96))
+] + [(5, 33, 576, 32), (6, 40, 64, 32), (7, 17, 256, 128), (11, 100, 192, 32), (1, 49152, 576, 32)]
+
+
+def _int8_group_weight(N: int, K: int, gs: int, g: torch.Generator):
+    qweight = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, K // gs, generator=g) * 0.02 + 1e-3  # [N, G]
+    return qweight, scales, qweight.double() * scales.double().repeat_interleave(gs, 1)
+
+
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(
+    ("M", "N", "K", "gs"), INT8_GROUP_CASES, ids=[f"M{m}-N{n}-K{k}-g{gs}" for m, n, k, gs in INT8_GROUP_CASES]
+)
+def test_int8_group_wise_matches_float64(M, N, K, gs, has_bias):
+    # GGUF Q8_0 / Q5_0: one scale per 32 (or gs) input columns.
+    g = torch.Generator().manual_seed(M * 1000 + N + K + gs)
+    x, bias = _x(M, K, g), _bias(N, has_bias, g)
+    qweight, scales, w_deq = _int8_group_weight(N, K, gs, g)
+    _check(cpu_qgemv.linear_int8(x, qweight, scales, bias, group_size=gs), x, w_deq, bias, w_deq.abs())
+
+
+def test_int8_group_scales_sit_on_their_groups_exactly():
+    # Power-of-two scales and small integers: every product and sum is exact, so the output is too; a scale
+    # applied to the wrong group would change it.
+    g = torch.Generator().manual_seed(9)
+    N, K, gs = 40, 128, 32
+    qweight = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.exp2(torch.randint(-3, 4, (N, K // gs), generator=g).float())
+    x = torch.randint(-4, 5, (3, K), generator=g).to(torch.bfloat16)
+    expected = x.double() @ (qweight.double() * scales.double().repeat_interleave(gs, 1)).T
+    y = cpu_qgemv.linear_int8(x, qweight, scales, group_size=gs)
+    assert torch.equal(y, expected.to(torch.bfloat16))
+
+
 INT4_CASES = [
     (M, N, K, gs)
     for M in (1, 2, 4, 8)
@@ -177,11 +213,12 @@ def test_thread_count_does_not_change_results(M, N, K):
                 (
                     cpu_qgemv.linear_int8(x, qweight, scales, bias),
                     cpu_qgemv.linear_int4(x, qweight4, scales4, mins4, 64, bias),
+                    cpu_qgemv.linear_int8(x, qweight, scales4.contiguous(), bias, group_size=64),
                 )
             )
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_leading_dims_and_rows_beyond_one_pass():
@@ -229,6 +266,15 @@ def test_int8_rejects_what_it_cannot_read():
         cpu_qgemv.linear_int8(x, qweight, scales[:10])
     with pytest.raises(ValueError, match="bias"):
         cpu_qgemv.linear_int8(x, qweight, scales, bias[:10])
+    grouped = torch.rand(64, 4)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_qgemv.linear_int8(x, qweight, grouped, group_size=48)  # not a multiple of 32
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_qgemv.linear_int8(x, qweight, grouped, group_size=96)  # does not divide K = 128
+    with pytest.raises(ValueError, match="scales has shape"):
+        cpu_qgemv.linear_int8(x, qweight, grouped, group_size=64)  # scales made for group size 32
+    with pytest.raises(ValueError, match="scales has shape"):
+        cpu_qgemv.linear_int8(x, qweight, scales, group_size=32)  # per-channel scales
 
 
 def test_int4_rejects_what_it_cannot_read():
@@ -267,6 +313,8 @@ def test_should_use_policy():
     assert not cpu_qgemv.should_use_int8(x, qweight.t().contiguous().t())
     assert not cpu_qgemv.should_use_int8(x[:, :128].contiguous(), qweight)
     assert not cpu_qgemv.should_use_int8(x, qweight4)  # uint8 is the int4 layout
+    assert cpu_qgemv.should_use_int8(x, qweight, 32) and cpu_qgemv.should_use_int8(x, qweight, 256)
+    assert not cpu_qgemv.should_use_int8(x, qweight, 48) and not cpu_qgemv.should_use_int8(x, qweight, 96)
     for gs in (32, 64, 128, 256):
         assert cpu_qgemv.should_use_int4(x, qweight4, gs)
     assert not cpu_qgemv.should_use_int4(x, qweight4, 48)  # not a multiple of 32
@@ -297,6 +345,10 @@ def test_dequantize_to_bf16_equals_the_reference_rounded_once(N, K, gs):
     qweight, scales = _int8_weight(N, K, g)
     ref = (qweight.float() * scales[:, None]).to(torch.bfloat16)
     assert torch.equal(cpu_qgemv.dequantize_int8(qweight, scales), ref)
+    if gs % 32 == 0:
+        qg, sg, _ = _int8_group_weight(N, K, gs, g)
+        refg = (qg.float().view(N, K // gs, gs) * sg[..., None]).reshape(N, K).to(torch.bfloat16)
+        assert torch.equal(cpu_qgemv.dequantize_int8(qg, sg, gs), refg)
     codes, packed, scales4, mins4 = _int4_weight(N, K, gs, g)
     ref4 = (codes.float().view(N, K // gs, gs) * scales4[..., None] + mins4[..., None]).reshape(N, K)
     assert torch.equal(cpu_qgemv.dequantize_int4(packed, scales4, mins4, gs), ref4.to(torch.bfloat16))

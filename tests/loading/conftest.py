@@ -60,9 +60,10 @@ def write_tiny_gguf(
     seed: int = 0,
     rope_freqs: np.ndarray | None = None,
     linear_type: str = "Q8_0",
+    embedding_type: str = "F16",
 ) -> dict[str, torch.Tensor]:
-    """Write a 2-layer GGUF (`linear_type` linears: Q8_0, Q4_0 or Q4_1; F16 embedding, F32 norms) and return
-    the HF state dict it encodes."""
+    """Write a 2-layer GGUF (`linear_type` linears: Q8_0, Q5_0, Q4_0 or Q4_1; an `embedding_type` embedding:
+    F16 or a block type; F32 norms) and return the HF state dict it encodes."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
@@ -88,10 +89,12 @@ def write_tiny_gguf(
     writer.add_eos_token_id(TINY_TOKENS.index("<|im_end|>"))
     expected: dict[str, torch.Tensor] = {}
 
-    def add(gguf_name: str, hf_name: str, w: np.ndarray, qtype: Q, permute_heads: int = 0) -> None:
+    def add(gguf_name: str, hf_name: str, w: np.ndarray, qtype: Q | str, permute_heads: int = 0) -> None:
         stored = llama_cpp_permute(w, permute_heads) if permute_heads else w
-        if qtype == Q.Q8_0:
-            qtype = Q[linear_type]
+        if isinstance(qtype, str) and qtype in ("F16", "F32"):
+            qtype = Q[qtype]
+        if qtype == Q.Q8_0 or isinstance(qtype, str):  # Q8_0 stands for `linear_type`; a name, for itself
+            qtype = Q[qtype if isinstance(qtype, str) else linear_type]
             writer.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
             # Rows are quantized independently, so the row permutation commutes with quantization.
             expected[hf_name] = torch.from_numpy(dequantize(quantize(w, qtype), qtype).copy())
@@ -103,7 +106,7 @@ def write_tiny_gguf(
     def randn(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32) * 0.1
 
-    add("token_embd.weight", "model.embed_tokens.weight", randn(vocab, hidden), Q.F16)
+    add("token_embd.weight", "model.embed_tokens.weight", randn(vocab, hidden), Q[embedding_type].name)
     for i in range(layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
         is_llama = arch == "llama"

@@ -11,13 +11,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from leanlm.loading.checkpoint import load_checkpoint
-from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
+from leanlm.loading.gguf_codes import CODE_TYPES, INT8_TYPES, runtime_linear
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 from tests.compress.conftest import dense_logits
 from tests.loading.conftest import write_tiny_gguf
 
-BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q4_K: (256, 144)}
+BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q4_K: (256, 144), Q.Q8_0: (32, 34), Q.Q5_0: (32, 22)}
 
 
 def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -25,7 +25,7 @@ def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     weights, nbytes = BLOCK[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // weights, nbytes), dtype=np.uint8)
-    halves = 2 if qtype == Q.Q4_0 else 4  # bytes of fp16 fields at the start of a block
+    halves = 2 if qtype in (Q.Q4_0, Q.Q8_0, Q.Q5_0) else 4  # bytes of fp16 fields at the start of a block
     fp16 = (rng.standard_normal((rows, cols // weights, halves // 2)) * 0.01).astype(np.float16)
     blocks[..., :halves] = fp16.view(np.uint8).reshape(rows, cols // weights, halves)
     return blocks.reshape(rows, -1)
@@ -36,22 +36,29 @@ def test_layers_dequantize_exactly_as_gguf(qtype):
     rows, cols = 48, 512
     data = _random_blocks(qtype, rows, cols)
     layer = runtime_linear(qtype, data, (rows, cols))
-    assert isinstance(layer, IntGroupWeightOnlyLinear) and layer.group_size == 32 and layer.bits == 4
+    if qtype in INT8_TYPES:  # signed codes, one scale per 32
+        assert isinstance(layer, Int8WeightOnlyLinear) and layer.group_size == 32
+        assert layer.qweight.min() >= (-16 if qtype == Q.Q5_0 else -128) and layer.qweight.max() <= 15 + 112 * (
+            qtype == Q.Q8_0
+        )
+    else:
+        assert isinstance(layer, IntGroupWeightOnlyLinear) and layer.group_size == 32 and layer.bits == 4
     expected = torch.from_numpy(dequantize(data, qtype).reshape(rows, cols).copy())
     assert torch.equal(layer.dequantized_weight(), expected)
 
 
-def test_row_order_and_bias():
-    data = _random_blocks(Q.Q4_1, 8, 64)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_row_order_and_bias(qtype):
+    data = _random_blocks(qtype, 8, 64)
     order = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4])
     bias = torch.arange(8.0)
-    layer = runtime_linear(Q.Q4_1, data, (8, 64), row_order=order, bias=bias)
-    expected = torch.from_numpy(dequantize(data, Q.Q4_1).reshape(8, 64).copy())[order]
+    layer = runtime_linear(qtype, data, (8, 64), row_order=order, bias=bias)
+    expected = torch.from_numpy(dequantize(data, qtype).reshape(8, 64).copy())[order]
     assert torch.equal(layer.dequantized_weight(), expected) and torch.equal(layer.bias, bias)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, arch, tied=False, linear_type=linear_type)
@@ -66,7 +73,7 @@ def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
         if arch == "qwen2" and name.endswith(("q_proj", "k_proj", "v_proj")):
             assert torch.equal(layer.bias, dense.state_dict[name + ".bias"])
     # both models compute the same function: exactly the dense one's in float32 (the codes' reference path),
-    # and close to it in bf16 (the int4 kernels: the GEMV for few rows, the packed GEMM for 9+)
+    # and close to it in bf16 (the int4 / int8 kernels: the GEMV for few rows, the packed GEMM for 9+)
     ids = torch.randint(0, codes.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     dense_net = build_model(dense.config, dense.state_dict, torch.float32, "cpu")
     with torch.inference_mode():
@@ -76,6 +83,26 @@ def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
             for rows in (ids[:1, :4], ids):  # 4 rows (GEMV) and 24 rows (packed GEMM)
                 got = dense_logits(net, rows).float()
                 torch.testing.assert_close(got, reference[: rows.shape[0], : rows.shape[1]], atol=tol, rtol=tol)
+
+
+def test_a_tied_head_in_a_block_format_runs_on_the_embedding_codes(tmp_path):
+    """SmolLM2's file: a Q8_0 token_embd tied as the head. The head becomes an int8 g32 layer on those codes
+    (the config untied), the embedding stays a float lookup table, and both equal the dequantized file."""
+    path = tmp_path / "tied.gguf"
+    expected = write_tiny_gguf(path, "llama", tied=True, linear_type="Q4_1", embedding_type="Q8_0")
+    codes = load_checkpoint(path, progress=False, gguf_codes=True)
+    dense = load_checkpoint(path, progress=False)
+    assert dense.config.tie_word_embeddings and not codes.config.tie_word_embeddings
+    head = codes.quantized["lm_head"]
+    assert isinstance(head, Int8WeightOnlyLinear) and head.group_size == 32
+    embedding = expected["model.embed_tokens.weight"]
+    assert torch.equal(head.dequantized_weight(), embedding)
+    assert torch.equal(codes.state_dict["model.embed_tokens.weight"], embedding)
+    ids = torch.randint(0, codes.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = dense_logits(build_model(dense.config, dense.state_dict, torch.float32, "cpu"), ids)
+        net = build_model(codes.config, codes.state_dict, torch.float32, "cpu", quantized=codes.quantized)
+        torch.testing.assert_close(dense_logits(net, ids), reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q6_K, Q.F16])

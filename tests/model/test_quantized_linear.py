@@ -21,6 +21,9 @@ def _linear(n=96, k=128):
     "scheme,min_db",
     [
         (IntScheme(bits=8, group_size=None), 38),
+        (IntScheme(bits=8, group_size=32), 40),
+        (IntScheme(bits=6, group_size=None), 26),
+        (IntScheme(bits=5, group_size=32), 22),
         (IntScheme(bits=4, group_size=64), 17),
         (IntScheme(bits=4, group_size=32, symmetric=True), 15),
         (IntScheme(bits=3, group_size=64), 11),
@@ -47,6 +50,7 @@ def test_quantized_layers_track_float_outputs(scheme, min_db, dtype):
     "scheme",
     [
         IntScheme(bits=8, group_size=None),
+        IntScheme(bits=8, group_size=32),
         IntScheme(bits=4, group_size=64),
         IntScheme(bits=3, group_size=32),
         IntScheme(bits=8, group_size=None, act_bits=8),

@@ -176,23 +176,50 @@ def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scale
 
 @register_format
 class Int8WeightOnlyLinear(QuantLinear):
-    """W8A16: symmetric int8 weights with one scale per output channel; activations stay 16/32-bit."""
+    """W8A16: symmetric int8 weights with one scale per output channel, or per group of `group_size` input
+    columns (GGUF's Q8_0 and Q5_0 blocks: group 32); activations stay 16/32-bit."""
 
     format = "int8_weight_only"
     tensor_names = ("qweight", "scales")
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int | None = None,
+    ) -> None:
         n, k = matrix_shape(self.format, "qweight", qweight)
-        check_numel(self.format, "scales", scales, n)
         super().__init__(k, n, bias)
+        if group_size is None:
+            check_numel(self.format, "scales", scales, n)
+            scales = scales.reshape(-1)
+        else:
+            if not isinstance(group_size, int) or group_size <= 0 or group_size % 32 or k % group_size:
+                raise ValueError(
+                    f"{self.format}: group_size must be a positive multiple of 32 dividing K={k}, "
+                    f"not {group_size!r} (or None: one scale per channel)"
+                )
+            check_shape(self.format, "scales", scales, n, k // group_size)
+        self.group_size = group_size
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
-        self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
+        self.register_buffer("scales", scales.float().contiguous())  # [N], or [N, K / group_size]
+
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        return meta if self.group_size is None else {**meta, "group_size": self.group_size}
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
+        if self.group_size is None:
+            return self.qweight.float() * self.scales[:, None]
+        n, k = self.qweight.shape
+        w = self.qweight.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
+        return w.reshape(n, k)
 
     def _pack(self, qweight, scales, bias) -> cpu_gemm.PackedQuant:
-        return cpu_gemm.pack_quant(qweight, scales[:, None], None, qweight.shape[1], 8, bias)
+        group = qweight.shape[1] if self.group_size is None else self.group_size
+        return cpu_gemm.pack_quant(qweight, scales.reshape(qweight.shape[0], -1), None, group, 8, bias)
 
     def packed_weight(self) -> cpu_gemm.PackedQuant | None:
         if not (self.qweight.is_cpu and cpu_gemm.quant_is_available()):
@@ -202,16 +229,22 @@ class Int8WeightOnlyLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
             return cpu_gemm.gemm_quant(x, self.packed_weight())
-        if cpu_qgemv.should_use_int8(x, self.qweight) and (self.bias is None or self.bias.dtype is x.dtype):
-            return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias)
+        gs = self.group_size
+        if cpu_qgemv.should_use_int8(x, self.qweight, gs) and (self.bias is None or self.bias.dtype is x.dtype):
+            return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, gs)
         if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
-            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales), self.bias)
+            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, gs), self.bias)
         return self.reference_forward(x)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
         packed_weight = self.packed_weight() if packed else None
         return cpu_decode.NativeLinear(
-            cpu_decode.KIND_INT8, self.qweight, self.scales, bias=self.bias, packed=packed_weight
+            cpu_decode.KIND_INT8,
+            self.qweight,
+            self.scales,
+            bias=self.bias,
+            group_size=self.group_size or 0,
+            packed=packed_weight,
         )
 
 
