@@ -1,9 +1,9 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
-over several decode steps, for bf16, int8 (per channel and group-wise), int4 and act-order int4 linears, with and without q/k/v biases,
-batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV caches, on any thread count;
-when it steps aside (fp8 KV cache, the torch backend, layers it has no format for); that it is rebuilt when the
-weights change (compress(), a dtype cast, an in-place edit); its row helpers; and greedy SmolLM2 output
-unchanged by it."""
+over several decode steps, for bf16, int8 (per channel and group-wise), int4 and act-order int4 linears, with
+and without q/k/v biases, batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV
+caches, on any thread count; when it steps aside (fp8 KV cache, the torch backend, layers it has no format
+for); that it is rebuilt when the weights change (compress(), a dtype cast, an in-place edit); its row
+helpers; and greedy SmolLM2 output unchanged by it."""
 
 from __future__ import annotations
 

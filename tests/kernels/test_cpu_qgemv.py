@@ -1,6 +1,7 @@
-"""The int8 (per channel and group-wise) / int4 weight-only small-M linear kernels: float64 references on the dequantized weight within
-bf16 output rounding (random and adversarial inputs, every supported group size, partial tiles and K
-blocks, M = 1..8 and several passes), thread-count invariance, argument checks and the should_use policy."""
+"""The int8 (per channel and group-wise) / int4 weight-only small-M linear kernels: float64 references on the
+dequantized weight within bf16 output rounding (random and adversarial inputs, every supported group size,
+partial tiles and K blocks, M = 1..8 and several passes), thread-count invariance, argument checks and the
+should_use policy."""
 
 from __future__ import annotations
 
