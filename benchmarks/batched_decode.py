@@ -3,7 +3,7 @@ of the short-prompt workload at several batch sizes, LeanLM next to HF transform
 
 Workload (issue 16): 64 prompts of 16-32 tokens (fixed seed), 128 greedy output tokens each, the engine
 capped at `batch` running requests (HF: padded batches of `batch`, sorted by length). Engines:
-- LeanLM on the bundled GGUF as shipped (Q4_1 linears on their codes, the Q8_0 embedding tied as a bf16 head);
+- LeanLM on the bundled GGUF as shipped (Q4_1 linears on their 4-bit codes, the tied Q8_0 embedding as an int8 head);
 - LeanLM on the same file dequantized to bf16 (`--dequantize-gguf`);
 - HF transformers on a dense bf16 safetensors directory written from the dequantized model;
 - llama.cpp's llama-batched-bench on the same GGUF (when benchmarks/build_llama_server.sh has built it):
