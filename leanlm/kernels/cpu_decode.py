@@ -150,7 +150,7 @@ class NativeLinear:
             shape = (self.out_features,) if gs == 0 else (self.out_features, K // gs)
             return (
                 self.weight.dtype == torch.int8
-                and (gs == 0 or (gs > 0 and gs % 32 == 0 and K % gs == 0))
+                and (gs == 0 or cpu_qgemv.int8_group_ok(gs, K))
                 and self.scales is not None
                 and self.scales.dtype == _F32
                 and self.scales.shape == shape

@@ -62,13 +62,20 @@ def should_use_int8(x: torch.Tensor, qweight: torch.Tensor, group_size: int | No
     (per channel, or in groups of a multiple of 32 dividing K)."""
     if qweight.dim() != 2 or not _is_cpu_contiguous(qweight, _I8):
         return False
-    return _group_ok(group_size, qweight.shape[1]) and _rows_ok(x, qweight.shape[1]) and is_available()
+    return int8_group_ok(group_size, qweight.shape[1]) and _rows_ok(x, qweight.shape[1]) and is_available()
 
 
-def _group_ok(group_size: int | None, K: int) -> bool:
-    """None (per channel) or a positive multiple of 32 dividing K: the group sizes the kernels take."""
-    return group_size is None or (
-        type(group_size) is int and group_size > 0 and group_size % 32 == 0 and K % group_size == 0
+def int8_group_ok(group_size: int | None, K: int) -> bool:
+    """None (per channel), 16 (GGUF Q6_K) or a positive multiple of 32, dividing K (then a multiple of 32):
+    the group sizes the int8 kernel takes."""
+    if group_size is None:
+        return True
+    return (
+        type(group_size) is int
+        and group_size > 0
+        and (group_size % 32 == 0 or group_size == 16)
+        and K % 32 == 0
+        and K % group_size == 0
     )
 
 
@@ -125,8 +132,8 @@ def linear_int8(
     """x [..., K] @ (qweight[N, K] * scales)^T + bias[N] -> bf16 [..., N], fp32 accumulation.
 
     x: contiguous bf16; qweight: contiguous int8 (symmetric); scales: float32 [N] per output channel
-    (group_size None), or [N, K // group_size] per group of group_size input columns (a multiple of 32
-    dividing K: GGUF Q8_0 and Q5_0 blocks); bias: bf16 [N] or None; all on the CPU (checked: the C code
+    (group_size None), or [N, K // group_size] per group of group_size input columns (16 or a multiple of
+    32, dividing K: GGUF Q6_K, Q8_0 and Q5_0 blocks); bias: bf16 [N] or None; all on the CPU (checked: the C code
     reads raw pointers). Any number of rows works, but the weight is re-read every 8 rows. Runs on
     torch.get_num_threads() threads.
     """
@@ -135,7 +142,7 @@ def linear_int8(
     scale_shape = (
         (qweight.shape[0],)
         if group_size is None
-        else (qweight.shape[0], K // group_size if _group_ok(group_size, K) else -1)
+        else (qweight.shape[0], K // group_size if int8_group_ok(group_size, K) else -1)
     )
     if not (
         qweight.dim() == 2
@@ -150,7 +157,7 @@ def linear_int8(
         and scales.is_contiguous()
         and x.dim() >= 1
         and x.shape[-1] == K
-        and _group_ok(group_size, K)
+        and int8_group_ok(group_size, K)
         and scales.shape == scale_shape
         and (
             bias is None
@@ -158,9 +165,10 @@ def linear_int8(
         )
     ):
         _check_common(x, qweight, _I8, K, bias)
-        if not _group_ok(group_size, K):
+        if not int8_group_ok(group_size, K):
             raise ValueError(
-                f"group_size must be None or an int, a positive multiple of 32 that divides K = {K}, not {group_size!r}"
+                f"group_size must be None, 16 or a multiple of 32, dividing K = {K} (itself a multiple of 32), "
+                f"not {group_size!r}"
             )
         _check_float("scales", scales, scale_shape)
     N = qweight.shape[0]
@@ -271,8 +279,11 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
             f"qweight must be a contiguous 2-D int8 CPU tensor, not {qweight.dtype} {tuple(qweight.shape)}"
         )
     N, K = qweight.shape
-    if not _group_ok(group_size, K):
-        raise ValueError(f"group_size must be None or a positive multiple of 32 dividing K = {K}, not {group_size!r}")
+    if not int8_group_ok(group_size, K):
+        raise ValueError(
+            f"group_size must be None, 16 or a multiple of 32, dividing K = {K} (itself a multiple of 32), "
+            f"not {group_size!r}"
+        )
     _check_float("scales", scales, (N,) if group_size is None else (N, K // group_size))
     out = torch.empty(qweight.shape, dtype=_BF16)
     gs = K if group_size is None else group_size

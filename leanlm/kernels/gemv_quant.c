@@ -111,7 +111,7 @@ ALWAYS_INLINE void tile_i8(const uint16_t *x, const int8_t *w, const float *scal
     }
 }
 
-/* The group-wise form (GGUF Q8_0 / Q5_0, gs a multiple of 32 dividing K): each group's dot product is
+/* The group-wise form (GGUF Q8_0 / Q5_0: gs a multiple of 32 dividing K): each group's dot product is
  * accumulated on its own, then scaled into the row's total (tot += acc_g * s_g) as tile_i4 does, because a
  * group scale times an int8 code is not exact in bf16. */
 ALWAYS_INLINE void tile_i8g(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
@@ -166,14 +166,58 @@ ALWAYS_INLINE void tile_i8g(const uint16_t *x, const int8_t *w, const float *sca
     }
 }
 
+/* Groups of 16 (GGUF Q6_K): a 32-k step holds two groups. vdpbf16ps lane p sums k + 2p and k + 2p + 1, so
+ * lanes 0-7 belong to the first group and 8-15 to the second: each step's partial sums are scaled lane-wise
+ * by [s_g x 8, s_g+1 x 8] into the total. */
+ALWAYS_INLINE void tile_i8h(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
+                            uint16_t *y, int64_t K, int64_t N, int64_t n0, const int M, const int NB) {
+    __m512 tot[MAX_ROWS][8];
+    const int8_t *wr[8];
+    const float *sr[8];
+    const int64_t G = K / 16;
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; j++) wr[j] = w + (n0 + j) * K, sr[j] = scales + (n0 + j) * G;
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++) tot[i][j] = _mm512_setzero_ps();
+
+    const char *ahead = (const char *)(w + n0 * K) + PREFETCH_BYTES;
+    prefetch_rows(scales, G * (int64_t)sizeof(float), n0 + rows_ahead(K), NB, N);
+    prefetch_rows(bias, sizeof(uint16_t), n0 + rows_ahead(K), NB, N);
+    for (int64_t k = 0; k < K; k += 32, ahead += 32 * NB) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j += 2) _mm_prefetch(ahead + 32 * j, PREFETCH_HINT);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++) {
+            const __m512bh wv = i8_to_bf16(_mm_loadu_si128((const __m128i *)(wr[j] + k)),
+                                           _mm_loadu_si128((const __m128i *)(wr[j] + k + 16)));
+            const __m512 sv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castsi128_ps(
+                                                                _mm_loadl_epi64((const __m128i *)(sr[j] + k / 16)))));
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) { /* a fresh chain per step: out-of-order overlaps the steps */
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k));
+                tot[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, wv), sv, tot[i][j]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; j++) {
+        const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) y[i * N + n0 + j] = f32_to_bf16(_mm512_reduce_add_ps(tot[i][j]) + b);
+    }
+}
+
 ALWAYS_INLINE void warm_range(const void *start, int64_t range_bytes) {
     /* Nothing is in flight yet at the start of a thread's range: request its first PREFETCH_BYTES. */
     const int64_t warm = range_bytes < PREFETCH_BYTES ? range_bytes : PREFETCH_BYTES;
     for (int64_t off = 0; off < warm; off += 64) _mm_prefetch((const char *)start + off, PREFETCH_HINT);
 }
 
-/* gs == K: per channel (tile_i8, any K); otherwise groups of gs (tile_i8g). The grouped tile holds two
- * accumulators per (row, weight row), hence its own, smaller NB. */
+/* gs == K: per channel (tile_i8, any K); 16: tile_i8h; otherwise groups of a multiple of 32 (tile_i8g),
+ * which holds two accumulators per (row, weight row), hence its own, smaller NB. */
 #define DEFINE_ROWS_I8(M_, NB_, NBG_)                                                                    \
     static void rows_i8_m##M_(const uint16_t *x, const int8_t *w, const float *s, const uint16_t *bias,  \
                               uint16_t *y, int64_t K, int64_t N, int64_t gs, int64_t n_begin,            \
@@ -186,6 +230,9 @@ ALWAYS_INLINE void warm_range(const void *start, int64_t range_bytes) {
         if (G == 1) {                                                                                    \
             for (; n + NB_ <= n_end; n += NB_) tile_i8(x, w, s, bias, y, K, N, n, M_, NB_);              \
             for (; n < n_end; n++) tile_i8(x, w, s, bias, y, K, N, n, M_, 1);                            \
+        } else if (gs == 16) {                                                                           \
+            for (; n + NB_ <= n_end; n += NB_) tile_i8h(x, w, s, bias, y, K, N, n, M_, NB_);             \
+            for (; n < n_end; n++) tile_i8h(x, w, s, bias, y, K, N, n, M_, 1);                           \
         } else {                                                                                         \
             for (; n + NBG_ <= n_end; n += NBG_) tile_i8g(x, w, s, bias, y, K, N, gs, n, M_, NBG_);      \
             for (; n < n_end; n++) tile_i8g(x, w, s, bias, y, K, N, gs, n, M_, 1);                       \
@@ -221,14 +268,14 @@ static void thread_range(int64_t N, int tid, int nthr, int64_t *n_begin, int64_t
 }
 
 /* x [M, K] bf16, w [N, K] int8, scales [N, K / gs] fp32, bias [N] bf16 or NULL, y [M, N] bf16; all
- * contiguous. gs == K: one scale per channel (any K); else a multiple of 32 dividing K.
+ * contiguous. gs == K: one scale per channel (any K); else 16 or a multiple of 32, dividing K (K % 32 == 0).
  * Returns 0, or -1 on bad sizes. */
 int leanlm_linear_int8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
                        int64_t min_parallel_bytes) {
     if (M < 0 || N < 0 || K < 0) return -1;
     if (M == 0 || N == 0) return 0;
-    if (gs != K && (gs <= 0 || gs % 32 != 0 || K % gs != 0)) return -1;
+    if (gs != K && (gs <= 0 || (gs % 32 != 0 && gs != 16) || K % gs != 0 || K % 32 != 0)) return -1;
     const int threads = thread_count(num_threads, N, N * K, min_parallel_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;

@@ -1,9 +1,9 @@
 """GGUF's block formats kept as codes, so a llama.cpp file runs at its own bits with no `quantize` step:
   - 4-bit Q4_0, Q4_1 and Q4_K linears become IntGroupWeightOnlyLinear layers (4-bit codes in groups of 32,
     w = q * scale + min) that the int4 kernels compute on;
-  - 8-bit Q8_0 and 5-bit Q5_0 linears become group-wise Int8WeightOnlyLinear layers (signed int8 codes in
-    groups of 32, w = q * scale) that the int8 kernels compute on (Q5_0 then reads 8 bits a weight, not 5.5:
-    still half of bf16).
+  - 8-bit Q8_0, 5-bit Q5_0 and 6-bit Q6_K linears become group-wise Int8WeightOnlyLinear layers (signed int8
+    codes in groups of 32, 16 for Q6_K; w = q * scale) that the int8 kernels compute on (Q5_0 and Q6_K then
+    read 8 bits a weight, not 5.5 or 6.6: still half of bf16).
 
 Each group's scale and min are products of an fp16 and a small integer, exact in float32, so the layer's
 dequantized weight equals `gguf.quants.dequantize` bit for bit (tests/loading/test_gguf_codes.py).
@@ -14,8 +14,12 @@ Block layouts (llama.cpp ggml-common.h), per 32 weights unless said:
         w = d * sc_j * q - dmin * m_j.
   Q8_0: d fp16, 32 int8; w = d * q.
   Q5_0: d fp16, 4 bytes qh (bit e: the fifth bit of element e), 16 bytes of nibbles; w = d * (q - 16).
+  Q6_K: per 256 weights 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales (one per 16
+        weights), d fp16; w = d * sc_j * (q - 32). Per half of 128 weights, ql byte l holds elements l and
+        l + 64 (low, high nibble) and byte l + 32 elements l + 32 and l + 96; qh byte l holds the high bits
+        of elements l, l + 32, l + 64, l + 96 at bits 0, 2, 4, 6.
 In the nibble formats a 32-byte (or 16-byte) run holds elements i (low nibble) and i + 32 (or + 16) (high).
-Other types (Q5_1, Q5_K, Q6_K with its 16-weight groups, floats) are dequantized as before.
+Other types (Q5_1, Q5_K, Q2_K, Q3_K, floats) are dequantized as before.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOn
 GROUP = 32
 Q = GGMLQuantizationType
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
-INT8_TYPES = frozenset({Q.Q8_0, Q.Q5_0})
+INT8_TYPES = frozenset({Q.Q8_0, Q.Q5_0, Q.Q6_K})
 CODE_TYPES = INT4_TYPES | INT8_TYPES
-_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22}
-_BLOCK_WEIGHTS = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: 256, Q.Q8_0: 32, Q.Q5_0: 32}
+_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q6_K: 210}
+_BLOCK_WEIGHTS = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: 256, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q6_K: 256}
+INT8_GROUP = {Q.Q8_0: 32, Q.Q5_0: 32, Q.Q6_K: 16}  # weights per scale
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:
@@ -63,9 +68,11 @@ def _blocks(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols
 
 
 def signed_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int):
-    """A Q8_0 or Q5_0 tensor's raw blocks -> codes [rows, cols] int8 and scales [rows, cols / 32] float32,
-    with w = q * scale."""
+    """A Q8_0, Q5_0 or Q6_K tensor's raw blocks -> codes [rows, cols] int8 and scales [rows, cols / group]
+    float32 (group: INT8_GROUP), with w = q * scale."""
     blocks = _blocks(tensor_type, data, rows, cols)
+    if tensor_type == Q.Q6_K:
+        return _q6_k_codes(blocks, rows, cols)
     scales = _fp16(blocks[..., 0:2])  # [R, B]
     if tensor_type == Q.Q8_0:
         codes = blocks[..., 2:].view(np.int8)  # [R, B, 32]
@@ -74,6 +81,18 @@ def signed_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int,
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [R, B, 32]
         codes = ((_nibbles(blocks[..., 6:]) | high).astype(np.int16) - 16).astype(np.int8)
     return codes.reshape(rows, cols), scales
+
+
+def _q6_k_codes(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K blocks [R, B, 210] -> codes q - 32 [R, cols] int8, scales d * sc [R, cols / 16] (exact: fp16 x int8)."""
+    ql = blocks[..., 0:128].reshape(rows, -1, 2, 64)  # [R, B, half, 64]
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 32)  # [R, B, half, 32]
+    low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], axis=-1)  # [R, B, half, 128]
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [R, B, 16]
+    scales = _fp16(blocks[..., 208:210])[..., None] * sc
+    return codes.reshape(rows, cols), scales.reshape(rows, -1)
 
 
 def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int):
@@ -111,7 +130,7 @@ def runtime_linear(
         codes, scales = (torch.from_numpy(a) for a in signed_codes(tensor_type, data, rows, cols))
         if row_order is not None:
             codes, scales = codes[row_order], scales[row_order]
-        return Int8WeightOnlyLinear(codes, scales, bias, group_size=GROUP)
+        return Int8WeightOnlyLinear(codes, scales, bias, group_size=INT8_GROUP[tensor_type])
     codes, scales, mins = group_codes(tensor_type, data, rows, cols)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # pack_int4's layout; codes are 0..15 by construction
     packed, scales, mins = torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(mins)

@@ -185,7 +185,7 @@ def test_int8_is_the_bf16_gemm_on_the_dequantized_weight(M, N, K):
     assert torch.equal(cpu_gemm.gemm_quant(x, packed), cpu_gemm.gemm(x, cpu_gemm.pack(w, b)))
 
 
-@pytest.mark.parametrize("M,N,K,group_size", [(9, 96, 64, 32), (40, 70, 576, 32), (17, 40, 1536, 64)])
+@pytest.mark.parametrize("M,N,K,group_size", [(9, 96, 64, 32), (40, 70, 576, 32), (17, 40, 1536, 64), (12, 33, 96, 16)])
 def test_int8_group_wise_is_the_bf16_gemm_on_the_dequantized_weight(M, N, K, group_size):
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)

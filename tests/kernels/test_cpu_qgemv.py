@@ -96,6 +96,7 @@ def test_int8_matches_float64(M, N, K, has_bias):
 INT8_GROUP_CASES = [
     (M, N, K, gs) for M in (1, 2, 3, 4, 8) for N, K, gs in ((576, 576, 32), (37, 1536, 64), (192, 96, 96))
 ] + [(5, 33, 576, 32), (6, 40, 64, 32), (7, 17, 256, 128), (11, 100, 192, 32), (1, 49152, 576, 32)]
+INT8_GROUP_CASES += [(M, N, K, 16) for M in (1, 3, 8, 10) for N, K in ((576, 576), (37, 96), (896, 4864))]
 
 
 def _int8_group_weight(N: int, K: int, gs: int, g: torch.Generator):
@@ -116,11 +117,12 @@ def test_int8_group_wise_matches_float64(M, N, K, gs, has_bias):
     _check(cpu_qgemv.linear_int8(x, qweight, scales, bias, group_size=gs), x, w_deq, bias, w_deq.abs())
 
 
-def test_int8_group_scales_sit_on_their_groups_exactly():
+@pytest.mark.parametrize("gs", [16, 32, 64])
+def test_int8_group_scales_sit_on_their_groups_exactly(gs):
     # Power-of-two scales and small integers: every product and sum is exact, so the output is too; a scale
     # applied to the wrong group would change it.
     g = torch.Generator().manual_seed(9)
-    N, K, gs = 40, 128, 32
+    N, K = 40, 128
     qweight = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
     scales = torch.exp2(torch.randint(-3, 4, (N, K // gs), generator=g).float())
     x = torch.randint(-4, 5, (3, K), generator=g).to(torch.bfloat16)
@@ -269,7 +271,7 @@ def test_int8_rejects_what_it_cannot_read():
         cpu_qgemv.linear_int8(x, qweight, scales, bias[:10])
     grouped = torch.rand(64, 4)
     with pytest.raises(ValueError, match="group_size"):
-        cpu_qgemv.linear_int8(x, qweight, grouped, group_size=48)  # not a multiple of 32
+        cpu_qgemv.linear_int8(x, qweight, grouped, group_size=48)  # neither 16 nor a multiple of 32
     with pytest.raises(ValueError, match="group_size"):
         cpu_qgemv.linear_int8(x, qweight, grouped, group_size=96)  # does not divide K = 128
     with pytest.raises(ValueError, match="scales has shape"):
@@ -315,6 +317,7 @@ def test_should_use_policy():
     assert not cpu_qgemv.should_use_int8(x[:, :128].contiguous(), qweight)
     assert not cpu_qgemv.should_use_int8(x, qweight4)  # uint8 is the int4 layout
     assert cpu_qgemv.should_use_int8(x, qweight, 32) and cpu_qgemv.should_use_int8(x, qweight, 256)
+    assert cpu_qgemv.should_use_int8(x, qweight, 16) and not cpu_qgemv.should_use_int8(x, qweight, 8)
     assert not cpu_qgemv.should_use_int8(x, qweight, 48) and not cpu_qgemv.should_use_int8(x, qweight, 96)
     for gs in (32, 64, 128, 256):
         assert cpu_qgemv.should_use_int4(x, qweight4, gs)
@@ -346,10 +349,10 @@ def test_dequantize_to_bf16_equals_the_reference_rounded_once(N, K, gs):
     qweight, scales = _int8_weight(N, K, g)
     ref = (qweight.float() * scales[:, None]).to(torch.bfloat16)
     assert torch.equal(cpu_qgemv.dequantize_int8(qweight, scales), ref)
-    if gs % 32 == 0:
-        qg, sg, _ = _int8_group_weight(N, K, gs, g)
-        refg = (qg.float().view(N, K // gs, gs) * sg[..., None]).reshape(N, K).to(torch.bfloat16)
-        assert torch.equal(cpu_qgemv.dequantize_int8(qg, sg, gs), refg)
+    for group in sorted({gs, 16}) if K % 32 == 0 else ():  # group-wise int8 (Q6_K: 16)
+        qg, sg, _ = _int8_group_weight(N, K, group, g)
+        refg = (qg.float().view(N, K // group, group) * sg[..., None]).reshape(N, K).to(torch.bfloat16)
+        assert torch.equal(cpu_qgemv.dequantize_int8(qg, sg, group), refg)
     codes, packed, scales4, mins4 = _int4_weight(N, K, gs, g)
     ref4 = (codes.float().view(N, K // gs, gs) * scales4[..., None] + mins4[..., None]).reshape(N, K)
     assert torch.equal(cpu_qgemv.dequantize_int4(packed, scales4, mins4, gs), ref4.to(torch.bfloat16))

@@ -17,7 +17,7 @@ from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOn
 from tests.compress.conftest import dense_logits
 from tests.loading.conftest import write_tiny_gguf
 
-BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q4_K: (256, 144), Q.Q8_0: (32, 34), Q.Q5_0: (32, 22)}
+BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q4_K: (256, 144), Q.Q8_0: (32, 34), Q.Q5_0: (32, 22), Q.Q6_K: (256, 210)}
 
 
 def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -25,9 +25,10 @@ def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     weights, nbytes = BLOCK[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // weights, nbytes), dtype=np.uint8)
-    halves = 2 if qtype in (Q.Q4_0, Q.Q8_0, Q.Q5_0) else 4  # bytes of fp16 fields at the start of a block
+    halves = 2 if qtype in (Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.Q6_K) else 4  # bytes of fp16 fields in a block
     fp16 = (rng.standard_normal((rows, cols // weights, halves // 2)) * 0.01).astype(np.float16)
-    blocks[..., :halves] = fp16.view(np.uint8).reshape(rows, cols // weights, halves)
+    at = slice(nbytes - 2, nbytes) if qtype == Q.Q6_K else slice(0, halves)  # Q6_K's d comes last
+    blocks[..., at] = fp16.view(np.uint8).reshape(rows, cols // weights, halves)
     return blocks.reshape(rows, -1)
 
 
@@ -36,11 +37,10 @@ def test_layers_dequantize_exactly_as_gguf(qtype):
     rows, cols = 48, 512
     data = _random_blocks(qtype, rows, cols)
     layer = runtime_linear(qtype, data, (rows, cols))
-    if qtype in INT8_TYPES:  # signed codes, one scale per 32
-        assert isinstance(layer, Int8WeightOnlyLinear) and layer.group_size == 32
-        assert layer.qweight.min() >= (-16 if qtype == Q.Q5_0 else -128) and layer.qweight.max() <= 15 + 112 * (
-            qtype == Q.Q8_0
-        )
+    if qtype in INT8_TYPES:  # signed codes, one scale per 32 (Q6_K: 16)
+        assert isinstance(layer, Int8WeightOnlyLinear) and layer.group_size == (16 if qtype == Q.Q6_K else 32)
+        bound = {Q.Q5_0: 16, Q.Q6_K: 32, Q.Q8_0: 128}[qtype]
+        assert layer.qweight.min() == -bound and layer.qweight.max() == bound - 1  # random codes span the range
     else:
         assert isinstance(layer, IntGroupWeightOnlyLinear) and layer.group_size == 32 and layer.bits == 4
     expected = torch.from_numpy(dequantize(data, qtype).reshape(rows, cols).copy())
@@ -58,7 +58,7 @@ def test_row_order_and_bias(qtype):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])  # gguf-py cannot write Q6_K this narrow
 def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, arch, tied=False, linear_type=linear_type)

@@ -177,7 +177,7 @@ def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scale
 @register_format
 class Int8WeightOnlyLinear(QuantLinear):
     """W8A16: symmetric int8 weights with one scale per output channel, or per group of `group_size` input
-    columns (GGUF's Q8_0 and Q5_0 blocks: group 32); activations stay 16/32-bit."""
+    columns (GGUF's Q8_0 and Q5_0 blocks: group 32; Q6_K: group 16); activations stay 16/32-bit."""
 
     format = "int8_weight_only"
     tensor_names = ("qweight", "scales")
@@ -196,10 +196,10 @@ class Int8WeightOnlyLinear(QuantLinear):
             check_numel(self.format, "scales", scales, n)
             scales = scales.reshape(-1)
         else:
-            if not isinstance(group_size, int) or group_size <= 0 or group_size % 32 or k % group_size:
+            if not cpu_qgemv.int8_group_ok(group_size, k):
                 raise ValueError(
-                    f"{self.format}: group_size must be a positive multiple of 32 dividing K={k}, "
-                    f"not {group_size!r} (or None: one scale per channel)"
+                    f"{self.format}: group_size must be 16 or a multiple of 32, dividing K={k} (itself a multiple "
+                    f"of 32), not {group_size!r} (or None: one scale per channel)"
                 )
             check_shape(self.format, "scales", scales, n, k // group_size)
         self.group_size = group_size
