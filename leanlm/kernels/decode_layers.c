@@ -49,7 +49,7 @@ typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t 
 typedef struct {
     int64_t kind;           /* KIND_* */
     const void *weight;     /* bf16 [N, K], int8 [N, K] or packed 4-bit codes uint8 [N, K / 2] */
-    const float *scales;    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size]; NULL for bf16 */
+    const float *scales;    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size] */
     const float *mins;      /* int4: [N, K / group_size]; NULL otherwise */
     const uint16_t *bias;   /* bf16 [N] or NULL */
     const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
