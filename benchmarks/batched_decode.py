@@ -54,6 +54,7 @@ RATIOS += (("bf16", "vllm"),)
 HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
+SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}  # in ratio headers
 
 
 def gflops(fn, m: int, n: int, k: int, min_seconds: float = 0.15) -> float:
@@ -269,7 +270,7 @@ def throughput_table(rates: dict[tuple[str, int], float], batches: list[int], co
         "| batch | "
         + " | ".join(HEADERS[c] for c in columns)
         + " | "
-        + " | ".join(f"{a} / {b}" for a, b in ratios)
+        + " | ".join(f"{a} / {SHORT.get(b, b)}" for a, b in ratios)
         + " |",
         "|---:|" + "---:|" * (len(columns) + len(ratios)),
     ]

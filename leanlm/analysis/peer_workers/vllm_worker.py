@@ -45,7 +45,8 @@ def describe(request: dict) -> dict:
             name: os.environ.get(name, "")
             for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
         },
-        "engine_args": engine_args(request, 1),
+        # max_num_seqs (and with it, for small caps, max_num_batched_tokens) follows each batch's cap
+        "engine_args_at_largest_cap": engine_args(request, max(b["max_num_seqs"] for b in request["batches"])),
     }
 
 
