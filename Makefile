@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.leanlm-installed
 
-.PHONY: install demo test test-fast test-slow lint bench bench-serve llama-server clean
+.PHONY: install demo test test-fast test-slow lint bench bench-serve llama-server peers peers-openvino peers-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,17 @@ bench: install
 # The serving benchmark's peer: llama.cpp's llama-server, built from the llama-cpp-python sdist into ../peers.
 llama-server: install
 	benchmarks/build_llama_server.sh $(PY)
+
+# The offline-throughput peers that need environments of their own, beside the checkout in ../peers (pinned, idempotent):
+# OpenVINO GenAI (+ its IR exports at fp16/int8/int4) and vLLM's CPU build; `leanlm bench throughput --compare
+# openvino,vllm` and benchmarks/batched_decode.py drive them through worker processes (leanlm/analysis/peer_process.py).
+peers-openvino: install
+	benchmarks/setup_peers.sh openvino $(PY)
+
+peers-vllm: install
+	benchmarks/setup_peers.sh vllm $(PY)
+
+peers: peers-openvino peers-vllm
 
 # `leanlm serve` against llama-server at several loads, in one run (about 10 minutes on 2 CPUs).
 bench-serve: llama-server

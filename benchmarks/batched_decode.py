@@ -8,9 +8,13 @@ capped at `batch` running requests (HF: padded batches of `batch`, sorted by len
 - HF transformers on a dense bf16 safetensors directory written from the dequantized model;
 - llama.cpp's llama-batched-bench on the same GGUF (when benchmarks/build_llama_server.sh has built it):
   `batch` sequences of a 24-token prompt (the workload's mean) and 128 generated tokens each, 2 threads;
-  its output tok/s is batch * 128 / (prompt time + generation time), as ours counts.
-Every timed repetition records the CPU share other processes used (/proc/stat); repetitions above
---max-other-cpu are discarded and counted.
+  its output tok/s is batch * 128 / (prompt time + generation time), as ours counts;
+- OpenVINO GenAI's continuous-batching LLMPipeline on IR exports of the dense directory (fp16, int8 and int4 g64
+  weights) and vLLM's CPU build on the dense bf16 directory, each in its own virtual environment
+  (`make peers-openvino`, `make peers-vllm`) through a worker process (leanlm/analysis/peer_process.py), on the
+  same prompts, capped at `batch` running requests; `--peers` picks them (default: those set up).
+Every timed repetition records the CPU share other processes used (/proc/stat; a peer's worker measures its own
+process tree); repetitions above --max-other-cpu are discarded and counted.
 
     python benchmarks/batched_decode.py --out docs/batched-decode.md
 """
@@ -21,7 +25,6 @@ import argparse
 import json
 import random
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +34,8 @@ import torch.nn.functional as F
 from leanlm import LLM, SamplingParams
 from leanlm.analysis.bench import HFRunner
 from leanlm.analysis.host import CpuMonitor, describe_machine
+from leanlm.analysis.peer_models import ensure_dense_dir, ensure_openvino_ir
+from leanlm.analysis.peer_process import OPENVINO, VLLM, PeerBatch, PeerRequest, run_peer
 from leanlm.analysis.peers import PEERS_DIR
 from leanlm.kernels import cpu_gemm
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
@@ -39,6 +44,17 @@ LLAMA_BATCHED_BENCH = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-batched
 
 SHAPES = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576)}
 SHAPES |= {"down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
+# Peers in environments of their own: --peers name -> (environment, OpenVINO weight format or None: dense bf16).
+PROCESS_PEERS = {"ov-fp16": (OPENVINO, "fp16"), "ov-int8": (OPENVINO, "int8"), "ov-int4": (OPENVINO, "int4")}
+PROCESS_PEERS |= {"vllm": (VLLM, None)}
+IN_PROCESS = ("codes", "bf16", "hf", "llama.cpp")
+# (numerator, denominator) columns of the ratio part of the table
+RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("codes", "ov-int4"))
+RATIOS += (("bf16", "vllm"),)
+HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
+HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
+HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
+SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}  # in ratio headers
 
 
 def gflops(fn, m: int, n: int, k: int, min_seconds: float = 0.15) -> float:
@@ -139,11 +155,44 @@ def llama_cpp_runner(model: str, batch: int, output_len: int, prompt_len: int = 
     return run
 
 
-def write_dense_dir(model: str, out: Path) -> None:
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.llm import load_model
+def print_progress(name: str, line: str) -> None:
+    """One worker event, short (a repetition's token ids are left out)."""
+    event = json.loads(line)
+    if event["event"] == "repetition":
+        rate = sum(map(len, event["output_token_ids"])) / event["wall_s"]
+        other = round(event["cpu"]["other_share"], 3)
+        event = {k: event[k] for k in ("event", "max_num_seqs", "rep")} | {"tok/s": round(rate, 1), "other_cpu": other}
+    print(f"{name}: {json.dumps(event)[:300]}", flush=True)
 
-    save_checkpoint(load_model(model, dtype="bfloat16", progress=False), out)
+
+def process_peer_rates(model: str, name: str, batches: list[int], prompts, output_len: int, reps: int, max_other):
+    """{batch: (best clean tok/s, discarded, worst other share kept)} of one process peer: a single worker run
+    over every batch (the peer's engine capped at `batch` running requests; batch 1 runs 4 prompts)."""
+    spec, weights = PROCESS_PEERS[name]
+    model_dir = ensure_openvino_ir(model, weights) if weights else ensure_dense_dir(model)
+    counts = {b: 4 if b == 1 else len(prompts) for b in batches}
+    request = PeerRequest(
+        model_dir, tuple(map(tuple, prompts)), output_len, tuple(PeerBatch(b, counts[b]) for b in batches), reps
+    )
+    run = run_peer(spec, request, on_line=lambda line: print_progress(name, line))
+    out = {}
+    for batch in batches:
+        reps_ = [r for r in run.repetitions if r.max_num_seqs == batch]
+        clean = [r for r in reps_ if not r.cpu.is_contaminated(max_other)]
+        best = max((r.output_tokens_per_s for r in clean), default=0.0)
+        out[batch] = (best, len(reps_) - len(clean), max((r.cpu.other_share for r in clean), default=0.0))
+    return out, run.info
+
+
+def selected_peers(flag: str) -> list[str]:
+    """--peers: "auto" (those whose environment is set up), "none", or names from PROCESS_PEERS."""
+    if flag == "auto":
+        return list(PROCESS_PEERS)  # an absent environment becomes a "-" column and a note
+    names = [n for n in flag.split(",") if n and n != "none"]
+    unknown = sorted(set(names) - set(PROCESS_PEERS))
+    if unknown:
+        raise SystemExit(f"unknown --peers {unknown}; use auto, none or some of {', '.join(PROCESS_PEERS)}")
+    return names
 
 
 def main() -> None:
@@ -154,10 +203,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-batches", default="32", help="batch sizes to run HF at (it is slow)")
+    ap.add_argument("--peers", default="auto", help=f"auto, none, or some of {','.join(PROCESS_PEERS)}")
     ap.add_argument("--linear-rows", default="8,16,32,64,128,256,512")
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    peers = selected_peers(args.peers)
 
     lines = [f"Machine: {describe_machine()}.", ""]
     lines += linear_table([int(r) for r in args.linear_rows.split(",")]) + [""]
@@ -166,47 +217,69 @@ def main() -> None:
     prompts = short_prompts(args.num_prompts, seed=0)
     batches = [int(b) for b in args.batches.split(",")]
     hf_batches = {int(b) for b in args.hf_batches.split(",") if b}
-    table = [
-        f"Offline throughput, output tokens/s (best of {args.reps} clean repetitions; {args.num_prompts} prompts of "
-        f"16-32 tokens x {args.output_len} greedy tokens; batch 1 runs 4 prompts):",
-        "",
-        "| batch | LeanLM, GGUF Q4_1 codes | LeanLM, bf16 (dequantized) | HF dense bf16 | llama.cpp, GGUF Q4_1 "
-        "| codes / HF | bf16 / HF | codes / llama.cpp |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    notes = []
-    with tempfile.TemporaryDirectory() as tmp:
-        if hf_batches:
-            write_dense_dir(args.model, Path(tmp) / "dense")
-        for batch in batches:
-            work = prompts[:4] if batch == 1 else prompts
-            rates = {}
-            for name, make in (
-                ("codes", lambda: leanlm_runner(args.model, batch, False, work, args.output_len)),
-                ("bf16", lambda: leanlm_runner(args.model, batch, True, work, args.output_len)),
-                ("hf", lambda: hf_runner(Path(tmp) / "dense", batch, work, args.output_len)),
-                ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len)),
-            ):
-                if name == "hf" and batch not in hf_batches:
-                    continue
-                run = make()
-                if run is None:
-                    continue
-                rate, dropped, worst = timed(run, args.reps, args.max_other_cpu)
-                rates[name] = rate
-                notes.append(f"batch {batch} {name}: {dropped} repetition(s) discarded, other CPU <= {worst:.1%}")
-                print(f"batch {batch} {name}: {rate:.1f} tok/s ({notes[-1]})", flush=True)
-                del run
-            hf, llama = rates.get("hf"), rates.get("llama.cpp")
-            ratio = [f"{rates[k] / hf:.2f}x" if hf else "-" for k in ("codes", "bf16")]
-            ratio.append(f"{rates['codes'] / llama:.2f}x" if llama else "-")
-            cells = [f"{rates[k]:.1f}" if k in rates else "-" for k in ("codes", "bf16", "hf", "llama.cpp")]
-            table.append(f"| {batch} | " + " | ".join(cells + ratio) + " |")
-    lines += table + ["", "Repetitions: " + "; ".join(notes) + "."]
+    rates: dict[tuple[str, int], float] = {}
+    notes, peer_info = [], []
+    for batch in batches:
+        work = prompts[:4] if batch == 1 else prompts
+        for name, make in (
+            ("codes", lambda: leanlm_runner(args.model, batch, False, work, args.output_len)),
+            ("bf16", lambda: leanlm_runner(args.model, batch, True, work, args.output_len)),
+            ("hf", lambda: hf_runner(ensure_dense_dir(args.model), batch, work, args.output_len)),
+            ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len)),
+        ):
+            if name == "hf" and batch not in hf_batches:
+                continue
+            run = make()
+            if run is None:
+                continue
+            rate, dropped, worst = timed(run, args.reps, args.max_other_cpu)
+            rates[(name, batch)] = rate
+            notes.append(f"batch {batch} {name}: {dropped} repetition(s) discarded, other CPU <= {worst:.1%}")
+            print(f"batch {batch} {name}: {rate:.1f} tok/s ({notes[-1]})", flush=True)
+            del run
+    for name in peers:
+        spec = PROCESS_PEERS[name][0]
+        if not spec.is_installed():
+            peer_info.append(f"{HEADERS[name]}: -, {spec.missing_message()}")
+            continue
+        results, info = process_peer_rates(
+            args.model, name, batches, prompts, args.output_len, args.reps, args.max_other_cpu
+        )
+        peer_info.append(f"{HEADERS[name]}: {json.dumps(info, sort_keys=True)}")
+        for batch, (rate, dropped, worst) in results.items():
+            rates[(name, batch)] = rate
+            notes.append(f"batch {batch} {name}: {dropped} repetition(s) discarded, other CPU <= {worst:.1%}")
+    lines += throughput_table(rates, batches, [*IN_PROCESS, *peers], args)
+    if peer_info:
+        lines += ["", "Peers in environments of their own (what each worker reported):", ""]
+        lines += [f"- {line}" for line in peer_info]
+    lines += ["", "Repetitions: " + "; ".join(notes) + "."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         args.out.write_text(f"# Batched decode (`python benchmarks/batched_decode.py`)\n\n{text}")
+
+
+def throughput_table(rates: dict[tuple[str, int], float], batches: list[int], columns: list[str], args) -> list[str]:
+    """A column per engine ("-" where it did not run, or all its repetitions were discarded) and the ratios."""
+    ratios = [(a, b) for a, b in RATIOS if b in columns]
+    lines = [
+        f"Offline throughput, output tokens/s (best of {args.reps} clean repetitions; {args.num_prompts} prompts of "
+        f"16-32 tokens x {args.output_len} greedy tokens; batch 1 runs 4 prompts):",
+        "",
+        "| batch | "
+        + " | ".join(HEADERS[c] for c in columns)
+        + " | "
+        + " | ".join(f"{a} / {SHORT.get(b, b)}" for a, b in ratios)
+        + " |",
+        "|---:|" + "---:|" * (len(columns) + len(ratios)),
+    ]
+    for batch in batches:
+        got = {c: rates[(c, batch)] for c in columns if rates.get((c, batch))}
+        cells = [f"{got[c]:.1f}" if c in got else "-" for c in columns]
+        cells += [f"{got[a] / got[b]:.2f}x" if a in got and b in got else "-" for a, b in ratios]
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return lines
 
 
 if __name__ == "__main__":

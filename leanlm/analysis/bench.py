@@ -1,9 +1,12 @@
-"""`leanlm bench latency | throughput`: our engine and its peers (HF transformers, llama.cpp) on the same model,
-prompts and machine, in one run.
+"""`leanlm bench latency | throughput`: our engine and its peers (HF transformers, llama.cpp, OpenVINO GenAI,
+vLLM) on the same model, prompts and machine, in one run.
 
-Every peer is a Runner with two measurements: batch-1 latency (time to first token and time per output token
-for one prompt) and offline throughput (output tokens/s for a list of prompts). Each timed repetition records
-the CPU share other processes used (/proc/stat); contaminated repetitions are kept apart, never averaged in.
+Every in-process peer is a Runner with two measurements: batch-1 latency (time to first token and time per output
+token for one prompt) and offline throughput (output tokens/s for a list of prompts). Peers in environments of
+their own (OpenVINO, vLLM) are PeerRunners (peer_runner.py): throughput only, every batch size in one worker
+process. Each timed
+repetition records the CPU share other processes used (/proc/stat); contaminated repetitions are kept apart, never
+averaged in.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from leanlm.analysis.host import CpuMonitor, CpuSample
 
-PEERS = ("hf", "llama.cpp")
+PEERS = ("hf", "llama.cpp", "openvino", "openvino-int8", "openvino-int4", "vllm")
 
 
 @dataclass(frozen=True)

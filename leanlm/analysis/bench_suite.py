@@ -8,8 +8,9 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from leanlm.analysis.bench import LatencySample, Runner, median, repeat
+from leanlm.analysis.bench import LatencySample, Repetitions, Runner, median, repeat
 from leanlm.analysis.host import describe_machine, measure_memory_bandwidth
+from leanlm.analysis.peer_runner import PROCESS_PEERS, PeerRunner, peer_notes, process_peer_runner
 
 
 @dataclass(frozen=True)
@@ -87,21 +88,35 @@ def run_latency(
 
 
 def run_throughput(
-    runners: list[Runner],
+    runners: list[Runner | PeerRunner],
     prompts: list[list[int]],
     batch_sizes: list[int],
     output_len: int,
     reps: int,
     threshold: float = 0.10,
 ) -> list[ThroughputRow]:
-    """Output tokens/s with `batch_size` requests submitted at once (the first batch_size prompts)."""
-    rows = []
+    """Output tokens/s with `batch_size` requests submitted at once (the first batch_size prompts). Runners with a
+    throughput_sweep (PeerRunners: a process of their own) run every batch size in one call."""
+    results: dict[tuple[str, int], Repetitions] = {}
+    for runner in runners:
+        if sweep := getattr(runner, "throughput_sweep", None):
+            for batch_size, reps_ in sweep(prompts, batch_sizes, output_len, reps, threshold).items():
+                results[(runner.name, batch_size)] = reps_
     for batch_size in batch_sizes:
         batch = prompts[:batch_size]
         for runner in runners:
-            runner.throughput(batch[:1], 4)  # warm-up
-            r = repeat(lambda: runner.throughput(batch, output_len), reps, threshold)
-            rows.append(ThroughputRow(runner.name, batch_size, median(r.values), len(r.values), len(r.discarded)))
+            if (runner.name, batch_size) not in results:
+                runner.throughput(batch[:1], 4)  # warm-up
+                results[(runner.name, batch_size)] = repeat(
+                    lambda: runner.throughput(batch, output_len), reps, threshold
+                )
+    rows = []
+    for batch_size in batch_sizes:
+        for runner in runners:
+            kept = results[(runner.name, batch_size)]
+            rows.append(
+                ThroughputRow(runner.name, batch_size, median(kept.values), len(kept.values), len(kept.discarded))
+            )
     return rows
 
 
@@ -212,23 +227,36 @@ def as_data(rows) -> list[dict]:
 # -- the commands ---------------------------------------------------------------------------------------
 
 
+def check_peers(compare: list[str], throughput: bool) -> None:
+    """Fail before any model loads: an unknown name, a missing package or environment, or a process peer asked
+    for latency."""
+    from leanlm.analysis.bench import PEERS
+
+    unknown = sorted(set(compare) - set(PEERS))
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; --compare takes {', '.join(PEERS)}")
+    process_peers = [c for c in compare if c in PROCESS_PEERS]
+    if process_peers and not throughput:
+        raise ValueError(f"{process_peers} run in processes of their own and measure throughput only")
+    for spec in {PROCESS_PEERS[c][0] for c in process_peers}:
+        if not spec.is_installed():
+            raise ValueError(spec.missing_message())
+    # The in-process peers' packages are optional (leanlm[peers]): a missing one fails here.
+    if "hf" in compare:
+        import transformers  # noqa: F401
+    if "llama.cpp" in compare:
+        import llama_cpp  # noqa: F401
+
+
 def build_runners(model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32):
-    """Our runner plus the peers asked for, on the same model file; and, per runner, the bytes one decode
-    step reads at a given context (weights as that runner stores them, plus its KV cache)."""
+    """Our runner plus the peers asked for, on the same model file; and, per in-process runner, the bytes one
+    decode step reads at a given context (weights as that runner stores them, plus its KV cache)."""
     import torch
 
     from leanlm.analysis.bench import HFRunner, LeanLMRunner, LlamaCppRunner
     from leanlm.llm import LLM
     from leanlm.loading.inspect import ModelFormat, inspect
 
-    unknown = sorted(set(compare) - {"hf", "llama.cpp"})
-    if unknown:
-        raise ValueError(f"unknown peers {unknown}; --compare takes hf and/or llama.cpp")
-    # The peers' packages are optional (leanlm[peers]): a missing one fails here, before our model loads.
-    if "hf" in compare:
-        import transformers  # noqa: F401
-    if "llama.cpp" in compare:
-        import llama_cpp  # noqa: F401
     # No prefix caching: repetitions of a batch would otherwise reuse their own prompts' KV.
     llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)
     cfg = llm.model_config
@@ -254,6 +282,8 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
         runners.append(LlamaCppRunner(path, n_ctx=max_context))
         file_bytes = path.stat().st_size  # its weights as stored: the published quantization
         per_token["llama.cpp"] = lambda c: file_bytes + kv_bytes(c, 2)  # f16 KV cache
+    max_num_seqs = llm.llm_engine.engine_config.max_num_seqs
+    runners += [process_peer_runner(c, model, dtype, max_num_seqs) for c in compare if c in PROCESS_PEERS]
     return llm, runners, per_token
 
 
@@ -268,6 +298,7 @@ def latency_command(args) -> str:
     prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
     output_lens = [int(x) for x in args.output_lens.split(",")]
     compare = [c for c in args.compare.split(",") if c]
+    check_peers(compare, throughput=False)
     text = _text(args.data)  # before the (slow) model loads
     llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
     prompts = {
@@ -298,6 +329,7 @@ def throughput_command(args) -> str:
     compare = [c for c in args.compare.split(",") if c]
     rng = random.Random(args.seed)
     lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(max(batch_sizes))]
+    check_peers(compare, throughput=True)
     text = _text(args.data)  # before the (slow) model loads
     llm, runners, _ = build_runners(args.model, args.dtype, compare, args.max_prompt + args.output_len + 8)
     prompts = prompts_from_text(llm.get_tokenizer(), text, lengths, args.seed)
@@ -308,6 +340,7 @@ def throughput_command(args) -> str:
         f"{args.reps} repetitions (discarded when other processes took over {args.max_other_cpu:.0%} of the CPUs); "
         "our prefix cache is off, so repeating a batch gains nothing. llama.cpp's Python API runs requests "
         "one after another (its batched path is its server: see the serving section).",
+        *peer_notes(runners),
         "",
         *throughput_table(rows),
     ]

@@ -12,26 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from leanlm.analysis.peer_workers.proc_cpu import cpu_shares, take_snapshot
 from leanlm.kernels.build import cpu_model_name
-
-
-def _system_busy_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies over all CPUs since boot, from the first line of /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
-    return total - idle, total
-
-
-def _own_jiffies(pid: int | str = "self") -> int:
-    """utime + stime of a process and its threads (and waited-for children); 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
 
 
 @dataclass(frozen=True)
@@ -53,25 +35,13 @@ class CpuMonitor:
     def __init__(self, pids: tuple[int, ...] = ()) -> None:
         self.pids = ("self", *pids)
 
-    def _own(self) -> int:
-        return sum(_own_jiffies(pid) for pid in self.pids)
-
     def __enter__(self) -> CpuMonitor:
-        self._busy0, self._total0 = _system_busy_jiffies()
-        self._own0 = self._own()
-        self._t0 = time.perf_counter()
+        self._start = take_snapshot(self.pids)
         return self
 
     def __exit__(self, *exc) -> None:
-        busy1, total1 = _system_busy_jiffies()
-        own = self._own() - self._own0
-        total = max(total1 - self._total0, 1)
-        busy = busy1 - self._busy0
-        self.sample = CpuSample(
-            seconds=time.perf_counter() - self._t0,
-            own_share=min(own / total, 1.0),
-            other_share=max(busy - own, 0) / total,
-        )
+        seconds, own, other = cpu_shares(self._start, take_snapshot(self.pids))
+        self.sample = CpuSample(seconds=seconds, own_share=own, other_share=other)
 
 
 def measure_memory_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:

@@ -74,7 +74,12 @@ def add_parser(sub) -> None:
             help="bundled model name, GGUF file or HF directory (default: %(default)s)",
         )
         parser.add_argument("--dtype", default="bfloat16", help="our engine's and HF's dtype")
-        parser.add_argument("--compare", default="", help="peers in the same run: hf, llama.cpp (comma-separated)")
+        parser.add_argument(
+            "--compare",
+            default="",
+            help="peers in the same run (comma-separated): hf, llama.cpp; for throughput also openvino, openvino-int8, "
+            "openvino-int4 and vllm, each in its own environment (make peers-openvino, make peers-vllm)",
+        )
         parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
         parser.add_argument(
             "--max-other-cpu",

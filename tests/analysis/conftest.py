@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
+from leanlm.analysis.peer_process import PeerSpec
 from tests.analysis.stub_server import StubState, build_app, serve_in_thread
 
 
@@ -28,3 +32,11 @@ def smollm_f32():
     from leanlm.llm import LLM
 
     return LLM(dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture
+def fake_peer_spec(tmp_path) -> PeerSpec:
+    """A peer 'environment' whose python is this interpreter, running tests/analysis/fake_peer_worker.py."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    return PeerSpec("fake", tmp_path, Path(__file__).with_name("fake_peer_worker.py"), "make peers-fake")
