@@ -10,13 +10,9 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport
-from leanlm.model.quantized.linear import (
-    Int8DynamicActLinear,
-    Int8WeightOnlyLinear,
-    IntGroupWeightOnlyLinear,
-    QuantLinear,
-)
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.model.quantized.numerics import Granularity, QParams, QuantSpec, pack_int4, sqnr_db
+from leanlm.model.quantized.w8a8 import Int8DynamicActLinear
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv
+from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_rows
 from leanlm.model.packed_cache import PackedCache
 
 
@@ -65,9 +65,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         dtype = x.dtype
-        if cpu_decode.should_use_rows(x) and self.weight.dtype is torch.bfloat16 and self.weight.is_contiguous():
+        if cpu_rows.should_use_rows(x) and self.weight.dtype is torch.bfloat16 and self.weight.is_contiguous():
             # few rows: the native loop's arithmetic, so both paths agree bit for bit
-            return cpu_decode.rms_norm(x, self.weight, self.eps)
+            return cpu_rows.rms_norm(x, self.weight, self.eps)
         if dtype in (torch.bfloat16, torch.float16):
             # fused: float32 inside, one rounding at the end (HF rounds twice; this is the closer of the two)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

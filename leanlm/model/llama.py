@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_decode
+from leanlm.kernels import cpu_rows
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
 from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
@@ -55,8 +55,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if cpu_decode.should_use_rows(gate) and up.is_contiguous():  # the native loop's arithmetic
-            return self.down_proj(cpu_decode.silu_and_mul(gate, up))
+        if cpu_rows.should_use_rows(gate) and up.is_contiguous():  # the native loop's arithmetic
+            return self.down_proj(cpu_rows.silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

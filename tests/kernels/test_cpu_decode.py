@@ -15,7 +15,7 @@ import torch
 
 from leanlm.compress import RTNConfig, compress
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_decode
+from leanlm.kernels import cpu_decode, cpu_rows
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
@@ -218,22 +218,22 @@ def test_row_helpers_match_float_references():
     w = torch.randn(576, generator=gen).to(torch.bfloat16)
     xf = x.double()
     ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
-    got = cpu_decode.rms_norm(x, w, 1e-5).double()
+    got = cpu_rows.rms_norm(x, w, 1e-5).double()
     assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()  # within one bf16 rounding
     gate, up = x, (torch.randn(5, 576, generator=gen)).to(torch.bfloat16)
     silu = (gate.double() * torch.sigmoid(gate.double())).to(torch.bfloat16).double()
     ref = silu * up.double()
-    got = cpu_decode.silu_and_mul(gate, up).double()
+    got = cpu_rows.silu_and_mul(gate, up).double()
     assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()
     with pytest.raises(ValueError, match="bf16"):
-        cpu_decode.rms_norm(x.float(), w, 1e-5)
+        cpu_rows.rms_norm(x.float(), w, 1e-5)
     edges = torch.tensor([-1e30, -100.0, -88.0, -1e-30, 0.0, 1e-30, 88.0, 100.0, 1e30, float("inf")])
-    got = cpu_decode.silu_and_mul(edges.to(torch.bfloat16)[None], torch.ones(1, 10, dtype=torch.bfloat16))
+    got = cpu_rows.silu_and_mul(edges.to(torch.bfloat16)[None], torch.ones(1, 10, dtype=torch.bfloat16))
     assert torch.equal(got[0].float(), torch.nn.functional.silu(edges.double()).to(torch.bfloat16).float())
     nan = torch.full((1, 3), float("nan"), dtype=torch.bfloat16)
-    assert cpu_decode.silu_and_mul(nan, torch.ones_like(nan)).isnan().all()
+    assert cpu_rows.silu_and_mul(nan, torch.ones_like(nan)).isnan().all()
     with pytest.raises(ValueError, match="one shape"):
-        cpu_decode.silu_and_mul(gate, up[:, :8].contiguous())
+        cpu_rows.silu_and_mul(gate, up[:, :8].contiguous())
 
 
 def test_row_helpers_give_each_row_the_same_bits_in_any_batch():
@@ -242,14 +242,14 @@ def test_row_helpers_give_each_row_the_same_bits_in_any_batch():
     x = (torch.randn(37, 100, generator=gen) * 2).to(torch.bfloat16)
     up = torch.randn(37, 100, generator=gen).to(torch.bfloat16)
     w = torch.randn(100, generator=gen).to(torch.bfloat16)
-    norm, act = cpu_decode.rms_norm(x, w, 1e-6), cpu_decode.silu_and_mul(x, up)
-    assert torch.equal(cpu_decode.rms_norm(x[5:6], w, 1e-6), norm[5:6])
-    assert torch.equal(cpu_decode.silu_and_mul(x[30:], up[30:]), act[30:])
+    norm, act = cpu_rows.rms_norm(x, w, 1e-6), cpu_rows.silu_and_mul(x, up)
+    assert torch.equal(cpu_rows.rms_norm(x[5:6], w, 1e-6), norm[5:6])
+    assert torch.equal(cpu_rows.silu_and_mul(x[30:], up[30:]), act[30:])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_decode.rms_norm(x, w, 1e-6), norm)
-        assert torch.equal(cpu_decode.silu_and_mul(x, up), act)
+        assert torch.equal(cpu_rows.rms_norm(x, w, 1e-6), norm)
+        assert torch.equal(cpu_rows.silu_and_mul(x, up), act)
     finally:
         torch.set_num_threads(threads)
 

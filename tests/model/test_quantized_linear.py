@@ -7,8 +7,9 @@ from leanlm.compress.int_scheme import IntScheme
 from leanlm.compress.llm_int8 import llm_int8_linear
 from leanlm.compress.rtn import quantize_rtn
 from leanlm.model.quantized.fp8 import FP8Linear
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, Int8DynamicActLinear
+from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
 from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
+from leanlm.model.quantized.w8a8 import Int8DynamicActLinear
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -3,4 +3,4 @@
 The methods that produce them live in leanlm.compress."""
 
 # Importing every format's module registers it in QUANT_LINEAR_FORMATS before any checkpoint is read.
-from leanlm.model.quantized import fp8, linear, llm_int8  # noqa: E402, F401
+from leanlm.model.quantized import fp8, linear, llm_int8, w8a8  # noqa: E402, F401

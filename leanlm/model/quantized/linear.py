@@ -1,9 +1,8 @@
 """Runtime quantized linear layers, one class per saved format, each with a fast path and a reference path.
 
 Weight-only int8 / int2-4 (group-wise) run few-row decode on leanlm's native GEMV kernels and 9+ bf16 rows on
-its packed GEMM (the weight widened a panel at a time), everything else as dequantize + F.linear; W8A8 int8
-runs torch's int8 x int8 matmul; FP8 W8A8 runs torch's scaled FP8 matmul (CPU, and CUDA on Hopper);
-LLM.int8() splits outlier columns into a 16-bit product (Dettmers 2022).
+its packed GEMM (the weight widened a panel at a time), everything else as dequantize + F.linear. The other
+formats have modules of their own: W8A8 int8 (w8a8.py), FP8 (fp8.py), LLM.int8() (llm_int8.py).
 `QUANT_LINEAR_FORMATS` maps the `format` saved in a checkpoint to the class that loads it.
 """
 
@@ -18,7 +17,7 @@ from torch import nn
 
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_qgemv
 from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.numerics import quantize_per_token_int8, unpack_int4
+from leanlm.model.quantized.numerics import unpack_int4
 
 QUANT_LINEAR_FORMATS: dict[str, type[QuantLinear]] = {}
 
@@ -48,7 +47,7 @@ def check_numel(fmt: str, name: str, t: torch.Tensor, n: int) -> None:
         raise ValueError(f"{fmt} tensor {name} has {t.numel()} values (shape {list(t.shape)}); expected {n}")
 
 
-def _check_group_size(fmt: str, group_size, k: int) -> None:
+def check_group_size(fmt: str, group_size, k: int) -> None:
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or k % group_size:
         raise ValueError(f"{fmt} group_size {group_size!r} must be a positive integer dividing in_features={k}")
 
@@ -166,14 +165,6 @@ def _dequantizes_natively(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Te
     )
 
 
-def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 [T, N] = (xq [T, K] int8 * xs [T, 1]) @ (qweight [N, K] int8 * scales [N])^T: torch's exact
-    int8 x int8 -> int32 product on CPU, the same arithmetic in float elsewhere."""
-    if xq.device.type == "cpu":
-        return torch._int_mm(xq, qweight.t()).float() * xs * scales
-    return (xq.float() * xs) @ (qweight.float() * scales[:, None]).t()
-
-
 @register_format
 class Int8WeightOnlyLinear(QuantLinear):
     """W8A16: symmetric int8 weights with one scale per output channel, or per group of `group_size` input
@@ -275,7 +266,7 @@ class IntGroupWeightOnlyLinear(QuantLinear):
         super().__init__(half_k * 2, n, bias)
         if not isinstance(bits, int) or not 2 <= bits <= 4:
             raise ValueError(f"group-wise weight-only layers hold 2-4 bit codes, got bits={bits!r}")
-        _check_group_size(self.format, group_size, self.in_features)
+        check_group_size(self.format, group_size, self.in_features)
         if scales.shape != (self.out_features, self.in_features // group_size):
             raise ValueError(
                 f"scales {tuple(scales.shape)} do not match [N, K / group_size] for "
@@ -347,55 +338,3 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             self.perm,
             packed=self.packed_weight() if packed else None,
         )
-
-
-@register_format
-class Int8DynamicActLinear(QuantLinear):
-    """W8A8 (SmoothQuant, ZeroQuant): int8 weights, activations quantized per token on the fly.
-
-    Per-channel weights run torch's int8 x int8 -> int32 matmul, then y = acc * s_x[t] * s_w[n]. Group-wise
-    weights (ZeroQuant; group_size set) compute the same products in float from the integer codes.
-    """
-
-    format = "int8_dynamic_activation"
-    tensor_names = ("qweight", "scales")
-
-    def __init__(
-        self,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        group_size: int | None = None,
-    ) -> None:
-        n, k = matrix_shape(self.format, "qweight", qweight)
-        super().__init__(k, n, bias)
-        if group_size is not None:
-            _check_group_size(self.format, group_size, k)
-        check_numel(self.format, "scales", scales, n if group_size is None else n * (k // group_size))
-        self.group_size = group_size
-        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
-        scales = scales.float().reshape(n) if group_size is None else scales.float().reshape(n, -1)
-        self.register_buffer("scales", scales.contiguous())  # [N] per channel or [N, G] per group
-
-    def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "group_size": self.group_size}
-
-    def dequantized_weight(self) -> torch.Tensor:
-        if self.group_size is None:
-            return self.qweight.float() * self.scales[:, None]
-        n, k = self.qweight.shape
-        w = self.qweight.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
-        return w.reshape(n, k)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
-        if self.group_size is None:
-            y = int8_matmul(xq, xs, self.qweight, self.scales)
-        else:
-            y = (xq.float() * xs) @ self.dequantized_weight().t()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)

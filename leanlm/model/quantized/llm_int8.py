@@ -11,11 +11,11 @@ from leanlm.model.quantized.linear import (
     check_indices,
     check_numel,
     check_shape,
-    int8_matmul,
     matrix_shape,
     register_format,
 )
 from leanlm.model.quantized.numerics import quantize_per_token_int8
+from leanlm.model.quantized.w8a8 import int8_matmul
 
 
 @register_format

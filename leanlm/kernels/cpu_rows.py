@@ -1,0 +1,49 @@
+"""Row helpers shared by the native decode loop and the PyTorch path (exported from decode_layers.c): RMSNorm
+and SiLU-and-multiply on bf16 rows, with the loop's arithmetic, so a step's bits do not depend on which path
+ran it."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from leanlm.kernels.build import NativeKernel
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SOURCE = Path(__file__).with_name("decode_layers.c")
+_RMS_NORM = NativeKernel(
+    source=_SOURCE,
+    symbol="leanlm_rms_norm_bf16",
+    argtypes=[_P] * 3 + [_I64] * 2 + [ctypes.c_double, _INT],
+    restype=None,
+)
+_SILU_MUL = NativeKernel(source=_SOURCE, symbol="leanlm_silu_mul_bf16", argtypes=[_P] * 3 + [_I64, _INT], restype=None)
+_BF16 = torch.bfloat16
+
+
+def should_use_rows(x: torch.Tensor) -> bool:
+    """Policy for rms_norm / silu_and_mul: contiguous bf16 CPU rows (any number: the native loop runs every
+    decode step's norms and SiLU on these functions, so the PyTorch path runs them too and both agree)."""
+    return x.dtype is _BF16 and x.is_cpu and x.is_contiguous() and x.dim() == 2 and _RMS_NORM.is_available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bf16 rows x [M, n] with a bf16 weight [n], in fp32 with one rounding: the function the
+    native loop runs, so its steps agree bit for bit whichever path runs them (see should_use_rows)."""
+    if not (should_use_rows(x) and weight.dtype is _BF16 and weight.is_contiguous() and weight.shape == x.shape[1:]):
+        raise ValueError("rms_norm takes contiguous bf16 CPU rows [M, n] and a bf16 weight [n]")
+    y = torch.empty_like(x)
+    _RMS_NORM.fn()(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return y
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(silu(gate)) * up) for bf16 rows [M, n], as F.silu(gate) * up rounds, in the native loop's
+    arithmetic (see rms_norm)."""
+    if not (should_use_rows(gate) and up.dtype is _BF16 and up.is_contiguous() and up.shape == gate.shape):
+        raise ValueError("silu_and_mul takes two contiguous bf16 CPU tensors [M, n] of one shape")
+    y = torch.empty_like(gate)
+    _SILU_MUL.fn()(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel(), torch.get_num_threads())
+    return y

@@ -1,0 +1,71 @@
+"""W8A8 int8 (SmoothQuant, ZeroQuant): int8 weights, activations quantized per token on the fly; and the exact
+int8 x int8 -> int32 product that LLM.int8() shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from leanlm.model.quantized.linear import QuantLinear, check_group_size, check_numel, matrix_shape, register_format
+from leanlm.model.quantized.numerics import quantize_per_token_int8
+
+
+def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [T, N] = (xq [T, K] int8 * xs [T, 1]) @ (qweight [N, K] int8 * scales [N])^T: torch's exact
+    int8 x int8 -> int32 product on CPU, the same arithmetic in float elsewhere."""
+    if xq.device.type == "cpu":
+        return torch._int_mm(xq, qweight.t()).float() * xs * scales
+    return (xq.float() * xs) @ (qweight.float() * scales[:, None]).t()
+
+
+@register_format
+class Int8DynamicActLinear(QuantLinear):
+    """W8A8 (SmoothQuant, ZeroQuant): int8 weights, activations quantized per token on the fly.
+
+    Per-channel weights run torch's int8 x int8 -> int32 matmul, then y = acc * s_x[t] * s_w[n]. Group-wise
+    weights (ZeroQuant; group_size set) compute the same products in float from the integer codes.
+    """
+
+    format = "int8_dynamic_activation"
+    tensor_names = ("qweight", "scales")
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int | None = None,
+    ) -> None:
+        n, k = matrix_shape(self.format, "qweight", qweight)
+        super().__init__(k, n, bias)
+        if group_size is not None:
+            check_group_size(self.format, group_size, k)
+        check_numel(self.format, "scales", scales, n if group_size is None else n * (k // group_size))
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
+        scales = scales.float().reshape(n) if group_size is None else scales.float().reshape(n, -1)
+        self.register_buffer("scales", scales.contiguous())  # [N] per channel or [N, G] per group
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "group_size": self.group_size}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.group_size is None:
+            return self.qweight.float() * self.scales[:, None]
+        n, k = self.qweight.shape
+        w = self.qweight.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
+        return w.reshape(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
+        if self.group_size is None:
+            y = int8_matmul(xq, xs, self.qweight, self.scales)
+        else:
+            y = (xq.float() * xs) @ self.dequantized_weight().t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
