@@ -1,10 +1,13 @@
 """Batched decode on the CPU: the linear kernels against the measured vdpbf16ps peak, and offline throughput
 of the short-prompt workload at several batch sizes, LeanLM next to HF transformers, in one run.
 
-Workload (issue 16): 64 prompts of 16-32 tokens (fixed seed), 128 greedy output tokens each, the engine
-capped at `batch` running requests (HF: padded batches of `batch`, sorted by length). Engines:
-- LeanLM on the bundled GGUF as shipped (Q4_1 linears on their 4-bit codes, the tied Q8_0 embedding as an int8 head);
-- LeanLM on the same file dequantized to bf16 (`--dequantize-gguf`);
+Workload (issue 16): 64 prompts of 16-32 tokens (fixed seed; as many as the cap where that is more), 128 greedy
+output tokens each, the engine capped at `batch` running requests (HF: padded batches of `batch`, sorted by
+length). Engines:
+- LeanLM on the bundled GGUF as shipped (Q4_1 linears on their 4-bit codes, the tied Q8_0 embedding as an int8
+  head);
+- LeanLM on the same file dequantized to bf16 (`--dequantize-gguf`), and RTN checkpoints of it at int8 (per
+  channel, head too) and int4 g64 (head at int8), to compare with OpenVINO's IRs at the same precision;
 - HF transformers on a dense bf16 safetensors directory written from the dequantized model;
 - llama.cpp's llama-batched-bench on the same GGUF (when benchmarks/build_llama_server.sh has built it):
   `batch` sequences of a 24-token prompt (the workload's mean) and 128 generated tokens each, 2 threads;
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from quantized_decode import quantized_dir  # benchmarks/: the same RTN recipes as the batch-1 benchmark
 
 from leanlm import LLM, SamplingParams
 from leanlm.analysis.bench import HFRunner
@@ -47,11 +51,12 @@ SHAPES |= {"down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
 # Peers in environments of their own: --peers name -> (environment, OpenVINO weight format or None: dense bf16).
 PROCESS_PEERS = {"ov-fp16": (OPENVINO, "fp16"), "ov-int8": (OPENVINO, "int8"), "ov-int4": (OPENVINO, "int4")}
 PROCESS_PEERS |= {"vllm": (VLLM, None)}
-IN_PROCESS = ("codes", "bf16", "hf", "llama.cpp")
+IN_PROCESS = ("codes", "bf16", "int8", "int4", "hf", "llama.cpp")
 # (numerator, denominator) columns of the ratio part of the table
-RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("codes", "ov-int4"))
-RATIOS += (("bf16", "vllm"),)
+RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("int8", "ov-int8"))
+RATIOS += (("int4", "ov-int4"), ("bf16", "vllm"))
 HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
+HEADERS |= {"int8": "LeanLM int8 RTN", "int4": "LeanLM int4 g64 RTN (head int8)"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
 SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}  # in ratio headers
@@ -165,12 +170,25 @@ def print_progress(name: str, line: str) -> None:
     print(f"{name}: {json.dumps(event)[:300]}", flush=True)
 
 
-def process_peer_rates(model: str, name: str, batches: list[int], prompts, output_len: int, reps: int, max_other):
+def checkpoint(kind: str, model: str = DEFAULT_MODEL) -> Path:
+    """LeanLM's RTN checkpoint of the model ("int8": every linear and the head at int8 per channel; "int4": g64
+    with the head at int8, as OpenVINO's int4 export keeps it), written once under PEERS_DIR."""
+    return quantized_dir(str(resolve_model(model)), kind, PEERS_DIR / "leanlm-checkpoints")
+
+
+def workload(prompts: list[list[int]], batch: int, num_prompts: int) -> list[list[int]]:
+    """The prompts a batch cap runs: 4 at batch 1, else num_prompts, or `batch` where that is more (so every
+    cap is filled)."""
+    return prompts[:4] if batch == 1 else prompts[: max(num_prompts, batch)]
+
+
+def process_peer_rates(model: str, name: str, batches: list[int], prompts, args):
     """{batch: (best clean tok/s, discarded, worst other share kept)} of one process peer: a single worker run
-    over every batch (the peer's engine capped at `batch` running requests; batch 1 runs 4 prompts)."""
+    over every batch (the peer's engine capped at `batch` running requests, on workload())."""
+    output_len, reps, max_other, num_prompts = args.output_len, args.reps, args.max_other_cpu, args.num_prompts
     spec, weights = PROCESS_PEERS[name]
     model_dir = ensure_openvino_ir(model, weights) if weights else ensure_dense_dir(model)
-    counts = {b: 4 if b == 1 else len(prompts) for b in batches}
+    counts = {b: len(workload(prompts, b, num_prompts)) for b in batches}
     request = PeerRequest(
         model_dir, tuple(map(tuple, prompts)), output_len, tuple(PeerBatch(b, counts[b]) for b in batches), reps
     )
@@ -198,7 +216,7 @@ def selected_peers(flag: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
@@ -210,20 +228,22 @@ def main() -> None:
     args = ap.parse_args()
     peers = selected_peers(args.peers)
 
+    batches = [int(b) for b in args.batches.split(",")]
     lines = [f"Machine: {describe_machine()}.", ""]
     lines += linear_table([int(r) for r in args.linear_rows.split(",")]) + [""]
     print("\n".join(lines), flush=True)
 
-    prompts = short_prompts(args.num_prompts, seed=0)
-    batches = [int(b) for b in args.batches.split(",")]
+    prompts = short_prompts(max(args.num_prompts, *batches), seed=0)
     hf_batches = {int(b) for b in args.hf_batches.split(",") if b}
     rates: dict[tuple[str, int], float] = {}
     notes, peer_info = [], []
     for batch in batches:
-        work = prompts[:4] if batch == 1 else prompts
+        work = workload(prompts, batch, args.num_prompts)
         for name, make in (
             ("codes", lambda: leanlm_runner(args.model, batch, False, work, args.output_len)),
             ("bf16", lambda: leanlm_runner(args.model, batch, True, work, args.output_len)),
+            ("int8", lambda: leanlm_runner(str(checkpoint("int8", args.model)), batch, False, work, args.output_len)),
+            ("int4", lambda: leanlm_runner(str(checkpoint("int4", args.model)), batch, False, work, args.output_len)),
             ("hf", lambda: hf_runner(ensure_dense_dir(args.model), batch, work, args.output_len)),
             ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len)),
         ):
@@ -242,9 +262,7 @@ def main() -> None:
         if not spec.is_installed():
             peer_info.append(f"{HEADERS[name]}: -, {spec.missing_message()}")
             continue
-        results, info = process_peer_rates(
-            args.model, name, batches, prompts, args.output_len, args.reps, args.max_other_cpu
-        )
+        results, info = process_peer_rates(args.model, name, batches, prompts, args)
         peer_info.append(f"{HEADERS[name]}: {json.dumps(info, sort_keys=True)}")
         for batch, (rate, dropped, worst) in results.items():
             rates[(name, batch)] = rate
@@ -265,7 +283,8 @@ def throughput_table(rates: dict[tuple[str, int], float], batches: list[int], co
     ratios = [(a, b) for a, b in RATIOS if b in columns]
     lines = [
         f"Offline throughput, output tokens/s (best of {args.reps} clean repetitions; {args.num_prompts} prompts of "
-        f"16-32 tokens x {args.output_len} greedy tokens; batch 1 runs 4 prompts):",
+        f"16-32 tokens x {args.output_len} greedy tokens, or as many as the batch cap where that is more; batch 1 "
+        "runs 4 prompts):",
         "",
         "| batch | "
         + " | ".join(HEADERS[c] for c in columns)
