@@ -31,7 +31,11 @@ def describe(request: dict) -> dict:
 
 
 def scheduler_config(request: dict, max_num_seqs: int) -> openvino_genai.SchedulerConfig:
+    """A paged cache and at most max_num_seqs running sequences. The cap holds only in the scheduler's vLLM-like
+    mode: with dynamic_split_fuse (the default) OpenVINO bounds a step by max_num_batched_tokens alone and runs
+    every submitted prompt at once (seen here: the same tok/s at every cap), so that mode is turned off."""
     config = openvino_genai.SchedulerConfig()
+    config.dynamic_split_fuse = False
     config.max_num_seqs = max_num_seqs
     config.max_num_batched_tokens = request["max_num_batched_tokens"]
     config.cache_size = request["kv_cache_gib"]  # GB of paged KV cache, allocated up front
