@@ -59,7 +59,7 @@ HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantize
 HEADERS |= {"int8": "LeanLM int8 RTN", "int4": "LeanLM int4 g64 RTN (head int8)"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
-SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}  # in ratio headers
+SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int8": "OpenVINO int8", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}
 
 
 def gflops(fn, m: int, n: int, k: int, min_seconds: float = 0.15) -> float:
