@@ -11,6 +11,8 @@ import contextlib
 import json
 import math
 import random
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -288,6 +290,46 @@ async def run_load(config: LoadConfig, prompts: Sequence[str], progress: bool = 
     return LoadResult(config=config, model=model, records=tuple(records), duration_s=duration_s)
 
 
+INTERRUPT_GRACE_S = 2.0  # after Ctrl-C, how long the cancelled run may take to close its connections
+
+
 def run_load_sync(config: LoadConfig, prompts: Sequence[str], progress: bool = True) -> LoadResult:
-    """`run_load` from synchronous code (starts its own event loop)."""
-    return asyncio.run(run_load(config, prompts, progress))
+    """`run_load` from synchronous code, on an event loop of its own. Ctrl-C (in the main thread) cancels the
+    run and raises KeyboardInterrupt; a run that has not wound down INTERRUPT_GRACE_S later is abandoned."""
+    if threading.current_thread() is not threading.main_thread():  # no signal handlers off the main thread
+        return asyncio.run(run_load(config, prompts, progress))
+    return _run_interruptible(run_load(config, prompts, progress))
+
+
+def _run_interruptible(coro):
+    """Run `coro` to its result. On SIGINT: cancel it, give it INTERRUPT_GRACE_S to finish, then raise
+    KeyboardInterrupt. asyncio.run would instead wait on the cancelled task for as long as it takes: a
+    cancellation swallowed inside the HTTP client while a server never answers left `leanlm bench serve`
+    running after Ctrl-C (seen once in CI: the loop idle in select() with the task pending)."""
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(coro)
+    interrupted = False
+
+    def on_sigint() -> None:
+        nonlocal interrupted
+        if interrupted:  # a second Ctrl-C: stop waiting at once
+            loop.stop()
+            return
+        interrupted = True
+        main.cancel()
+        loop.call_later(INTERRUPT_GRACE_S, loop.stop)
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        return loop.run_until_complete(main)
+    except (asyncio.CancelledError, RuntimeError):  # RuntimeError: stopped before the task completed
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        if all(task.done() for task in asyncio.all_tasks(loop)):
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        else:  # abandoned: tasks the interpreter drops at exit would otherwise each print an error
+            loop.set_exception_handler(lambda loop, context: None)
+        loop.close()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import math
+import signal
 import socket
 import statistics
+import time
 
 import pytest
 
+from leanlm.analysis import load_generator
 from leanlm.analysis.load_generator import (
     LoadConfig,
     _Trace,
@@ -215,3 +220,33 @@ def test_prompts_are_consecutive_non_overlapping_pieces(tmp_path):
 def test_config_rejects_bad_values_with_a_hint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoadConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ Ctrl-C
+
+
+async def _interrupt_then_wait(swallow: bool) -> None:
+    """Send this process SIGINT once running, then wait; with `swallow`, ignore the cancellation that follows
+    (as an HTTP client can, deep in a request) and go on waiting."""
+    asyncio.get_running_loop().call_later(0.05, signal.raise_signal, signal.SIGINT)
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if not swallow:
+                raise
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["cancel-honoured", "cancel-swallowed"])
+def test_ctrl_c_ends_the_run_even_when_a_task_ignores_its_cancellation(monkeypatch, capfd, swallow):
+    monkeypatch.setattr(load_generator, "INTERRUPT_GRACE_S", 0.3)
+    monkeypatch.setattr(load_generator, "run_load", lambda config, prompts, progress: _interrupt_then_wait(swallow))
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run_load_sync(LoadConfig(url="http://127.0.0.1:1", model=MODEL_ID), ["x"], progress=False)
+    elapsed = time.perf_counter() - start
+    # honoured: ends as soon as the task does; swallowed: abandoned after the grace period, not an hour later
+    assert (elapsed < 0.3) if not swallow else (0.3 <= elapsed < 5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    gc.collect()  # the abandoned task is dropped here, and says nothing
+    assert capfd.readouterr().err == ""
