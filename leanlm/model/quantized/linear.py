@@ -165,6 +165,14 @@ def _dequantizes_natively(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Te
     )
 
 
+def scaled_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """float32 [N, K] = int8 codes [N, K] * scales: [N] per channel (group_size None) or [N, K / group_size]."""
+    if group_size is None:
+        return qweight.float() * scales[:, None]
+    n, k = qweight.shape
+    return (qweight.float().view(n, k // group_size, group_size) * scales[..., None]).reshape(n, k)
+
+
 @register_format
 class Int8WeightOnlyLinear(QuantLinear):
     """W8A16: symmetric int8 weights with one scale per output channel, or per group of `group_size` input
@@ -202,11 +210,7 @@ class Int8WeightOnlyLinear(QuantLinear):
         return meta if self.group_size is None else {**meta, "group_size": self.group_size}
 
     def dequantized_weight(self) -> torch.Tensor:
-        if self.group_size is None:
-            return self.qweight.float() * self.scales[:, None]
-        n, k = self.qweight.shape
-        w = self.qweight.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
-        return w.reshape(n, k)
+        return scaled_int8(self.qweight, self.scales, self.group_size)
 
     def _pack(self, qweight, scales, bias) -> cpu_gemm.PackedQuant:
         group = qweight.shape[1] if self.group_size is None else self.group_size

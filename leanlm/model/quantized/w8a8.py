@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from leanlm.model.quantized.linear import QuantLinear, check_group_size, check_numel, matrix_shape, register_format
+from leanlm.model.quantized.linear import (
+    QuantLinear,
+    check_group_size,
+    check_numel,
+    matrix_shape,
+    register_format,
+    scaled_int8,
+)
 from leanlm.model.quantized.numerics import quantize_per_token_int8
 
 
@@ -52,11 +59,7 @@ class Int8DynamicActLinear(QuantLinear):
         return {**super().metadata(), "group_size": self.group_size}
 
     def dequantized_weight(self) -> torch.Tensor:
-        if self.group_size is None:
-            return self.qweight.float() * self.scales[:, None]
-        n, k = self.qweight.shape
-        w = self.qweight.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
-        return w.reshape(n, k)
+        return scaled_int8(self.qweight, self.scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
