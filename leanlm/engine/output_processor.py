@@ -119,6 +119,8 @@ class OutputProcessor:
         for child in parent.children:
             self._catch_up(child)
             req = child.request
+            if req.is_finished and not child.stopped_by_string:  # no more tokens: the held-back tail too
+                child.text += child.detokenizer.flush()
             completions.append(
                 CompletionOutput(
                     index=child.index,

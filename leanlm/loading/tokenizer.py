@@ -270,6 +270,18 @@ class IncrementalDetokenizer:
         is_incomplete = len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd")
         if is_incomplete and len(self.ids) - self.read_offset < self._MAX_HELD:
             return ""
+        return self._emit(prefix_text, full_text)
+
+    def flush(self) -> str:
+        """At the end of the sequence: the held-back tail as it decodes (an incomplete UTF-8 sequence becomes
+        U+FFFD), so the whole text equals decoding all the ids, as HF's decode gives it."""
+        if self.read_offset == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        return self._emit(prefix_text, decode(self.ids[self.prefix_offset :], self.skip_special_tokens))
+
+    def _emit(self, prefix_text: str, full_text: str) -> str:
         delta = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta

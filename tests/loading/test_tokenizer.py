@@ -202,6 +202,18 @@ def test_incremental_detokenizer_flushes_invalid_utf8_after_a_few_tokens(smollm)
     assert sum(1 for d in deltas if "\ufffd" in d) >= 2000 // 8
 
 
+def test_incremental_detokenizer_flush_gives_a_held_tail_at_the_end(smollm):
+    """A sequence that ends inside a character (a length limit mid-emoji): the held bytes come out at the end as
+    U+FFFD, so the final text equals decoding every id (a finished request's text used to lack them)."""
+    tok = smollm.tokenizer
+    ids = tok.encode("Sure 👍")
+    detok = IncrementalDetokenizer(tok, [])
+    emitted = "".join(detok.step([i]) for i in ids[:-1])  # stop one token short of the emoji's last byte
+    assert "\ufffd" not in emitted and emitted != tok.decode(ids[:-1])  # its first bytes are held back
+    assert emitted + detok.flush() == detok.text == tok.decode(ids[:-1])
+    assert detok.text.endswith("\ufffd") and detok.flush() == ""  # nothing held twice
+
+
 def test_qwen2_split_regex_is_hfs(tiny_gguf):
     pytest.importorskip("transformers")
     from transformers.models.qwen2 import tokenization_qwen2
