@@ -19,7 +19,7 @@ from leanlm.kernels import cpu_decode, cpu_rows
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
 from tests.conftest import tiny_state_dict
 
 pytestmark = pytest.mark.skipif(not cpu_decode.is_available(), reason="native CPU kernels unavailable")
@@ -61,8 +61,12 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
     model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
     if kind == "int8":
         compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
-    elif kind == "int8-g32":  # GGUF Q8_0's layout
+    elif kind in ("int8-g32", "int8-g16"):  # GGUF Q8_0's layout; Q6_K's groups of 16
         compress(model, [RTNConfig(bits=8, group_size=32)], None, progress=False)
+        for name, module in list(model.named_modules()):
+            if kind == "int8-g16" and isinstance(module, Int8WeightOnlyLinear):  # each scale on both halves
+                halves = module.scales.repeat_interleave(2, dim=1)
+                model.set_submodule(name, Int8WeightOnlyLinear(module.qweight, halves, module.bias, group_size=16))
     elif kind in ("int4", "int4-perm"):
         compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
     if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
@@ -113,7 +117,7 @@ def _decode(
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int8-g32", "int4", "int4-perm"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int8-g32", "int8-g16", "int4", "int4-perm"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3, 12])
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
