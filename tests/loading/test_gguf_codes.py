@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.gguf_codes import CODE_TYPES, INT8_TYPES, runtime_linear
+from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 from tests.compress.conftest import dense_logits
@@ -122,3 +123,22 @@ def test_dequantize_tensor_is_gguf_dequantize(qtype, monkeypatch):
         expected = dequantize(data, qtype)
         got = gguf_loader.dequantize_tensor(data, qtype)
     assert got.shape == expected.shape and np.array_equal(got, expected, equal_nan=True)
+
+
+def test_the_bundled_file_runs_every_linear_and_its_head_on_codes(smollm):
+    """SmolLM2's Q4_1 linears as int4 codes and its tied Q8_0 embedding as an int8 g32 head, each equal to the
+    dequantized file, and the float32 model on them computes the dequantized model's logits."""
+    codes = load_checkpoint(DEFAULT_MODEL, progress=False, gguf_codes=True)
+    linears = [n for n in codes.quantized if n != "lm_head"]
+    assert len(linears) == 210 and all(isinstance(codes.quantized[n], IntGroupWeightOnlyLinear) for n in linears)
+    for name in linears:
+        assert torch.equal(codes.quantized[name].dequantized_weight(), smollm.state_dict[name + ".weight"]), name
+    head = codes.quantized["lm_head"]
+    assert isinstance(head, Int8WeightOnlyLinear) and head.group_size == 32
+    assert torch.equal(head.dequantized_weight(), smollm.state_dict["model.embed_tokens.weight"])
+    assert smollm.config.tie_word_embeddings and not codes.config.tie_word_embeddings
+    ids = torch.tensor([smollm.tokenizer.encode("The capital of France is")])
+    with torch.inference_mode():
+        reference = dense_logits(build_model(smollm.config, smollm.state_dict, torch.float32, "cpu"), ids)
+        net = build_model(codes.config, codes.state_dict, torch.float32, "cpu", quantized=codes.quantized)
+        torch.testing.assert_close(dense_logits(net, ids), reference, atol=1e-4, rtol=1e-4)
