@@ -159,8 +159,11 @@ def load_library(path: Path) -> ctypes.CDLL:
 class NativeKernel:
     """One C function from one source file, built and bound on first use (thread-safe), or unavailable."""
 
-    def __init__(self, source: Path, symbol: str, argtypes: list, restype) -> None:
+    def __init__(
+        self, source: Path, symbol: str, argtypes: list, restype, cpu_needs: tuple[str, ...] = ("avx512_bf16",)
+    ) -> None:
         self.source, self.symbol, self.argtypes, self.restype = source, symbol, argtypes, restype
+        self.cpu_needs = cpu_needs  # /proc/cpuinfo flags the library's instructions need
         self._fn = None
         self._reason: str | None = None
         self._lock = threading.Lock()
@@ -168,8 +171,9 @@ class NativeKernel:
     def _load(self):
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
             raise RuntimeError(f"needs x86-64 Linux, not {sys.platform}/{platform.machine()}")
-        if "avx512_bf16" not in cpu_flags():
-            raise RuntimeError("the CPU lacks avx512_bf16")
+        missing = [flag for flag in self.cpu_needs if flag not in cpu_flags()]
+        if missing:
+            raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
         if os.environ.get("LEANLM_DISABLE_KERNELS"):
             raise RuntimeError("disabled by LEANLM_DISABLE_KERNELS")
         fn = getattr(load_library(build_library(self.source)), self.symbol)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_qgemv, paged_attention
+from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_w8a8, paged_attention
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 
@@ -27,7 +27,7 @@ _KERNEL = NativeKernel(
     restype=_INT,
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
-KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2
+KIND_BF16, KIND_INT8, KIND_INT4, KIND_W8A8 = 0, 1, 2, 3
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -88,6 +88,7 @@ class _Model(ctypes.Structure):
         ("attention_int8", _P),
         ("gemm_bf16", _P),
         ("gemm_quant", _P),
+        ("gemm_w8a8", _P),
         ("min_gemm_rows", _I64),
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
@@ -100,9 +101,10 @@ class NativeLinear:
     """y = x W^T + b in a kernel format: bf16 weight [N, K]; int8 [N, K] with scales [N] (group_size 0) or
     [N, K / group_size]; or 4-bit codes
     uint8 [N, K / 2] with scales and mins [N, K / group_size] (w = q * scale + min), whose columns may be
-    stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order).
-    `packed` is the same weight in cpu_gemm's layout (what the layer's own products use from 9 rows on), or
-    None for a loop of at most MAX_ROWS rows."""
+    stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order); or W8A8,
+    int8 [N, K] with scales [N] and activations quantized per row, which runs on its cpu_w8a8 packing (always
+    set) at every row count. `packed` is the same weight in cpu_gemm's layout (what the layer's own products
+    use from 9 rows on), or None for a loop of at most MAX_ROWS rows."""
 
     kind: int
     weight: torch.Tensor
@@ -111,7 +113,7 @@ class NativeLinear:
     bias: torch.Tensor | None = None  # bf16 [N]
     group_size: int = 0
     perm: torch.Tensor | None = None
-    packed: cpu_gemm.PackedBF16 | cpu_gemm.PackedQuant | None = None
+    packed: cpu_gemm.PackedBF16 | cpu_gemm.PackedQuant | cpu_w8a8.PackedW8A8 | None = None
 
     @property
     def out_features(self) -> int:
@@ -134,6 +136,15 @@ class NativeLinear:
             return False
         if self.packed is not None and not self._packed_matches():
             return False
+        if self.kind == KIND_W8A8:
+            return (
+                self.weight.dtype == torch.int8
+                and isinstance(self.packed, cpu_w8a8.PackedW8A8)
+                and self.scales is not None
+                and self.scales.dtype == _F32
+                and self.scales.shape == (self.out_features,)
+                and self.bias is None  # a W8A8 bias lives in the packing (float32)
+            )
         if self.kind == KIND_BF16:
             return self.weight.dtype == _BF16
         if self.kind == KIND_INT8:  # group_size 0: scales [N] per channel; else [N, K / group_size]
@@ -164,6 +175,8 @@ class NativeLinear:
         """The packed weight has this layer's shape, an even K (the loop passes its rows unpadded) and the
         format of `kind` (bf16 panels, 8-bit or 4-bit code panels with this group size)."""
         p = self.packed
+        if isinstance(p, cpu_w8a8.PackedW8A8):
+            return self.kind == KIND_W8A8 and (p.out_features, p.in_features) == (self.out_features, self.in_features)
         if (p.out_features, p.in_features, p.padded_in_features) != (self.out_features,) + (self.in_features,) * 2:
             return False
         if self.kind == KIND_BF16:
@@ -178,6 +191,11 @@ class NativeLinear:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         p = self.packed
         quant = isinstance(p, cpu_gemm.PackedQuant)
+        if isinstance(p, cpu_w8a8.PackedW8A8):
+            return _Linear(
+                self.kind, ptr(self.weight), ptr(self.scales), None, None, None, self.out_features,
+                self.in_features, 0, ptr(p.data), ptr(p.scales), None, ptr(p.bias), 8, 0,
+            )  # fmt: skip
         return _Linear(
             self.kind,
             ptr(self.weight),
@@ -293,6 +311,7 @@ class DecodeLayers:
             _fn_address(paged_attention._KERNEL_INT8),
             _fn_address(cpu_gemm._KERNEL),
             _fn_address(cpu_gemm._QUANT_KERNEL),
+            _fn_address(cpu_w8a8._KERNEL) if cpu_w8a8.is_available() else None,
             cpu_gemm.MIN_ROWS,
             MIN_PARALLEL_BYTES,
             eps,

@@ -25,7 +25,7 @@
 #include "bf16.h"
 #include "exp512.h"
 
-enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2 };
+enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2, KIND_W8A8 = 3 };
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
 
 typedef int (*linear_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
@@ -38,6 +38,8 @@ typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, u
                             int);
 typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
                              uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int);
+typedef int (*gemm_w8a8_fn)(const uint16_t *, const uint8_t *, const float *, const float *, uint16_t *, int64_t,
+                            int64_t, int64_t, int);
 typedef int (*attention_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, const int64_t *,
                             uint16_t *, int, int, int, int, int, int, int64_t, float, int);
 typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t *, const float *, const float *,
@@ -55,7 +57,8 @@ typedef struct {
     const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
     int64_t out_features, in_features, group_size;
     /* The weight in cpu_gemm's panel layout, for 9+ rows (NULL: this linear takes at most 8): bf16 panels
-     * (packed_bits 0) or int4 / int8 code panels with their panel-ordered scales and mins. */
+     * (packed_bits 0) or int4 / int8 code panels with their panel-ordered scales and mins. KIND_W8A8: always
+     * set, cpu_w8a8's panels with padded scales (packed_scales) and float32 bias, used at every row count. */
     const void *packed;
     const float *packed_scales, *packed_mins;
     const float *packed_bias; /* float32 [panels * 32] or NULL */
@@ -81,6 +84,7 @@ typedef struct {
     attention_int8_fn attention_int8;
     gemm_bf16_fn gemm_bf16;
     gemm_quant_fn gemm_quant;
+    gemm_w8a8_fn gemm_w8a8; /* NULL where the CPU lacks AVX512-VNNI (no layer is then KIND_W8A8) */
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
@@ -94,6 +98,11 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
         for (int64_t t = 0; t < M; t++)
             for (int64_t j = 0; j < K; j++) permuted[t * K + j] = x[t * K + l->perm[j]];
         x = permuted;
+    }
+    if (l->kind == KIND_W8A8) {
+        if (l->packed == NULL || m->gemm_w8a8 == NULL) return -11;
+        return m->gemm_w8a8(x, (const uint8_t *)l->packed, l->packed_scales, l->packed_bias, y, M, l->out_features,
+                            l->in_features, threads);
     }
     if (M >= m->min_gemm_rows) {
         if (l->packed == NULL) return -11;

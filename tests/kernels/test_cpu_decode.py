@@ -1,5 +1,5 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
-over several decode steps, for bf16, int8 (per channel and group-wise), int4 and act-order int4 linears, with
+over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4 and W8A8 linears, with
 and without q/k/v biases, batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV
 caches, on any thread count; when it steps aside (fp8 KV cache, the torch backend, layers it has no format
 for); that it is rebuilt when the weights change (compress(), a dtype cast, an in-place edit); its row
@@ -15,7 +15,7 @@ import torch
 
 from leanlm.compress import RTNConfig, compress
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_decode, cpu_rows
+from leanlm.kernels import cpu_decode, cpu_rows, cpu_w8a8
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
@@ -69,6 +69,8 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
                 model.set_submodule(name, Int8WeightOnlyLinear(module.qweight, halves, module.bias, group_size=16))
     elif kind in ("int4", "int4-perm"):
         compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
+    elif kind == "w8a8":  # per-token int8 activations on the VNNI kernel at every row count
+        compress(model, [RTNConfig(bits=8, group_size=None, act_bits=8)], None, progress=False)
     if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
         gen = torch.Generator().manual_seed(5)
         for module in model.modules():
@@ -117,10 +119,12 @@ def _decode(
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int8-g32", "int8-g16", "int4", "int4-perm"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int8-g32", "int8-g16", "int4", "int4-perm", "w8a8"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3, 12])
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
+    if kind == "w8a8" and not cpu_w8a8.is_available():
+        pytest.skip("the CPU lacks AVX512-VNNI")
     model = _model(kind, architecture)
     native = _decode(model, native=True, batch=batch)
     reference = _decode(model, native=False, batch=batch)
@@ -165,7 +169,7 @@ def test_steps_aside_where_it_has_no_path():
     plan = model.native_decode_plan()
     assert plan.loop is not None and not plan.accepts(_cache(model, torch.float8_e4m3fn))  # quantized on write
     model = _model("bf16")
-    compress(model, [RTNConfig(bits=8, act_bits=8, group_size=None)], None, progress=False)  # W8A8: no kernel here
+    compress(model, [RTNConfig(bits=8, act_bits=8, group_size=64)], None, progress=False)  # ZeroQuant: no kernel
     assert model.native_decode_plan().loop is None
     cfg = dataclasses.replace(_config(), num_attention_heads=4, head_dim=80)  # not a multiple of 32
     assert build_model(cfg, tiny_state_dict(cfg), torch.bfloat16).native_decode_plan().loop is None

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from leanlm.kernels import cpu_decode, cpu_w8a8
 from leanlm.model.quantized.linear import (
     QuantLinear,
     check_group_size,
@@ -22,7 +23,9 @@ def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scale
     """float32 [T, N] = (xq [T, K] int8 * xs [T, 1]) @ (qweight [N, K] int8 * scales [N])^T: torch's exact
     int8 x int8 -> int32 product on CPU, the same arithmetic in float elsewhere."""
     if xq.device.type == "cpu":
-        return torch._int_mm(xq, qweight.t()).float() * xs * scales
+        # K = 1: qweight.t() has strides (1, 1), which torch 2.13's CPU _int_mm misreads (garbage sums)
+        w_t = qweight.t() if qweight.shape[1] > 1 else qweight.reshape(1, -1)
+        return torch._int_mm(xq, w_t).float() * xs * scales
     return (xq.float() * xs) @ (qweight.float() * scales[:, None]).t()
 
 
@@ -30,8 +33,10 @@ def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scale
 class Int8DynamicActLinear(QuantLinear):
     """W8A8 (SmoothQuant, ZeroQuant): int8 weights, activations quantized per token on the fly.
 
-    Per-channel weights run torch's int8 x int8 -> int32 matmul, then y = acc * s_x[t] * s_w[n]. Group-wise
-    weights (ZeroQuant; group_size set) compute the same products in float from the integer codes.
+    Per-channel weights run an int8 x int8 -> int32 product, then y = acc * s_x[t] * s_w[n]: on bf16 CPU rows,
+    leanlm's VNNI kernel (cpu_w8a8, on a packed copy of the codes, any number of rows), else torch's
+    `_int_mm`; the two agree bit for bit. Group-wise weights (ZeroQuant; group_size set) compute the same
+    products in float from the integer codes.
     """
 
     format = "int8_dynamic_activation"
@@ -61,9 +66,32 @@ class Int8DynamicActLinear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return scaled_int8(self.qweight, self.scales, self.group_size)
 
+    def _pack(self, qweight, scales, bias) -> cpu_w8a8.PackedW8A8:
+        return cpu_w8a8.pack(qweight, scales, bias)
+
+    def packed_weight(self) -> cpu_w8a8.PackedW8A8 | None:
+        """The codes in the VNNI kernel's layout (packed on first use, remade when the tensors change), or None
+        where that kernel does not apply (group-wise scales, a non-CPU weight, a CPU without AVX512-VNNI)."""
+        if self.group_size is not None or not self.qweight.is_cpu or not cpu_w8a8.is_available():
+            return None
+        return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
+
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+        packed_weight = self.packed_weight()  # the kernel's only layout, whatever the row count
+        if packed_weight is None:
+            return None
+        return cpu_decode.NativeLinear(cpu_decode.KIND_W8A8, self.qweight, self.scales, packed=packed_weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if (
+            x.dtype is torch.bfloat16
+            and x.is_cpu
+            and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
+            and cpu_w8a8.rows_fit(x2, self.packed_weight())
+        ):
+            return cpu_w8a8.gemm(x2, self.packed_weight()).reshape(*shape[:-1], self.out_features)
         xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
         if self.group_size is None:
             y = int8_matmul(xq, xs, self.qweight, self.scales)
