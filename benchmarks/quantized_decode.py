@@ -22,7 +22,8 @@ from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import find_llama_server
-from leanlm.compress import RTNConfig, compress, save_checkpoint
+from leanlm.compress import RTNConfig, SmoothQuantConfig, compress, save_checkpoint
+from leanlm.compress.calibration import calibration_samples, read_calibration_text
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
@@ -34,7 +35,11 @@ RECIPES = {
     "int8": [RTNConfig(bits=8, group_size=None, ignore=())],
     "int4": [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())],  # head at int8
     "int4-head4": [RTNConfig(bits=4, group_size=64, ignore=())],  # the head at int4 too
+    # SmoothQuant W8A8 (per-token int8 activations on the VNNI kernel), the head int8 weight-only
+    "w8a8": [SmoothQuantConfig(alpha=0.5), RTNConfig(bits=8, group_size=None, act_bits=8)]
+    + [RTNConfig(bits=8, group_size=None, ignore=())],
 }
+CALIBRATED = {"w8a8"}  # recipes that need calibration text (the packaged default, 64 windows of 256 tokens)
 
 
 def quantized_dir(model: str, kind: str, root: Path) -> Path:
@@ -42,7 +47,11 @@ def quantized_dir(model: str, kind: str, root: Path) -> Path:
     if not (out / "quantization_config.json").is_file():
         ckpt = load_checkpoint(model, progress=False)
         net = build_model(ckpt.config, ckpt.state_dict, torch.float32)
-        compress(net, RECIPES[kind], None, progress=False)
+        samples = None
+        if kind in CALIBRATED:
+            ids = ckpt.tokenizer.encode(read_calibration_text(None), add_special_tokens=False)
+            samples = calibration_samples(ids, 64, 256)
+        compress(net, RECIPES[kind], samples, progress=False)
         save_checkpoint(net, out, ckpt.tokenizer)
     return out
 
