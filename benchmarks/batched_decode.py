@@ -7,7 +7,10 @@ length). Engines:
 - LeanLM on the bundled GGUF as shipped (Q4_1 linears on their 4-bit codes, the tied Q8_0 embedding as an int8
   head);
 - LeanLM on the same file dequantized to bf16 (`--dequantize-gguf`), and RTN checkpoints of it at int8 (per
-  channel, head too) and int4 g64 (head at int8), to compare with OpenVINO's IRs at the same precision;
+  channel, head too) and int4 g64 (head at int8), and a SmoothQuant W8A8 one (per-token int8 activations on
+  the VNNI kernel; head int8 weight-only), to compare with OpenVINO's IRs at the same precision (OpenVINO's
+  CPU plugin quantizes the activations of its int8 and int4 layers to int8 on the fly, in groups of 32, by
+  default: its DYNAMIC_QUANTIZATION_GROUP_SIZE, reported);
 - HF transformers on a dense bf16 safetensors directory written from the dequantized model;
 - llama.cpp's llama-batched-bench on the same GGUF (when benchmarks/build_llama_server.sh has built it):
   `batch` sequences of a 24-token prompt (the workload's mean) and 128 generated tokens each, 2 threads;
@@ -41,7 +44,7 @@ from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.peer_models import ensure_dense_dir, ensure_openvino_ir
 from leanlm.analysis.peer_process import OPENVINO, VLLM, PeerBatch, PeerRequest, run_peer
 from leanlm.analysis.peers import PEERS_DIR
-from leanlm.kernels import cpu_gemm
+from leanlm.kernels import cpu_gemm, cpu_w8a8
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
 LLAMA_BATCHED_BENCH = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-batched-bench"
@@ -51,12 +54,13 @@ SHAPES |= {"down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
 # Peers in environments of their own: --peers name -> (environment, OpenVINO weight format or None: dense bf16).
 PROCESS_PEERS = {"ov-fp16": (OPENVINO, "fp16"), "ov-int8": (OPENVINO, "int8"), "ov-int4": (OPENVINO, "int4")}
 PROCESS_PEERS |= {"vllm": (VLLM, None)}
-IN_PROCESS = ("codes", "bf16", "int8", "int4", "hf", "llama.cpp")
+IN_PROCESS = ("codes", "bf16", "int8", "w8a8", "int4", "hf", "llama.cpp")
 # (numerator, denominator) columns of the ratio part of the table
 RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("int8", "ov-int8"))
-RATIOS += (("int4", "ov-int4"), ("bf16", "vllm"))
+RATIOS += (("w8a8", "ov-int8"), ("int4", "ov-int4"), ("bf16", "vllm"))
 HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
 HEADERS |= {"int8": "LeanLM int8 RTN", "int4": "LeanLM int4 g64 RTN (head int8)"}
+HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
 SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int8": "OpenVINO int8", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}
@@ -80,7 +84,8 @@ def linear_table(rows: list[int]) -> list[str]:
     lines = [
         f"Measured vdpbf16ps peak on {torch.get_num_threads()} threads: **{peak:.0f} GFLOP/s** "
         "(register-only dot-product chains). GFLOP/s of one linear, weights hot in cache, "
-        "torch `F.linear` (oneDNN) / LeanLM packed kernel (% of peak):",
+        "torch `F.linear` (oneDNN) / LeanLM packed kernel (% of peak) / LeanLM W8A8 VNNI kernel (GOP/s, the "
+        "per-token quantization of x included):",
         "",
         "| rows | " + " | ".join(SHAPES) + " |",
         "|---:|" + "---:|" * len(SHAPES),
@@ -93,7 +98,12 @@ def linear_table(rows: list[int]) -> list[str]:
             packed = cpu_gemm.pack(w)
             ours = gflops(lambda: cpu_gemm.gemm(x, packed), m, n, k)
             theirs = gflops(lambda: F.linear(x, w), m, n, k)
-            cells.append(f"{theirs:.0f} / **{ours:.0f}** ({100 * ours / peak:.0f}%)")
+            cell = f"{theirs:.0f} / **{ours:.0f}** ({100 * ours / peak:.0f}%)"
+            if cpu_w8a8.is_available():
+                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+                packed8 = cpu_w8a8.pack(codes, torch.rand(n) / k)
+                cell += f" / {gflops(lambda: cpu_w8a8.gemm(x, packed8), m, n, k):.0f}"
+            cells.append(cell)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
@@ -243,6 +253,7 @@ def main() -> None:
             ("codes", lambda: leanlm_runner(args.model, batch, False, work, args.output_len)),
             ("bf16", lambda: leanlm_runner(args.model, batch, True, work, args.output_len)),
             ("int8", lambda: leanlm_runner(str(checkpoint("int8", args.model)), batch, False, work, args.output_len)),
+            ("w8a8", lambda: leanlm_runner(str(checkpoint("w8a8", args.model)), batch, False, work, args.output_len)),
             ("int4", lambda: leanlm_runner(str(checkpoint("int4", args.model)), batch, False, work, args.output_len)),
             ("hf", lambda: hf_runner(ensure_dense_dir(args.model), batch, work, args.output_len)),
             ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len)),

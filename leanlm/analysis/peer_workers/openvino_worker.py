@@ -16,7 +16,10 @@ import openvino as ov
 import openvino_genai
 from worker_io import Engine, serve
 
+# DYNAMIC_QUANTIZATION_GROUP_SIZE: the plugin quantizes the activations of int8 / int4 weight-compressed layers
+# to int8 on the fly, in groups of this many inputs (0: off).
 REPORTED_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS")
+REPORTED_PROPERTIES += ("DYNAMIC_QUANTIZATION_GROUP_SIZE",)
 
 
 def describe(request: dict) -> dict:
