@@ -1,9 +1,11 @@
 """Batched decode on the CPU: the linear kernels against the measured vdpbf16ps peak, and offline throughput
 of the short-prompt workload at several batch sizes, LeanLM next to HF transformers, in one run.
 
-Workload (issue 16): 64 prompts of 16-32 tokens (fixed seed; as many as the cap where that is more), 128 greedy
-output tokens each, the engine capped at `batch` running requests (HF: padded batches of `batch`, sorted by
-length). Engines:
+Workloads (issue 16), `--workload`: "short", 64 prompts of 16-32 tokens (fixed seed; as many as the cap where
+that is more); "mix", 16-512 tokens; "shared-prefix", 64 users whose 16-32 token prompts follow one 1024-token
+system prompt, run with every prefix cache on (LeanLM, OpenVINO, vLLM; HF has none) and user prompts of their own
+in each repetition, after a warm-up that caches the system prompt. 128 greedy output tokens each, the engine
+capped at `batch` running requests (HF: padded batches of `batch`, sorted by length). Engines:
 - LeanLM on the bundled GGUF as shipped (Q4_1 linears on their 4-bit codes, the tied Q8_0 embedding as an int8
   head);
 - LeanLM on the same file dequantized to bf16 (`--dequantize-gguf`), and RTN checkpoints of it at int8 (per
@@ -23,6 +25,7 @@ Every timed repetition records the CPU share other processes used (/proc/stat; a
 process tree); repetitions above --max-other-cpu are discarded and counted.
 
     python benchmarks/batched_decode.py --out docs/batched-decode.md
+    python benchmarks/batched_decode.py --workload mix --linear-rows '' --out docs/batched-decode-mix.md
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import random
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,6 +68,45 @@ HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
 SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int8": "OpenVINO int8", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}
+SYSTEM_PROMPT_LEN = 1024  # the shared-prefix workload's system prompt, in tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts of `min_len`-`max_len` random tokens (after a shared system prompt of `prefix_len`), and how the
+    engines run them. With a shared prefix every engine that has a prefix cache runs with it on, and each
+    repetition gets user prompts of its own (the warm-up's set caches the system prompt, as a server's would);
+    otherwise prefix caches are off, since repetitions resubmit the same prompts."""
+
+    name: str
+    min_len: int
+    max_len: int
+    prefix_len: int
+    batches: str  # default --batches
+    llama_cpp_prompt: int  # llama-batched-bench's prompt length (it takes one length; for the mix, the mean)
+
+    @property
+    def shared(self) -> bool:
+        return self.prefix_len > 0
+
+    def describe(self) -> str:
+        user = f"{self.min_len}-{self.max_len} tokens"
+        if self.shared:
+            return f"a shared {self.prefix_len}-token system prompt + {user} (prefix caches on)"
+        return user
+
+    def prompts(self, n: int, seed: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        system = [rng.randrange(100, 40000) for _ in range(self.prefix_len)]
+        return [system + [rng.randrange(100, 40000) for _ in range(rng.randint(self.min_len, self.max_len))]
+                for _ in range(n)]  # fmt: skip
+
+
+WORKLOADS = {
+    "short": Workload("short", 16, 32, 0, "1,8,32,64,128", 24),
+    "mix": Workload("mix", 16, 512, 0, "8,32,64", 264),
+    "shared-prefix": Workload("shared-prefix", 16, 32, SYSTEM_PROMPT_LEN, "16,64", SYSTEM_PROMPT_LEN + 24),
+}
 
 
 def gflops(fn, m: int, n: int, k: int, min_seconds: float = 0.15) -> float:
@@ -108,11 +151,6 @@ def linear_table(rows: list[int]) -> list[str]:
     return lines
 
 
-def short_prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 32))] for _ in range(n)]
-
-
 def timed(run, reps: int, max_other: float) -> tuple[float, int, float]:
     """(best tokens/s over clean repetitions, discarded count, worst other-CPU share kept)."""
     best, discarded, worst = 0.0, 0, 0.0
@@ -128,38 +166,55 @@ def timed(run, reps: int, max_other: float) -> tuple[float, int, float]:
     return best, discarded, worst
 
 
-def leanlm_runner(model: str, batch: int, dequantize: bool, prompts, output_len: int):
-    llm = LLM(model, dtype="bfloat16", progress=False, max_num_seqs=batch, dequantize_gguf=dequantize)
+def leanlm_runner(model: str, batch: int, dequantize: bool, prompt_sets, output_len: int, prefix_caching=False):
+    """prompt_sets: [prompts] (every repetition runs them; the warm-up the first `batch`), or [warm-up set,
+    repetition 1's, ...] with prefix caching on (see Workload)."""
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        progress=False,
+        max_num_seqs=batch,
+        dequantize_gguf=dequantize,
+        enable_prefix_caching=prefix_caching,
+    )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:batch], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm + pack
+    warmup = prompt_sets[0] if len(prompt_sets) > 1 else prompt_sets[0][:batch]
+    llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm + pack
+    reps = iter(prompt_sets[1:]) if len(prompt_sets) > 1 else None
 
     def run() -> int:
+        prompts = next(reps) if reps is not None else prompt_sets[0]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     return run
 
 
-def hf_runner(hf_dir: Path, batch: int, prompts, output_len: int):
+def hf_runner(hf_dir: Path, batch: int, prompt_sets, output_len: int):
+    """HF has no prefix cache: each repetition computes its prompts whole (the sets as leanlm_runner's)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
     runner = HFRunner(model, pad_id=0, batch_size=batch)
+    reps = iter(prompt_sets[1:]) if len(prompt_sets) > 1 else None
 
     def run() -> int:
+        prompts = next(reps) if reps is not None else prompt_sets[0]
         runner.throughput(prompts, output_len)
         return len(prompts) * output_len
 
     return run
 
 
-def llama_cpp_runner(model: str, batch: int, output_len: int, prompt_len: int = 24):
-    """llama-batched-bench, one configuration per call; None when it is not built."""
+def llama_cpp_runner(model: str, batch: int, output_len: int, prompt_len: int = 24, shared: bool = False):
+    """llama-batched-bench, one configuration per call; None when it is not built. shared (-pps): one prompt,
+    computed once, that every sequence continues from."""
     if not LLAMA_BATCHED_BENCH.is_file():
         return None
     command = [str(LLAMA_BATCHED_BENCH), "-m", str(resolve_model(model)), "-t", str(torch.get_num_threads())]
     command += ["-c", str(batch * (prompt_len + output_len) + 64), "-b", "2048", "-ub", "512"]
     command += ["-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(batch), "--output-format", "jsonl"]
+    command += ["-pps"] if shared else []
 
     def run() -> int:
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
@@ -186,21 +241,36 @@ def checkpoint(kind: str, model: str = DEFAULT_MODEL) -> Path:
     return quantized_dir(str(resolve_model(model)), kind, PEERS_DIR / "leanlm-checkpoints")
 
 
-def workload(prompts: list[list[int]], batch: int, num_prompts: int) -> list[list[int]]:
-    """The prompts a batch cap runs: 4 at batch 1, else num_prompts, or `batch` where that is more (so every
-    cap is filled)."""
-    return prompts[:4] if batch == 1 else prompts[: max(num_prompts, batch)]
+def prompt_count(batch: int, num_prompts: int) -> int:
+    """Prompts a batch cap runs: 4 at batch 1, else num_prompts, or `batch` where that is more (every cap filled)."""
+    return 4 if batch == 1 else max(num_prompts, batch)
+
+
+def prompt_sets(prompts: list[list[int]], batch: int, args) -> list[list[list[int]]]:
+    """What the in-process runners take: [the cap's prompts], or with a shared prefix consecutive sets of them,
+    the warm-up's first and then one per repetition (the layout a peer's distinct_reps request has)."""
+    n = prompt_count(batch, args.num_prompts)
+    if not WORKLOADS[args.workload].shared:
+        return [prompts[:n]]
+    return [prompts[i * n : (i + 1) * n] for i in range(args.reps + 1)]
 
 
 def process_peer_rates(model: str, name: str, batches: list[int], prompts, args):
     """{batch: (best clean tok/s, discarded, worst other share kept)} of one process peer: a single worker run
-    over every batch (the peer's engine capped at `batch` running requests, on workload())."""
+    over every batch (the peer's engine capped at `batch` running requests, on the prompts prompt_sets gives)."""
     output_len, reps, max_other, num_prompts = args.output_len, args.reps, args.max_other_cpu, args.num_prompts
     spec, weights = PROCESS_PEERS[name]
     model_dir = ensure_openvino_ir(model, weights) if weights else ensure_dense_dir(model)
-    counts = {b: len(workload(prompts, b, num_prompts)) for b in batches}
+    counts = {b: prompt_count(b, num_prompts) for b in batches}
+    shared = WORKLOADS[args.workload].shared
     request = PeerRequest(
-        model_dir, tuple(map(tuple, prompts)), output_len, tuple(PeerBatch(b, counts[b]) for b in batches), reps
+        model_dir,
+        tuple(map(tuple, prompts)),
+        output_len,
+        tuple(PeerBatch(b, counts[b]) for b in batches),
+        reps,
+        options={"prefix_caching": True} if shared else {},
+        distinct_reps=shared,
     )
     run = run_peer(spec, request, on_line=lambda line: print_progress(name, line))
     out = {}
@@ -226,37 +296,44 @@ def selected_peers(flag: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--workload", default="short", choices=sorted(WORKLOADS))
+    ap.add_argument("--batches", default=None, help="batch caps (default: the workload's)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-batches", default="32", help="batch sizes to run HF at (it is slow)")
     ap.add_argument("--peers", default="auto", help=f"auto, none, or some of {','.join(PROCESS_PEERS)}")
-    ap.add_argument("--linear-rows", default="8,16,32,64,128,256,512")
+    ap.add_argument("--linear-rows", default="8,16,32,64,128,256,512", help="'' skips the linear table")
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     peers = selected_peers(args.peers)
+    wl = WORKLOADS[args.workload]
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in (args.batches or wl.batches).split(",")]
     lines = [f"Machine: {describe_machine()}.", ""]
-    lines += linear_table([int(r) for r in args.linear_rows.split(",")]) + [""]
+    if args.linear_rows:
+        lines += linear_table([int(r) for r in args.linear_rows.split(",")]) + [""]
     print("\n".join(lines), flush=True)
 
-    prompts = short_prompts(max(args.num_prompts, *batches), seed=0)
+    sets = args.reps + 1 if wl.shared else 1
+    prompts = wl.prompts(sets * max(prompt_count(b, args.num_prompts) for b in batches), seed=0)
     hf_batches = {int(b) for b in args.hf_batches.split(",") if b}
     rates: dict[tuple[str, int], float] = {}
     notes, peer_info = [], []
     for batch in batches:
-        work = workload(prompts, batch, args.num_prompts)
+        work = prompt_sets(prompts, batch, args)
+        lean = lambda model, dequantize=False: leanlm_runner(  # noqa: E731
+            model, batch, dequantize, work, args.output_len, prefix_caching=wl.shared
+        )
         for name, make in (
-            ("codes", lambda: leanlm_runner(args.model, batch, False, work, args.output_len)),
-            ("bf16", lambda: leanlm_runner(args.model, batch, True, work, args.output_len)),
-            ("int8", lambda: leanlm_runner(str(checkpoint("int8", args.model)), batch, False, work, args.output_len)),
-            ("w8a8", lambda: leanlm_runner(str(checkpoint("w8a8", args.model)), batch, False, work, args.output_len)),
-            ("int4", lambda: leanlm_runner(str(checkpoint("int4", args.model)), batch, False, work, args.output_len)),
+            ("codes", lambda: lean(args.model)),
+            ("bf16", lambda: lean(args.model, True)),
+            ("int8", lambda: lean(str(checkpoint("int8", args.model)))),
+            ("w8a8", lambda: lean(str(checkpoint("w8a8", args.model)))),
+            ("int4", lambda: lean(str(checkpoint("int4", args.model)))),
             ("hf", lambda: hf_runner(ensure_dense_dir(args.model), batch, work, args.output_len)),
-            ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len)),
+            ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len, wl.llama_cpp_prompt, wl.shared)),
         ):
             if name == "hf" and batch not in hf_batches:
                 continue
@@ -286,16 +363,19 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        args.out.write_text(f"# Batched decode (`python benchmarks/batched_decode.py`)\n\n{text}")
+        command = f"python benchmarks/batched_decode.py --workload {args.workload}"
+        args.out.write_text(f"# Batched decode, {args.workload} workload (`{command}`)\n\n{text}")
 
 
 def throughput_table(rates: dict[tuple[str, int], float], batches: list[int], columns: list[str], args) -> list[str]:
     """A column per engine ("-" where it did not run, or all its repetitions were discarded) and the ratios."""
     ratios = [(a, b) for a, b in RATIOS if b in columns]
+    wl = WORKLOADS[args.workload]
+    llama = f"llama.cpp: {wl.llama_cpp_prompt}-token prompts" + (", one shared (-pps)" if wl.shared else "")
     lines = [
         f"Offline throughput, output tokens/s (best of {args.reps} clean repetitions; {args.num_prompts} prompts of "
-        f"16-32 tokens x {args.output_len} greedy tokens, or as many as the batch cap where that is more; batch 1 "
-        "runs 4 prompts):",
+        f"{wl.describe()} x {args.output_len} greedy tokens, or as many as the batch cap where that is more; batch 1 "
+        f"runs 4 prompts; {llama}):",
         "",
         "| batch | "
         + " | ".join(HEADERS[c] for c in columns)

@@ -73,15 +73,22 @@ class PeerRequest:
     kv_cache_gib: int = 2  # the peer's KV cache, allocated up front
     max_num_batched_tokens: int = 2048  # tokens of one engine step (LeanLM's default budget)
     options: dict = field(default_factory=dict)  # peer-specific, passed through (see each worker's docstring)
+    # Each repetition on prompts of its own: consecutive sets of num_prompts, the first for the warm-up (so a
+    # prefix cache holds what the sets share, a system prompt, and never a repetition's own prompts).
+    distinct_reps: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompts or not all(self.prompts):
             raise ValueError("PeerRequest needs at least one prompt, and no empty prompt")
         if self.output_len < 1 or self.reps < 1 or self.kv_cache_gib < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("output_len, reps, kv_cache_gib and max_num_batched_tokens must be at least 1")
+        sets = self.reps + 1 if self.distinct_reps else 1
         for batch in self.batches:
-            if batch.max_num_seqs < 1 or not 1 <= batch.num_prompts <= len(self.prompts):
-                raise ValueError(f"{batch}: need max_num_seqs >= 1 and 1 <= num_prompts <= {len(self.prompts)}")
+            if batch.max_num_seqs < 1 or not 1 <= batch.num_prompts * sets <= len(self.prompts):
+                raise ValueError(
+                    f"{batch}: need max_num_seqs >= 1 and {sets} set(s) of num_prompts >= 1 within the "
+                    f"{len(self.prompts)} prompts"
+                )
 
     def to_json(self) -> str:
         data = asdict(self)

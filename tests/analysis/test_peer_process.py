@@ -72,8 +72,23 @@ def test_the_worker_reads_exactly_what_the_runner_sends(monkeypatch):
     assert (got["kv_cache_gib"], got["max_num_batched_tokens"], got["warmup"]) == (3, 512, True)
     with pytest.raises(ValueError, match="'output_len' must be a int"):
         parse_request(json.dumps(json.loads(sent.to_json()) | {"output_len": "5"}))
-    with pytest.raises(ValueError, match="num_prompts <= len"):
+    with pytest.raises(ValueError, match=r"needs 4 prompts \(1 set"):
         parse_request(json.dumps(json.loads(sent.to_json()) | {"batches": [{"max_num_seqs": 1, "num_prompts": 4}]}))
+    assert got["distinct_reps"] is False
+    with pytest.raises(ValueError, match=r"needs 9 prompts \(3 set"):  # 2 repetitions + the warm-up, of 3 each
+        parse_request(json.dumps(json.loads(sent.to_json()) | {"distinct_reps": True}))
+
+
+def test_distinct_repetitions_run_prompt_sets_of_their_own(fake_peer_spec):
+    """distinct_reps: the warm-up runs the first set of num_prompts, repetition r the set after it (a prefix cache
+    then holds what the sets share and never a repetition's own prompts)."""
+    prompts = tuple((i, i + 1) for i in range(7))
+    sent = request("ok", prompts=prompts, batches=(PeerBatch(2, 2),), distinct_reps=True)
+    run = run_peer(fake_peer_spec, sent, timeout_s=60)
+    assert [r.output_token_ids for r in run.repetitions] == [
+        expected_tokens(prompts[2:4], 5),
+        expected_tokens(prompts[4:6], 5),
+    ]
 
 
 def test_a_worker_that_crashes_is_reported_with_its_stderr(fake_peer_spec):
@@ -118,8 +133,10 @@ def test_a_missing_environment_says_how_to_set_it_up(tmp_path):
 def test_request_validation():
     with pytest.raises(ValueError, match="no empty prompt"):
         request("ok", prompts=((1,), ()))
-    with pytest.raises(ValueError, match="num_prompts <= 3"):
+    with pytest.raises(ValueError, match="1 set.* within the 3 prompts"):
         request("ok", batches=(PeerBatch(1, 4),))
+    with pytest.raises(ValueError, match="3 set.* within the 3 prompts"):
+        request("ok", batches=(PeerBatch(1, 2),), distinct_reps=True)
     with pytest.raises(ValueError, match="must be at least 1"):
         request("ok", output_len=0)
 

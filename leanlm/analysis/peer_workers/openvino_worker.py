@@ -4,7 +4,8 @@ virtual environment (benchmarks/setup_peers.sh); the protocol is in worker_io.
 
 model_dir is an OpenVINO IR directory from `optimum-cli export openvino`. options: {"properties": {...}} are CPU
 plugin properties passed to the pipeline as they are (e.g. {"KV_CACHE_PRECISION": "bf16"}); none by default, so
-the plugin picks what it picks for its users (reported in the info event).
+the plugin picks what it picks for its users (reported in the info event). {"prefix_caching": true} turns on
+its prefix cache (off by default: repetitions resubmit the same prompts unless the request has distinct_reps).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def describe(request: dict) -> dict:
         "versions": {"openvino": ov.__version__, "openvino_genai": openvino_genai.__version__},
         "cpu_plugin_defaults": defaults,
         "properties": request["options"].get("properties", {}),
+        "prefix_caching": bool(request["options"].get("prefix_caching", False)),
     }
 
 
@@ -42,7 +44,7 @@ def scheduler_config(request: dict, max_num_seqs: int) -> openvino_genai.Schedul
     config.max_num_seqs = max_num_seqs
     config.max_num_batched_tokens = request["max_num_batched_tokens"]
     config.cache_size = request["kv_cache_gib"]  # GB of paged KV cache, allocated up front
-    config.enable_prefix_caching = False  # repetitions resubmit the same prompts
+    config.enable_prefix_caching = bool(request["options"].get("prefix_caching", False))
     return config
 
 

@@ -3,7 +3,8 @@ continuous batching, chunked prefill) fed token ids, one engine per batch cap. R
 environment (benchmarks/setup_peers.sh); the protocol is in worker_io.
 
 model_dir is a dense HF directory. options: {"engine_args": {...}} are passed to vllm.LLM over our defaults
-(e.g. {"enforce_eager": true}). vLLM spawns its engine core and a model-worker process; worker_io counts their
+(e.g. {"enforce_eager": true}); {"prefix_caching": true} turns its prefix cache on (off by default: repetitions
+resubmit the same prompts unless the request has distinct_reps). vLLM spawns its engine core and a model-worker process; worker_io counts their
 CPU as own. The main guard is required: spawned processes re-import this file.
 """
 
@@ -59,7 +60,7 @@ def engine_args(request: dict, max_num_seqs: int) -> dict:
         "max_model_len": max_model_len,
         # One step never needs more than every running sequence whole; vLLM warns when the budget exceeds that.
         "max_num_batched_tokens": min(request["max_num_batched_tokens"], max_num_seqs * max_model_len),
-        "enable_prefix_caching": False,  # repetitions resubmit the same prompts
+        "enable_prefix_caching": bool(request["options"].get("prefix_caching", False)),
         "seed": 0,
     }
     return args | request["options"].get("engine_args", {})

@@ -2,7 +2,8 @@
 line per event on stdout, a traceback on stderr and exit status 1 on failure.
 
 Request: {"model_dir", "prompts": [[token ids]], "output_len", "batches": [{"max_num_seqs", "num_prompts"}],
-"reps", "warmup", "kv_cache_gib", "max_num_batched_tokens", "options": {peer-specific}}.
+"reps", "warmup", "kv_cache_gib", "max_num_batched_tokens", "options": {peer-specific}}, and optionally
+"distinct_reps": true (each repetition runs prompts of its own, see prompt_sets).
 Events, in order: "info" (versions and settings), then per batch "loaded" (load_s) and one "repetition" per
 rep (output_token_ids, wall_s, first_token_s or null, cpu), and "done" last.
 """
@@ -42,11 +43,27 @@ def parse_request(text: str) -> dict:
             raise ValueError(f"request field {name!r} must be a {kind.__name__}, got {request.get(name)!r}")
     if not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in request["prompts"]):
         raise ValueError("request field 'prompts' must be non-empty lists of token ids")
+    sets = request["reps"] + 1 if request.setdefault("distinct_reps", False) else 1
     for batch in request["batches"]:
         cap, count = batch.get("max_num_seqs"), batch.get("num_prompts")
-        if not (isinstance(cap, int) and isinstance(count, int) and cap >= 1 and 1 <= count <= len(request["prompts"])):
-            raise ValueError(f"batch {batch} needs max_num_seqs >= 1 and 1 <= num_prompts <= len(prompts)")
+        if not (isinstance(cap, int) and isinstance(count, int) and cap >= 1 and count >= 1):
+            raise ValueError(f"batch {batch} needs max_num_seqs >= 1 and num_prompts >= 1")
+        if count * sets > len(request["prompts"]):
+            raise ValueError(f"batch {batch} needs {count * sets} prompts ({sets} set(s) of num_prompts)")
     return request
+
+
+def prompt_sets(request: dict, batch: dict) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(the warm-up's prompts, each repetition's prompts). Plain: the first num_prompts prompts for every
+    repetition, the warm-up on the first max_num_seqs of them. distinct_reps: consecutive sets of num_prompts,
+    the first for the warm-up and one per repetition, so that with a prefix cache on (a shared system prompt),
+    no repetition finds its own prompts cached, only what they share."""
+    n = batch["num_prompts"]
+    if request["distinct_reps"]:
+        sets = [request["prompts"][i * n : (i + 1) * n] for i in range(request["reps"] + 1)]
+        return sets[0], sets[1:]
+    prompts = request["prompts"][:n]
+    return prompts[: batch["max_num_seqs"]], [prompts] * request["reps"]
 
 
 def open_event_stream():
@@ -83,14 +100,15 @@ def timed(generate: Callable[[], Any]):
 def run_batches(request: dict, load: Callable[[dict, int], Engine], emit: Callable[..., None]) -> None:
     """Every batch of the request: load the peer capped at max_num_seqs, warm it up, time each repetition."""
     for batch in request["batches"]:
-        cap, prompts = batch["max_num_seqs"], request["prompts"][: batch["num_prompts"]]
+        cap = batch["max_num_seqs"]
+        warmup_prompts, rep_prompts = prompt_sets(request, batch)
         t0 = time.perf_counter()
         engine = load(request, cap)
         emit("loaded", max_num_seqs=cap, load_s=time.perf_counter() - t0)
         try:
             if request["warmup"]:
-                engine.generate(prompts[:cap], WARMUP_TOKENS)
-            for rep in range(request["reps"]):
+                engine.generate(warmup_prompts, WARMUP_TOKENS)
+            for rep, prompts in enumerate(rep_prompts):
                 (tokens, first_token_s), wall_s, cpu = timed(lambda: engine.generate(prompts, request["output_len"]))
                 emit(
                     "repetition",

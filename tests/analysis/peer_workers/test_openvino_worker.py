@@ -18,14 +18,16 @@ def test_openvino_worker_generates_exactly_and_sensibly(real_tokenizer):
     assert len(prompts[0]) != len(prompts[1])  # the padded batch and its attention mask are exercised
     request = PeerRequest(
         ensure_openvino_ir(DEFAULT_MODEL, "int4"),  # exported on first use (about 20 s)
-        tuple(map(tuple, prompts)),
+        tuple(map(tuple, prompts * 3)),
         output_len=6,
         batches=(PeerBatch(2, 2), PeerBatch(1, 2)),
         reps=2,
         kv_cache_gib=1,
+        options={"prefix_caching": True},
+        distinct_reps=True,  # the warm-up's prompts are the repetitions' again: they run from the prefix cache
     )
     run = run_peer(OPENVINO, request, timeout_s=300)
-    assert run.info["peer"] == "openvino" and run.info["versions"]["openvino_genai"]
+    assert run.info["peer"] == "openvino" and run.info["versions"]["openvino_genai"] and run.info["prefix_caching"]
     outputs = [r.output_token_ids for r in run.repetitions]
     assert len(outputs) == 4 and all(len(t) == 6 for out in outputs for t in out)
     assert outputs[0] == outputs[1]  # greedy: repetitions agree
