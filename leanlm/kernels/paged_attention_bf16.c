@@ -63,14 +63,46 @@ static inline void next_request(prefetcher* p, int64_t r, int64_t num_reqs, cons
     p->base = p->block = p->offset = 0;
 }
 
-// Scores of the G query heads against one key row: D/32 dot-product steps of 32 bf16 pairs each.
-static inline void score_row(const __m512bh* q, int group, int chunks, const uint16_t* k, float* out) {
-    __m512bh kv[MAX_HEAD_DIM / 32];
-    for (int c = 0; c < chunks; c++) kv[c] = (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c));
+// Lane partial sums of 16 keys -> their 16 horizontal sums in one vector, lane i = key i: a transpose in four
+// rounds of shuffles and adds (30 instructions, where 16 _mm512_reduce_add_ps take about 130). Each key's lanes
+// are paired as _mm512_reduce_add_ps pairs them, (j, j+8), (j, j+4), (j, j+2), (j, j+1), so every sum has the
+// bits one reduce per key gives. SLOT holds which key enters each input slot: the rounds leave slot s's sum in
+// lane SLOT[s], and SLOT is its own inverse, so lane i ends up holding key i.
+static const int SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+static inline __m512 sum16(const __m512* key) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 a = key[SLOT[2 * i]], b = key[SLOT[2 * i + 1]];
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    }
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
+}
+
+// Scores of the G query heads against n <= 16 consecutive bf16 key rows (row stride D): out[g * stride + i] =
+// (q_g . k_i) * row_scale[i] * scale (row_scale NULL: `scale` alone). Each dot product is D/32 vdpbf16ps steps
+// in fp32 lanes, then its horizontal sum (sum16).
+static inline void score_rows(const __m512bh* q, int group, int chunks, const uint16_t* k, int n,
+                              const float* row_scale, float scale, float* out, int64_t stride) {
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 scales = row_scale ? _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row_scale), _mm512_set1_ps(scale))
+                                    : _mm512_set1_ps(scale);
     for (int g = 0; g < group; g++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, q[g * chunks + c], kv[c]);
-        out[g] = _mm512_reduce_add_ps(acc);
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) {
+            acc[i] = _mm512_setzero_ps();
+            if (i < n)
+                for (int c = 0; c < chunks; c++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], q[g * chunks + c],
+                                              (__m512bh)_mm512_loadu_si512((const void*)(k + (i * chunks + c) * 32)));
+        }
+        _mm512_mask_storeu_ps(out + g * stride, mask, _mm512_mul_ps(sum16(acc), scales));
     }
 }
 
@@ -78,10 +110,13 @@ static inline void score_row(const __m512bh* q, int group, int chunks, const uin
 static inline void softmax_rows(float* scores, int group, int64_t seq_len) {
     for (int g = 0; g < group; g++) {
         float* s = scores + g * seq_len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < seq_len; t++) m = s[t] > m ? s[t] : m;
-        __m512 vmax = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
+        __m512 lanes_max = _mm512_set1_ps(-INFINITY);  // the max is exact in any order
         int64_t t = 0;
+        for (; t + 16 <= seq_len; t += 16) lanes_max = _mm512_max_ps(lanes_max, _mm512_loadu_ps(s + t));
+        float m = _mm512_reduce_max_ps(lanes_max);
+        for (; t < seq_len; t++) m = s[t] > m ? s[t] : m;
+        __m512 vmax = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
+        t = 0;
         for (; t + 16 <= seq_len; t += 16) {
             __m512 e = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
             _mm512_storeu_ps(s + t, e);
@@ -93,8 +128,72 @@ static inline void softmax_rows(float* scores, int group, int64_t seq_len) {
             _mm512_mask_storeu_ps(s + t, mask, e);
             vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
         }
-        float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-        for (int64_t t2 = 0; t2 < seq_len; t2++) s[t2] *= inv;
+        const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (t = 0; t + 16 <= seq_len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
+        for (; t < seq_len; t++) s[t] *= inv;
+    }
+}
+
+// out_g = sum_t p[g, t] * v_t for the heads g0 .. g0 + GB - 1, each sum over t in order. GB and LANES (D / 16)
+// are literals where this is inlined, so the GB x LANES fp32 accumulators stay in registers (indexed by a
+// runtime group they lived on the stack, a load and a store around every FMA). INT8: v is an int8 cache with
+// one scale per row (v_scales), folded into the softmax weight.
+static inline __attribute__((always_inline)) void v_heads(const float* scores, int64_t seq_len, const void* v_cache,
+                                                          const float* v_scales, const int64_t* blocks,
+                                                          int64_t block_stride, int64_t head_offset,
+                                                          int64_t scale_block_stride, int64_t scale_offset,
+                                                          int block_size, uint16_t* out_heads, int g0,
+                                                          const int GB, const int LANES, const int INT8,
+                                                          prefetcher* ahead) {
+    __m512 acc[4][MAX_HEAD_DIM / 16];
+    for (int g = 0; g < GB; g++)
+        for (int l = 0; l < LANES; l++) acc[g][l] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block = blocks[start / block_size], at = block * block_stride + head_offset;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        const float* vs = INT8 ? v_scales + block * scale_block_stride + scale_offset : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t t = start + i;
+            if (g0 == 0) prefetch_some(ahead);
+            __m512 w[4];
+            for (int g = 0; g < GB; g++) {
+                const float p = scores[(g0 + g) * seq_len + t];
+                w[g] = _mm512_set1_ps(INT8 ? p * vs[i] : p);
+            }
+            for (int l = 0; l < LANES; l++) {
+                const int64_t e = at + i * LANES * 16 + 16 * l;
+                const __m512 vf =
+                    INT8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)v_cache + e))))
+                         : _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)((const uint16_t*)v_cache + e)));
+                for (int g = 0; g < GB; g++) acc[g][l] = _mm512_fmadd_ps(w[g], vf, acc[g][l]);
+            }
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int l = 0; l < LANES; l++)
+            _mm256_storeu_si256((__m256i*)(out_heads + (g0 + g) * LANES * 16 + 16 * l),
+                                (__m256i)_mm512_cvtneps_pbh(acc[g][l]));
+}
+
+// v_heads over all G heads, up to 4 at a time (2 for D = 128, 1 beyond: at most 16 accumulators).
+static inline __attribute__((always_inline)) void v_pass(const float* scores, int64_t seq_len, const void* v_cache,
+                                                         const float* v_scales, const int64_t* blocks,
+                                                         int64_t block_stride, int64_t head_offset,
+                                                         int64_t scale_block_stride, int64_t scale_offset,
+                                                         int block_size, uint16_t* out_heads, int group,
+                                                         const int LANES, const int INT8, prefetcher* ahead) {
+    const int most = LANES <= 4 ? 4 : LANES <= 8 ? 2 : 1;
+    for (int g0 = 0; g0 < group; g0 += most) {
+        const int gb = group - g0 < most ? group - g0 : most;
+#define V_HEADS(GB_)                                                                                              \
+    v_heads(scores, seq_len, v_cache, v_scales, blocks, block_stride, head_offset, scale_block_stride, scale_offset, \
+            block_size, out_heads, g0, GB_, LANES, INT8, ahead)
+        if (gb == 4) V_HEADS(4);
+        else if (gb == 3) V_HEADS(3);
+        else if (gb == 2) V_HEADS(2);
+        else V_HEADS(1);
+#undef V_HEADS
     }
 }
 
@@ -112,52 +211,26 @@ static inline __attribute__((always_inline)) void attend_one(const uint16_t* q_h
     const int64_t row_stride = head_dim;
     const int64_t head_stride = (int64_t)block_size * head_dim;
     const int64_t block_stride = head_stride * num_kv_heads;
-    float row[MAX_GROUP];
     for (int64_t start = 0; start < seq_len; start += block_size) {
         const uint16_t* k = k_cache + blocks[start / block_size] * block_stride + kv_head * head_stride;
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t i = 0; i < n; i++, k += row_stride) {
-            score_row(q, group, chunks, k, row);
-            prefetch_some(ahead);
-            for (int g = 0; g < group; g++) scores[g * seq_len + start + i] = row[g] * scale;
+        for (int64_t i = 0; i < n; i += 16) {
+            const int m = n - i < 16 ? (int)(n - i) : 16;
+            for (int r = 0; r < m; r++) prefetch_some(ahead);
+            score_rows(q, group, chunks, k + i * row_stride, m, NULL, scale, scores + start + i, seq_len);
         }
     }
     softmax_rows(scores, group, seq_len);
-    // out_g = sum_t p[g, t] * v_t, fp32 accumulators: D/16 registers per head
-    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
-    const int lanes = head_dim / 16;
-    for (int g = 0; g < group; g++)
-        for (int l = 0; l < lanes; l++) acc[g][l] = _mm512_setzero_ps();
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-        const uint16_t* v = v_cache + blocks[start / block_size] * block_stride + kv_head * head_stride;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t i = 0; i < n; i++, v += row_stride) {
-            const int64_t t = start + i;
-            prefetch_some(ahead);
-            for (int l = 0; l < lanes; l++) {
-                __m512 vf = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * l)));
-                for (int g = 0; g < group; g++)
-                    acc[g][l] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * seq_len + t]), vf, acc[g][l]);
-            }
-        }
-    }
-    for (int g = 0; g < group; g++)
-        for (int l = 0; l < lanes; l++)
-            _mm256_storeu_si256((__m256i*)(out_heads + g * head_dim + 16 * l), (__m256i)_mm512_cvtneps_pbh(acc[g][l]));
+    v_pass(scores, seq_len, v_cache, NULL, blocks, block_stride, kv_head * head_stride, 0, 0, block_size, out_heads,
+           group, head_dim / 16, 0, ahead);
 }
 
-// Scores of the G query heads against one int8 key row: the row widened to bf16 (exact), then as score_row.
-static inline void score_row_i8(const __m512bh* q, int group, int chunks, const int8_t* k, float* out) {
-    __m512bh kv[MAX_HEAD_DIM / 32];
-    for (int c = 0; c < chunks; c++) {
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(k + 32 * c))));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(k + 32 * c + 16))));
-        kv[c] = _mm512_cvtne2ps_pbh(hi, lo);  // element i of the pair is lo[i], element 16 + i is hi[i]
-    }
-    for (int g = 0; g < group; g++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, q[g * chunks + c], kv[c]);
-        out[g] = _mm512_reduce_add_ps(acc);
+// n <= 16 int8 key rows widened to bf16 (exact: int8 values are bf16 values), for score_rows.
+static inline void widen_rows_i8(const int8_t* k, int n, int head_dim, uint16_t* out) {
+    for (int64_t e = 0; e < (int64_t)n * head_dim; e += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(k + e))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(k + e + 16))));
+        _mm512_storeu_si512((void*)(out + e), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // lo: elements e..e+15
     }
 }
 
@@ -175,44 +248,22 @@ static inline __attribute__((always_inline)) void attend_one_i8(
     const int64_t head_stride = (int64_t)block_size * head_dim;
     const int64_t block_stride = head_stride * num_kv_heads;
     const int64_t scale_block_stride = (int64_t)block_size * num_kv_heads;
-    float row[MAX_GROUP];
+    uint16_t wide[16 * MAX_HEAD_DIM];
     for (int64_t start = 0; start < seq_len; start += block_size) {
         const int64_t block = blocks[start / block_size];
         const int8_t* k = k_cache + block * block_stride + kv_head * head_stride;
         const float* ks = k_scales + block * scale_block_stride + (int64_t)kv_head * block_size;
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-
-        for (int64_t i = 0; i < n; i++, k += head_dim) {
-            score_row_i8(q, group, chunks, k, row);
-            prefetch_some(ahead);
-            const float row_scale = ks[i] * scale;
-            for (int g = 0; g < group; g++) scores[g * seq_len + start + i] = row[g] * row_scale;
+        for (int64_t i = 0; i < n; i += 16) {
+            const int m = n - i < 16 ? (int)(n - i) : 16;
+            for (int r = 0; r < m; r++) prefetch_some(ahead);
+            widen_rows_i8(k + i * head_dim, m, head_dim, wide);
+            score_rows(q, group, chunks, wide, m, ks + i, scale, scores + start + i, seq_len);
         }
     }
     softmax_rows(scores, group, seq_len);
-    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
-    const int lanes = head_dim / 16;
-    for (int g = 0; g < group; g++)
-        for (int l = 0; l < lanes; l++) acc[g][l] = _mm512_setzero_ps();
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-        const int64_t block = blocks[start / block_size];
-        const int8_t* v = v_cache + block * block_stride + kv_head * head_stride;
-        const float* vs = v_scales + block * scale_block_stride + (int64_t)kv_head * block_size;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t i = 0; i < n; i++, v += head_dim) {
-            const int64_t t = start + i;
-            prefetch_some(ahead);
-            __m512 w[MAX_GROUP];  // softmax weight times this row's V scale
-            for (int g = 0; g < group; g++) w[g] = _mm512_set1_ps(scores[g * seq_len + t] * vs[i]);
-            for (int l = 0; l < lanes; l++) {
-                __m512 vf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(v + 16 * l))));
-                for (int g = 0; g < group; g++) acc[g][l] = _mm512_fmadd_ps(w[g], vf, acc[g][l]);
-            }
-        }
-    }
-    for (int g = 0; g < group; g++)
-        for (int l = 0; l < lanes; l++)
-            _mm256_storeu_si256((__m256i*)(out_heads + g * head_dim + 16 * l), (__m256i)_mm512_cvtneps_pbh(acc[g][l]));
+    v_pass(scores, seq_len, v_cache, v_scales, blocks, block_stride, kv_head * head_stride, scale_block_stride,
+           (int64_t)kv_head * block_size, block_size, out_heads, group, head_dim / 16, 1, ahead);
 }
 
 // q, out: [B, H, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [B, max_blocks].
