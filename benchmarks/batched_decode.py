@@ -166,7 +166,9 @@ def timed(run, reps: int, max_other: float) -> tuple[float, int, float]:
     return best, discarded, worst
 
 
-def leanlm_runner(model: str, batch: int, dequantize: bool, prompt_sets, output_len: int, prefix_caching=False):
+def leanlm_runner(
+    model: str, batch: int, dequantize: bool, prompt_sets, output_len: int, prefix_caching=False, **options
+):
     """prompt_sets: [prompts] (every repetition runs them; the warm-up the first `batch`), or [warm-up set,
     repetition 1's, ...] with prefix caching on (see Workload)."""
     llm = LLM(
@@ -176,6 +178,7 @@ def leanlm_runner(model: str, batch: int, dequantize: bool, prompt_sets, output_
         max_num_seqs=batch,
         dequantize_gguf=dequantize,
         enable_prefix_caching=prefix_caching,
+        **options,
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     warmup = prompt_sets[0] if len(prompt_sets) > 1 else prompt_sets[0][:batch]

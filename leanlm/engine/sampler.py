@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.engine.sampling_metadata import SamplingMetadata
+from leanlm.kernels import cpu_rows
 
 
 @dataclass
@@ -37,8 +38,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.max_num_logprobs is None and is_plain_greedy(metadata):
             # argmax is the same on the raw logits (bf16 -> float32 is exact and monotone, ties go to the
-            # first index either way): skip the [B, V] float32 copy, ~3 ms of a 64-row step
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+            # first index either way): skip the [B, V] float32 copy, 2-10 ms of a 64-row step
+            return SamplerOutput(sampled_token_ids=cpu_rows.argmax(logits), logprobs=None)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # vLLM's default: logprobs of the raw model distribution, before any processing.

@@ -230,6 +230,50 @@ void leanlm_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *ou
     }
 }
 
+/* Argmax of bf16 values through unsigned 16-bit keys in the values' order: -0 read as +0, negatives (sign set) to
+ * ~h, the rest to h | 0x8000, every NaN to 0xffff (above +inf: torch.argmax takes a NaN as the largest). */
+ALWAYS_INLINE uint16_t order_key(uint16_t h) {
+    if (h == 0x8000u) h = 0;
+    if ((h & 0x7fffu) > 0x7f80u) return 0xffffu;
+    return (h & 0x8000u) ? (uint16_t)~h : (uint16_t)(h | 0x8000u);
+}
+
+ALWAYS_INLINE __m512i order_keys32(__m512i h) {
+    h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(h, _mm512_set1_epi16((short)0x8000)), _mm512_setzero_si512());
+    const __mmask32 negative = _mm512_movepi16_mask(h);
+    __m512i key = _mm512_mask_mov_epi16(_mm512_or_si512(h, _mm512_set1_epi16((short)0x8000)), negative,
+                                        _mm512_xor_si512(h, _mm512_set1_epi16(-1)));
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(h, _mm512_set1_epi16(0x7fff)),
+                                                  _mm512_set1_epi16(0x7f80));
+    return _mm512_mask_mov_epi16(key, nan, _mm512_set1_epi16(-1));
+}
+
+static int64_t argmax_row(const uint16_t *x, int64_t n) {
+    __m512i best = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) best = _mm512_max_epu16(best, order_keys32(_mm512_loadu_si512((const void *)(x + i))));
+    uint16_t lanes[32], top = 0;
+    _mm512_storeu_si512((void *)lanes, best);
+    for (int l = 0; l < 32; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; i < n; i++) top = order_key(x[i]) > top ? order_key(x[i]) : top;
+    const __m512i vtop = _mm512_set1_epi16((short)top);
+    for (i = 0; i + 32 <= n; i += 32) {
+        const __mmask32 hit = _mm512_cmpeq_epi16_mask(order_keys32(_mm512_loadu_si512((const void *)(x + i))), vtop);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    for (; i < n; i++)
+        if (order_key(x[i]) == top) return i;
+    return 0; /* n == 0 */
+}
+
+/* out[t] = the index of the largest value of bf16 row t of x [M, n], the first on ties, as torch.argmax gives
+ * it (which, on bf16 CPU tensors, runs 5x slower than on float32: 10 ms for 128 x 49152). Exported for the
+ * sampler's greedy rows. */
+void leanlm_argmax_bf16(const uint16_t *x, int64_t *out, int64_t M, int64_t n, int threads) {
+#pragma omp parallel for num_threads(row_threads(M, threads)) schedule(static)
+    for (int64_t t = 0; t < M; t++) out[t] = argmax_row(x + t * n, n);
+}
+
 /* One head's row x [D] into an int8 cache row with its scale, as kv_quant.quantize_kv: scale = absmax / 127
  * (at least FLT_MIN), codes round half to even and saturate. */
 static void store_int8_row(const uint16_t *x, int8_t *codes, float *scale, int64_t D) {

@@ -277,3 +277,21 @@ def test_smollm2_greedy_output_is_unchanged(smollm_path):
     model.allow_native_decode = False
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert native == reference
+
+
+def test_argmax_matches_torch_on_bf16_rows():
+    """The sampler's greedy argmax over bf16 logits: torch's indices on random rows of every tail length, on ties
+    (the first wins, +0 equals -0), infinities, and NaNs of either sign (a NaN counts as the largest)."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, width in [(128, 49152), (3, 33), (1, 5), (7, 64), (2, 1)]:
+        x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+        assert torch.equal(cpu_rows.argmax(x), x.argmax(dim=-1))
+    inf, nan = float("inf"), float("nan")
+    special = [[0.0, -0.0, -1.0], [-0.0, 0.0, -1.0], [1.0, 1.0, 0.0], [-3.0, -2.0, -2.0], [-inf, -inf, -inf]]
+    special += [[1.0, nan, nan], [inf, 2.0, inf], [-0.0, -0.0, -5.0], [-nan, 1.0, nan]]
+    x = torch.tensor(special).to(torch.bfloat16)
+    assert cpu_rows.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    long_rows = torch.full((3, 100), -7.0).to(torch.bfloat16)  # past the vector loop, and in its tail
+    long_rows[0, 77], long_rows[1, 3], long_rows[2, 97] = nan, -nan, 5.0
+    assert cpu_rows.argmax(long_rows).tolist() == [77, 3, 97] == long_rows.argmax(dim=-1).tolist()
+    assert torch.equal(cpu_rows.argmax(x.float()), x.float().argmax(dim=-1))  # other dtypes: torch's own

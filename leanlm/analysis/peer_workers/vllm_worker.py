@@ -4,8 +4,8 @@ environment (benchmarks/setup_peers.sh); the protocol is in worker_io.
 
 model_dir is a dense HF directory. options: {"engine_args": {...}} are passed to vllm.LLM over our defaults
 (e.g. {"enforce_eager": true}); {"prefix_caching": true} turns its prefix cache on (off by default: repetitions
-resubmit the same prompts unless the request has distinct_reps). vLLM spawns its engine core and a model-worker process; worker_io counts their
-CPU as own. The main guard is required: spawned processes re-import this file.
+resubmit the same prompts unless the request has distinct_reps). vLLM spawns its engine core and a model-worker
+process; worker_io counts their CPU as own. The main guard is required: spawned processes re-import this file.
 """
 
 from __future__ import annotations
