@@ -70,6 +70,10 @@ class TorchAttentionBackend:
         # K/V are then read as stored (an 8-bit cache's rounding included), like the cached prefix.
         k = store_kv(kv.k_cache, kv.k_scales, k, ctx.kv_write_index)
         v = store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
+        return self.attend(q, k, v, kv, scale, ctx)
+
+    def attend(self, q, k, v, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
+        """Attention of every row once the step's K/V are in the cache (k, v: the new rows, as stored)."""
         if ctx.is_all_decode:  # rows are the decode rows, in order
             return self.decode(q, kv, scale, ctx)
         out = torch.empty_like(q)
@@ -89,10 +93,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
+    def attend(self, q, k, v, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
+        """Steps with prompt chunks run every token as a row of the decode kernel too: query t reads its request's
+        blocks up to its own position, which is causal attention. One call for the whole step, no gathered copy
+        of a cached prefix, and each row's bits depend only on its query and the cache, not on how the prompt
+        was chunked or batched. Faster than the gather + SDPA path at every chunk we measured (8-2048 tokens,
+        with and without a cached prefix; a 16-token chunk after a 4096-token prefix: 1.8 against 28 ms)."""
+        if ctx.is_all_decode or not paged_attention.should_use(q, kv.k_cache, kv.k_scales):
+            return super().attend(q, k, v, kv, scale, ctx)
+        tables, seq_lens, max_len = ctx.token_rows
+        return self._paged(q, kv, scale, tables, seq_lens, max_len)
+
     def decode(self, q, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
         if not paged_attention.should_use(q, kv.k_cache, kv.k_scales):  # e.g. fp8 or float32 K/V
             return super().decode(q, kv, scale, ctx)
-        tables, seq_lens, max_len = ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
+        return self._paged(q, kv, scale, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len)
+
+    @staticmethod
+    def _paged(q, kv: LayerKV, scale, tables, seq_lens, max_len: int) -> torch.Tensor:
         if kv.k_scales is None:
             return paged_attention.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, seq_lens, max_len, scale)
         return paged_attention.paged_decode_attention_int8(

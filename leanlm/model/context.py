@@ -7,6 +7,7 @@ and holds no cache of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +50,19 @@ class ForwardContext:
     @property
     def num_requests(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @functools.cached_property
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every batch row as a one-query request: (block tables [T, max_blocks] long, the row's request's table;
+        seq lens [T] long, its position + 1; the longest). Built once per step, on first use."""
+        query_lens = self.query_start_loc.diff()  # [B]
+        tables = self.block_tables.repeat_interleave(query_lens, dim=0)
+        ends = self.seq_lens.repeat_interleave(query_lens)  # each row's request's seq_len
+        after = self.query_start_loc[1:].repeat_interleave(query_lens) - torch.arange(
+            tables.shape[0], device=tables.device
+        )  # rows of its request after this one, itself included
+        seq_lens = ends - after + 1
+        return tables, seq_lens, int(self.seq_lens.max())
 
 
 _state = threading.local()
