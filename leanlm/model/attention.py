@@ -89,7 +89,8 @@ class TorchAttentionBackend:
 
 @register_backend("cpu")
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The reference backend with decode rows on the native paged kernel (bf16 or int8 KV, AVX512-BF16 CPUs)."""
+    """The reference backend with every row, decodes and prompt tokens, on the native paged kernel (bf16 or int8 KV,
+    AVX512-BF16 CPUs)."""
 
     name = "cpu"
 
