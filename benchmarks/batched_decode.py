@@ -166,12 +166,9 @@ def timed(run, reps: int, max_other: float) -> tuple[float, int, float]:
     return best, discarded, worst
 
 
-def leanlm_runner(
-    model: str, batch: int, dequantize: bool, prompt_sets, output_len: int, prefix_caching=False, **options
-):
-    """prompt_sets: [prompts] (every repetition runs them; the warm-up the first `batch`), or [warm-up set,
-    repetition 1's, ...] with prefix caching on (see Workload)."""
-    llm = LLM(
+def leanlm_llm(model: str, batch: int, dequantize: bool, prefix_caching=False, **options) -> LLM:
+    """The engine every LeanLM row runs: bf16, capped at `batch` running requests."""
+    return LLM(
         model,
         dtype="bfloat16",
         progress=False,
@@ -180,6 +177,14 @@ def leanlm_runner(
         enable_prefix_caching=prefix_caching,
         **options,
     )
+
+
+def leanlm_runner(
+    model: str, batch: int, dequantize: bool, prompt_sets, output_len: int, prefix_caching=False, **options
+):
+    """prompt_sets: [prompts] (every repetition runs them; the warm-up the first `batch`), or [warm-up set,
+    repetition 1's, ...] with prefix caching on (see Workload)."""
+    llm = leanlm_llm(model, batch, dequantize, prefix_caching, **options)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     warmup = prompt_sets[0] if len(prompt_sets) > 1 else prompt_sets[0][:batch]
     llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm + pack

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batched_decode import WORKLOADS, checkpoint  # benchmarks/
+from batched_decode import WORKLOADS, checkpoint, leanlm_llm  # benchmarks/
 
 from leanlm import LLM, SamplingParams
 from leanlm.analysis import estimate as est
@@ -156,14 +156,7 @@ def run_workload(args, peak: float, bandwidth: float) -> StepTimer:
     n = max(args.num_prompts, args.batch)
     prompts = wl.prompts(2 * n if wl.shared else n, seed=0)
     warmup, timed_prompts = (prompts[:n], prompts[n:]) if wl.shared else (prompts[: args.batch], prompts)
-    llm = LLM(
-        model,
-        dtype="bfloat16",
-        progress=False,
-        max_num_seqs=args.batch,
-        dequantize_gguf=dequantize,
-        enable_prefix_caching=wl.shared,
-    )
+    llm = leanlm_llm(model, args.batch, dequantize, prefix_caching=wl.shared)
     llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     timer = StepTimer(llm, fmt, peak * 1e9, bandwidth)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
