@@ -16,6 +16,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,9 +25,10 @@ import torch
 from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_text
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
+from leanlm.analysis.sparsity import linear_sparsity, overall
 from leanlm.cli.quantize import build_recipe, directory_bytes, model_bytes
 from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
-from leanlm.compress.base import build_method
+from leanlm.compress.base import MethodConfig, build_method
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint
@@ -70,25 +72,52 @@ class Row:
     delta_pct: float
     mean_kl: float
     top1_agreement: float
+    sparsity: float = 0.0  # fraction of the decoder linears' weights that are exactly zero
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def quant_recipe(opts: dict) -> list[MethodConfig]:
+    """A CONFIGS entry's recipe: build_recipe's options, plus an optional `ignore` for every step."""
+    opts = dict(opts)
+    ignore = opts.pop("ignore", None)
+    recipe = build_recipe(**opts)
+    return recipe if ignore is None else [dataclasses.replace(c, ignore=ignore) for c in recipe]
+
+
+@dataclass(frozen=True)
+class Study:
+    """What one quality script compares: its configurations, how each becomes a recipe, where rows go."""
+
+    configs: dict[str, dict]
+    recipe_of: Callable[[dict], list[MethodConfig]]
+    script: str  # the command line's script, for the report
+    results_dir: str
+    verb: str  # "Quantized", "Pruned": how the report says the checkpoints were made
+    time_label: str  # the table's column of compression seconds
+
+
+QUANTIZATION = Study(
+    CONFIGS, quant_recipe, "benchmarks/quantization.py", "bench-results/quantization", "Quantized", "quantize s"
+)
+
+
+def main(study: Study = QUANTIZATION, description: str = __doc__) -> None:
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
+    ap.add_argument("--configs", default=",".join(study.configs), help="comma-separated names from CONFIGS")
     ap.add_argument("--data", default=str(WIKITEXT))
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--ppl-windows", type=int, default=8, help="first K windows of the test set for perplexity")
     ap.add_argument("--kl-windows", type=int, default=2, help="first K windows for KL divergence")
     ap.add_argument("--num-samples", type=int, default=64, help="calibration samples")
     ap.add_argument("--calib-seq-len", type=int, default=256)
-    ap.add_argument("--results-dir", default="bench-results/quantization")
+    ap.add_argument("--results-dir", default=study.results_dir)
     ap.add_argument("--doc", default=None, help="markdown file whose section quality-<model> gets the table")
     args = ap.parse_args()
+    args.study = study
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in study.configs]
     if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+        raise SystemExit(f"unknown configs {unknown}; known: {list(study.configs)}")
 
     ckpt = load_checkpoint(args.model, progress=False)
     ids = ckpt.tokenizer.encode(read_text(args.data), add_special_tokens=False)
@@ -106,20 +135,19 @@ def main() -> None:
     rows["bfloat16 (reference)"] = Row("bfloat16 (reference)", "-", float_mib, 0.0, base_ppl, 0.0, 0.0, 1.0)
     print(rows["bfloat16 (reference)"], flush=True)
     for name in names:
-        opts = dict(CONFIGS[name])
+        opts = dict(study.configs[name])
         start = time.perf_counter()
+        zeros = 0.0
         if "kv_cache_dtype" in opts:
             llm, recipe, mib = LLM(args.model, dtype="bfloat16", progress=False, **opts), "-", float_mib
             seconds = 0.0
         else:
-            ignore = opts.pop("ignore", None)
-            recipe_cfgs = build_recipe(**opts)
-            if ignore is not None:
-                recipe_cfgs = [dataclasses.replace(c, ignore=ignore) for c in recipe_cfgs]
+            recipe_cfgs = study.recipe_of(opts)
             model = build_model(ckpt.config, ckpt.state_dict, torch.float32)
             needs_data = any(build_method(c).needs for c in recipe_cfgs)
             compress(model, recipe_cfgs, samples if needs_data else None, progress=False)
             seconds = time.perf_counter() - start
+            zeros = overall(linear_sparsity(model))
             out = results / name.replace(" ", "_").replace("/", "-")
             shutil.rmtree(out, ignore_errors=True)
             save_checkpoint(model, out, ckpt.tokenizer)
@@ -129,11 +157,12 @@ def main() -> None:
             llm = LLM(str(out), dtype="bfloat16", progress=False)
         ppl = perplexity(llm, ppl_windows, use_tqdm=False).perplexity
         kl = kl_divergence(base, llm, kl_windows, windows_per_batch=1, use_tqdm=False)
-        rows[name] = Row(name, recipe, mib, seconds, ppl, 100 * (ppl / base_ppl - 1), kl.mean_kl, kl.top1_agreement)
+        delta = 100 * (ppl / base_ppl - 1)
+        rows[name] = Row(name, recipe, mib, seconds, ppl, delta, kl.mean_kl, kl.top1_agreement, zeros)
         print(rows[name], flush=True)
         del llm
         write(args, rows, len(ids), samples.shape, results)  # after every row: a long run keeps what it measured
-    print(format_report(args, ordered(rows), len(ids), samples.shape))
+    print(format_report(args, ordered(study, rows), len(ids), samples.shape))
 
 
 def settings(args) -> dict:
@@ -154,38 +183,41 @@ def earlier_rows(path: Path, current: dict) -> dict[str, Row]:
     return {r["config"]: Row(**r) for r in saved["rows"]}
 
 
-def ordered(rows: dict[str, Row]) -> list[Row]:
-    """The reference first, then CONFIGS order."""
-    rank = {name: i for i, name in enumerate(["bfloat16 (reference)", *CONFIGS])}
+def ordered(study: Study, rows: dict[str, Row]) -> list[Row]:
+    """The reference first, then the study's configuration order."""
+    rank = {name: i for i, name in enumerate(["bfloat16 (reference)", *study.configs])}
     return sorted(rows.values(), key=lambda r: rank.get(r.config, len(rank)))
 
 
 def write(args, rows: dict[str, Row], num_tokens: int, calib_shape, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
-    saved = {"settings": settings(args), "rows": [asdict(r) for r in ordered(rows)]}
+    saved = {"settings": settings(args), "rows": [asdict(r) for r in ordered(args.study, rows)]}
     (results / "results.json").write_text(json.dumps(saved, indent=2))
     if args.doc:
-        report = format_report(args, ordered(rows), num_tokens, calib_shape)
+        report = format_report(args, ordered(args.study, rows), num_tokens, calib_shape)
         replace_section(Path(args.doc), f"quality-{Path(args.model).name}", report)
 
 
 def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
+    sparse = any(r.sparsity > 0.01 for r in rows)
     lines = [
         f"**{args.model}**: WikiText-2 raw test ({num_tokens} tokens), sequence length {args.seq_len}, perplexity "
         f"over the first {args.ppl_windows} windows, KL(float || quantized) per token over the first "
         f"{args.kl_windows}; calibration {calib_shape[0]} x {calib_shape[1]} tokens of gensim's Wikipedia "
-        "articles. Quantized from float32, saved, reloaded with `LLM(dir)`, scored in bfloat16. "
+        f"articles. {args.study.verb} from float32, saved, reloaded with `LLM(dir)`, scored in bfloat16. "
         f"Machine: {describe_machine()}. Command: "
-        f"`python benchmarks/quantization.py --model {args.model} --ppl-windows {args.ppl_windows} "
+        f"`python {args.study.script} --model {args.model} --ppl-windows {args.ppl_windows} "
         f"--kl-windows {args.kl_windows} --num-samples {args.num_samples} --calib-seq-len {args.calib_seq_len}`.",
         "",
-        "| configuration | recipe | weights MiB | quantize s | perplexity | vs bf16 | mean KL (nats) | top-1 agree |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| configuration | recipe | weights MiB | {args.study.time_label} | perplexity | vs bf16 | mean KL (nats) | "
+        "top-1 agree |" + (" zeros |" if sparse else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if sparse else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r.config} | {r.recipe} | {r.weights_mib:.1f} | {r.quantize_s:.0f} | {r.perplexity:.4f} | "
             f"{r.delta_pct:+.2f}% | {r.mean_kl:.5f} | {r.top1_agreement:.3f} |"
+            + (f" {r.sparsity:.1%} |" if sparse else "")
         )
     return "\n".join(lines)
 

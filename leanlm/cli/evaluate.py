@@ -59,6 +59,7 @@ def _dtype_name(llm) -> str:
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import perplexity
+    from leanlm.analysis.sparsity import by_layer, format_sparsity, linear_sparsity, overall
 
     _check_data_file(args.data)
     llm = load_llm(args)
@@ -67,6 +68,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     result = perplexity(llm, windows)
     elapsed = time.perf_counter() - start
     protocol = _eval_protocol(args, len(token_ids), windows)
+    sparsity = linear_sparsity(llm.llm_engine.model_runner.model)
     if args.json:
         print(
             json.dumps(
@@ -78,6 +80,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
                     "perplexity": result.perplexity,
                     "mean_nll": result.mean_nll,
                     "elapsed_s": elapsed,
+                    "weight_sparsity": {"overall": overall(sparsity), "per_layer": list(by_layer(sparsity).values())},
                 },
                 indent=1,
             )
@@ -88,6 +91,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         f"model {args.model}, {_dtype_name(llm)}: perplexity {result.perplexity:.4f} "
         f"(mean NLL {result.mean_nll:.5f} nats) in {elapsed:.0f} s"
     )
+    print(format_sparsity(sparsity))
     return 0
 
 

@@ -118,14 +118,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.compress.gptq_format import save_gptq_checkpoint
-    from leanlm.compress.recipe import compress
-    from leanlm.loading.checkpoint import load_checkpoint
-    from leanlm.model.device import resolve_device
-    from leanlm.model.llama import build_model
-
     recipe = build_recipe(
         args.method,
         args.bits,
@@ -139,22 +131,40 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         args.true_sequential,
     )  # validates before loading
     check_output_format(args.format, recipe)
+    return run_recipe(args, recipe, args.method in NEEDS_CALIBRATION, args.format)
+
+
+def run_recipe(args: argparse.Namespace, recipe: list[MethodConfig], needs_calibration: bool, fmt: str) -> int:
+    """Load args.model in float32, calibrate on args.calib (when the recipe needs data or --calib is given),
+    compress, save to args.out in `fmt`, print the summary (`leanlm quantize` and `leanlm prune`)."""
+    from leanlm.compress.calibration import calibration_samples, read_calibration_text
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.compress.gptq_format import save_gptq_checkpoint
+    from leanlm.compress.recipe import compress
+    from leanlm.loading.checkpoint import load_checkpoint
+    from leanlm.model.device import resolve_device
+    from leanlm.model.llama import build_model
+
     if args.calib is not None and not Path(args.calib).is_file():
         raise ValueError(f"calibration file {args.calib} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
     device = resolve_device(args.device or None)
     ckpt = load_checkpoint(args.model)
     model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
     samples = None
-    if args.method in NEEDS_CALIBRATION or args.calib:
+    if needs_calibration or args.calib:
         text = read_calibration_text(args.calib)
         ids = ckpt.tokenizer.encode(text, add_special_tokens=False)
         samples = calibration_samples(ids, args.num_samples, args.seq_len, args.seed)
     bytes_before = model_bytes(model, torch.bfloat16)
     report = compress(model, recipe, samples)
     start = time.perf_counter()
-    save = save_gptq_checkpoint if args.format == "gptq" else save_checkpoint
+    save = save_gptq_checkpoint if fmt == "gptq" else save_checkpoint
     out = save(model, args.out, ckpt.tokenizer)
-    print(format_summary(report, args, bytes_before, directory_bytes(out), time.perf_counter() - start))
+    print(
+        format_summary(
+            report, args.model, args.out, fmt, bytes_before, directory_bytes(out), time.perf_counter() - start
+        )
+    )
     return 0
 
 
@@ -178,9 +188,11 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
-def format_summary(report: CompressionReport, args, bytes_before: int, bytes_after: int, save_s: float) -> str:
+def format_summary(
+    report: CompressionReport, model: str, out: str, fmt: str, bytes_before: int, bytes_after: int, save_s: float
+) -> str:
     lines = [
-        f"{args.model} -> {args.out} ({args.format} format): {' + '.join(report.methods)}",
+        f"{model} -> {out} ({fmt} format): {' + '.join(report.methods)}",
         f"weights: {bytes_before / 2**20:.1f} MiB (bfloat16) -> {bytes_after / 2**20:.1f} MiB on disk "
         f"({bytes_before / max(bytes_after, 1):.2f}x smaller); compressed in {report.seconds:.1f} s, "
         f"saved in {save_s:.1f} s",
@@ -188,10 +200,13 @@ def format_summary(report: CompressionReport, args, bytes_before: int, bytes_aft
     if not report.linears:
         return "\n".join(lines)
     by_kind: dict[str, list] = {}
-    for r in report.linears:
+    final = {r.name: r for r in report.linears}.values()  # each linear as the recipe's last step left it
+    for r in final:
         by_kind.setdefault(r.name.rsplit(".", 1)[-1], []).append(r)
+    sparse = any(r.sparsity > 0.01 for r in report.linears)  # a pruning step ran (natural zeros are rarer)
     lines.append(
         f"{'linear':<12} {'count':>5} {'format':<26} {'weight SQNR dB':>14} {'output rel. error (mean / max)':>30}"
+        + (f" {'zeros':>7}" if sparse else "")
     )
     for kind, rs in by_kind.items():
         errs = [r.rel_error for r in rs if r.rel_error is not None]
@@ -199,8 +214,9 @@ def format_summary(report: CompressionReport, args, bytes_before: int, bytes_aft
         lines.append(
             f"{kind:<12} {len(rs):>5} {rs[0].format:<26} "
             f"{statistics.mean(r.weight_sqnr_db for r in rs):>14.1f} {err:>30}"
+            + (f" {statistics.mean(r.sparsity for r in rs):>7.1%}" if sparse else "")
         )
-    worst = max((r for r in report.linears if r.rel_error is not None), key=lambda r: r.rel_error, default=None)
+    worst = max((r for r in final if r.rel_error is not None), key=lambda r: r.rel_error, default=None)
     if worst is not None:
         lines.append(f"largest output error: {worst.name} ({worst.rel_error:.2e})")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Compression: one API for every method (torchao style), run through one layer-by-layer loop."""
+"""Compression: one API for every method (torchao style), quantization and pruning, run through one
+layer-by-layer loop."""
 
 from leanlm.compress.awq import AWQConfig
 from leanlm.compress.base import CompressionReport, LinearReport
@@ -8,9 +9,12 @@ from leanlm.compress.fp8 import FP8Config
 from leanlm.compress.gptq import GPTQConfig
 from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.compress.llm_int8 import LLMInt8Config
+from leanlm.compress.magnitude import MagnitudeConfig
 from leanlm.compress.recipe import compress
 from leanlm.compress.rtn import RTNConfig
 from leanlm.compress.smoothquant import SmoothQuantConfig
+from leanlm.compress.sparsegpt import SparseGPTConfig
+from leanlm.compress.wanda import WandaConfig
 
 __all__ = [
     "compress",
@@ -24,6 +28,9 @@ __all__ = [
     "SmoothQuantConfig",
     "LLMInt8Config",
     "FP8Config",
+    "MagnitudeConfig",
+    "WandaConfig",
+    "SparseGPTConfig",
     "CompressionReport",
     "LinearReport",
 ]

@@ -26,6 +26,7 @@ class GroupInputs:
 
     absmax: torch.Tensor  # [K] float32: max |x| per input channel
     mean_abs: torch.Tensor  # [K] float32: mean |x| per input channel
+    mean_sq: torch.Tensor  # [K] float32: mean x^2 per input channel (Wanda's ||X_j||^2 / n)
     samples: torch.Tensor  # [n, K] float32: a fixed, evenly spaced subset of input rows
     num_tokens: int
     hessian: torch.Tensor | None = None  # [K, K] float32: (2 / n) X^T X, when a method needs it
@@ -45,6 +46,7 @@ class LinearReport:
     weight_sqnr_db: float  # SQNR of the stored weight against the float weight it replaced
     bytes_before: int  # float weight bytes, in the model's dtype
     bytes_after: int
+    sparsity: float = 0.0  # fraction of the stored weight's entries that are exactly zero
 
 
 @dataclass
@@ -82,6 +84,10 @@ class Method(ABC):
         that group's inputs, observed through the layer as the earlier groups left it (GPTQ's true-sequential:
         o_proj is fitted to what the quantized q/k/v produce, down_proj to the quantized gate/up)."""
         return False
+
+    def begin(self, model: nn.Module) -> None:  # noqa: B027 (a hook most methods leave empty)
+        """Called once before the layer loop, with the whole model (global magnitude pruning sets its
+        threshold over every layer here); most methods need nothing."""
 
     @abstractmethod
     def apply_layer(self, layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None) -> list[LinearReport]:

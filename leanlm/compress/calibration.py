@@ -161,6 +161,7 @@ class _InputObserver:
     ) -> None:
         self.absmax = torch.zeros(in_features, device=device)
         self.abs_sum = torch.zeros(in_features, device=device)
+        self.sq_sum = torch.zeros(in_features, device=device)
         self.hessian = torch.zeros(in_features, in_features, device=device) if with_hessian else None
         self.keep_every = max(1, num_tokens // MAX_SAMPLE_ROWS)
         self.samples: list[torch.Tensor] = []
@@ -176,6 +177,7 @@ class _InputObserver:
         self.num_calls += 1
         self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
         self.abs_sum += x.abs().sum(dim=0)
+        self.sq_sum += x.pow(2).sum(dim=0)
         if self.hessian is not None:
             self.hessian.addmm_(x.t(), x)
         offset = (-self.num_tokens) % self.keep_every
@@ -187,7 +189,7 @@ class _InputObserver:
         hessian = None if self.hessian is None else self.hessian * (2.0 / n)
         samples = torch.cat(self.samples)[:MAX_SAMPLE_ROWS]
         sequences = torch.cat(self.sequence_rows) if self.sequence_rows else None  # [S' * T, K]
-        return GroupInputs(self.absmax, self.abs_sum / n, samples, self.num_tokens, hessian, sequences)
+        return GroupInputs(self.absmax, self.abs_sum / n, self.sq_sum / n, samples, self.num_tokens, hessian, sequences)
 
 
 def observe_inputs(
@@ -257,6 +259,8 @@ def run_layers(
         device = model.model.norm.weight.device
         hidden = model.model.embed_tokens(samples.to(device))  # [S, T, d]
         runner = LayerRunner(model, samples.shape[1], batch)
+    for method in methods:
+        method.begin(model)
     layers = model.model.layers
     for idx, layer in enumerate(tqdm(layers, desc="compressing layers", unit="layer", disable=not progress)):
         prefix = f"model.layers.{idx}"

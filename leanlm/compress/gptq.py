@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_STATS, MethodConfig, register_method
-from leanlm.compress.hessian import inverse_cholesky_upper, prepare_hessian
+from leanlm.compress.hessian import Select, inverse_cholesky_upper, obs_sweep, prepare_hessian
 from leanlm.compress.int_scheme import IntScheme, build_module
 from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.compress.pruner import pruned_mask
 from leanlm.model.quantized.numerics import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
 
 
@@ -44,49 +45,52 @@ class GPTQResult:
     dequantized: torch.Tensor  # [N, K] float32 in the original column order
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
-    """GPTQ of weight [N, K] given H [K, K]; pure function."""
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    cfg: GPTQConfig,
+    pruned: torch.Tensor | None = None,
+    select: Select | None = None,
+) -> GPTQResult:
+    """GPTQ of weight [N, K] given H [K, K]; pure function. pruned [N, K] bool: weights an earlier pruning
+    step zeroed, kept at zero (their OBS error spread like any other); select: SparseGPT's mask choice made
+    inside the same sweep (joint prune + quantize, sparsegpt.py)."""
     spec = cfg.spec(weight.shape[1])
     h, w = prepare_hessian(hessian, weight, cfg.damp_percent)
     n, k = w.shape
+    pruned = torch.zeros(n, k, dtype=torch.bool) if pruned is None else pruned.clone()
     perm = None
     if cfg.act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
-        w, h = w[:, perm], h[perm][:, perm]
+        w, h, pruned = w[:, perm], h[perm][:, perm], pruned[:, perm]
     u = inverse_cholesky_upper(h)  # [K, K]
     group = spec.group_size
     block = cfg.block_size if group is None else max(group, cfg.block_size // group * group)
     codes = torch.empty(n, k, dtype=torch.int16)
-    q_all = torch.empty_like(w)
     scales, zeros = [], []
     find_qparams = shrink_qparams if cfg.shrink_search else compute_qparams
-    qp = find_qparams(w, spec) if group is None else None  # per channel: fixed up front, as in GPTQ
-    col_spec = QuantSpec(spec.bits, spec.symmetric)  # one column [N, 1] against per-row parameters
-    for b0 in range(0, k, block):
-        b1 = min(b0 + block, k)
-        w_blk = w[:, b0:b1].clone()
-        err = torch.zeros_like(w_blk)
-        u_blk = u[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            col = b0 + i
-            if group is not None and col % group == 0:  # parameters from the group's already-updated columns
-                qp = find_qparams(w_blk[:, i : i + group], QuantSpec(spec.bits, spec.symmetric))
-                scales.append(qp.scale)
-                zeros.append(qp.zero)
-            x = w_blk[:, i : i + 1]
-            c = quantize(x, qp, col_spec)
-            q = (c.double() - (qp.zero if qp.zero is not None else 0)) * qp.scale
-            codes[:, col] = c[:, 0].to(torch.int16)
-            q_all[:, col] = q[:, 0]
-            e = (x - q) / u_blk[i, i]  # [N, 1]
-            w_blk[:, i:] -= e @ u_blk[i : i + 1, i:]
-            err[:, i] = e[:, 0]
-        w[:, b1:] -= err @ u[b0:b1, b1:]
+    col_spec = QuantSpec(spec.bits, spec.symmetric)  # one column [N, 1] (or one group) against per-row parameters
+    # per channel: fixed up front, as in GPTQ; per group: from the group's already-updated columns
+    current = [find_qparams(w.masked_fill(pruned, 0.0), spec) if group is None else None]
+
+    def round_column(col: int, x: torch.Tensor, w_blk: torch.Tensor, p_blk: torch.Tensor, i: int) -> torch.Tensor:
+        if group is not None and col % group == 0:
+            qp = find_qparams(w_blk[:, i : i + group].masked_fill(p_blk[:, i : i + group], 0.0), col_spec)
+            scales.append(qp.scale)
+            zeros.append(qp.zero)
+            current[0] = qp
+        qp = current[0]
+        c = quantize(x, qp, col_spec)  # a pruned entry is 0, on every grid: its code dequantizes to 0
+        codes[:, col] = c[:, 0].to(torch.int16)
+        return (c.double() - (qp.zero if qp.zero is not None else 0)) * qp.scale
+
+    q_all = obs_sweep(w, u, block, pruned, select, round_column)
     if group is not None:
         scale = torch.cat(scales, dim=1).float()  # [N, G]
         zero = None if spec.symmetric else torch.cat(zeros, dim=1).float()
         qparams = QParams(scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1))
     else:
+        qp = current[0]
         qparams = QParams(qp.scale.float(), None if qp.zero is None else qp.zero.float())
     dequantized = q_all.float()
     if perm is not None:
@@ -113,5 +117,7 @@ class GPTQ(LinearQuantizer):
         cfg = self.config
         # act-order permutes input columns, which only the group-wise 2-4 bit layers can carry
         act_order = cfg.act_order and cfg.act_bits is None and cfg.bits <= 4
-        result = gptq_quantize(linear.weight.float(), inputs.hessian, dataclasses.replace(cfg, act_order=act_order))
+        result = gptq_quantize(
+            linear.weight.float(), inputs.hessian, dataclasses.replace(cfg, act_order=act_order), pruned_mask(linear)
+        )
         return build_module(result.codes, result.qparams, cfg, linear.bias, result.perm)

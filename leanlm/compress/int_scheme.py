@@ -101,4 +101,5 @@ def linear_report(
         rel_error = ((out - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-30)).item()
     after = module.weight_bytes() if isinstance(module, QuantLinear) else bytes_before
     fmt = module.format if isinstance(module, QuantLinear) else "float"
-    return LinearReport(name, fmt, rel_error, sqnr_db(float_weight, w_hat), bytes_before, after)
+    sparsity = (w_hat == 0).float().mean().item()
+    return LinearReport(name, fmt, rel_error, sqnr_db(float_weight, w_hat), bytes_before, after, sparsity)

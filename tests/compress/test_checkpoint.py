@@ -5,7 +5,16 @@ import json
 import pytest
 import torch
 
-from leanlm.compress import GPTQConfig, LLMInt8Config, RTNConfig, compress, save_checkpoint, save_gptq_checkpoint
+from leanlm.compress import (
+    GPTQConfig,
+    LLMInt8Config,
+    RTNConfig,
+    SparseGPTConfig,
+    WandaConfig,
+    compress,
+    save_checkpoint,
+    save_gptq_checkpoint,
+)
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.model.llama import build_model
@@ -32,6 +41,8 @@ def _reload(path, dtype=torch.float32):
         [RTNConfig(bits=8, group_size=None, act_bits=8)],
         [GPTQConfig(bits=3, group_size=32)],
         [LLMInt8Config()],
+        [WandaConfig(pattern="2:4")],  # pruned float weights: an ordinary dense checkpoint with zeros
+        [SparseGPTConfig(pattern="2:4"), GPTQConfig(bits=4, group_size=32)],
     ],
 )
 def test_checkpoint_round_trip_is_exact(tiny_model, calib, tokenizer, tmp_path, recipe):

@@ -1,0 +1,87 @@
+"""`leanlm prune`: magnitude, Wanda or SparseGPT pruning (unstructured or N:M), optionally followed by a
+quantizer (or SparseGPT's joint prune + quantize), saved as a checkpoint the engine loads."""
+
+from __future__ import annotations
+
+import argparse
+
+from leanlm.compress.base import MethodConfig
+from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
+from leanlm.compress.sparsegpt import SparseGPTConfig
+from leanlm.compress.wanda import WandaConfig
+
+METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+def build_prune_recipe(
+    method: str,
+    sparsity: float | None = None,
+    pattern: str | None = None,
+    scope: str = "layer",
+    then_quantize: str | None = None,
+    bits: int | None = None,
+    group_size: int | None = None,
+    joint: bool = False,
+) -> list[MethodConfig]:
+    """The recipe behind `leanlm prune`; validates every option before anything loads."""
+    from leanlm.cli.quantize import build_recipe
+
+    target = dict(sparsity=sparsity, pattern=pattern)
+    if joint:
+        if method != "sparsegpt":
+            raise ValueError("--joint is SparseGPT's prune + quantize in one sweep: use it with --method sparsegpt")
+        if then_quantize is not None:
+            raise ValueError("--joint quantizes inside SparseGPT's sweep; drop --then-quantize")
+        group = 64 if group_size is None else (group_size or None)
+        return [SparseGPTConfig(**target, bits=bits or 4, group_size=group)]
+    if method == "magnitude":
+        prune = MagnitudeConfig(**target, scope=scope)
+    elif method == "wanda":
+        prune = WandaConfig(**target)
+    elif method == "sparsegpt":
+        prune = SparseGPTConfig(**target)
+    else:
+        raise ValueError(f"unknown pruning method {method!r}; use one of {', '.join(METHODS)}")
+    if scope != "layer" and method != "magnitude":
+        raise ValueError(f"--scope applies to magnitude pruning; {method} compares weights within each row")
+    if then_quantize is None:
+        if bits is not None or group_size is not None:
+            raise ValueError("--bits/--group-size need --then-quantize METHOD (or --joint with sparsegpt)")
+        return [prune]
+    return [prune, *build_recipe(then_quantize, bits, group_size)]
+
+
+def add_parser(sub) -> None:
+    from leanlm.cli.quantize import METHODS as QUANT_METHODS
+    from leanlm.loading.registry import DEFAULT_MODEL
+
+    p = sub.add_parser("prune", help="prune a model (magnitude, Wanda, SparseGPT; unstructured or N:M) and save it")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
+    p.add_argument("--method", choices=METHODS, required=True, help="pruning method (docs/sparsity.md)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--sparsity", type=float, default=None, help="fraction of weights to zero (default 0.5)")
+    target.add_argument("--pattern", default=None, help="N:M sparsity, e.g. 2:4 (keep 2 of every 4 inputs)")
+    p.add_argument("--scope", choices=SCOPES, default="layer", help="magnitude: where the fraction holds")
+    p.add_argument(
+        "--then-quantize", choices=QUANT_METHODS, default=None, help="quantize the pruned model (zeros stay zero)"
+    )
+    p.add_argument("--joint", action="store_true", help="sparsegpt: prune and quantize in one sweep (--bits)")
+    p.add_argument("--bits", type=int, default=None, help="weight bits of the quantization step (default 4)")
+    p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64); 0 = per channel")
+    p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
+    p.add_argument("--num-samples", type=int, default=64, help="calibration windows (Wanda, SparseGPT)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=0, help="seeds the calibration windows' positions in the text")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.set_defaults(func=cmd_prune)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from leanlm.cli.quantize import NEEDS_CALIBRATION, run_recipe
+
+    recipe = build_prune_recipe(
+        args.method, args.sparsity, args.pattern, args.scope, args.then_quantize, args.bits, args.group_size, args.joint
+    )
+    needs_calibration = args.method != "magnitude" or args.then_quantize in NEEDS_CALIBRATION
+    return run_recipe(args, recipe, needs_calibration, "leanlm")

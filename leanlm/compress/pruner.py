@@ -1,0 +1,58 @@
+"""Pruner: the Method shape shared by every pruning method (magnitude, Wanda, SparseGPT). Each not-ignored
+float linear of a layer keeps its module and gets zeros where the method prunes; the mask stays on the
+module as `sparsity_mask` (not a tensor of its state dict) so a quantizer later in the recipe keeps those
+weights at zero (GPTQ spreads no error into them; RTN's grids hold 0 exactly), and a sparse runtime format
+can pack it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from leanlm.compress.base import GroupInputs, LinearReport, Method
+from leanlm.compress.int_scheme import linear_report
+from leanlm.compress.linear_quantizer import group_linears
+from leanlm.compress.smoothing import set_tensor
+
+MASK_ATTR = "sparsity_mask"
+
+
+def pruned_mask(linear: nn.Module) -> torch.Tensor | None:
+    """[N, K] bool, True where an earlier pruning step zeroed the weight; None when it was not pruned."""
+    return getattr(linear, MASK_ATTR, None)
+
+
+class Pruner(Method):
+    @abstractmethod
+    def prune_linear(self, name: str, linear: nn.Linear, inputs: GroupInputs | None) -> torch.Tensor:
+        """The new float32 weight [N, K] of `linear` (full name `name`), zeros where pruned; a method may also
+        update the kept weights (SparseGPT)."""
+
+    def _prune(self, parent: nn.Module, name: str, full: str, inputs: GroupInputs | None) -> list[LinearReport]:
+        linear = parent.get_submodule(name)
+        if self.config.ignores(full) or not isinstance(linear, nn.Linear):
+            return []
+        self.config.check_shape(linear.in_features)
+        before = linear.weight.detach().float().clone()
+        weight = self.prune_linear(full, linear, inputs)
+        earlier = pruned_mask(linear)
+        if earlier is not None:  # a second pruning step keeps what the first one removed removed
+            weight = weight.masked_fill(earlier, 0.0)
+        set_tensor(linear, "weight", weight)  # never in place: the weight may be the checkpoint's own tensor
+        setattr(linear, MASK_ATTR, linear.weight == 0)
+        nbytes = linear.weight.numel() * linear.weight.element_size()
+        report = linear_report(full, before, linear, inputs, nbytes)
+        return [dataclasses.replace(report, format="float")]
+
+    def apply_layer(self, layer, prefix, inputs):
+        reports = []
+        for name, full, _, fed in group_linears(layer, prefix, inputs):
+            reports += self._prune(layer, name, full, fed)
+        return reports
+
+    def apply_head(self, model, inputs):
+        return self._prune(model, "lm_head", "lm_head", inputs)
