@@ -32,3 +32,57 @@ def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
     assert main(["quantize", *argv, "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_prune_recipes():
+    from leanlm.cli.prune import build_prune_recipe
+    from leanlm.compress import MagnitudeConfig, SparseGPTConfig, WandaConfig
+
+    assert build_prune_recipe("magnitude") == [MagnitudeConfig(sparsity=0.5)]
+    assert build_prune_recipe("magnitude", scope="global")[0].scope == "global"
+    assert build_prune_recipe("wanda", pattern="4:8") == [WandaConfig(pattern="4:8")]
+    two = build_prune_recipe("sparsegpt", pattern="2:4", then_quantize="gptq", bits=4)
+    assert [type(c) for c in two] == [SparseGPTConfig, GPTQConfig] and two[1].group_size == 64
+    joint = build_prune_recipe("sparsegpt", sparsity=0.6, joint=True, bits=3, group_size=0)
+    assert joint == [SparseGPTConfig(sparsity=0.6, bits=3, group_size=None)]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "wanda", "--joint"], "--method sparsegpt"),
+        (["--method", "sparsegpt", "--joint", "--then-quantize", "rtn"], "drop --then-quantize"),
+        (["--method", "wanda", "--scope", "global"], "applies to magnitude"),
+        (["--method", "magnitude", "--bits", "4"], "--then-quantize"),
+        (["--method", "magnitude", "--pattern", "4:2"], "0 < n < m"),
+        (["--method", "magnitude", "--sparsity", "1.5"], "fraction"),
+        (["--method", "magnitude", "--pattern", "2:4", "--scope", "global"], "local to each group"),
+        (["--method", "wanda", "--calib", "/no/such/file"], "does not exist"),
+    ],
+)
+def test_prune_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
+    assert main(["prune", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_prune_takes_a_fraction_or_a_pattern_not_both(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["prune", "--method", "magnitude", "--sparsity", "0.5", "--pattern", "2:4", "--out", str(tmp_path)])
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_prune_command_writes_a_checkpoint_that_loads(tmp_path, capsys, tiny_model, tokenizer):
+    from leanlm.compress import save_checkpoint
+
+    source, out = tmp_path / "dense", tmp_path / "pruned"
+    save_checkpoint(tiny_model(), source, tokenizer)
+    argv = ["prune", "--model", str(source), "--method", "magnitude", "--pattern", "2:4", "--out", str(out)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "zeros" in printed and "50.0%" in printed
+    from leanlm.compress.sparsity import satisfies_nm
+    from leanlm.llm import load_model
+
+    model = load_model(str(out), progress=False)
+    assert satisfies_nm(model.model.layers[0].mlp.down_proj.weight, 2, 4)
