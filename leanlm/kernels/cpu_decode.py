@@ -2,7 +2,7 @@
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
-linears and attention run on the same kernels as the PyTorch path (cpu_gemv and cpu_qgemv up to 8 rows,
+linears and attention run on the same kernels as the PyTorch path (cpu_gemv, cpu_qgemv, cpu_sparse to 8 rows,
 cpu_gemm from 9, paged_attention), passed to the C loop as function pointers. A loop whose linears carry their
 packed weights (`NativeLinear.packed`) takes any number of rows; without them, at most MAX_ROWS.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_w8a8, paged_attention
+from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_sparse, cpu_w8a8, paged_attention
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 
@@ -27,7 +27,7 @@ _KERNEL = NativeKernel(
     restype=_INT,
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
-KIND_BF16, KIND_INT8, KIND_INT4, KIND_W8A8 = 0, 1, 2, 3
+KIND_BF16, KIND_INT8, KIND_INT4, KIND_W8A8, KIND_SPARSE24 = 0, 1, 2, 3, 4
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -48,6 +48,7 @@ class _Linear(ctypes.Structure):
         ("packed_bias", _P),
         ("packed_bits", _I64),
         ("packed_group", _I64),
+        ("mask", _P),
     ]
 
 
@@ -89,6 +90,7 @@ class _Model(ctypes.Structure):
         ("gemm_bf16", _P),
         ("gemm_quant", _P),
         ("gemm_w8a8", _P),
+        ("linear_sparse24", _P),
         ("min_gemm_rows", _I64),
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
@@ -99,12 +101,11 @@ class _Model(ctypes.Structure):
 @dataclass(frozen=True)
 class NativeLinear:
     """y = x W^T + b in a kernel format: bf16 weight [N, K]; int8 [N, K] with scales [N] (group_size 0) or
-    [N, K / group_size]; or 4-bit codes
-    uint8 [N, K / 2] with scales and mins [N, K / group_size] (w = q * scale + min), whose columns may be
-    stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ act-order); or W8A8,
-    int8 [N, K] with scales [N] and activations quantized per row, which runs on its cpu_w8a8 packing (always
-    set) at every row count. `packed` is the same weight in cpu_gemm's layout (what the layer's own products
-    use from 9 rows on), or None for a loop of at most MAX_ROWS rows."""
+    [N, K / group_size]; 4-bit codes uint8 [N, K / 2] with scales and mins [N, K / group_size] (w = q * scale + min),
+    whose columns may be stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ
+    act-order); W8A8, int8 [N, K] with scales [N] and activations quantized per row, on its cpu_w8a8 packing (always
+    set) at every row count; or 2:4 values bf16 [N, K / 2] with `mask`. `packed` is the same weight in cpu_gemm's
+    layout (what the layer's own products use from 9 rows on; 2:4: the dense weight's), or None for at most MAX_ROWS."""
 
     kind: int
     weight: torch.Tensor
@@ -114,6 +115,7 @@ class NativeLinear:
     group_size: int = 0
     perm: torch.Tensor | None = None
     packed: cpu_gemm.PackedBF16 | cpu_gemm.PackedQuant | cpu_w8a8.PackedW8A8 | None = None
+    mask: torch.Tensor | None = None  # KIND_SPARSE24: uint8 [N, K / 8], 4 bits per group of 4 columns, 2 set
 
     @property
     def out_features(self) -> int:
@@ -121,11 +123,11 @@ class NativeLinear:
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1] * (2 if self.kind == KIND_INT4 else 1)
+        return self.weight.shape[1] * (2 if self.kind in (KIND_INT4, KIND_SPARSE24) else 1)
 
     def is_supported(self) -> bool:
         """Contiguous CPU tensors of the dtypes and shapes the kernel for `kind` reads."""
-        tensors = [t for t in (self.weight, self.scales, self.mins, self.bias, self.perm) if t is not None]
+        tensors = [t for t in (self.weight, self.scales, self.mins, self.bias, self.perm, self.mask) if t is not None]
         if not all(t.is_cpu and t.is_contiguous() for t in tensors):
             return False
         if self.bias is not None and (self.bias.dtype != _BF16 or self.bias.shape != (self.out_features,)):
@@ -136,6 +138,9 @@ class NativeLinear:
             return False
         if self.packed is not None and not self._packed_matches():
             return False
+        if self.kind == KIND_SPARSE24:  # the kernel needs VBMI2 (without it the loop holds a NULL function)
+            ok = self.mask is not None and self.mask.dtype == torch.uint8 and self.weight.dtype == _BF16
+            return ok and self.mask.shape == (self.out_features, self.in_features // 8) and cpu_sparse.is_available()
         if self.kind == KIND_W8A8:
             return (
                 self.weight.dtype == torch.int8
@@ -179,7 +184,7 @@ class NativeLinear:
             return self.kind == KIND_W8A8 and (p.out_features, p.in_features) == (self.out_features, self.in_features)
         if (p.out_features, p.in_features, p.padded_in_features) != (self.out_features,) + (self.in_features,) * 2:
             return False
-        if self.kind == KIND_BF16:
+        if self.kind in (KIND_BF16, KIND_SPARSE24):  # 2:4: the dense weight's panels
             return isinstance(p, cpu_gemm.PackedBF16)
         if not isinstance(p, cpu_gemm.PackedQuant):
             return False
@@ -194,7 +199,7 @@ class NativeLinear:
         if isinstance(p, cpu_w8a8.PackedW8A8):
             return _Linear(
                 self.kind, ptr(self.weight), ptr(self.scales), None, None, None, self.out_features,
-                self.in_features, 0, ptr(p.data), ptr(p.scales), None, ptr(p.bias), 8, 0,
+                self.in_features, 0, ptr(p.data), ptr(p.scales), None, ptr(p.bias), 8, 0, None,
             )  # fmt: skip
         return _Linear(
             self.kind,
@@ -212,6 +217,7 @@ class NativeLinear:
             None if p is None else ptr(p.bias),
             p.bits if quant else 0,
             p.group_size if quant else 0,
+            ptr(self.mask),
         )
 
 
@@ -312,6 +318,7 @@ class DecodeLayers:
             _fn_address(cpu_gemm._KERNEL),
             _fn_address(cpu_gemm._QUANT_KERNEL),
             _fn_address(cpu_w8a8._KERNEL) if cpu_w8a8.is_available() else None,
+            _fn_address(cpu_sparse._KERNEL) if cpu_sparse.is_available() else None,
             cpu_gemm.MIN_ROWS,
             MIN_PARALLEL_BYTES,
             eps,

@@ -11,7 +11,7 @@
  * the same kernels, and that path runs few-row RMSNorm and SiLU-and-multiply on the exported functions
  * below (torch's own reductions and exp sum and round in another order).
  *
- * Up to 8 tokens the linears run on the GEMV kernels (cpu_gemv, cpu_qgemv); from 9 on, on the packed GEMM
+ * Up to 8 tokens the linears run on the GEMV kernels (cpu_gemv, cpu_qgemv, cpu_sparse); from 9 on, on the packed GEMM
  * (cpu_gemm), as the PyTorch path's layers choose. The element-wise work is 16-lane AVX512 and, for many
  * rows, split by rows over OpenMP threads: each row's result is the same whatever the batch or thread count. */
 
@@ -25,7 +25,7 @@
 #include "bf16.h"
 #include "exp512.h"
 
-enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2, KIND_W8A8 = 3 };
+enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2, KIND_W8A8 = 3, KIND_SPARSE24 = 4 };
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
 
 typedef int (*linear_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
@@ -34,6 +34,8 @@ typedef int (*linear_int8_fn)(const uint16_t *, const int8_t *, const float *, c
                               int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const uint16_t *,
                               uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*linear_sparse24_fn)(const uint16_t *, const uint16_t *, const uint8_t *, const uint16_t *, uint16_t *,
+                                  int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
                             int);
 typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
@@ -50,7 +52,7 @@ typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t 
  * the ctypes mirror in cpu_decode.py lays it out identically. */
 typedef struct {
     int64_t kind;           /* KIND_* */
-    const void *weight;     /* bf16 [N, K], int8 [N, K] or packed 4-bit codes uint8 [N, K / 2] */
+    const void *weight;     /* bf16 [N, K], int8 [N, K], packed 4-bit codes uint8 [N, K / 2] or 2:4 values bf16 [N, K / 2] */
     const float *scales;    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size] */
     const float *mins;      /* int4: [N, K / group_size]; NULL otherwise */
     const uint16_t *bias;   /* bf16 [N] or NULL */
@@ -63,6 +65,7 @@ typedef struct {
     const float *packed_scales, *packed_mins;
     const float *packed_bias; /* float32 [panels * 32] or NULL */
     int64_t packed_bits, packed_group;
+    const uint8_t *mask; /* KIND_SPARSE24: the 2:4 bitmask [N, K / 8] (2 bits per nibble); NULL otherwise */
 } decode_linear;
 
 typedef struct {
@@ -85,6 +88,7 @@ typedef struct {
     gemm_bf16_fn gemm_bf16;
     gemm_quant_fn gemm_quant;
     gemm_w8a8_fn gemm_w8a8; /* NULL where the CPU lacks AVX512-VNNI (no layer is then KIND_W8A8) */
+    linear_sparse24_fn linear_sparse24; /* NULL where the CPU lacks AVX512-VBMI2 (no layer is then KIND_SPARSE24) */
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
@@ -122,6 +126,10 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
     case KIND_INT4:
         return m->linear_int4(x, (const uint8_t *)l->weight, l->scales, l->mins, l->bias, y, M, l->out_features,
                               l->in_features, l->group_size, threads, m->min_parallel_bytes);
+    case KIND_SPARSE24:
+        if (m->linear_sparse24 == NULL || l->mask == NULL) return -11;
+        return m->linear_sparse24(x, (const uint16_t *)l->weight, l->mask, l->bias, y, M, l->out_features,
+                                  l->in_features, threads, m->min_parallel_bytes);
     default:
         return -10;
     }

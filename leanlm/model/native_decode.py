@@ -65,8 +65,9 @@ def _modules_read(model: nn.Module) -> list[nn.Module]:
 
 def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | None:
     """The loop over every layer, when each piece is on a path it has: the native attention backend, bf16 norms
-    and embeddings, and linears that are bf16, int8 weight-only or group-wise int2-4. With `packed`, every
-    linear brings its packed weight (packing it now if it has not yet), so the loop takes any number of rows."""
+    and embeddings, and linears that are bf16, int8 weight-only, group-wise int2-4, W8A8 or 2:4 sparse, mixed
+    freely. With `packed`, every linear brings its packed weight (packing it now if it has not yet), so the loop
+    takes any number of rows."""
     layers, rotary, cfg = model.model.layers, model.rotary_emb, model.config
     norm = model.model.norm.weight
     if (

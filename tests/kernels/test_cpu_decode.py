@@ -1,5 +1,6 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
-over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4 and W8A8 linears, with
+over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4, W8A8 and 2:4 sparse
+linears (all of them, some among bf16 ones, and on a CPU without the sparse kernel), with
 and without q/k/v biases, batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV
 caches, on any thread count; when it steps aside (fp8 KV cache, the torch backend, layers it has no format
 for); that it is rebuilt when the weights change (compress(), a dtype cast, an in-place edit); its row
@@ -15,11 +16,13 @@ import torch
 
 from leanlm.compress import RTNConfig, compress
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_decode, cpu_rows, cpu_w8a8
+from leanlm.kernels import cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
+from leanlm.kernels.build import NativeKernel
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.sparse.semi_structured import Sparse24Linear, to_sparse24
 from tests.conftest import tiny_state_dict
 
 pytestmark = pytest.mark.skipif(not cpu_decode.is_available(), reason="native CPU kernels unavailable")
@@ -71,12 +74,30 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
         compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
     elif kind == "w8a8":  # per-token int8 activations on the VNNI kernel at every row count
         compress(model, [RTNConfig(bits=8, group_size=None, act_bits=8)], None, progress=False)
+    elif kind in ("sparse24", "sparse24-mixed"):  # every linear 2:4, or layer 0's MLP and layer 1's attention
+        for i, layer in enumerate(model.model.layers):
+            blocks = [layer.mlp, layer.self_attn] if kind == "sparse24" else [(layer.mlp, layer.self_attn)[i % 2]]
+            for block in blocks:
+                for name, linear in list(block.named_children()):
+                    if name.endswith("proj"):
+                        with torch.no_grad():
+                            linear.weight.copy_(_prune_24(linear.weight))
+                        setattr(block, name, to_sparse24(linear))
+        if kind == "sparse24":
+            assert sum(isinstance(m, Sparse24Linear) for m in model.modules()) == 14
     if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
         gen = torch.Generator().manual_seed(5)
         for module in model.modules():
             if isinstance(module, IntGroupWeightOnlyLinear):
                 module.perm = torch.randperm(module.in_features, generator=gen)
     return _to_bf16(model)
+
+
+def _prune_24(w: torch.Tensor) -> torch.Tensor:
+    """The 2 largest |w| of every 4 consecutive input columns kept (magnitude 2:4 pruning)."""
+    groups = w.reshape(w.shape[0], -1, 4)
+    keep = groups.abs().topk(2, dim=-1).indices
+    return torch.zeros_like(groups).scatter_(-1, keep, groups.gather(-1, keep)).reshape(w.shape)
 
 
 def _cache(model, kv_dtype=torch.bfloat16, num_blocks: int = 64) -> PagedKVCache:
@@ -119,19 +140,45 @@ def _decode(
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int8-g32", "int8-g16", "int4", "int4-perm", "w8a8"])
+KINDS = ["bf16", "int8", "int8-g32", "int8-g16", "int4", "int4-perm", "w8a8", "sparse24", "sparse24-mixed"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3, 12])
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
     if kind == "w8a8" and not cpu_w8a8.is_available():
         pytest.skip("the CPU lacks AVX512-VNNI")
+    if kind.startswith("sparse24") and not cpu_sparse.is_available():
+        pytest.skip(f"CPU 2:4 sparse kernel: {cpu_sparse.unavailable_reason()}")
     model = _model(kind, architecture)
     native = _decode(model, native=True, batch=batch)
     reference = _decode(model, native=False, batch=batch)
     assert native.abs().max() > 0
     assert torch.equal(native, reference)
+    if kind.startswith("sparse24"):  # the loop ran the sparse kernel, next to bf16 linears when mixed
+        kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        assert kinds == {cpu_decode.KIND_SPARSE24} | ({cpu_decode.KIND_BF16} if kind == "sparse24-mixed" else set())
     # 9+ rows ran on the loop over packed weights (built at the first such step), fewer never built it
     assert (model.native_decode_plan().batched_loop is not None) == (batch > cpu_decode.MAX_ROWS)
+
+
+@pytest.mark.parametrize("batch", [1, 12])
+def test_sparse_layers_without_the_sparse_kernel_run_their_dense_copies_in_the_loop(batch, monkeypatch):
+    """A CPU with AVX512-BF16 but no VBMI2 (Cooper Lake): the loop takes 2:4 layers as their widened bf16 weights,
+    and gives the same numbers (the sparse kernel equals the bf16 one on the dense weight)."""
+    model = _model("sparse24-mixed")
+    expected = _decode(model, native=True, batch=batch) if cpu_sparse.is_available() else None
+    missing = NativeKernel(cpu_sparse._KERNEL.source, "unused", [], None, cpu_needs=("avx512_bf16", "no_such_flag"))
+    monkeypatch.setattr(cpu_sparse, "_KERNEL", missing)
+    model = _model("sparse24-mixed")  # a fresh plan: the loop is built without the sparse kernel
+    plan = model.native_decode_plan()
+    assert plan.loop is not None
+    linears = [linear for layer in plan.loop._keep[0] for linear in layer.linears]
+    assert {linear.kind for linear in linears} == {cpu_decode.KIND_BF16}
+    native = _decode(model, native=True, batch=batch)
+    assert torch.equal(native, _decode(model, native=False, batch=batch))
+    assert expected is None or torch.equal(native, expected)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])

@@ -1,0 +1,6 @@
+"""What sparse checkpoints load into: runtime layers for weights pruned to a pattern the kernels exploit
+(`semi_structured.py`: 2:4, registered in QUANT_LINEAR_FORMATS as "sparse24"). The pruning methods live in
+leanlm.compress."""
+
+# Importing the module registers its format before any checkpoint is read.
+from leanlm.model.sparse import semi_structured  # noqa: F401

@@ -1,0 +1,152 @@
+"""2:4 semi-structured sparse linear layers (NVIDIA's Ampere pattern, Mishra et al. 2021: at most 2 nonzeros in
+every group of 4 consecutive input columns of each output row), stored as the kept values plus a bitmask so batch-1
+decode reads 56% of the dense bf16 bytes. The pruning methods that produce such weights live in leanlm.compress.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_sparse
+from leanlm.model.packed_cache import PackedCache
+from leanlm.model.quantized.linear import QuantLinear, check_shape, matrix_shape, packs_rows, register_format
+
+GROUP = 4  # input columns per group, of which KEPT are stored
+KEPT = 2
+_BITS = torch.arange(8, dtype=torch.uint8)  # bit i of a mask byte: column i of its two groups
+
+
+def mask_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool [N, K] from the bitmask uint8 [N, K / 8]: bit i of byte b marks input column 8 b + i (so group 2 b is
+    the low nibble, group 2 b + 1 the high one)."""
+    return ((mask[..., None] >> _BITS) & 1).bool().flatten(-2)
+
+
+def compress_24(weight: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K / 2], mask uint8 [N, K / 8]) of a 2:4 sparse weight [N, K]: each group's nonzeros in column
+    order, a group with fewer than 2 keeping zeros at its first zero columns so every group stores exactly 2.
+    Raises ValueError naming the first group with more than 2 nonzeros, or when K is not a multiple of 8."""
+    n, k = matrix_shape(Sparse24Linear.format, "weight", weight)
+    if k % 8:
+        raise ValueError(
+            f"a 2:4 sparse weight needs in_features divisible by 8 (one mask byte holds two groups of 4), "
+            f"got {k}: keep this layer dense or pad its input columns with zeros to {k + 8 - k % 8}"
+        )
+    groups = weight.detach().reshape(n, k // GROUP, GROUP)  # [N, K/4, 4]
+    nonzero = groups != 0
+    counts = nonzero.sum(-1)  # [N, K/4]
+    if (counts > KEPT).any():
+        row, group = (int(i) for i in (counts > KEPT).nonzero()[0])
+        raise ValueError(
+            f"weight row {row}, input columns {GROUP * group}-{GROUP * group + 3} hold {int(counts[row, group])} "
+            f"nonzeros; 2:4 sparsity allows at most {KEPT} per group of {GROUP}: prune the layer to 2:4 first "
+            "(leanlm.compress) or keep it dense"
+        )
+    # Rank columns: nonzeros first, then by column; the best 2 of each group, put back in column order.
+    order = torch.arange(GROUP - 1, -1, -1)  # earlier columns win ties among zeros
+    keep = (nonzero.to(torch.int64) * GROUP + order).topk(KEPT, dim=-1).indices.sort(dim=-1).values  # [N, K/4, 2]
+    values = groups.gather(-1, keep).reshape(n, k // 2)
+    nibbles = (torch.ones_like(keep) << keep).sum(-1)  # [N, K/4]: 4 bits, 2 set
+    mask = (nibbles[:, 0::2] | (nibbles[:, 1::2] << GROUP)).to(torch.uint8)  # [N, K/8]
+    return values.to(dtype or values.dtype).contiguous(), mask.contiguous()
+
+
+def widen_24(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight in values' dtype: each kept value at its column, zeros elsewhere (exact)."""
+    keep = mask_bits(mask)  # [N, K]; row-major, the set bits meet the values in order (2 per group)
+    return torch.zeros(keep.shape, dtype=values.dtype).masked_scatter_(keep, values)
+
+
+@register_format
+class Sparse24Linear(QuantLinear):
+    """y = x W^T + b with W 2:4 sparse along K: `values` [N, K / 2] (the kept values, in the compute dtype) and
+    `mask` [N, K / 8] (4 bits per group of 4 input columns, exactly 2 set: where the values go).
+
+    Up to 8 bf16 rows run on cpu_sparse's kernel (the weight widened in registers); 9+ bf16 rows on cpu_gemm over
+    a packed dense copy made on first use; anything else (other dtypes, CPUs without the kernels) on a cached
+    dense copy: bf16 GEMV where that kernel exists, else F.linear.
+    """
+
+    format = "sparse24"
+    tensor_names = ("values", "mask")
+    compute_dtype_buffers = ("bias", "values")
+
+    def __init__(self, values: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        n, half_k = matrix_shape(self.format, "values", values)
+        super().__init__(2 * half_k, n, bias)
+        fmt, k = self.format, 2 * half_k
+        if not values.dtype.is_floating_point:
+            raise ValueError(f"{fmt} tensor values must be floating point, not {values.dtype}")
+        if k % 8:
+            raise ValueError(f"{fmt} in_features (2 x values' columns) must be a multiple of 8, got {k}")
+        if mask.dtype != torch.uint8:
+            raise ValueError(f"{fmt} tensor mask must be uint8, not {mask.dtype}")
+        check_shape(fmt, "mask", mask, n, k // 8)
+        # The kernel expands as many values as a group has bits set: a nibble without exactly 2 would read
+        # past the row (checkpoints are untrusted input).
+        counts = mask_bits(mask).view(n, k // GROUP, GROUP).sum(-1)
+        if (counts != KEPT).any():
+            row, group = (int(i) for i in (counts != KEPT).nonzero()[0])
+            raise ValueError(
+                f"{fmt} tensor mask marks {int(counts[row, group])} columns in row {row}, group {group}; every "
+                f"group of {GROUP} must mark exactly {KEPT}"
+            )
+        self.register_buffer("values", values.detach().clone().contiguous())  # [N, K/2]
+        self.register_buffer("mask", mask.detach().clone().contiguous())  # [N, K/8]
+        self.dense = PackedCache()  # widen_24 of values/mask, for the paths that run on a dense weight
+
+    @classmethod
+    def from_dense(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> Sparse24Linear:
+        """The layer for a 2:4 sparse weight [N, K] (values stored in `dtype`); ValueError if it is not 2:4."""
+        values, mask = compress_24(weight, dtype)
+        return cls(values, mask, None if bias is None else bias.detach().to(dtype))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return widen_24(self.values, self.mask).float()
+
+    def dense_weight(self) -> torch.Tensor:
+        """The widened weight [N, K] in the values' dtype, kept while values and mask stay the same."""
+        return self.dense.get((self.values, self.mask), widen_24)
+
+    def _pack(self, values, mask, bias) -> cpu_gemm.PackedBF16:
+        return cpu_gemm.pack(widen_24(values, mask), bias)
+
+    def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
+        """The dense weight in cpu_gemm's panels (bf16 values on the CPU), for 9+ rows."""
+        if not (self.values.dtype is torch.bfloat16 and self.values.is_cpu and cpu_gemm.is_available()):
+            return None
+        return self.packed.get((self.values, self.mask, self.bias), self._pack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if self.values.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
+            if packs_rows(x, self.values, bias) and self.packed_weight() is not None:  # 9+ rows
+                return cpu_gemm.gemm(x, self.packed.value)
+            if cpu_sparse.should_use(x, self.values, self.mask) and not (x.requires_grad and torch.is_grad_enabled()):
+                return cpu_sparse.linear_sparse24(x, self.values, self.mask, bias)
+            dense = self.dense_weight()
+            if cpu_gemv.should_use(x, dense) and not (x.requires_grad and torch.is_grad_enabled()):
+                return cpu_gemv.linear_bf16(x, dense, bias)  # no VBMI2: the same numbers from the dense copy
+            return F.linear(x, dense, bias)
+        return self.reference_forward(x)
+
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+        packed_weight = self.packed_weight() if packed else None
+        if packed and packed_weight is None:
+            return None
+        if cpu_sparse.is_available():
+            kind, weight = cpu_decode.KIND_SPARSE24, self.values
+            return cpu_decode.NativeLinear(kind, weight, bias=self.bias, mask=self.mask, packed=packed_weight)
+        # Without the sparse kernel the loop runs the dense copy on the bf16 one (same numbers, dense bytes).
+        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.dense_weight(), bias=self.bias, packed=packed_weight)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dtype={self.values.dtype}"
+
+
+def to_sparse24(linear: torch.nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Sparse24Linear:
+    """A 2:4-pruned nn.Linear as a Sparse24Linear (ValueError if its weight is not 2:4)."""
+    return Sparse24Linear.from_dense(linear.weight, linear.bias, dtype)
