@@ -10,6 +10,7 @@ from leanlm.compress.gptq import GPTQConfig
 from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.compress.llm_int8 import LLMInt8Config
 from leanlm.compress.magnitude import MagnitudeConfig
+from leanlm.compress.permute import PermuteConfig
 from leanlm.compress.recipe import compress
 from leanlm.compress.rtn import RTNConfig
 from leanlm.compress.smoothquant import SmoothQuantConfig
@@ -29,6 +30,7 @@ __all__ = [
     "LLMInt8Config",
     "FP8Config",
     "MagnitudeConfig",
+    "PermuteConfig",
     "WandaConfig",
     "SparseGPTConfig",
     "CompressionReport",

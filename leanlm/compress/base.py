@@ -56,6 +56,7 @@ class CompressionReport:
     methods: list[str] = field(default_factory=list)
     linears: list[LinearReport] = field(default_factory=list)
     seconds: float = 0.0
+    details: dict[str, dict] = field(default_factory=dict)  # method name -> what its summary() said
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ class Method(ABC):
         """Compress `layer` (full name `prefix`) in place; `inputs` maps the first linear of each of the layer's
         `linear_groups` (of the one group, for a sequential method) to what fed the group (None without
         calibration data)."""
+
+    def summary(self) -> dict:
+        """What the method measured beyond its linears' reports (channel permutation: its kept-score gains)."""
+        return {}
 
     def apply_head(self, model: nn.Module, inputs: GroupInputs | None) -> list[LinearReport]:
         """Compress the output head when the config does not ignore it; transforms leave it alone."""

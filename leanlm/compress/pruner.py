@@ -1,8 +1,8 @@
 """Pruner: the Method shape shared by every pruning method (magnitude, Wanda, SparseGPT). Each not-ignored
 float linear of a layer keeps its module and gets zeros where the method prunes; the mask stays on the
 module as `sparsity_mask` (not a tensor of its state dict) so a quantizer later in the recipe keeps those
-weights at zero (GPTQ spreads no error into them; RTN's grids hold 0 exactly), and a sparse runtime format
-can pack it.
+weights at zero (GPTQ spreads no error into them; RTN's grids hold 0 exactly). Linears still float and 2:4
+at the end of the recipe become Sparse24Linear (`pack_semi_structured`), unless the pruner says pack=False.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from leanlm.compress.base import GroupInputs, LinearReport, Method
 from leanlm.compress.int_scheme import linear_report
 from leanlm.compress.linear_quantizer import group_linears
 from leanlm.compress.smoothing import set_tensor
+from leanlm.compress.sparsity import satisfies_nm
+from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 MASK_ATTR = "sparsity_mask"
 
@@ -56,3 +58,24 @@ class Pruner(Method):
 
     def apply_head(self, model, inputs):
         return self._prune(model, "lm_head", "lm_head", inputs)
+
+
+def pack_semi_structured(model: nn.Module, reports: list[LinearReport]) -> list[LinearReport]:
+    """Swap every pruned float linear whose weight is 2:4 for the Sparse24Linear runtime module (values +
+    bitmask, the 2:4 kernels), in the weight's dtype (exact); the reports of those linears say so."""
+    packed = {}
+    for name, module in list(model.named_modules()):
+        mask = pruned_mask(module)
+        if mask is None or not isinstance(module, nn.Linear) or module.in_features % 8:
+            continue
+        if not satisfies_nm(module.weight, 2, 4):
+            continue
+        layer = Sparse24Linear.from_dense(module.weight, module.bias, module.weight.dtype)
+        model.set_submodule(name, layer)
+        packed[name] = layer.weight_bytes() + (
+            0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+        )
+    return [
+        dataclasses.replace(r, format=Sparse24Linear.format, bytes_after=packed[r.name]) if r.name in packed else r
+        for r in reports
+    ]

@@ -16,6 +16,8 @@ from torch import nn
 
 from leanlm.compress.base import CompressionReport, MethodConfig, build_method
 from leanlm.compress.calibration import run_layers
+from leanlm.compress.pruner import pack_semi_structured
+from leanlm.compress.sparsity import SparsityScheme
 
 
 def compress(
@@ -38,9 +40,12 @@ def compress(
         )
     start = time.perf_counter()
     reports = run_layers(model, methods, calibration, batch=batch, progress=progress)
+    if any(isinstance(cfg, SparsityScheme) and cfg.pattern == "2:4" and cfg.pack for cfg in recipe):
+        reports = pack_semi_structured(model, reports)
     recorded = list(getattr(model, "compression_recipe", []))
     model.compression_recipe = recorded + [{"method": cfg.name, **_as_json(cfg)} for cfg in recipe]
-    return CompressionReport([cfg.name for cfg in recipe], reports, time.perf_counter() - start)
+    details = {cfg.name: summary for cfg, m in zip(recipe, methods, strict=True) if (summary := m.summary())}
+    return CompressionReport([cfg.name for cfg in recipe], reports, time.perf_counter() - start, details)
 
 
 def _as_json(cfg: MethodConfig) -> dict:

@@ -41,7 +41,8 @@ def _reload(path, dtype=torch.float32):
         [RTNConfig(bits=8, group_size=None, act_bits=8)],
         [GPTQConfig(bits=3, group_size=32)],
         [LLMInt8Config()],
-        [WandaConfig(pattern="2:4")],  # pruned float weights: an ordinary dense checkpoint with zeros
+        [WandaConfig(pattern="2:4")],  # packed: Sparse24Linear's values + bitmask
+        [WandaConfig(sparsity=0.5)],  # unstructured: an ordinary dense checkpoint with zeros
         [SparseGPTConfig(pattern="2:4"), GPTQConfig(bits=4, group_size=32)],
     ],
 )

@@ -11,6 +11,7 @@ from leanlm.compress.pruner import pruned_mask
 from leanlm.compress.sparsegpt import sparsegpt_prune
 from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask, parse_pattern, satisfies_nm
 from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.sparse.semi_structured import Sparse24Linear
 from tests.compress.conftest import dense_logits
 
 
@@ -176,16 +177,30 @@ def test_wanda_ranks_by_weight_times_input_norm(tiny_model, calib, boost):
 
 
 @pytest.mark.parametrize("method", [MagnitudeConfig, WandaConfig, SparseGPTConfig])
-def test_every_method_prunes_24_and_keeps_outputs_close(tiny_model, calib, method):
+def test_every_method_prunes_24_and_packs_it(tiny_model, calib, method):
     model = tiny_model()
     ref = dense_logits(model, calib)
     report = compress(model, method(pattern="2:4"), calib, progress=False)
-    assert report.linears and all(r.format == "float" and r.sparsity == pytest.approx(0.5) for r in report.linears)
+    assert report.linears and all(r.format == "sparse24" and r.sparsity == pytest.approx(0.5) for r in report.linears)
+    assert all(r.bytes_after < 0.6 * r.bytes_before for r in report.linears)
     for m in _linears(model).values():
-        assert satisfies_nm(m.weight, 2, 4)
-        assert torch.equal(pruned_mask(m), m.weight == 0)
+        assert isinstance(m, Sparse24Linear) and satisfies_nm(m.dequantized_weight(), 2, 4)
     out = dense_logits(model, calib)
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
+
+
+def test_unpacked_24_stays_float_with_its_mask_and_packing_is_exact(tiny_model, calib):
+    from leanlm.compress.pruner import pack_semi_structured
+
+    model = tiny_model()
+    report = compress(model, WandaConfig(pattern="2:4", pack=False), calib, progress=False)
+    assert {r.format for r in report.linears} == {"float"}
+    for m in _linears(model).values():
+        assert type(m).__name__ == "Linear" and torch.equal(pruned_mask(m), m.weight == 0)
+    before = dense_logits(model, calib)
+    reports = pack_semi_structured(model, report.linears)
+    assert {r.format for r in reports} == {"sparse24"}
+    assert torch.equal(dense_logits(model, calib), before)
 
 
 def test_sparsegpt_error_below_magnitude_on_the_tiny_model(tiny_model, calib):
@@ -204,7 +219,7 @@ def test_sparsegpt_error_below_magnitude_on_the_tiny_model(tiny_model, calib):
 )
 def test_zeros_survive_a_quantizer_later_in_the_recipe(tiny_model, calib, quantizer):
     model = tiny_model()
-    compress(model, SparseGPTConfig(pattern="2:4"), calib, progress=False)
+    compress(model, SparseGPTConfig(pattern="2:4", pack=False), calib, progress=False)
     masks = {n: pruned_mask(m).clone() for n, m in _linears(model).items()}
     compress(model, quantizer, calib, progress=False)
     for name, m in _linears(model).items():
