@@ -7,6 +7,7 @@ import argparse
 
 from leanlm.compress.base import MethodConfig
 from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
+from leanlm.compress.permute import PermuteConfig
 from leanlm.compress.sparsegpt import SparseGPTConfig
 from leanlm.compress.wanda import WandaConfig
 
@@ -22,8 +23,16 @@ def build_prune_recipe(
     bits: int | None = None,
     group_size: int | None = None,
     joint: bool = False,
+    permute: bool = False,
 ) -> list[MethodConfig]:
     """The recipe behind `leanlm prune`; validates every option before anything loads."""
+    if permute:
+        if pattern is None:
+            raise ValueError("--permute reorders channels for an N:M pattern: add --pattern, e.g. 2:4")
+        # the order is searched on the score the pruner ranks by (Wanda's stands in for SparseGPT's saliency)
+        score = "magnitude" if method == "magnitude" else "wanda"
+        rest = build_prune_recipe(method, sparsity, pattern, scope, then_quantize, bits, group_size, joint)
+        return [PermuteConfig(pattern=pattern, score=score), *rest]
     from leanlm.cli.quantize import build_recipe
 
     target = dict(sparsity=sparsity, pattern=pattern)
@@ -63,6 +72,11 @@ def add_parser(sub) -> None:
     target.add_argument("--pattern", default=None, help="N:M sparsity, e.g. 2:4 (keep 2 of every 4 inputs)")
     p.add_argument("--scope", choices=SCOPES, default="layer", help="magnitude: where the fraction holds")
     p.add_argument(
+        "--permute",
+        action="store_true",
+        help="N:M: first reorder input channels (folded into the producing layers) to keep more weight",
+    )
+    p.add_argument(
         "--then-quantize", choices=QUANT_METHODS, default=None, help="quantize the pruned model (zeros stay zero)"
     )
     p.add_argument("--joint", action="store_true", help="sparsegpt: prune and quantize in one sweep (--bits)")
@@ -78,10 +92,19 @@ def add_parser(sub) -> None:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from leanlm.cli.quantize import NEEDS_CALIBRATION, run_recipe
+    from leanlm.cli.quantize import run_recipe
+    from leanlm.compress.base import build_method
 
     recipe = build_prune_recipe(
-        args.method, args.sparsity, args.pattern, args.scope, args.then_quantize, args.bits, args.group_size, args.joint
+        args.method,
+        args.sparsity,
+        args.pattern,
+        args.scope,
+        args.then_quantize,
+        args.bits,
+        args.group_size,
+        args.joint,
+        args.permute,
     )
-    needs_calibration = args.method != "magnitude" or args.then_quantize in NEEDS_CALIBRATION
+    needs_calibration = any(build_method(cfg).needs for cfg in recipe)
     return run_recipe(args, recipe, needs_calibration, "leanlm")

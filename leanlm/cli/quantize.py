@@ -197,6 +197,8 @@ def format_summary(
         f"({bytes_before / max(bytes_after, 1):.2f}x smaller); compressed in {report.seconds:.1f} s, "
         f"saved in {save_s:.1f} s",
     ]
+    for method, details in report.details.items():
+        lines.append(f"{method}: " + ", ".join(f"{k} {v:+.2%}" for k, v in details.items()))
     if not report.linears:
         return "\n".join(lines)
     by_kind: dict[str, list] = {}

@@ -35,8 +35,8 @@ class PermuteConfig(MethodConfig):
     pattern: str = "2:4"  # the N:M pattern the pruner after it will use
     score: str = "magnitude"  # what the pruner ranks by: |W|, or Wanda's |W| * ||X_j|| (per-layer orders)
     hidden: bool = True  # also reorder the residual stream (one order for the model, scored by |W|)
-    max_rounds: int = 200
-    patience: int = 10  # rounds without gain before the search stops
+    max_rounds: int = 100
+    patience: int = 5  # rounds without gain before the search stops
     seed: int = 0
 
     name = "permute"
@@ -154,9 +154,8 @@ def permute_columns(module: nn.Module, perm: torch.Tensor, cols: slice | None = 
 def fold_hidden(model: nn.Module, perm: torch.Tensor) -> None:
     """Reorder the residual stream everywhere it is read or written (see the module docstring)."""
     inner = model.model
-    tied = model.lm_head.weight is inner.embed_tokens.weight
     set_tensor(inner.embed_tokens, "weight", inner.embed_tokens.weight.detach()[:, perm])
-    if tied:
+    if model.config.tie_word_embeddings:  # one tensor, as build_model ties them
         model.lm_head.weight = inner.embed_tokens.weight
     else:
         permute_columns(model.lm_head, perm)
@@ -260,7 +259,7 @@ class Permute(Method):
         return []
 
     def summary(self) -> dict[str, float]:
-        """Relative kept-score gain per kind of place (hidden, down_proj, o_proj), over all of them."""
+        """Relative gain of the score kept under the pattern, per kind of place (hidden, down_proj, o_proj)."""
         totals: dict[str, list[float]] = {}
         for r in self.reports:
             kind = "hidden" if r.place == "hidden" else r.place.split(".")[-1].split("[")[0]
