@@ -202,7 +202,7 @@ def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
     sparse = any(r.sparsity > 0.01 for r in rows)
     lines = [
         f"**{args.model}**: WikiText-2 raw test ({num_tokens} tokens), sequence length {args.seq_len}, perplexity "
-        f"over the first {args.ppl_windows} windows, KL(float || quantized) per token over the first "
+        f"over the first {args.ppl_windows} windows, KL(float || {args.study.verb.lower()}) per token over the first "
         f"{args.kl_windows}; calibration {calib_shape[0]} x {calib_shape[1]} tokens of gensim's Wikipedia "
         f"articles. {args.study.verb} from float32, saved, reloaded with `LLM(dir)`, scored in bfloat16. "
         f"Machine: {describe_machine()}. Command: "
