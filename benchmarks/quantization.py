@@ -73,6 +73,7 @@ class Row:
     mean_kl: float
     top1_agreement: float
     sparsity: float = 0.0  # fraction of the decoder linears' weights that are exactly zero
+    notes: str = ""  # what the methods measured besides (channel permutation: kept-score gains)
 
 
 def quant_recipe(opts: dict) -> list[MethodConfig]:
@@ -137,7 +138,7 @@ def main(study: Study = QUANTIZATION, description: str = __doc__) -> None:
     for name in names:
         opts = dict(study.configs[name])
         start = time.perf_counter()
-        zeros = 0.0
+        zeros, notes = 0.0, ""
         if "kv_cache_dtype" in opts:
             llm, recipe, mib = LLM(args.model, dtype="bfloat16", progress=False, **opts), "-", float_mib
             seconds = 0.0
@@ -145,8 +146,12 @@ def main(study: Study = QUANTIZATION, description: str = __doc__) -> None:
             recipe_cfgs = study.recipe_of(opts)
             model = build_model(ckpt.config, ckpt.state_dict, torch.float32)
             needs_data = any(build_method(c).needs for c in recipe_cfgs)
-            compress(model, recipe_cfgs, samples if needs_data else None, progress=False)
+            report = compress(model, recipe_cfgs, samples if needs_data else None, progress=False)
             seconds = time.perf_counter() - start
+            notes = "; ".join(
+                f"{method}: " + ", ".join(f"{k} {v:+.2%}" for k, v in details.items())
+                for method, details in report.details.items()
+            )
             zeros = overall(linear_sparsity(model))
             out = results / name.replace(" ", "_").replace("/", "-")
             shutil.rmtree(out, ignore_errors=True)
@@ -158,7 +163,7 @@ def main(study: Study = QUANTIZATION, description: str = __doc__) -> None:
         ppl = perplexity(llm, ppl_windows, use_tqdm=False).perplexity
         kl = kl_divergence(base, llm, kl_windows, windows_per_batch=1, use_tqdm=False)
         delta = 100 * (ppl / base_ppl - 1)
-        rows[name] = Row(name, recipe, mib, seconds, ppl, delta, kl.mean_kl, kl.top1_agreement, zeros)
+        rows[name] = Row(name, recipe, mib, seconds, ppl, delta, kl.mean_kl, kl.top1_agreement, zeros, notes)
         print(rows[name], flush=True)
         del llm
         write(args, rows, len(ids), samples.shape, results)  # after every row: a long run keeps what it measured
@@ -200,6 +205,7 @@ def write(args, rows: dict[str, Row], num_tokens: int, calib_shape, results: Pat
 
 def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
     sparse = any(r.sparsity > 0.01 for r in rows)
+    noted = any(r.notes for r in rows)
     lines = [
         f"**{args.model}**: WikiText-2 raw test ({num_tokens} tokens), sequence length {args.seq_len}, perplexity "
         f"over the first {args.ppl_windows} windows, KL(float || {args.study.verb.lower()}) per token over the first "
@@ -210,14 +216,15 @@ def format_report(args, rows: list[Row], num_tokens: int, calib_shape) -> str:
         f"--kl-windows {args.kl_windows} --num-samples {args.num_samples} --calib-seq-len {args.calib_seq_len}`.",
         "",
         f"| configuration | recipe | weights MiB | {args.study.time_label} | perplexity | vs bf16 | mean KL (nats) | "
-        "top-1 agree |" + (" zeros |" if sparse else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if sparse else ""),
+        "top-1 agree |" + (" zeros |" if sparse else "") + (" notes |" if noted else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if sparse else "") + ("---|" if noted else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r.config} | {r.recipe} | {r.weights_mib:.1f} | {r.quantize_s:.0f} | {r.perplexity:.4f} | "
             f"{r.delta_pct:+.2f}% | {r.mean_kl:.5f} | {r.top1_agreement:.3f} |"
             + (f" {r.sparsity:.1%} |" if sparse else "")
+            + (f" {r.notes} |" if noted else "")
         )
     return "\n".join(lines)
 
