@@ -249,6 +249,8 @@ def run_layers(
 
     samples [S, T] token ids, or None for data-free methods (RTN, FP8).
     """
+    for method in methods:  # before the embedding runs: a method may reorder it (channel permutation)
+        method.begin(model)
     needs = set().union(*(m.needs for m in methods))
     if needs and samples is None:
         names = [type(m.config).__name__ for m in methods if m.needs]
@@ -259,8 +261,6 @@ def run_layers(
         device = model.model.norm.weight.device
         hidden = model.model.embed_tokens(samples.to(device))  # [S, T, d]
         runner = LayerRunner(model, samples.shape[1], batch)
-    for method in methods:
-        method.begin(model)
     layers = model.model.layers
     for idx, layer in enumerate(tqdm(layers, desc="compressing layers", unit="layer", disable=not progress)):
         prefix = f"model.layers.{idx}"

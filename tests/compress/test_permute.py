@@ -95,3 +95,14 @@ def test_wanda_permuted_recipe_from_the_cli_builder():
     assert recipe == [PermuteConfig(pattern="2:4", score="wanda"), WandaConfig(pattern="2:4")]
     with pytest.raises(ValueError, match="add --pattern"):
         build_prune_recipe("wanda", sparsity=0.5, permute=True)
+
+
+def test_methods_after_a_permutation_calibrate_on_the_reordered_model(tiny_model, calib):
+    # in one recipe, Wanda must see the same inputs as when it runs on the already permuted model
+    one = tiny_model()
+    compress(one, [PermuteConfig(), WandaConfig(pattern="2:4", pack=False)], calib, progress=False)
+    two = tiny_model()
+    compress(two, PermuteConfig(), calib, progress=False)
+    compress(two, WandaConfig(pattern="2:4", pack=False), calib, progress=False)
+    for (name, a), b in zip(one.named_parameters(), two.parameters(), strict=True):
+        assert torch.equal(a, b), name
