@@ -4,8 +4,8 @@ at least 1.25x the dense model's decode speed at the same precision).
 
 Both engines load the bundled GGUF dequantized to bf16 (batched_decode's LeanLM engine, capped at one running
 request); the sparse one then has the 2 largest |w| of each group of 4 input columns of every q/k/v/o/gate/up/down
-weight kept (plain magnitude pruning, a stand-in: the real pruning methods live in leanlm/compress and give the
-same layout) and those linears swapped for Sparse24Linear. The embedding and the tied output head stay dense.
+weight kept (`MagnitudeConfig(pattern="2:4")` through `compress`, which packs them into Sparse24Linear; every
+pruning method gives the same layout, so the speed is the method's). The embedding and the tied output head stay dense.
 Pruning without any recovery hurts quality: this measures speed only. Repetitions alternate between the engines,
 each on a fresh prompt; repetitions during which other processes took more than --max-other-cpu of the CPU
 (/proc/stat) are discarded and counted.
@@ -26,6 +26,7 @@ from leanlm.analysis.bench import LeanLMRunner, Repetitions, median
 from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
+from leanlm.compress import MagnitudeConfig, compress
 from leanlm.data import wikitext2_test_path
 from leanlm.kernels import cpu_decode, cpu_gemv, cpu_sparse
 from leanlm.loading.registry import DEFAULT_MODEL
@@ -35,27 +36,11 @@ from leanlm.model.sparse.semi_structured import Sparse24Linear
 TARGET = 1.25  # issue 17: 2:4 sparse decode at least this much faster than dense at the same precision
 
 
-def prune_24_by_magnitude(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] with the 2 largest |w| of each group of 4 consecutive input columns kept, the rest zero."""
-    groups = w.reshape(w.shape[0], -1, 4)
-    keep = groups.abs().topk(2, dim=-1).indices
-    return torch.zeros_like(groups).scatter_(-1, keep, groups.gather(-1, keep)).reshape(w.shape)
-
-
 def sparsify(model: torch.nn.Module) -> int:
-    """Swap every decoder linear for its 2:4-pruned Sparse24Linear; the number swapped."""
-    count = 0
-    for i, layer in enumerate(model.model.layers):
-        for block_name, block in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
-            for name in cpu_decode.LINEAR_ORDER:
-                linear = getattr(block, name, None)
-                if linear is None:
-                    continue
-                pruned = prune_24_by_magnitude(linear.weight.detach())
-                sparse = Sparse24Linear.from_dense(pruned, linear.bias, dtype=linear.weight.dtype)
-                model.set_submodule(f"model.layers.{i}.{block_name}.{name}", sparse)
-                count += 1
-    return count
+    """Prune every decoder linear to 2:4 by magnitude (leanlm.compress; 2:4 layers are packed into
+    Sparse24Linear at the end of the recipe); the number packed."""
+    report = compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
+    return sum(r.format == Sparse24Linear.format for r in report.linears)
 
 
 def linear_bytes(model: torch.nn.Module) -> int:

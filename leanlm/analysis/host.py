@@ -74,6 +74,7 @@ ISA_FLAGS = (
     "avx512f",
     "avx512bw",
     "avx512_vnni",
+    "avx512_vbmi2",
     "avx512_bf16",
     "avx512_fp16",
     "amx_bf16",
