@@ -68,7 +68,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     result = perplexity(llm, windows)
     elapsed = time.perf_counter() - start
     protocol = _eval_protocol(args, len(token_ids), windows)
-    sparsity = linear_sparsity(llm.llm_engine.model_runner.model)
+    sparsity = linear_sparsity(llm.llm_engine.model)
     if args.json:
         print(
             json.dumps(
