@@ -62,6 +62,7 @@ def build_prune_recipe(
 
 def add_parser(sub) -> None:
     from leanlm.cli.quantize import METHODS as QUANT_METHODS
+    from leanlm.cli.quantize import add_calibration_args, add_output_args
     from leanlm.loading.registry import DEFAULT_MODEL
 
     p = sub.add_parser("prune", help="prune a model (magnitude, Wanda, SparseGPT; unstructured or N:M) and save it")
@@ -82,12 +83,8 @@ def add_parser(sub) -> None:
     p.add_argument("--joint", action="store_true", help="sparsegpt: prune and quantize in one sweep (--bits)")
     p.add_argument("--bits", type=int, default=None, help="weight bits of the quantization step (default 4)")
     p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64); 0 = per channel")
-    p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
-    p.add_argument("--num-samples", type=int, default=64, help="calibration windows (Wanda, SparseGPT)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0, help="seeds the calibration windows' positions in the text")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    add_calibration_args(p, "Wanda, SparseGPT")
+    add_output_args(p)
     p.set_defaults(func=cmd_prune)
 
 

@@ -100,21 +100,28 @@ def add_parser(sub) -> None:
         "+20%% calibration time)",
     )
     p.add_argument("--quantize-lm-head", action="store_true", help="also quantize the output head")
-    p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
-    p.add_argument(
-        "--num-samples", type=int, default=64, help="calibration windows (GPTQ, AWQ, SmoothQuant, LLM.int8())"
-    )
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0, help="seeds the calibration windows' positions in the text")
+    add_calibration_args(p, "GPTQ, AWQ, SmoothQuant, LLM.int8()")
     p.add_argument(
         "--format",
         choices=["leanlm", "gptq"],
         default="leanlm",
         help="gptq: the qweight/qzeros/scales/g_idx layout HF transformers and vLLM read (4-bit only)",
     )
+    add_output_args(p)
+    p.set_defaults(func=cmd_quantize)
+
+
+def add_calibration_args(p, users: str) -> None:
+    """--calib, --num-samples, --seq-len, --seed: the calibration text and its windows (`run_recipe`)."""
+    p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
+    p.add_argument("--num-samples", type=int, default=64, help=f"calibration windows ({users})")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=0, help="seeds the calibration windows' positions in the text")
+
+
+def add_output_args(p) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    p.set_defaults(func=cmd_quantize)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
