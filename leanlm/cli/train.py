@@ -1,0 +1,119 @@
+"""`leanlm train`: fine-tune a model (dense, or with a training-time sparsity method) on a text to a token
+budget, resumably, and save it as a checkpoint the engine loads (2:4 results packed for the sparse kernels).
+
+    leanlm prune --method sparsegpt --pattern 2:4 --out smol-24
+    leanlm train --model smol-24 --recipe sr-ste --pattern 2:4 --tokens 600000 --out smol-24-srste
+
+Run the same command again after an interruption and it resumes from OUT/train_state.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+RECIPES = ("finetune", "masked", "gmp", "rewind", "sr-ste", "top-kast")
+STATE_FILE = "train_state.pt"
+
+
+def build_sparsity(
+    recipe: str,
+    sparsity: float | None = None,
+    pattern: str | None = None,
+    decay: float | None = None,
+    backward_sparsity: float | None = None,
+    rounds: int | None = None,
+):
+    """The training-time sparsity config behind --recipe (None for plain fine-tuning); validates the flags."""
+    from leanlm.train.sparse import TRAINING_CONFIGS
+
+    extras = {"decay": decay, "backward_sparsity": backward_sparsity, "rounds": rounds}
+    if recipe == "finetune":
+        given = [k for k, v in {"sparsity": sparsity, "pattern": pattern, **extras}.items() if v is not None]
+        if given:
+            raise ValueError(f"--recipe finetune trains dense weights; {', '.join(given)} need a sparsity recipe")
+        return None
+    if recipe not in TRAINING_CONFIGS:
+        raise ValueError(f"unknown recipe {recipe!r}; use one of {', '.join(RECIPES)}")
+    cls = TRAINING_CONFIGS[recipe]
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in extras.items():
+        if value is not None and key not in names:
+            raise ValueError(f"--{key.replace('_', '-')} does not apply to --recipe {recipe}")
+    options = {k: v for k, v in extras.items() if v is not None}
+    return cls(sparsity=sparsity, pattern=pattern, **options)
+
+
+def add_parser(sub) -> None:
+    from leanlm.cli.common import add_dataclass_args
+    from leanlm.loading.registry import DEFAULT_MODEL
+    from leanlm.train.trainer import TrainConfig
+
+    p = sub.add_parser("train", help="fine-tune a model, dense or learning sparsity (GMP, SR-STE, Top-KAST, ...)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
+    p.add_argument("--recipe", choices=RECIPES, default="finetune", help="what the run learns (docs/sparsity.md)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--sparsity", type=float, default=None, help="fraction of weights to zero (default 0.5)")
+    target.add_argument("--pattern", default=None, help="N:M sparsity, e.g. 2:4")
+    p.add_argument("--decay", type=float, default=None, help="sr-ste: lambda on pruned weights; top-kast: L2")
+    p.add_argument("--backward-sparsity", type=float, default=None, help="top-kast: sparsity of the backward set")
+    p.add_argument("--rounds", type=int, default=None, help="rewind: prune-and-rewind rounds")
+    p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
+    p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
+    add_dataclass_args(p, TrainConfig)
+    p.add_argument("--out", required=True, help="output directory (the run's resumable state lives there too)")
+    p.add_argument("--keep-state", action="store_true", help=f"keep OUT/{STATE_FILE} after the run completes")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from leanlm.compress.calibration import read_calibration_text
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.train.data import TokenWindows
+    from leanlm.train.model import load_trainable
+    from leanlm.train.trainer import TrainConfig, Trainer
+
+    sparsity = build_sparsity(
+        args.recipe, args.sparsity, args.pattern, args.decay, args.backward_sparsity, args.rounds
+    )  # validates before loading
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    if args.data is not None and not Path(args.data).is_file():
+        raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
+    model, tokenizer = load_trainable(args.model, args.device)
+    ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
+    out = Path(args.out)
+    state = out / STATE_FILE
+    if state.is_file():
+        print(f"resuming from {state}")
+    trainer = Trainer(model, data, config, sparsity, state)
+    before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
+    result = trainer.run()
+    if sparsity is not None and sparsity.pattern == "2:4" and sparsity.pack:
+        pack_semi_structured(model, [])
+    start = time.perf_counter()
+    save_checkpoint(model, out, tokenizer)
+    if not args.keep_state:
+        state.unlink(missing_ok=True)
+    print(format_result(result, args.model, out, sparsity, before, time.perf_counter() - start))
+    return 0
+
+
+def format_result(result, model: str, out: Path, sparsity, held_out_before: float | None, save_s: float) -> str:
+    recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
+    resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
+    lines = [
+        f"{model} -> {out}: {recipe}, {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
+        f"({result.tokens_per_second:.0f} tokens/s){resumed}"
+    ]
+    if result.held_out:
+        first = f"{held_out_before:.4f} -> " if held_out_before is not None else ""
+        lines.append(f"held-out loss: {first}{result.held_out[-1][1]:.4f} (step {result.held_out[-1][0]})")
+    if result.sparsity:
+        lines.append(f"sparsity of the trained linears: {result.sparsity['sparsity']:.1%}")
+    lines.append(f"saved in {save_s:.1f} s; evaluate with: leanlm eval ppl --model {out}")
+    return "\n".join(lines)

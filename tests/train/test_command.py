@@ -1,0 +1,81 @@
+"""`leanlm train`: the recipe behind each flag set, bad input refused before loading, and a run from a
+pruned checkpoint to a checkpoint the engine loads, resumable."""
+
+import json
+
+import pytest
+import torch
+
+from leanlm.cli import main
+from leanlm.cli.train import build_sparsity
+from leanlm.compress import MagnitudeConfig, compress, save_checkpoint
+from leanlm.model.llama import build_model
+from leanlm.train.sparse import GMPConfig, SRSTEConfig, TopKASTConfig
+from tests.conftest import tiny_config, tiny_state_dict
+
+TEXT = " ".join(f"The clockmaker made clock number {i} for the village." for i in range(400))
+
+
+def test_recipes_behind_the_flags():
+    assert build_sparsity("finetune") is None
+    assert build_sparsity("sr-ste", pattern="2:4", decay=1e-3) == SRSTEConfig(pattern="2:4", decay=1e-3)
+    assert build_sparsity("gmp", sparsity=0.7) == GMPConfig(sparsity=0.7)
+    assert build_sparsity("top-kast", sparsity=0.8, backward_sparsity=0.6) == TopKASTConfig(
+        sparsity=0.8, backward_sparsity=0.6
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--recipe", "finetune", "--pattern", "2:4"], "need a sparsity recipe"),
+        (["--recipe", "sr-ste", "--sparsity", "0.5"], "pass pattern"),
+        (["--recipe", "gmp", "--rounds", "3"], "--rounds does not apply"),
+        (["--recipe", "top-kast", "--pattern", "2:4"], "use SR-STE"),
+        (["--recipe", "gmp", "--data", "/no/such/file"], "does not exist"),
+        (["--tokens", "10"], "less than one optimizer step"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
+    assert main(["train", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def pruned_dir(tmp_path, tokenizer):
+    cfg = tiny_config(tokenizer.vocab_size)
+    model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
+    compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
+    return save_checkpoint(model, tmp_path / "pruned", tokenizer)
+
+
+def test_train_a_pruned_checkpoint_into_one_the_engine_loads(pruned_dir, tmp_path, capsys):
+    from leanlm.llm import load_model
+    from leanlm.model.sparse.semi_structured import Sparse24Linear
+
+    data, out = tmp_path / "text.txt", tmp_path / "trained"
+    data.write_text(TEXT)
+    argv = ["train", "--model", str(pruned_dir), "--recipe", "sr-ste", "--pattern", "2:4", "--data", str(data)]
+    argv += ["--seq-len", "32", "--tokens", str(32 * 8 * 3), "--save-every", "1", "--out", str(out)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 steps, 768 tokens" in printed and "sparsity of the trained linears: 50.0%" in printed
+    assert not (out / "train_state.pt").exists()  # a finished run leaves no state behind
+    model = load_model(str(out), progress=False)
+    down = model.model.layers[1].mlp.down_proj
+    assert isinstance(down, Sparse24Linear)
+    recipe = json.loads((out / "quantization_config.json").read_text())["recipe"]
+    assert [step["method"] for step in recipe] == ["magnitude", "train"]
+    assert recipe[1]["sparsity"]["method"] == "sr-ste" and recipe[1]["tokens"] == 768
+
+
+def test_a_quantized_checkpoint_cannot_be_trained(tmp_path, tokenizer, capsys):
+    from leanlm.compress import RTNConfig
+
+    cfg = tiny_config(tokenizer.vocab_size)
+    model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
+    compress(model, RTNConfig(bits=8), progress=False)
+    path = save_checkpoint(model, tmp_path / "int8", tokenizer)
+    assert main(["train", "--model", str(path), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    assert "no float weight to train" in capsys.readouterr().err

@@ -1,0 +1,31 @@
+"""The training forward against the engine's (paged attention) forward, and its loss and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leanlm.train.forward import causal_lm_loss, logits
+from tests.compress.conftest import dense_logits
+
+
+@pytest.mark.parametrize("architecture,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_logits_match_the_engine_forward(tiny_model, architecture, kv_heads):
+    model = tiny_model(torch.float64, architecture=architecture, kv_heads=kv_heads)
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(model, ids), dense_logits(model, ids), rtol=0, atol=1e-10)
+
+
+def test_loss_is_next_token_cross_entropy_whatever_the_chunk(tiny_model):
+    model = tiny_model(torch.float64)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+    full = logits(model, ids)[:, :-1].reshape(-1, 256)
+    expected = F.cross_entropy(full, ids[:, 1:].reshape(-1))
+    for chunk in (7, 64, 4096):
+        torch.testing.assert_close(causal_lm_loss(model, ids, chunk=chunk), expected, rtol=1e-12, atol=0)
+
+
+def test_every_weight_gets_a_gradient(tiny_model):
+    model = tiny_model().train().requires_grad_(True)
+    causal_lm_loss(model, torch.randint(0, 256, (2, 16))).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []

@@ -1,0 +1,82 @@
+"""The fine-tuning loop: config validation, schedule, learning, and resumption that reproduces a run exactly."""
+
+import pytest
+import torch
+
+from leanlm.train.sparse import GMPConfig
+from leanlm.train.trainer import Trainer, TrainConfig, train
+from tests.train.conftest import SEQ_LEN
+
+
+def config(**kw):
+    base = dict(tokens=SEQ_LEN * 4 * 2 * 6, seq_len=SEQ_LEN, lr=3e-3, warmup_steps=1, eval_every=2, save_every=2)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(tokens=100), "less than one optimizer step"),
+        (dict(dtype="float16"), "dtype must be one of"),
+        (dict(batch_size=0), "batch_size must be >= 1"),
+        (dict(lr=0.0), "lr > 0"),
+    ],
+)
+def test_bad_settings_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        config(**kw)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(tokens=4096 * 100, seq_len=512, batch_size=4, grad_accum=2, lr=1e-4, warmup_steps=10)
+    assert cfg.total_steps == 100
+    rates = [cfg.lr_at(s) for s in range(100)]
+    assert rates[:10] == sorted(rates[:10]) and rates[9] < 1e-4
+    assert rates[10] == pytest.approx(1e-4) and rates[10:] == sorted(rates[10:], reverse=True)
+    assert rates[-1] == pytest.approx(1e-5, rel=0.01)
+
+
+def test_training_lowers_the_held_out_loss_and_records_itself(tiny_model, windows):
+    model = tiny_model()
+    before = Trainer(tiny_model(), windows, config(), progress=False).held_out_loss()
+    result = train(model, windows, config(), progress=False)
+    assert result.steps == 6 and result.tokens == 6 * SEQ_LEN * 8 and len(result.losses) == 6
+    assert [s for s, _ in result.held_out] == [2, 4, 6]
+    assert result.held_out[-1][1] < 0.5 * before
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.compression_recipe[-1]["method"] == "train" and model.compression_recipe[-1]["lr"] == 3e-3
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_model, windows, tmp_path, monkeypatch):
+    sparsity = GMPConfig(pattern="2:4", every=1, end=0.8)
+    straight = tiny_model()
+    train(straight, windows, config(), sparsity, progress=False)
+
+    state = tmp_path / "state.pt"
+    step = Trainer._step
+
+    def crash_at_step_3(self, index):
+        if index == 3:
+            raise _Interrupt
+        return step(self, index)
+
+    monkeypatch.setattr(Trainer, "_step", crash_at_step_3)
+    with pytest.raises(_Interrupt):
+        train(tiny_model(), windows, config(), sparsity, state, progress=False)
+    monkeypatch.setattr(Trainer, "_step", step)
+    resumed = tiny_model()
+    result = train(resumed, windows, config(), sparsity, state, progress=False)
+    assert result.resumed_from == 2 and result.steps == 6 and len(result.losses) == 6
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_state_from_other_settings_is_not_resumed(tiny_model, windows, tmp_path):
+    state = tmp_path / "state.pt"
+    train(tiny_model(), windows, config(tokens=SEQ_LEN * 8 * 2), None, state, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        train(tiny_model(), windows, config(lr=1e-3, tokens=SEQ_LEN * 8 * 2), None, state, progress=False)
