@@ -1,4 +1,4 @@
-"""The `leanlm` command: generate | chat | serve | models | bench | estimate | eval ppl|kld|tasks | quantize | prune | train.
+"""The `leanlm` command: generate | chat | serve | models | bench | estimate | eval | quantize | prune | train.
 Flags come from config dataclass fields (their `help` metadata is the flag's help). Every failure ends in one
 line on stderr, `leanlm: error: ...`, and a non-zero status (`main`); LEANLM_DEBUG=1 shows the traceback."""
 

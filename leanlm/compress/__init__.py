@@ -1,6 +1,7 @@
 """Compression: one API for every method (torchao style), quantization and pruning, run through one
 layer-by-layer loop."""
 
+from leanlm.compress.act_sparsity import ActivationSparsityConfig
 from leanlm.compress.awq import AWQConfig
 from leanlm.compress.base import CompressionReport, LinearReport
 from leanlm.compress.calibration import calibration_samples, read_calibration_text
@@ -33,6 +34,7 @@ __all__ = [
     "PermuteConfig",
     "WandaConfig",
     "SparseGPTConfig",
+    "ActivationSparsityConfig",
     "CompressionReport",
     "LinearReport",
 ]

@@ -11,7 +11,7 @@
  * the same kernels, and that path runs few-row RMSNorm and SiLU-and-multiply on the exported functions
  * below (torch's own reductions and exp sum and round in another order).
  *
- * Up to 8 tokens the linears run on the GEMV kernels (cpu_gemv, cpu_qgemv, cpu_sparse); from 9 on, on the packed GEMM
+ * Up to 8 tokens the linears run on the GEMV kernels (cpu_gemv, cpu_qgemv, cpu_sparse, cpu_act_sparse); from 9 on, on the packed GEMM
  * (cpu_gemm), as the PyTorch path's layers choose. The element-wise work is 16-lane AVX512 and, for many
  * rows, split by rows over OpenMP threads: each row's result is the same whatever the batch or thread count. */
 
@@ -25,7 +25,7 @@
 #include "bf16.h"
 #include "exp512.h"
 
-enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2, KIND_W8A8 = 3, KIND_SPARSE24 = 4 };
+enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2, KIND_W8A8 = 3, KIND_SPARSE24 = 4, KIND_ACT_SPARSE = 5 };
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
 
 typedef int (*linear_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
@@ -36,6 +36,8 @@ typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, 
                               uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*linear_sparse24_fn)(const uint16_t *, const uint16_t *, const uint8_t *, const uint16_t *, uint16_t *,
                                   int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*linear_act_sparse_fn)(const uint16_t *, const uint16_t *, double, const uint16_t *, uint16_t *, int64_t,
+                                    int64_t, int64_t, int, int64_t);
 typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
                             int);
 typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
@@ -52,8 +54,12 @@ typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t 
  * the ctypes mirror in cpu_decode.py lays it out identically. */
 typedef struct {
     int64_t kind;           /* KIND_* */
-    const void *weight;     /* bf16 [N, K], int8 [N, K], packed 4-bit codes uint8 [N, K / 2] or 2:4 values bf16 [N, K / 2] */
-    const float *scales;    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size] */
+    /* bf16 [N, K], int8 [N, K], packed 4-bit codes uint8 [N, K / 2], 2:4 values bf16 [N, K / 2], or for
+     * KIND_ACT_SPARSE the bf16 weight transposed [K, N] */
+    const void *weight;
+    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size]; KIND_ACT_SPARSE: [1], the
+     * input threshold (inputs of magnitude <= it are zero, their weight rows not read) */
+    const float *scales;
     const float *mins;      /* int4: [N, K / group_size]; NULL otherwise */
     const uint16_t *bias;   /* bf16 [N] or NULL */
     const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
@@ -89,6 +95,7 @@ typedef struct {
     gemm_quant_fn gemm_quant;
     gemm_w8a8_fn gemm_w8a8; /* NULL where the CPU lacks AVX512-VNNI (no layer is then KIND_W8A8) */
     linear_sparse24_fn linear_sparse24; /* NULL where the CPU lacks AVX512-VBMI2 (no layer is then KIND_SPARSE24) */
+    linear_act_sparse_fn linear_act_sparse; /* NULL where that kernel is not loaded (no layer is then KIND_ACT_SPARSE) */
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
@@ -130,6 +137,10 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
         if (m->linear_sparse24 == NULL || l->mask == NULL) return -11;
         return m->linear_sparse24(x, (const uint16_t *)l->weight, l->mask, l->bias, y, M, l->out_features,
                                   l->in_features, threads, m->min_parallel_bytes);
+    case KIND_ACT_SPARSE:
+        if (m->linear_act_sparse == NULL || l->scales == NULL) return -11;
+        return m->linear_act_sparse(x, (const uint16_t *)l->weight, (double)l->scales[0], l->bias, y, M,
+                                    l->out_features, l->in_features, threads, m->min_parallel_bytes);
     default:
         return -10;
     }

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from leanlm.compress import RTNConfig, compress
+from leanlm.compress import ActivationSparsityConfig, RTNConfig, compress
 from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
@@ -85,6 +85,9 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
                         setattr(block, name, to_sparse24(linear))
         if kind == "sparse24":
             assert sum(isinstance(m, Sparse24Linear) for m in model.modules()) == 14
+    elif kind == "act-sparse":  # 40% of every linear's inputs below its threshold, their weight rows skipped
+        calib = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+        compress(model, [ActivationSparsityConfig(sparsity=0.4)], calib, progress=False)
     if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
         gen = torch.Generator().manual_seed(5)
         for module in model.modules():
@@ -140,7 +143,18 @@ def _decode(
     return torch.stack(out)
 
 
-KINDS = ["bf16", "int8", "int8-g32", "int8-g16", "int4", "int4-perm", "w8a8", "sparse24", "sparse24-mixed"]
+KINDS = [
+    "bf16",
+    "int8",
+    "int8-g32",
+    "int8-g16",
+    "int4",
+    "int4-perm",
+    "w8a8",
+    "sparse24",
+    "sparse24-mixed",
+    "act-sparse",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -159,6 +173,10 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
     if kind.startswith("sparse24"):  # the loop ran the sparse kernel, next to bf16 linears when mixed
         kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
         assert kinds == {cpu_decode.KIND_SPARSE24} | ({cpu_decode.KIND_BF16} if kind == "sparse24-mixed" else set())
+    if kind == "act-sparse":  # the loop ran the skipping kernel; 9+ rows stay on PyTorch (no dense GEMM for them)
+        kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        assert kinds == {cpu_decode.KIND_ACT_SPARSE} and model.native_decode_plan().batched_loop is None
+        return
     # 9+ rows ran on the loop over packed weights (built at the first such step), fewer never built it
     assert (model.native_decode_plan().batched_loop is not None) == (batch > cpu_decode.MAX_ROWS)
 

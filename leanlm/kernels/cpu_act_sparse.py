@@ -1,0 +1,112 @@
+"""A bfloat16 linear layer that skips the weight rows of inputs below a magnitude threshold (activation
+sparsity at decode, TEAL/CATS), for a few rows on x86-64 CPUs with AVX512 (F and BW).
+
+The weight is stored transposed, Wt [K, N], so each input column's weights are one contiguous row and a zeroed
+input is a row never read: a 40%-sparse input reads 60% of the bytes at batch 1 (the union of the rows' kept
+columns at larger batches). Built and loaded like cpu_gemv.py; `reference` is the PyTorch path it must match.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_KERNEL = NativeKernel(
+    source=Path(__file__).with_name("gemv_act_sparse.c"),
+    symbol="leanlm_linear_act_sparse",
+    argtypes=[_P, _P, ctypes.c_double, _P, _P, _I64, _I64, _I64, _INT, _I64],
+    restype=_INT,
+    cpu_needs=("avx512f", "avx512bw"),
+)
+MAX_ROWS = 8  # should_use() accepts up to this many rows (one pass over the active weight rows)
+_BF16 = torch.bfloat16
+
+
+def is_available() -> bool:
+    return _KERNEL.is_available()
+
+
+def unavailable_reason() -> str | None:
+    return _KERNEL.unavailable_reason
+
+
+def sparsify(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """x with every entry of magnitude <= threshold set to zero (what the kernel multiplies); compared in
+    float32 (a bf16 comparison would round the threshold to bf16 first)."""
+    return x.masked_fill(x.float().abs() <= threshold, 0)
+
+
+def reference(x: torch.Tensor, weight_t: torch.Tensor, threshold: float, bias: torch.Tensor | None) -> torch.Tensor:
+    """The PyTorch path: sparsify(x) [..., K] @ Wt [K, N] + bias."""
+    return F.linear(sparsify(x, threshold), weight_t.t(), bias)
+
+
+def should_use(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Policy: contiguous bf16 CPU x [..., K] of at most MAX_ROWS rows, weight [K, N] and bias [N]."""
+    return (
+        x.dtype is _BF16
+        and weight_t.dtype is _BF16
+        and x.is_cpu
+        and weight_t.is_cpu
+        and x.is_contiguous()
+        and weight_t.is_contiguous()
+        and weight_t.dim() == 2
+        and x.dim() >= 1
+        and x.shape[-1] == weight_t.shape[0]
+        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and (bias is None or (bias.dtype is _BF16 and bias.is_contiguous() and bias.shape == weight_t.shape[1:]))
+        and is_available()
+    )
+
+
+def linear_act_sparse(
+    x: torch.Tensor, weight_t: torch.Tensor, threshold: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """sparsify(x, threshold) [..., K] @ weight_t [K, N] + bias -> bf16 [..., N]; fp32 accumulation in increasing
+    k, one rounding. Any number of rows works (the weight is re-read every MAX_ROWS rows)."""
+    fn = _KERNEL.fn()
+    if fn is None:
+        raise RuntimeError(f"CPU activation-sparse kernel unavailable: {_KERNEL.unavailable_reason}")
+    if not (
+        x.dtype is _BF16
+        and weight_t.dtype is _BF16
+        and x.is_cpu
+        and weight_t.is_cpu
+        and x.is_contiguous()
+        and weight_t.is_contiguous()
+        and weight_t.dim() == 2
+        and x.dim() >= 1
+        and x.shape[-1] == weight_t.shape[0]
+        and (bias is None or (bias.dtype is _BF16 and bias.is_contiguous() and bias.shape == weight_t.shape[1:]))
+    ):
+        raise ValueError(
+            f"linear_act_sparse takes contiguous bf16 CPU x [..., K], weight_t [K, N] and bias [N]; got x "
+            f"{tuple(x.shape)} {x.dtype}, weight_t {tuple(weight_t.shape)} {weight_t.dtype}"
+        )
+    K, N = weight_t.shape
+    y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
+    rows = x.numel() // K if K else 0
+    if K == 0:
+        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
+    rc = fn(
+        x.data_ptr(),
+        weight_t.data_ptr(),
+        float(threshold),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        N,
+        K,
+        torch.get_num_threads(),
+        MIN_PARALLEL_BYTES,
+    )
+    if rc != 0:
+        raise RuntimeError(f"leanlm_linear_act_sparse failed (code {rc})")
+    return y
