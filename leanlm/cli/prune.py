@@ -1,17 +1,19 @@
 """`leanlm prune`: magnitude, Wanda or SparseGPT pruning (unstructured or N:M), optionally followed by a
-quantizer (or SparseGPT's joint prune + quantize), saved as a checkpoint the engine loads."""
+quantizer (or SparseGPT's joint prune + quantize), or TEAL activation sparsity (thresholds on each linear's
+inputs, whose zeroed entries' weight rows decode skips), saved as a checkpoint the engine loads."""
 
 from __future__ import annotations
 
 import argparse
 
+from leanlm.compress.act_sparsity import ActivationSparsityConfig
 from leanlm.compress.base import MethodConfig
 from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
 from leanlm.compress.permute import PermuteConfig
 from leanlm.compress.sparsegpt import SparseGPTConfig
 from leanlm.compress.wanda import WandaConfig
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
+METHODS = ("magnitude", "wanda", "sparsegpt", "teal")
 
 
 def build_prune_recipe(
@@ -26,6 +28,15 @@ def build_prune_recipe(
     permute: bool = False,
 ) -> list[MethodConfig]:
     """The recipe behind `leanlm prune`; validates every option before anything loads."""
+    if method == "teal":
+        given = {"--pattern": pattern, "--then-quantize": then_quantize, "--bits": bits, "--group-size": group_size}
+        given.update({"--joint": joint or None, "--permute": permute or None})
+        if scope != "layer" or any(v is not None for v in given.values()):
+            flags = [k for k, v in given.items() if v is not None] + (["--scope"] if scope != "layer" else [])
+            raise ValueError(
+                f"teal zeroes a fraction of each linear's inputs (--sparsity); {', '.join(flags)} do not apply"
+            )
+        return [ActivationSparsityConfig(sparsity=0.4 if sparsity is None else sparsity)]
     if permute:
         if pattern is None:
             raise ValueError("--permute reorders channels for an N:M pattern: add --pattern, e.g. 2:4")
@@ -69,7 +80,12 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
     p.add_argument("--method", choices=METHODS, required=True, help="pruning method (docs/sparsity.md)")
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--sparsity", type=float, default=None, help="fraction of weights to zero (default 0.5)")
+    target.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="fraction of weights to zero (default 0.5); teal: of each linear's inputs (default 0.4)",
+    )
     target.add_argument("--pattern", default=None, help="N:M sparsity, e.g. 2:4 (keep 2 of every 4 inputs)")
     p.add_argument("--scope", choices=SCOPES, default="layer", help="magnitude: where the fraction holds")
     p.add_argument(
@@ -84,6 +100,12 @@ def add_parser(sub) -> None:
     p.add_argument("--bits", type=int, default=None, help="weight bits of the quantization step (default 4)")
     p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64); 0 = per channel")
     add_calibration_args(p, "Wanda, SparseGPT")
+    p.add_argument(
+        "--format",
+        choices=("leanlm", "compressed-tensors"),
+        default="leanlm",
+        help="checkpoint layout: leanlm's, or compressed-tensors' sparse-24-bitmask / sparse-bitmask (llm-compressor)",
+    )
     add_output_args(p)
     p.set_defaults(func=cmd_prune)
 
@@ -103,5 +125,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         args.joint,
         args.permute,
     )
+    if args.format == "compressed-tensors" and (args.method == "teal" or args.then_quantize or args.joint):
+        raise ValueError("--format compressed-tensors writes pruned float weights: drop --then-quantize/--joint")
     needs_calibration = any(build_method(cfg).needs for cfg in recipe)
-    return run_recipe(args, recipe, needs_calibration, "leanlm")
+    return run_recipe(args, recipe, needs_calibration, args.format)

@@ -146,6 +146,7 @@ def run_recipe(args: argparse.Namespace, recipe: list[MethodConfig], needs_calib
     compress, save to args.out in `fmt`, print the summary (`leanlm quantize` and `leanlm prune`)."""
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
     from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
     from leanlm.compress.gptq_format import save_gptq_checkpoint
     from leanlm.compress.recipe import compress
     from leanlm.loading.checkpoint import load_checkpoint
@@ -165,7 +166,8 @@ def run_recipe(args: argparse.Namespace, recipe: list[MethodConfig], needs_calib
     bytes_before = model_bytes(model, torch.bfloat16)
     report = compress(model, recipe, samples)
     start = time.perf_counter()
-    save = save_gptq_checkpoint if fmt == "gptq" else save_checkpoint
+    savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
+    save = savers.get(fmt, save_checkpoint)
     out = save(model, args.out, ckpt.tokenizer)
     print(
         format_summary(
@@ -205,7 +207,7 @@ def format_summary(
         f"saved in {save_s:.1f} s",
     ]
     for method, details in report.details.items():
-        lines.append(f"{method}: " + ", ".join(f"{k} {v:+.2%}" for k, v in details.items()))
+        lines.append(f"{method}: " + ", ".join(f"{k} {v:.2%}" for k, v in details.items()))
     if not report.linears:
         return "\n".join(lines)
     by_kind: dict[str, list] = {}

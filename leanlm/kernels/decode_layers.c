@@ -36,8 +36,8 @@ typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, 
                               uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*linear_sparse24_fn)(const uint16_t *, const uint16_t *, const uint8_t *, const uint16_t *, uint16_t *,
                                   int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*linear_act_sparse_fn)(const uint16_t *, const uint16_t *, double, const uint16_t *, uint16_t *, int64_t,
-                                    int64_t, int64_t, int, int64_t);
+typedef int (*linear_act_sparse_fn)(const uint16_t *, const uint16_t *, double, const float *, const uint16_t *,
+                                    uint16_t *, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
                             int);
 typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
@@ -60,7 +60,7 @@ typedef struct {
     /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size]; KIND_ACT_SPARSE: [1], the
      * input threshold (inputs of magnitude <= it are zero, their weight rows not read) */
     const float *scales;
-    const float *mins;      /* int4: [N, K / group_size]; NULL otherwise */
+    const float *mins;      /* int4: [N, K / group_size]; KIND_ACT_SPARSE: the inputs' score scales [K]; else NULL */
     const uint16_t *bias;   /* bf16 [N] or NULL */
     const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
     int64_t out_features, in_features, group_size;
@@ -139,7 +139,7 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
                                   l->in_features, threads, m->min_parallel_bytes);
     case KIND_ACT_SPARSE:
         if (m->linear_act_sparse == NULL || l->scales == NULL) return -11;
-        return m->linear_act_sparse(x, (const uint16_t *)l->weight, (double)l->scales[0], l->bias, y, M,
+        return m->linear_act_sparse(x, (const uint16_t *)l->weight, (double)l->scales[0], l->mins, l->bias, y, M,
                                     l->out_features, l->in_features, threads, m->min_parallel_bytes);
     default:
         return -10;

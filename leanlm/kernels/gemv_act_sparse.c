@@ -1,148 +1,194 @@
 /* Small-M bfloat16 linear layer that skips the weight rows of zeroed inputs (activation sparsity, TEAL/CATS):
- *   y[M, N] = s(x)[M, K] @ Wt[K, N] (+ bias[N]),  s(x)_tk = x_tk where |x_tk| > threshold, else 0,
- * with the weight stored transposed (Wt = W^T, [K, N] row-major), so input column k's weights are one
- * contiguous row. The columns read are those where any of the M rows keeps its input (the batch-size effect:
- * at batch 1 a 40% sparse input reads 60% of the bytes, at batch 8 the union of 8 rows' columns).
+ *   y[M, N] = s(x)[M, K] @ Wt[K, N] (+ bias[N]),  s(x)_tk = x_tk where |x_tk| * scale_k > threshold, else 0
+ * (scale: per input column, 1 when NULL; TEAL's score is |x|, a weight-aware one |x_k| ||W[:, k]||), with the
+ * weight stored transposed, Wt = W^T [K, N] row-major: input k's weights are one contiguous row of 2N bytes, and
+ * a zeroed input is a row never read. Only rows where any of the M inputs is kept are read (the batch-size
+ * effect: at batch 1 a 40% sparse input reads 60% of the bytes, at batch 8 the union of 8 rows' columns).
  *
- * Threads split N into slices; a slice is walked in tiles of 16 * C output columns (M * C fp32 accumulators
- * in registers), each tile reading the active rows' 32 * C bytes in increasing k with the next rows
- * prefetched. Every y[t, n] is the fp32 fma chain over the active k in increasing order from 0, plus the bias,
- * rounded once to bf16 (nearest-even): the same bits whatever the thread count. Built by cpu_act_sparse.py.
+ * Whole rows, not slices of rows, are the unit: a CPU's stream prefetchers run ahead along contiguous memory,
+ * so skipping 128-byte pieces of a stream saves nothing (the prefetcher reads them anyway), while skipping a
+ * whole row of 2N bytes leaves a gap it does not cross blindly; the next active rows are prefetched by hand.
+ * Threads split K into fixed halves (thirds, ...), each summing its rows (in decreasing k) into fp32 partial
+ * outputs in L1, which are then added in thread order, plus the bias, and rounded once to bf16 (nearest-even). A row's result does
+ * not depend on the other rows of its batch (a skipped or zeroed term adds exactly 0); it does depend on the
+ * thread count, like any split sum. Built by cpu_act_sparse.py.
  */
 
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
 #define MAX_ROWS 8
-#define PREFETCH_ROWS 6 /* active rows ahead whose tile slice is prefetched */
+#define MAX_THREADS 64
+#define PREFETCH_BYTES 4096 /* how far ahead in the active rows the lines read are prefetched */
 
 ALWAYS_INLINE __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+/* f32 -> bf16 of 16 lanes, nearest-even with NaN kept quiet: f32_to_bf16's bits (vcvtneps2bf16 would flush
+ * denormals), stored under a mask. */
+ALWAYS_INLINE void store_bf16x16(uint16_t *p, __m512 f, __mmask16 m) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
+        16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+
 ALWAYS_INLINE __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
-/* Columns [n0, n0 + 16 * C) (the last chunk masked at N) of M rows, over the `nnz` active input rows. */
-ALWAYS_INLINE void tile(const float *xs, const int32_t *active, int64_t nnz, const uint16_t *wt, const uint16_t *bias,
-                        uint16_t *y, int64_t N, int64_t n0, const int M, const int C) {
-    __m512 acc[MAX_ROWS][8];
-    __mmask16 mk[8];
+/* part[t][n] += sum over active rows j in [j0, j1) of xs[t][j] * Wt[active[j], n], for M rows. The rows are
+ * walked in decreasing k: a stream prefetcher running on past the end of a row then lands in a row already read,
+ * not in a skipped one it would fetch for nothing. Rows about PREFETCH_BYTES ahead are prefetched by hand, a
+ * line for each line read. */
+ALWAYS_INLINE void rows(const float *xs, const int32_t *active, int64_t nnz, int64_t j0, int64_t j1,
+                        const uint16_t *wt, float *part, int64_t N, const int M) {
+    const int64_t ahead_rows = PREFETCH_BYTES / (2 * N) > 1 ? PREFETCH_BYTES / (2 * N) : 1;
+    for (int64_t j = j1 - 1; j >= j0; j--) {
+        const uint16_t *row = wt + (int64_t)active[j] * N;
+        const char *ahead = j - ahead_rows >= j0 ? (const char *)(wt + (int64_t)active[j - ahead_rows] * N) : NULL;
+        float xv[MAX_ROWS];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; c++) mk[c] = lanes(N - n0 - 16 * c);
+        for (int t = 0; t < M; t++) xv[t] = xs[t * nnz + j];
+        for (int64_t n = 0; n < N; n += 32) {
+            if (ahead != NULL) _mm_prefetch(ahead + 2 * n, _MM_HINT_T0);
+            const __mmask16 m0 = lanes(N - n), m1 = lanes(N - n - 16);
+            const __m512 w0 = load_bf16x16(row + n, m0);
+            const __m512 w1 = n + 16 < N ? load_bf16x16(row + n + 16, m1) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int t = 0; t < M; t++)
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) acc[t][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nnz; j++) {
-        if (j + PREFETCH_ROWS < nnz) {
-            const char *ahead = (const char *)(wt + (int64_t)active[j + PREFETCH_ROWS] * N + n0);
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c += 2) _mm_prefetch(ahead + 32 * c, _MM_HINT_T0);
-        }
-        const uint16_t *row = wt + (int64_t)active[j] * N + n0;
-        __m512 w[8];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) w[c] = load_bf16x16(row + 16 * c, mk[c]);
-#pragma GCC unroll 8
-        for (int t = 0; t < M; t++) {
-            const __m512 xv = _mm512_set1_ps(xs[t * nnz + j]);
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) acc[t][c] = _mm512_fmadd_ps(xv, w[c], acc[t][c]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++) {
-        const int64_t n = n0 + 16 * c;
-        if (n >= N) break;
-        float out[16], b[16] = {0};
-        if (bias != NULL) _mm512_storeu_ps(b, load_bf16x16(bias + n, mk[c]));
-        for (int t = 0; t < M; t++) {
-            _mm512_storeu_ps(out, acc[t][c]);
-            const int64_t count = N - n < 16 ? N - n : 16;
-            for (int64_t i = 0; i < count; i++) y[t * N + n + i] = f32_to_bf16(out[i] + b[i]);
+            for (int t = 0; t < M; t++) {
+                float *p = part + t * N + n;
+                const __m512 x = _mm512_set1_ps(xv[t]);
+                _mm512_mask_storeu_ps(p, m0, _mm512_fmadd_ps(x, w0, _mm512_maskz_loadu_ps(m0, p)));
+                if (n + 16 < N)
+                    _mm512_mask_storeu_ps(p + 16, m1, _mm512_fmadd_ps(x, w1, _mm512_maskz_loadu_ps(m1, p + 16)));
+            }
         }
     }
 }
 
-ALWAYS_INLINE void slice(const float *xs, const int32_t *active, int64_t nnz, const uint16_t *wt,
-                         const uint16_t *bias, uint16_t *y, int64_t N, int64_t n_begin, int64_t n_end, const int M,
-                         const int C) {
-    int64_t n = n_begin;
-    for (; n + 16 * C <= n_end; n += 16 * C) tile(xs, active, nnz, wt, bias, y, N, n, M, C);
-    for (; n < n_end; n += 16) tile(xs, active, nnz, wt, bias, y, N, n, M, 1);
+#define DEFINE_ROWS(M_)                                                                                        \
+    static void rows_m##M_(const float *xs, const int32_t *active, int64_t nnz, int64_t j0, int64_t j1,       \
+                           const uint16_t *wt, float *part, int64_t N) {                                      \
+        rows(xs, active, nnz, j0, j1, wt, part, N, M_);                                                       \
+    }
+DEFINE_ROWS(1)
+DEFINE_ROWS(2)
+DEFINE_ROWS(3)
+DEFINE_ROWS(4)
+DEFINE_ROWS(5)
+DEFINE_ROWS(6)
+DEFINE_ROWS(7)
+DEFINE_ROWS(8)
+
+typedef void (*rows_fn)(const float *, const int32_t *, int64_t, int64_t, int64_t, const uint16_t *, float *, int64_t);
+static const rows_fn ROWS_FOR_M[MAX_ROWS + 1] = {0,       rows_m1, rows_m2, rows_m3, rows_m4,
+                                                 rows_m5, rows_m6, rows_m7, rows_m8};
+
+/* Scratch grown on demand and kept per calling thread (a decode step makes ~200 calls: no malloc per call). */
+static __thread void *scratch_ptr = NULL;
+static __thread size_t scratch_bytes = 0;
+
+static void *scratch(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch_ptr);
+        scratch_ptr = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch_ptr != NULL ? (bytes + 63) / 64 * 64 : 0;
+    }
+    return scratch_ptr;
 }
 
-/* One instantiation per M; C keeps M * C <= 16 accumulators and C weight vectors in registers. */
-#define DEFINE_ROWS(M_, C_)                                                                                    \
-    static void slice_m##M_(const float *xs, const int32_t *active, int64_t nnz, const uint16_t *wt,          \
-                            const uint16_t *bias, uint16_t *y, int64_t N, int64_t n_begin, int64_t n_end) {   \
-        slice(xs, active, nnz, wt, bias, y, N, n_begin, n_end, M_, C_);                                      \
+/* The kept inputs of m rows: active[] = the k (increasing) where any row's |x| * scale > thr; returns how many.
+ * 16 columns at a time, the kept indices compressed out of a vector (vpcompressd). */
+static int64_t active_columns(const uint16_t *xm, int64_t m, int64_t K, const float *scale, float thr,
+                              int32_t *active) {
+    int64_t nnz = 0;
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 vthr = _mm512_set1_ps(thr);
+    for (int64_t k = 0; k < K; k += 16, idx = _mm512_add_epi32(idx, step)) {
+        const __mmask16 valid = lanes(K - k);
+        const __m512 s = scale != NULL ? _mm512_maskz_loadu_ps(valid, scale + k) : _mm512_set1_ps(1.0f);
+        __mmask16 keep = 0;
+        for (int64_t t = 0; t < m; t++) {
+            const __m512 v = _mm512_abs_ps(load_bf16x16(xm + t * K + k, valid));
+            keep |= _mm512_mask_cmp_ps_mask(valid, _mm512_mul_ps(v, s), vthr, _CMP_GT_OQ);
+        }
+        _mm512_mask_compressstoreu_epi32(active + nnz, keep, idx);
+        nnz += __builtin_popcount((unsigned)keep);
     }
-DEFINE_ROWS(1, 8)
-DEFINE_ROWS(2, 8)
-DEFINE_ROWS(3, 4)
-DEFINE_ROWS(4, 4)
-DEFINE_ROWS(5, 2)
-DEFINE_ROWS(6, 2)
-DEFINE_ROWS(7, 2)
-DEFINE_ROWS(8, 2)
+    return nnz;
+}
 
-typedef void (*slice_fn)(const float *, const int32_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *,
-                         int64_t, int64_t, int64_t);
-static const slice_fn SLICE_FOR_M[MAX_ROWS + 1] = {0,        slice_m1, slice_m2, slice_m3, slice_m4,
-                                                   slice_m5, slice_m6, slice_m7, slice_m8};
+/* First index of `active` (sorted) holding a value >= k. */
+static int64_t lower_bound(const int32_t *active, int64_t nnz, int64_t k) {
+    int64_t lo = 0, hi = nnz;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (active[mid] < k) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
 
 /* Exported entry point. x [M, K], wt [K, N], bias [N] or NULL, y [M, N]: contiguous bfloat16 bit patterns;
- * M <= 8 rows per pass (more rows loop over passes). Runs on up to num_threads threads (one when the active
- * rows hold fewer than min_parallel_bytes). Returns 0, -1 on bad sizes, -2 when out of memory. */
-int leanlm_linear_act_sparse(const uint16_t *x, const uint16_t *wt, double threshold, const uint16_t *bias,
-                             uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads,
+ * scale [K] float32 or NULL. M <= 8 rows per pass (more rows loop over passes). Runs on up to num_threads
+ * threads (one when the active rows hold fewer than min_parallel_bytes). Returns 0, -1 on bad sizes, -2 when out
+ * of memory. */
+int leanlm_linear_act_sparse(const uint16_t *x, const uint16_t *wt, double threshold, const float *scale,
+                             const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads,
                              int64_t min_parallel_bytes) {
     if (M < 0 || N < 0 || K < 0 || K > INT32_MAX) return -1;
     if (M == 0 || N == 0) return 0;
     const float thr = (float)threshold;
-    int32_t *active = (int32_t *)malloc(sizeof(int32_t) * (size_t)K);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(K * (M < MAX_ROWS ? M : MAX_ROWS)));
-    if (active == NULL || xs == NULL) {
-        free(active);
-        free(xs);
-        return -2;
-    }
+    int threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
+    if (threads > K) threads = K < 1 ? 1 : (int)K;
+    const int64_t rows_per_pass = M < MAX_ROWS ? M : MAX_ROWS;
+    /* part: [threads][m][N] fp32 partial sums; xs: [m][nnz] kept inputs; active: [K] indices (64-byte aligned) */
+    const size_t part_floats = (size_t)((threads * rows_per_pass * N + 15) / 16 * 16);
+    const size_t xs_floats = (size_t)((K * rows_per_pass + 15) / 16 * 16);
+    char *base = (char *)scratch(sizeof(float) * (part_floats + xs_floats) + sizeof(int32_t) * (size_t)(K + 16));
+    if (base == NULL) return -2;
+    float *part = (float *)base, *xs = part + part_floats;
+    int32_t *active = (int32_t *)(xs + xs_floats);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
         const uint16_t *xm = x + m0 * K;
-        int64_t nnz = 0; /* the union of the m rows' kept columns, in increasing k */
-        for (int64_t k = 0; k < K; k++) {
-            int keep = 0;
-            for (int64_t t = 0; t < m; t++) keep |= fabsf(bf16_to_f32(xm[t * K + k])) > thr;
-            if (keep) active[nnz++] = (int32_t)k;
-        }
+        const int64_t nnz = active_columns(xm, m, K, scale, thr, active); /* the union of the rows' kept inputs */
         for (int64_t t = 0; t < m; t++)
             for (int64_t j = 0; j < nnz; j++) {
                 const float v = bf16_to_f32(xm[t * K + active[j]]);
-                xs[t * nnz + j] = fabsf(v) > thr ? v : 0.0f;
+                xs[t * nnz + j] = fabsf(v) * (scale != NULL ? scale[active[j]] : 1.0f) > thr ? v : 0.0f;
             }
-        const int64_t chunks = (N + 15) / 16;
-        int threads = num_threads < 1 ? 1 : num_threads;
-        if (threads > chunks) threads = (int)chunks;
-        const int parallel = threads > 1 && nnz * N * 2 >= min_parallel_bytes;
-        const slice_fn fn = SLICE_FOR_M[m];
-        uint16_t *ym = y + m0 * N;
-#pragma omp parallel num_threads(threads) if (parallel)
-        {
-            const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
-            const int64_t n_begin = chunks * tid / nthr * 16;
-            int64_t n_end = chunks * (tid + 1) / nthr * 16;
-            if (n_end > N) n_end = N;
-            if (n_begin < n_end) fn(xs, active, nnz, wt, bias, ym, N, n_begin, n_end);
+        const int nthr = threads > 1 && nnz * N * 2 >= min_parallel_bytes ? threads : 1;
+        const rows_fn fn = ROWS_FOR_M[m];
+#pragma omp parallel for num_threads(nthr) schedule(static, 1) if (nthr > 1)
+        for (int p = 0; p < nthr; p++) { /* part p: rows of k in [K p / nthr, K (p + 1) / nthr) */
+            float *pp = part + (int64_t)p * m * N;
+            memset(pp, 0, sizeof(float) * (size_t)(m * N));
+            const int64_t j0 = lower_bound(active, nnz, K * p / nthr);
+            const int64_t j1 = lower_bound(active, nnz, K * (p + 1) / nthr);
+            fn(xs, active, nnz, j0, j1, wt, pp, N);
         }
+        uint16_t *ym = y + m0 * N;
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t n = 0; n < N; n += 16) {
+                const __mmask16 mk = lanes(N - n);
+                __m512 v = _mm512_maskz_loadu_ps(mk, part + t * N + n);
+                for (int p = 1; p < nthr; p++) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, part + (int64_t)p * m * N + t * N + n));
+                if (bias != NULL) v = _mm512_add_ps(v, load_bf16x16(bias + n, mk));
+                store_bf16x16(ym + t * N + n, v, mk);
+            }
     }
-    free(active);
-    free(xs);
     return 0;
 }

@@ -43,8 +43,9 @@ class NativeLinear:
     whose columns may be stored in the order perm [K] (int64; the input is gathered as x[:, perm] first, GPTQ
     act-order); W8A8, int8 [N, K] with scales [N] and activations quantized per row, on its cpu_w8a8 packing (always
     set) at every row count; 2:4 values bf16 [N, K / 2] with `mask`; or activation-sparse, the bf16 weight
-    transposed [K, N] with its input threshold as `scales` (float32 [1]). `packed` is the same weight in cpu_gemm's
-    layout (what the layer's own products use from 9 rows on; 2:4: the dense weight's), or None for at most MAX_ROWS."""
+    transposed [K, N] with its input threshold as `scales` (float32 [1]) and its score scales as `mins` ([K]).
+    `packed` is the same weight in cpu_gemm's layout (what the layer's own products use from 9 rows on; 2:4: the
+    dense weight's), or None for at most MAX_ROWS."""
 
     kind: int
     weight: torch.Tensor
@@ -85,6 +86,7 @@ class NativeLinear:
         if self.kind == KIND_ACT_SPARSE:  # never packed: a dense GEMM would not sparsify its input
             ok = self.weight.dtype == _BF16 and self.weight.dim() == 2 and self.packed is None
             ok = ok and self.scales is not None and self.scales.dtype == _F32 and self.scales.numel() == 1
+            ok = ok and self.mins is not None and self.mins.dtype == _F32 and self.mins.shape == (self.in_features,)
             return ok and cpu_act_sparse.is_available()
         if self.kind == KIND_W8A8:
             return (

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from leanlm.config import ModelConfig
+from leanlm.loading.compressed_tensors import compressed_tensors_layers, read_compressed_tensors_config
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import gguf_model_config, gguf_state_dict, gguf_tokenizer_metadata, open_gguf
 from leanlm.loading.inspect import inspect
@@ -58,18 +59,25 @@ def load_checkpoint(
 
 
 def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
-    """An HF directory: float, leanlm-quantized (quantization_config.json) or GPTQ (config.json's block)."""
+    """An HF directory: float, leanlm-quantized (quantization_config.json), GPTQ or sparse compressed-tensors
+    (config.json's quantization_config block)."""
     try:
-        meta, gptq = read_quantization_config(path), read_gptq_config(path)
+        meta, gptq, sparse = (
+            read_quantization_config(path),
+            read_gptq_config(path),
+            read_compressed_tensors_config(path),
+        )
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
-    is_quantized = meta is not None or gptq is not None
+    is_quantized = meta is not None or gptq is not None or sparse is not None
     config, state_dict = load_hf_dir(path, dtype=None if is_quantized else dtype, progress=progress)
     try:
         if meta is not None:
             quantized = quantized_layers(meta, state_dict)
         elif gptq is not None:
             quantized = gptq_layers(gptq, state_dict)
+        elif sparse is not None:
+            quantized = compressed_tensors_layers(sparse, state_dict)
         else:
             quantized = {}
     except (ValueError, KeyError, TypeError) as e:  # TypeError: a metadata value of the wrong kind

@@ -1,6 +1,6 @@
 """The activation-sparse small-M linear kernel (gemv_act_sparse.c): within bf16 output rounding of float64 math
-on the sparsified input, rows independent of the batch and the thread count, the weight rows of zeroed inputs
-never read, argument checks and the should_use policy."""
+on the sparsified input (magnitude and weight-aware scores), rows independent of the batch, the weight rows of
+zeroed inputs never read, argument checks and the should_use policy."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ SHAPES = [(M, N, K) for M in range(1, 10) for N, K in ((37, 8), (64, 64), (576, 
 @pytest.mark.parametrize(("M", "N", "K"), SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
 def test_equals_float64_math_on_the_sparsified_input(M, N, K, has_bias):
     x, wt, threshold, b = _inputs(M, N, K, has_bias, seed=M * N + K)
-    y = cpu_act_sparse.linear_act_sparse(x, wt, threshold, b)
+    y = cpu_act_sparse.linear_act_sparse(x, wt, threshold, bias=b)
     xs = cpu_act_sparse.sparsify(x, threshold)
     assert 0.3 < float((xs == 0).float().mean()) < 0.5
     ref = xs.double() @ wt.double() + (0 if b is None else b.double())
@@ -37,16 +37,30 @@ def test_equals_float64_math_on_the_sparsified_input(M, N, K, has_bias):
     assert bool(((y.double() - ref).abs() <= bound).all())
 
 
-def test_each_row_is_the_same_alone_in_a_batch_or_on_any_thread_count():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_is_the_same_alone_or_in_a_batch(threads):
     x, wt, threshold, b = _inputs(8, 1536, 576, True, seed=7)
-    batch = cpu_act_sparse.linear_act_sparse(x, wt, threshold, b)
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        for t in range(8):  # alone, a row reads fewer weight rows: the skipped ones only ever added zeros
-            assert torch.equal(cpu_act_sparse.linear_act_sparse(x[t : t + 1], wt, threshold, b), batch[t : t + 1])
-    finally:
         torch.set_num_threads(threads)
+        batch = cpu_act_sparse.linear_act_sparse(x, wt, threshold, bias=b)
+        for t in range(8):  # alone, a row reads fewer weight rows: the skipped ones only ever added zeros
+            alone = cpu_act_sparse.linear_act_sparse(x[t : t + 1], wt, threshold, bias=b)
+            assert torch.equal(alone, batch[t : t + 1])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_weight_aware_score_thresholds_x_times_the_column_scale():
+    x, wt, _, b = _inputs(2, 96, 128, True, seed=9)
+    scale = torch.rand(128) * 2
+    threshold = float((x.float().abs() * scale).flatten().median())
+    y = cpu_act_sparse.linear_act_sparse(x, wt, threshold, scale, b)
+    xs = cpu_act_sparse.sparsify(x, threshold, scale)
+    assert torch.equal(xs == 0, x.float().abs() * scale <= threshold)
+    ref = xs.double() @ wt.double() + b.double()
+    bound = ref.abs() * 2.0**-8 + (xs.double().abs() @ wt.double().abs()) * 128 * 2.0**-24
+    assert bool(((y.double() - ref).abs() <= bound).all())
 
 
 def test_the_weight_rows_of_zeroed_inputs_are_not_read():
@@ -60,7 +74,7 @@ def test_the_weight_rows_of_zeroed_inputs_are_not_read():
 
 def test_threshold_zero_is_the_dense_product_and_leading_dimensions_work():
     x, wt, _, b = _inputs(6, 40, 64, True, seed=4)
-    y = cpu_act_sparse.linear_act_sparse(x.view(2, 3, 64), wt, 0.0, b)
+    y = cpu_act_sparse.linear_act_sparse(x.view(2, 3, 64), wt, 0.0, bias=b)
     ref = x.double() @ wt.double() + b.double()
     assert y.shape == (2, 3, 40)
     torch.testing.assert_close(y.view(6, 40).double(), ref, rtol=2**-7, atol=1e-2)
@@ -68,8 +82,8 @@ def test_threshold_zero_is_the_dense_product_and_leading_dimensions_work():
 
 def test_the_pytorch_reference_agrees():
     x, wt, threshold, b = _inputs(3, 96, 256, True, seed=5)
-    y = cpu_act_sparse.linear_act_sparse(x, wt, threshold, b)
-    ref = cpu_act_sparse.reference(x.float(), wt.float(), threshold, b.float())
+    y = cpu_act_sparse.linear_act_sparse(x, wt, threshold, bias=b)
+    ref = cpu_act_sparse.reference(x.float(), wt.float(), threshold, None, b.float())
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2e-2)
 
 
@@ -79,7 +93,8 @@ def test_wrong_arguments_are_refused_and_the_policy():
         cpu_act_sparse.linear_act_sparse(x, wt.t(), threshold)  # not contiguous
     with pytest.raises(ValueError, match="weight_t"):
         cpu_act_sparse.linear_act_sparse(x.float(), wt, threshold)
-    assert cpu_act_sparse.should_use(x, wt, b)
-    assert not cpu_act_sparse.should_use(x.repeat(5, 1), wt, b)  # 10 rows: the GEMM's business
-    assert not cpu_act_sparse.should_use(x.float(), wt, b)
-    assert not cpu_act_sparse.should_use(x, wt, b.float())
+    assert cpu_act_sparse.should_use(x, wt, None, b)
+    assert not cpu_act_sparse.should_use(x.repeat(5, 1), wt, None, b)  # 10 rows: the PyTorch path's business
+    assert not cpu_act_sparse.should_use(x.float(), wt, None, b)
+    assert not cpu_act_sparse.should_use(x, wt, None, b.float())
+    assert not cpu_act_sparse.should_use(x, wt, torch.ones(31), b)

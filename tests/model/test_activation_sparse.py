@@ -31,22 +31,24 @@ def test_forward_is_the_linear_of_the_sparsified_input(rows):
     layer = ActSparseLinear.from_linear(linear, 0.5)
     expected = F.linear(x.masked_fill(x.abs() <= 0.5, 0), linear.weight, linear.bias)
     torch.testing.assert_close(layer(x), expected)
-    bf16 = ActSparseLinear.from_linear(linear, 0.5, torch.bfloat16)
+    bf16 = ActSparseLinear.from_linear(linear, 0.5, dtype=torch.bfloat16)
     xb = x.bfloat16()  # rounding x can move an entry across the threshold: the reference uses the rounded x
     with torch.inference_mode():
         y = bf16(xb)
     ref = F.linear(cpu_act_sparse.sparsify(xb.float(), 0.5), bf16.weight_t.t().float(), bf16.bias.float())
     torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.05)
     if rows <= cpu_act_sparse.MAX_ROWS and cpu_act_sparse.is_available():  # the kernel ran
-        assert torch.equal(y, cpu_act_sparse.linear_act_sparse(x.bfloat16(), bf16.weight_t, 0.5, bf16.bias))
+        kernel = cpu_act_sparse.linear_act_sparse(x.bfloat16(), bf16.weight_t, 0.5, bf16.column_scale, bf16.bias)
+        assert torch.equal(y, kernel)
 
 
 def test_without_the_kernel_the_pytorch_path_runs(monkeypatch):
-    layer = ActSparseLinear.from_linear(_linear(), 0.3, torch.bfloat16)
+    layer = ActSparseLinear.from_linear(_linear(), 0.3, dtype=torch.bfloat16)
     x = torch.randn(2, 64).bfloat16()
     monkeypatch.setattr(cpu_act_sparse, "is_available", lambda: False)
     assert layer.native_linear() is None
     expected = F.linear(cpu_act_sparse.sparsify(x, 0.3), layer.weight_t.t(), layer.bias)
+    assert torch.equal(layer.column_scale, torch.ones(64))
     assert torch.equal(layer(x), expected)
 
 
@@ -56,12 +58,14 @@ def test_without_the_kernel_the_pytorch_path_runs(monkeypatch):
 )
 def test_untrusted_tensors_are_checked(threshold, message):
     with pytest.raises(ValueError, match=message):
-        ActSparseLinear(torch.randn(8, 4), threshold)
+        ActSparseLinear(torch.randn(8, 4), threshold, torch.ones(8))
+    with pytest.raises(ValueError, match="column_scale"):
+        ActSparseLinear(torch.randn(8, 4), torch.tensor([0.5]), -torch.ones(8))
 
 
 def test_a_checkpoint_with_activation_sparse_layers_loads_back_identical(tmp_path, tokenizer):
     cfg = tiny_config(tokenizer.vocab_size)
-    model = build_model(cfg, tiny_state_dict(cfg, seed=2), torch.bfloat16)
+    model = build_model(cfg, tiny_state_dict(cfg, seed=2), dtype=torch.bfloat16)
     mlp = model.model.layers[0].mlp
     mlp.down_proj = ActSparseLinear.from_linear(mlp.down_proj, 0.25)
     save_checkpoint(model, tmp_path, tokenizer)

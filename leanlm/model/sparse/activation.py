@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from leanlm.kernels import cpu_act_sparse, cpu_decode
 from leanlm.model.quantized.linear import QuantLinear, check_numel, matrix_shape, register_format
@@ -18,49 +17,72 @@ from leanlm.model.quantized.linear import QuantLinear, check_numel, matrix_shape
 
 @register_format
 class ActSparseLinear(QuantLinear):
-    """y = s(x) W^T + b, s(x) = x where |x| > threshold else 0; weight_t = W^T [K, N] in the compute dtype."""
+    """y = s(x) W^T + b, s(x)_k = x_k where |x_k| * column_scale_k > threshold, else 0; weight_t = W^T [K, N] in
+    the compute dtype (a skipped input is a skipped row). column_scale [K] is 1 for TEAL's magnitude score, the
+    weight's column norms for the weight-aware score (|x_k| ||W[:, k]||: the size of what input k adds to the
+    output)."""
 
     format = "act_sparse"
-    tensor_names = ("weight_t", "threshold")
+    tensor_names = ("weight_t", "threshold", "column_scale")
     compute_dtype_buffers = ("weight_t", "bias")
 
-    def __init__(self, weight_t: torch.Tensor, threshold: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        threshold: torch.Tensor,
+        column_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         k, n = matrix_shape(self.format, "weight_t", weight_t)
         check_numel(self.format, "threshold", threshold, 1)
+        check_numel(self.format, "column_scale", column_scale, k)
         value = float(threshold.reshape(-1)[0])
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{self.format} threshold must be a finite value >= 0, got {value}")
+        scale = column_scale.detach().float().reshape(k).contiguous()
+        if not bool(torch.isfinite(scale).all() and (scale >= 0).all()):
+            raise ValueError(f"{self.format} column_scale must hold finite values >= 0")
         super().__init__(k, n, bias)
         self.register_buffer("weight_t", weight_t.detach().clone().contiguous())  # [K, N]
         self.register_buffer("threshold", torch.tensor([value], dtype=torch.float32))  # [1]
+        self.register_buffer("column_scale", scale.clone())  # [K] float32
         self.threshold_value = value  # read by every forward; the buffer is what checkpoints save
 
     @classmethod
     def from_linear(
-        cls, linear: torch.nn.Linear, threshold: float, dtype: torch.dtype | None = None
+        cls,
+        linear: torch.nn.Linear,
+        threshold: float,
+        column_scale: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> ActSparseLinear:
         dtype = linear.weight.dtype if dtype is None else dtype
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        return cls(linear.weight.detach().t().to(dtype), torch.tensor([threshold]), bias)
+        scale = torch.ones(linear.in_features) if column_scale is None else column_scale
+        return cls(linear.weight.detach().t().to(dtype), torch.tensor([threshold]), scale, bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_t.t().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        bias = self.bias
-        if cpu_act_sparse.should_use(x, self.weight_t, bias) and not (x.requires_grad and torch.is_grad_enabled()):
-            return cpu_act_sparse.linear_act_sparse(x, self.weight_t, self.threshold_value, bias)
-        weight = self.weight_t.t().to(x.dtype)
-        return F.linear(
-            cpu_act_sparse.sparsify(x, self.threshold_value), weight, None if bias is None else bias.to(x.dtype)
-        )
+        weight_t, scale, bias = self.weight_t, self.column_scale, self.bias
+        if cpu_act_sparse.should_use(x, weight_t, scale, bias) and not (x.requires_grad and torch.is_grad_enabled()):
+            return cpu_act_sparse.linear_act_sparse(x, weight_t, self.threshold_value, scale, bias)
+        bias = None if bias is None else bias.to(x.dtype)
+        return cpu_act_sparse.reference(x, weight_t.to(x.dtype), self.threshold_value, scale, bias)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
         """The native decode loop runs this layer to 8 rows; a loop of more rows (packed) would run a dense
         GEMM, which does not sparsify, so it is not offered one."""
         if packed or not cpu_act_sparse.is_available():
             return None
-        return cpu_decode.NativeLinear(cpu_decode.KIND_ACT_SPARSE, self.weight_t, scales=self.threshold, bias=self.bias)
+        return cpu_decode.NativeLinear(
+            cpu_decode.KIND_ACT_SPARSE,
+            self.weight_t,
+            scales=self.threshold,
+            mins=self.column_scale,
+            bias=self.bias,
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, threshold={self.threshold_value:.4g}"
