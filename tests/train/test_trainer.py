@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from leanlm.train.sparse import GMPConfig
-from leanlm.train.trainer import Trainer, TrainConfig, train
+from leanlm.train.trainer import TrainConfig, Trainer, train
 from tests.train.conftest import SEQ_LEN
 
 

@@ -1,0 +1,38 @@
+"""The training forward and loop on the real bundled SmolLM2: logits equal to the engine's path, and a few
+SR-STE steps from a 2:4-pruned copy (its first 6 layers) lower the held-out loss and leave a 2:4 model."""
+
+import pytest
+import torch
+
+from leanlm.compress import MagnitudeConfig, compress, read_calibration_text
+from leanlm.compress.sparsity import satisfies_nm
+from leanlm.model.llama import build_model
+from leanlm.train.data import TokenWindows
+from leanlm.train.forward import logits
+from leanlm.train.sparse import SRSTEConfig
+from leanlm.train.trainer import TrainConfig, Trainer
+from tests.compress.conftest import dense_logits
+
+pytestmark = pytest.mark.real_model
+
+
+def test_training_forward_equals_the_engine_path_on_smollm2(smollm):
+    model = build_model(smollm.config, smollm.state_dict, torch.float32)
+    ids = torch.tensor([smollm.tokenizer.encode("The Eiffel Tower is a wrought-iron lattice tower in Paris.")])
+    with torch.no_grad():
+        torch.testing.assert_close(logits(model, ids), dense_logits(model, ids), rtol=0, atol=2e-4)
+
+
+def test_sr_ste_steps_recover_a_2_4_smollm2(smollm):
+    # its first 6 layers (and the real embedding, norm and head): the loop on real weights at a fifth of the cost
+    full = build_model(smollm.config, {k: v.clone() for k, v in smollm.state_dict.items()}, torch.float32)
+    model = full.first_layers(6)
+    compress(model, MagnitudeConfig(pattern="2:4", pack=False), progress=False)
+    ids = smollm.tokenizer.encode(read_calibration_text()[:60_000], add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, 64, held_out=2)
+    cfg = TrainConfig(tokens=64 * 2 * 1 * 4, seq_len=64, batch_size=2, grad_accum=1, lr=2e-4, warmup_steps=0)
+    trainer = Trainer(model, data, cfg, SRSTEConfig(pattern="2:4"), progress=False)
+    before = trainer.held_out_loss()
+    result = trainer.run()
+    assert result.held_out[-1][1] < before - 0.1
+    assert satisfies_nm(model.model.layers[5].mlp.down_proj.weight, 2, 4)
