@@ -24,4 +24,22 @@ ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* f32_to_bf16 of 16 lanes with integer ops (nearest-even, NaN kept quiet), in the low half of each 32-bit lane:
+ * the same bits as the scalar, where vcvtneps2bf16 would flush denormals. */
+ALWAYS_INLINE __m512i f32x16_to_bf16_bits(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
+        16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+#endif
+
 #endif

@@ -31,18 +31,8 @@ ALWAYS_INLINE __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-/* f32 -> bf16 of 16 lanes, nearest-even with NaN kept quiet: f32_to_bf16's bits (vcvtneps2bf16 would flush
- * denormals), stored under a mask. */
 ALWAYS_INLINE void store_bf16x16(uint16_t *p, __m512 f, __mmask16 m) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
-        16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(f32x16_to_bf16_bits(f)));
 }
 
 ALWAYS_INLINE __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
