@@ -6,10 +6,11 @@
  * effect: at batch 1 a 40% sparse input reads 60% of the bytes, at batch 8 the union of 8 rows' columns).
  *
  * Whole rows, not slices of rows, are the unit: a CPU's stream prefetchers run ahead along contiguous memory,
- * so skipping 128-byte pieces of a stream saves nothing (the prefetcher reads them anyway), while skipping a
- * whole row of 2N bytes leaves a gap it does not cross blindly; the next active rows are prefetched by hand.
- * Threads split K into fixed halves (thirds, ...), each summing its rows (in decreasing k) into fp32 partial
- * outputs in L1, which are then added in thread order, plus the bias, and rounded once to bf16 (nearest-even). A row's result does
+ * so skipping 128-byte pieces of a stream saves nothing (the prefetcher reads them anyway). Skipping whole rows
+ * of 2N bytes saves less than the skipped share too (on a Zen 4, 40% of 1152-byte rows skipped saves ~10%, 70%
+ * saves ~40%: the prefetchers still fetch into the gaps; docs/sparsity.md). The rows about PREFETCH_BYTES ahead
+ * in the active list are prefetched by hand. Threads split K into fixed halves (thirds, ...), each summing its
+ * rows in increasing k into fp32 partial outputs in L1, which are then added in thread order, plus the bias, and rounded once to bf16 (nearest-even). A row's result does
  * not depend on the other rows of its batch (a skipped or zeroed term adds exactly 0); it does depend on the
  * thread count, like any split sum. Built by cpu_act_sparse.py.
  */
@@ -25,7 +26,7 @@
 
 #define MAX_ROWS 8
 #define MAX_THREADS 64
-#define PREFETCH_BYTES 4096 /* how far ahead in the active rows the lines read are prefetched */
+#define PREFETCH_BYTES 16384 /* how far ahead in the active rows the lines read are prefetched */
 
 ALWAYS_INLINE __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -37,16 +38,15 @@ ALWAYS_INLINE void store_bf16x16(uint16_t *p, __m512 f, __mmask16 m) {
 
 ALWAYS_INLINE __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
-/* part[t][n] += sum over active rows j in [j0, j1) of xs[t][j] * Wt[active[j], n], for M rows. The rows are
- * walked in decreasing k: a stream prefetcher running on past the end of a row then lands in a row already read,
- * not in a skipped one it would fetch for nothing. Rows about PREFETCH_BYTES ahead are prefetched by hand, a
- * line for each line read. */
+/* part[t][n] += sum over active rows j in [j0, j1) of xs[t][j] * Wt[active[j], n], for M rows, in increasing j
+ * (walking the rows backwards to keep the prefetchers out of skipped rows was tried: it reads a dense matrix 35%
+ * slower and gains nothing at 40%). Rows about PREFETCH_BYTES ahead are prefetched, a line per line read. */
 ALWAYS_INLINE void rows(const float *xs, const int32_t *active, int64_t nnz, int64_t j0, int64_t j1,
                         const uint16_t *wt, float *part, int64_t N, const int M) {
     const int64_t ahead_rows = PREFETCH_BYTES / (2 * N) > 1 ? PREFETCH_BYTES / (2 * N) : 1;
-    for (int64_t j = j1 - 1; j >= j0; j--) {
+    for (int64_t j = j0; j < j1; j++) {
         const uint16_t *row = wt + (int64_t)active[j] * N;
-        const char *ahead = j - ahead_rows >= j0 ? (const char *)(wt + (int64_t)active[j - ahead_rows] * N) : NULL;
+        const char *ahead = j + ahead_rows < j1 ? (const char *)(wt + (int64_t)active[j + ahead_rows] * N) : NULL;
         float xv[MAX_ROWS];
 #pragma GCC unroll 8
         for (int t = 0; t < M; t++) xv[t] = xs[t * nnz + j];
