@@ -82,16 +82,16 @@ def test_batched_chunked_prefix_cached_matches_alone(kv_cache_dtype):
     cached prefix, vs each prompt alone in a fresh engine prefilled whole. float32 compute, as in test_llm. The
     distributions agree within the schedule noise above, and greedy text agrees up to the first near tie."""
     max_kl, max_diff = SCHEDULE_BOUNDS[kv_cache_dtype]
-    alone_llm = LLM(MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    # float weights dequantized at load (the GGUF codes' numbers, without a dequantization per product)
+    options = dict(dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype, dequantize_gguf=True)
+    alone_llm = LLM(MODEL, **options, enable_prefix_caching=False)
     tok = alone_llm.get_tokenizer()
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
         for q in QUESTIONS
     ] + [tok.encode(t) for t in COMPLETIONS[:2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    batched = LLM(
-        MODEL, dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, block_size=8
-    )
+    batched = LLM(MODEL, **options, max_num_batched_tokens=32, block_size=8)
     together = [o.outputs[0].token_ids for o in batched.generate(prompts, params, use_tqdm=False)]
     assert batched.llm_engine.stats().scheduler.prefix_cache_hit_rate > 0
     alone = [alone_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
