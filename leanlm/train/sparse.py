@@ -52,8 +52,9 @@ class GMPConfig(MethodConfig, SparsityScheme):
 
 @dataclass(frozen=True)
 class RewindConfig(MethodConfig, SparsityScheme):
-    """Iterative magnitude pruning with rewinding: `rounds` equal parts of the run; after each, prune to
-    s_f (1 - (1 - s_0)^(r / R))-style geometric steps and rewind the kept weights to the run's start."""
+    """Iterative magnitude pruning with rewinding: `rounds` equal parts of the run; after round r of R, prune by
+    magnitude to sparsity 1 - (1 - s)^(r / R) (each round removes the same share of what is left) and rewind the
+    kept weights to the run's start (not after the last round: its weights are the result)."""
 
     name = "rewind"
     rounds: int = 3
