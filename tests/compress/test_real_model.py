@@ -168,3 +168,27 @@ def test_24_pruned_smollm_decodes_on_the_sparse_kernel_like_its_dense_copy(smoll
         out = llm.generate([TEXT[:60]], params, use_tqdm=False)[0].outputs[0]
         outs[name] = (out.token_ids, [lp[tok] for lp, tok in zip(out.logprobs, out.token_ids, strict=True)])
     assert outs["packed"] == outs["zeros"]
+
+
+def test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers(smollm, calib_ids, tmp_path):
+    """SmolLM2 with 40% activation sparsity (TEAL) saved and served: every decoder linear is ActSparseLinear, the
+    calibration rows read at batch 1 are 60%, batch-1 decode runs on the skipping kernel in the native loop, and
+    the greedy continuation of a plain fact keeps its answer."""
+    from leanlm import LLM, SamplingParams
+    from leanlm.compress import ActivationSparsityConfig, save_checkpoint
+    from leanlm.kernels import cpu_decode
+    from leanlm.model.sparse.activation import ActSparseLinear
+
+    model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
+    report = compress(model, ActivationSparsityConfig(sparsity=0.4), calib_ids[:4], progress=False)
+    assert report.details["act-sparsity"]["weight rows read at batch 1"] == pytest.approx(0.6, abs=0.01)
+    save_checkpoint(model, tmp_path / "teal", smollm.tokenizer)
+    llm = LLM(str(tmp_path / "teal"), dtype="bfloat16", progress=False)
+    served = llm.llm_engine.model
+    assert sum(isinstance(m, ActSparseLinear) for m in served.modules()) == 7 * served.config.num_hidden_layers
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    loop = served.native_decode_plan().loop
+    assert loop is not None and {lin.kind for layer in loop._keep[0] for lin in layer.linears} == {
+        cpu_decode.KIND_ACT_SPARSE
+    }
