@@ -137,10 +137,21 @@ class SparseParam(nn.Module):
         self.keep = keep  # [N, K] bool: True where the forward uses the weight
         self.grad_keep: torch.Tensor | None = None  # where the weight gets gradient; None = everywhere
         self.decay_scale: torch.Tensor | None = None  # [N, K] float32 per-entry L2 coefficient, or None
+        # Masks change only between optimizer steps, forwards run several times per step (gradient accumulation,
+        # held-out loss): each mask's float copy is made once, while that mask tensor stays the same.
+        self._float: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _as(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        mask = getattr(self, name)
+        if mask is None:
+            return None
+        cached = self._float.get(name)
+        if cached is None or cached[0] is not mask or cached[1].dtype != dtype:
+            cached = self._float[name] = (mask, mask.to(dtype))
+        return cached[1]
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        keep = self.keep.to(weight.dtype)
-        grad_keep = None if self.grad_keep is None else self.grad_keep.to(weight.dtype)
+        keep, grad_keep = self._as("keep", weight.dtype), self._as("grad_keep", weight.dtype)
         return _SparseWeight.apply(weight, keep, grad_keep, self.decay_scale)
 
 
