@@ -14,6 +14,7 @@ from leanlm.compress.hessian import Select, inverse_cholesky_upper, obs_sweep, p
 from leanlm.compress.int_scheme import IntScheme, build_module
 from leanlm.compress.linear_quantizer import LinearQuantizer
 from leanlm.compress.pruner import pruned_mask
+from leanlm.compress.sparsity import satisfies_nm
 from leanlm.model.quantized.numerics import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
 
 
@@ -24,6 +25,10 @@ class GPTQConfig(MethodConfig, IntScheme):
     act_order: bool = True  # quantize columns by decreasing H_ii (the "desc_act" of GPTQ checkpoints)
     shrink_search: bool = True  # each group's range shrunk to the least |w - q|^2.4 (quant.shrink_qparams)
     true_sequential: bool = False  # fit each linear group to inputs that the layer's quantized groups produce
+    # Groups of input columns in their own order with parameters fixed before the sweep (AutoGPTQ's static_groups):
+    # act-order then needs no stored permutation. Always used for 2:4-pruned layers under act-order, so their
+    # groups stay whole 2:4 groups and the layer packs into the 2:4 int4 format.
+    static_groups: bool = False
 
     name = "gptq"
 
@@ -60,21 +65,27 @@ def gptq_quantize(
     n, k = w.shape
     pruned = torch.zeros(n, k, dtype=torch.bool) if pruned is None else pruned.clone()
     perm = None
+    group = spec.group_size
+    find_qparams = shrink_qparams if cfg.shrink_search else compute_qparams
+    col_spec = QuantSpec(spec.bits, spec.symmetric)  # one column [N, 1] (or one group) against per-row parameters
+    static = None  # [G] QParams of the input-order groups, from the weights before the sweep
+    if cfg.static_groups and group is not None:
+        masked = w.masked_fill(pruned, 0.0)
+        static = [find_qparams(masked[:, g : g + group], col_spec) for g in range(0, k, group)]
     if cfg.act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h, pruned = w[:, perm], h[perm][:, perm], pruned[:, perm]
     u = inverse_cholesky_upper(h)  # [K, K]
-    group = spec.group_size
     block = cfg.block_size if group is None else max(group, cfg.block_size // group * group)
     codes = torch.empty(n, k, dtype=torch.int16)
     scales, zeros = [], []
-    find_qparams = shrink_qparams if cfg.shrink_search else compute_qparams
-    col_spec = QuantSpec(spec.bits, spec.symmetric)  # one column [N, 1] (or one group) against per-row parameters
     # per channel: fixed up front, as in GPTQ; per group: from the group's already-updated columns
     current = [find_qparams(w.masked_fill(pruned, 0.0), spec) if group is None else None]
 
     def round_column(col: int, x: torch.Tensor, w_blk: torch.Tensor, p_blk: torch.Tensor, i: int) -> torch.Tensor:
-        if group is not None and col % group == 0:
+        if static is not None:
+            current[0] = static[(col if perm is None else int(perm[col])) // group]
+        elif group is not None and col % group == 0:
             qp = find_qparams(w_blk[:, i : i + group].masked_fill(p_blk[:, i : i + group], 0.0), col_spec)
             scales.append(qp.scale)
             zeros.append(qp.zero)
@@ -85,7 +96,15 @@ def gptq_quantize(
         return (c.double() - (qp.zero if qp.zero is not None else 0)) * qp.scale
 
     q_all = obs_sweep(w, u, block, pruned, select, round_column)
-    if group is not None:
+    if static is not None:  # codes back in input order: the groups already are
+        qparams = QParams(
+            torch.cat([qp.scale for qp in static], dim=1).float().unsqueeze(-1),
+            None if spec.symmetric else torch.cat([qp.zero for qp in static], dim=1).float().unsqueeze(-1),
+        )
+        if perm is not None:
+            codes = torch.empty_like(codes).index_copy_(1, perm, codes)
+        perm = None
+    elif group is not None:
         scale = torch.cat(scales, dim=1).float()  # [N, G]
         zero = None if spec.symmetric else torch.cat(zeros, dim=1).float()
         qparams = QParams(scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1))
@@ -117,7 +136,8 @@ class GPTQ(LinearQuantizer):
         cfg = self.config
         # act-order permutes input columns, which only the group-wise 2-4 bit layers can carry
         act_order = cfg.act_order and cfg.act_bits is None and cfg.bits <= 4
-        result = gptq_quantize(
-            linear.weight.float(), inputs.hessian, dataclasses.replace(cfg, act_order=act_order), pruned_mask(linear)
-        )
+        pruned = pruned_mask(linear)
+        static = cfg.static_groups or (act_order and pruned is not None and satisfies_nm(~pruned, 2, 4))
+        run_cfg = dataclasses.replace(cfg, act_order=act_order, static_groups=static)
+        result = gptq_quantize(linear.weight.float(), inputs.hessian, run_cfg, pruned)
         return build_module(result.codes, result.qparams, cfg, linear.bias, result.perm)

@@ -2,12 +2,14 @@
 float linear of a layer keeps its module and gets zeros where the method prunes; the mask stays on the
 module as `sparsity_mask` (not a tensor of its state dict) so a quantizer later in the recipe keeps those
 weights at zero (GPTQ spreads no error into them; RTN's grids hold 0 exactly). Linears still float and 2:4
-at the end of the recipe become Sparse24Linear (`pack_semi_structured`), unless the pruner says pack=False.
+at the end of the recipe become Sparse24Linear (`pack_semi_structured`), unless the pruner says pack=False; int8
+and 2-4 bit layers quantized from 2:4 weights become their 2:4 formats (`pack_quantized_24`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from abc import abstractmethod
 
 import torch
@@ -18,7 +20,11 @@ from leanlm.compress.int_scheme import linear_report
 from leanlm.compress.linear_quantizer import group_linears
 from leanlm.compress.smoothing import set_tensor
 from leanlm.compress.sparsity import satisfies_nm
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
+from leanlm.model.sparse.quantized_24 import to_sparse24_quantized
 from leanlm.model.sparse.semi_structured import Sparse24Linear
+
+logger = logging.getLogger(__name__)
 
 MASK_ATTR = "sparsity_mask"
 
@@ -77,5 +83,28 @@ def pack_semi_structured(model: nn.Module, reports: list[LinearReport]) -> list[
         )
     return [
         dataclasses.replace(r, format=Sparse24Linear.format, bytes_after=packed[r.name]) if r.name in packed else r
+        for r in reports
+    ]
+
+
+def pack_quantized_24(model: nn.Module, reports: list[LinearReport]) -> list[LinearReport]:
+    """Swap every int8 or 2-4 bit weight-only layer whose weight is 2:4 (pruned, then quantized) for its 2:4
+    format, which stores only the kept codes (exact). Layers the formats cannot take (act-order permutations,
+    group sizes or widths not a multiple of 64) stay dense and their reports say so by their format."""
+    packed = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (Int8WeightOnlyLinear, IntGroupWeightOnlyLinear)):
+            continue
+        if not satisfies_nm(module.dequantized_weight(), 2, 4):
+            continue
+        try:
+            layer = to_sparse24_quantized(module)
+        except ValueError as exc:
+            logger.info("%s stays %s: %s", name, module.format, exc)
+            continue
+        model.set_submodule(name, layer)
+        packed[name] = (layer.format, layer.weight_bytes() + (0 if layer.bias is None else layer.bias.nbytes))
+    return [
+        dataclasses.replace(r, format=packed[r.name][0], bytes_after=packed[r.name][1]) if r.name in packed else r
         for r in reports
     ]

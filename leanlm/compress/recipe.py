@@ -16,7 +16,7 @@ from torch import nn
 
 from leanlm.compress.base import CompressionReport, MethodConfig, build_method
 from leanlm.compress.calibration import run_layers
-from leanlm.compress.pruner import pack_semi_structured
+from leanlm.compress.pruner import pack_quantized_24, pack_semi_structured
 from leanlm.compress.sparsity import SparsityScheme
 
 
@@ -42,6 +42,7 @@ def compress(
     reports = run_layers(model, methods, calibration, batch=batch, progress=progress)
     if any(isinstance(cfg, SparsityScheme) and cfg.pattern == "2:4" and cfg.pack for cfg in recipe):
         reports = pack_semi_structured(model, reports)
+        reports = pack_quantized_24(model, reports)
     recorded = list(getattr(model, "compression_recipe", []))
     model.compression_recipe = recorded + [{"method": cfg.name, **_as_json(cfg)} for cfg in recipe]
     details = {cfg.name: summary for cfg, m in zip(recipe, methods, strict=True) if (summary := m.summary())}

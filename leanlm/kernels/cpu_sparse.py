@@ -126,3 +126,102 @@ def linear_sparse24(
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_sparse24 failed (code {rc})")
     return y
+
+
+# ---------------------------------------------------------------------------------- int8 / int4 2:4 codes
+
+_QUANT_SOURCE = Path(__file__).with_name("gemv_sparse24_quant.c")
+_INT8_KERNEL = NativeKernel(
+    source=_QUANT_SOURCE,
+    symbol="leanlm_linear_sparse24_int8",
+    argtypes=[_P] * 6 + [_I64] * 4 + [_INT, _I64],
+    restype=_INT,
+    cpu_needs=("avx512_bf16", "avx512_vbmi2"),
+)
+_INT4_KERNEL = NativeKernel(
+    source=_QUANT_SOURCE,
+    symbol="leanlm_linear_sparse24_int4",
+    argtypes=[_P] * 7 + [_I64] * 4 + [_INT, _I64],
+    restype=_INT,
+    cpu_needs=("avx512_bf16", "avx512_vbmi2"),
+)
+CHUNK = 64  # dense input columns per kernel step: K and the group size must be multiples of it
+_I8 = torch.int8
+
+
+def quant_is_available() -> bool:
+    """True when the int8 and int4 2:4 kernels are built and loaded (as is_available)."""
+    return _INT8_KERNEL.is_available() and _INT4_KERNEL.is_available()
+
+
+def quant_group_ok(group_size: int, K: int) -> bool:
+    """The quantized 2:4 kernels' shapes: K a multiple of 64, and groups of a multiple of 64 dividing K (K itself
+    for one scale per row)."""
+    return K > 0 and K % CHUNK == 0 and group_size > 0 and group_size % CHUNK == 0 and K % group_size == 0
+
+
+def should_use_quant(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Policy: route a quantized 2:4 linear here for contiguous bf16 CPU x of at most MAX_ROWS rows."""
+    if codes.dim() != 2 or not _is_cpu_contiguous(codes, _I8 if bits == 8 else _U8):
+        return False
+    K = codes.shape[1] * (2 if bits == 8 else 4)
+    return (
+        quant_group_ok(group_size, K)
+        and _is_cpu_contiguous(x, _BF16)
+        and x.dim() >= 1
+        and x.shape[-1] == K
+        and x.numel() <= MAX_ROWS * K
+        and quant_is_available()
+    )
+
+
+def _check_quant_args(x, codes, mask, scales, zeros, bias, bits: int, group_size: int) -> int:
+    """Say what is wrong with linear_sparse24_quant's arguments, or return K."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be 2-D, not {tuple(codes.shape)}")
+    N, K = codes.shape[0], codes.shape[1] * (2 if bits == 8 else 4)
+    if not quant_group_ok(group_size, K):
+        raise ValueError(f"K={K} and group_size={group_size} must be multiples of {CHUNK}, the group dividing K")
+    want = {"codes": (codes, _I8 if bits == 8 else _U8, None), "mask": (mask, _U8, (N, K // 8))}
+    want["scales"] = (scales, torch.float32, (N, K // group_size))
+    if bits == 4:
+        want["zeros"] = (zeros, _U8, (N, K // group_size))
+    want["x"] = (x, _BF16, None)
+    if bias is not None:
+        want["bias"] = (bias, _BF16, (N,))
+    for name, (t, dtype, shape) in want.items():
+        if t is None or not _is_cpu_contiguous(t, dtype) or (shape is not None and tuple(t.shape) != shape):
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor{'' if shape is None else f' {shape}'}, not {got}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x {tuple(x.shape)} does not match codes {tuple(codes.shape)}: want x [..., {K}]")
+    return K
+
+
+def linear_sparse24_quant(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    mask: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """x [..., K] @ W^T + bias -> bf16 [..., N], W 2:4 sparse with quantized kept weights (gemv_sparse24_quant.c's
+    layouts): bits 8: codes int8 [N, K / 2], w = q * scale; bits 4: codes uint8 [N, K / 4] in 64-column chunks,
+    w = q * scale - zero * scale. mask uint8 [N, K / 8] with exactly 2 bits per nibble (the layer checks it: the
+    kernel trusts it); scales float32 [N, K / group_size]; zeros uint8 of that shape (int4 only)."""
+    kernel = _INT8_KERNEL if bits == 8 else _INT4_KERNEL
+    fn = kernel.fn()
+    if fn is None:
+        raise RuntimeError(f"CPU quantized 2:4 GEMV kernel unavailable: {kernel.unavailable_reason}")
+    K = _check_quant_args(x, codes, mask, scales, zeros, bias, bits, group_size)
+    N = codes.shape[0]
+    y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    args = [ptr(x), ptr(codes), ptr(mask), ptr(scales)] + ([ptr(zeros)] if bits == 4 else []) + [ptr(bias), ptr(y)]
+    rc = fn(*args, x.numel() // K, N, K, group_size, torch.get_num_threads(), MIN_PARALLEL_BYTES)
+    if rc != 0:
+        raise RuntimeError(f"{kernel.symbol} failed (code {rc})")
+    return y

@@ -25,7 +25,16 @@
 #include "bf16.h"
 #include "exp512.h"
 
-enum { KIND_BF16 = 0, KIND_INT8 = 1, KIND_INT4 = 2, KIND_W8A8 = 3, KIND_SPARSE24 = 4, KIND_ACT_SPARSE = 5 };
+enum {
+    KIND_BF16 = 0,
+    KIND_INT8 = 1,
+    KIND_INT4 = 2,
+    KIND_W8A8 = 3,
+    KIND_SPARSE24 = 4,
+    KIND_ACT_SPARSE = 5,
+    KIND_SPARSE24_INT8 = 7,
+    KIND_SPARSE24_INT4 = 8
+};
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
 
 typedef int (*linear_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
@@ -38,6 +47,11 @@ typedef int (*linear_sparse24_fn)(const uint16_t *, const uint16_t *, const uint
                                   int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*linear_act_sparse_fn)(const uint16_t *, const uint16_t *, double, const float *, const uint16_t *,
                                     uint16_t *, int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*linear_sparse24_int8_fn)(const uint16_t *, const int8_t *, const uint8_t *, const float *,
+                                       const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*linear_sparse24_int4_fn)(const uint16_t *, const uint8_t *, const uint8_t *, const float *,
+                                       const uint8_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
+                                       int64_t, int, int64_t);
 typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
                             int);
 typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
@@ -71,7 +85,9 @@ typedef struct {
     const float *packed_scales, *packed_mins;
     const float *packed_bias; /* float32 [panels * 32] or NULL */
     int64_t packed_bits, packed_group;
-    const uint8_t *mask; /* KIND_SPARSE24: the 2:4 bitmask [N, K / 8] (2 bits per nibble); NULL otherwise */
+    /* KIND_SPARSE24(_INT8, _INT4): the 2:4 bitmask [N, K / 8] (2 bits per nibble); NULL otherwise */
+    const uint8_t *mask;
+    const uint8_t *zeros; /* KIND_SPARSE24_INT4: the zero codes [N, K / group_size]; NULL otherwise */
 } decode_linear;
 
 typedef struct {
@@ -96,6 +112,8 @@ typedef struct {
     gemm_w8a8_fn gemm_w8a8; /* NULL where the CPU lacks AVX512-VNNI (no layer is then KIND_W8A8) */
     linear_sparse24_fn linear_sparse24; /* NULL where the CPU lacks AVX512-VBMI2 (no layer is then KIND_SPARSE24) */
     linear_act_sparse_fn linear_act_sparse; /* NULL where that kernel is not loaded (no layer is then KIND_ACT_SPARSE) */
+    linear_sparse24_int8_fn linear_sparse24_int8; /* NULL without VBMI2, as linear_sparse24 */
+    linear_sparse24_int4_fn linear_sparse24_int4;
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
@@ -141,6 +159,15 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
         if (m->linear_act_sparse == NULL || l->scales == NULL) return -11;
         return m->linear_act_sparse(x, (const uint16_t *)l->weight, (double)l->scales[0], l->mins, l->bias, y, M,
                                     l->out_features, l->in_features, threads, m->min_parallel_bytes);
+    case KIND_SPARSE24_INT8:
+        if (m->linear_sparse24_int8 == NULL || l->mask == NULL) return -11;
+        return m->linear_sparse24_int8(x, (const int8_t *)l->weight, l->mask, l->scales, l->bias, y, M,
+                                       l->out_features, l->in_features, l->group_size, threads, m->min_parallel_bytes);
+    case KIND_SPARSE24_INT4:
+        if (m->linear_sparse24_int4 == NULL || l->mask == NULL || l->zeros == NULL) return -11;
+        return m->linear_sparse24_int4(x, (const uint8_t *)l->weight, l->mask, l->scales, l->zeros, l->bias, y, M,
+                                       l->out_features, l->in_features, l->group_size, threads,
+                                       m->min_parallel_bytes);
     default:
         return -10;
     }

@@ -12,6 +12,8 @@ from leanlm.kernels import cpu_act_sparse, cpu_gemm, cpu_qgemv, cpu_sparse, cpu_
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 KIND_BF16, KIND_INT8, KIND_INT4, KIND_W8A8, KIND_SPARSE24, KIND_ACT_SPARSE = 0, 1, 2, 3, 4, 5
+KIND_SPARSE24_INT8, KIND_SPARSE24_INT4 = 7, 8
+_SPARSE24_QUANT = (KIND_SPARSE24_INT8, KIND_SPARSE24_INT4)
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -33,6 +35,7 @@ class _Linear(ctypes.Structure):
         ("packed_bits", _I64),
         ("packed_group", _I64),
         ("mask", _P),
+        ("zeros", _P),
     ]
 
 
@@ -45,7 +48,9 @@ class NativeLinear:
     set) at every row count; 2:4 values bf16 [N, K / 2] with `mask`; or activation-sparse, the bf16 weight
     transposed [K, N] with its input threshold as `scales` (float32 [1]) and its score scales as `mins` ([K]).
     `packed` is the same weight in cpu_gemm's layout (what the layer's own products use from 9 rows on; 2:4: the
-    dense weight's), or None for at most MAX_ROWS."""
+    dense weight's), or None for at most MAX_ROWS. 2:4 with quantized kept weights: int8 codes [N, K / 2] or
+    4-bit codes uint8 [N, K / 4] (cpu_sparse's chunk order) with `mask`, scales [N, K / group_size] (group_size
+    K: one per row) and, for 4 bits, `zeros` (uint8 zero codes, of the scales' shape)."""
 
     kind: int
     weight: torch.Tensor
@@ -55,7 +60,8 @@ class NativeLinear:
     group_size: int = 0
     perm: torch.Tensor | None = None
     packed: cpu_gemm.PackedBF16 | cpu_gemm.PackedQuant | cpu_w8a8.PackedW8A8 | None = None
-    mask: torch.Tensor | None = None  # KIND_SPARSE24: uint8 [N, K / 8], 4 bits per group of 4 columns, 2 set
+    mask: torch.Tensor | None = None  # KIND_SPARSE24*: uint8 [N, K / 8], 4 bits per group of 4 columns, 2 set
+    zeros: torch.Tensor | None = None  # KIND_SPARSE24_INT4: uint8 [N, K / group_size]
 
     @property
     def out_features(self) -> int:
@@ -65,11 +71,14 @@ class NativeLinear:
     def in_features(self) -> int:
         if self.kind == KIND_ACT_SPARSE:
             return self.weight.shape[0]
-        return self.weight.shape[1] * (2 if self.kind in (KIND_INT4, KIND_SPARSE24) else 1)
+        if self.kind == KIND_SPARSE24_INT4:
+            return self.weight.shape[1] * 4
+        return self.weight.shape[1] * (2 if self.kind in (KIND_INT4, KIND_SPARSE24, KIND_SPARSE24_INT8) else 1)
 
     def is_supported(self) -> bool:
         """Contiguous CPU tensors of the dtypes and shapes the kernel for `kind` reads."""
-        tensors = [t for t in (self.weight, self.scales, self.mins, self.bias, self.perm, self.mask) if t is not None]
+        tensors = [self.weight, self.scales, self.mins, self.bias, self.perm, self.mask, self.zeros]
+        tensors = [t for t in tensors if t is not None]
         if not all(t.is_cpu and t.is_contiguous() for t in tensors):
             return False
         if self.bias is not None and (self.bias.dtype != _BF16 or self.bias.shape != (self.out_features,)):
@@ -83,6 +92,8 @@ class NativeLinear:
         if self.kind == KIND_SPARSE24:  # the kernel needs VBMI2 (without it the loop holds a NULL function)
             ok = self.mask is not None and self.mask.dtype == torch.uint8 and self.weight.dtype == _BF16
             return ok and self.mask.shape == (self.out_features, self.in_features // 8) and cpu_sparse.is_available()
+        if self.kind in _SPARSE24_QUANT:
+            return self._sparse24_quant_ok()
         if self.kind == KIND_ACT_SPARSE:  # never packed: a dense GEMM would not sparsify its input
             ok = self.weight.dtype == _BF16 and self.weight.dim() == 2 and self.packed is None
             ok = ok and self.scales is not None and self.scales.dtype == _F32 and self.scales.numel() == 1
@@ -123,6 +134,22 @@ class NativeLinear:
             and self.scales.shape == (self.out_features, self.in_features // gs) == self.mins.shape
         )
 
+    def _sparse24_quant_ok(self) -> bool:
+        """Codes, mask, scales (and zeros) of the shapes and dtypes cpu_sparse's quantized kernels read."""
+        N, K, gs = self.out_features, self.in_features, self.group_size
+        if not (cpu_sparse.quant_group_ok(gs, K) and cpu_sparse.quant_is_available()):
+            return False
+        int4 = self.kind == KIND_SPARSE24_INT4
+        side = [(self.scales, _F32), (self.zeros, torch.uint8)] if int4 else [(self.scales, _F32)]
+        return (
+            self.weight.dtype == (torch.uint8 if int4 else torch.int8)
+            and self.mask is not None
+            and self.mask.dtype == torch.uint8
+            and self.mask.shape == (N, K // 8)
+            and (self.zeros is None) != int4
+            and all(t is not None and t.dtype == dtype and t.shape == (N, K // gs) for t, dtype in side)
+        )
+
     def _packed_matches(self) -> bool:
         """The packed weight has this layer's shape, an even K (the loop passes its rows unpadded) and the
         format of `kind` (bf16 panels, 8-bit or 4-bit code panels with this group size)."""
@@ -135,7 +162,7 @@ class NativeLinear:
             return isinstance(p, cpu_gemm.PackedBF16)
         if not isinstance(p, cpu_gemm.PackedQuant):
             return False
-        if self.kind == KIND_INT8:  # per channel packs as one group of K
+        if self.kind in (KIND_INT8, KIND_SPARSE24_INT8):  # per channel packs as one group of K
             return (p.bits, p.group_size) == (8, self.group_size or self.in_features)
         return (p.bits, p.group_size) == (4, self.group_size)
 
@@ -146,7 +173,7 @@ class NativeLinear:
         if isinstance(p, cpu_w8a8.PackedW8A8):
             return _Linear(
                 self.kind, ptr(self.weight), ptr(self.scales), None, None, None, self.out_features,
-                self.in_features, 0, ptr(p.data), ptr(p.scales), None, ptr(p.bias), 8, 0, None,
+                self.in_features, 0, ptr(p.data), ptr(p.scales), None, ptr(p.bias), 8, 0, None, None,
             )  # fmt: skip
         return _Linear(
             self.kind,
@@ -165,4 +192,5 @@ class NativeLinear:
             p.bits if quant else 0,
             p.group_size if quant else 0,
             ptr(self.mask),
+            ptr(self.zeros),
         )

@@ -52,6 +52,22 @@ def compress_24(weight: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
     return values.to(dtype or values.dtype).contiguous(), mask.contiguous()
 
 
+def check_mask(fmt: str, mask: torch.Tensor, n: int, k: int) -> None:
+    """ValueError unless mask is uint8 [n, k / 8] with exactly 2 of every 4 bits set. The kernels expand as many
+    values as a group has bits set: a nibble without exactly 2 would read past the row (checkpoints are untrusted
+    input)."""
+    if mask.dtype != torch.uint8:
+        raise ValueError(f"{fmt} tensor mask must be uint8, not {mask.dtype}")
+    check_shape(fmt, "mask", mask, n, k // 8)
+    counts = mask_bits(mask).view(n, k // GROUP, GROUP).sum(-1)
+    if (counts != KEPT).any():
+        row, group = (int(i) for i in (counts != KEPT).nonzero()[0])
+        raise ValueError(
+            f"{fmt} tensor mask marks {int(counts[row, group])} columns in row {row}, group {group}; every "
+            f"group of {GROUP} must mark exactly {KEPT}"
+        )
+
+
 def widen_24(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The dense [N, K] weight in values' dtype: each kept value at its column, zeros elsewhere (exact)."""
     keep = mask_bits(mask)  # [N, K]; row-major, the set bits meet the values in order (2 per group)
@@ -80,18 +96,7 @@ class Sparse24Linear(QuantLinear):
             raise ValueError(f"{fmt} tensor values must be floating point, not {values.dtype}")
         if k % 8:
             raise ValueError(f"{fmt} in_features (2 x values' columns) must be a multiple of 8, got {k}")
-        if mask.dtype != torch.uint8:
-            raise ValueError(f"{fmt} tensor mask must be uint8, not {mask.dtype}")
-        check_shape(fmt, "mask", mask, n, k // 8)
-        # The kernel expands as many values as a group has bits set: a nibble without exactly 2 would read
-        # past the row (checkpoints are untrusted input).
-        counts = mask_bits(mask).view(n, k // GROUP, GROUP).sum(-1)
-        if (counts != KEPT).any():
-            row, group = (int(i) for i in (counts != KEPT).nonzero()[0])
-            raise ValueError(
-                f"{fmt} tensor mask marks {int(counts[row, group])} columns in row {row}, group {group}; every "
-                f"group of {GROUP} must mark exactly {KEPT}"
-            )
+        check_mask(fmt, mask, n, k)
         self.register_buffer("values", values.detach().clone().contiguous())  # [N, K/2]
         self.register_buffer("mask", mask.detach().clone().contiguous())  # [N, K/8]
         self.dense = PackedCache()  # widen_24 of values/mask, for the paths that run on a dense weight
