@@ -2,8 +2,8 @@
 read it through the compressed-tensors package, up to its 0.12 releases, after which the sparse formats are
 "legacy" and have no compressor): the float tensors as usual, each sparse weight as the tensors of
 model/sparse/bitmask_layout.py, and a `quantization_config` block in config.json holding only a
-`sparsity_config`. 2:4 layers (Sparse24Linear) are written as "sparse-24-bitmask", pruned float linears as
-"sparse-bitmask" (unstructured); loading/quantized.py reads both back.
+`sparsity_config`. 2:4 layers (Sparse24Linear) are written as "sparse-24-bitmask", unstructured ones
+(BitmaskSparseLinear, or pruned float linears) as "sparse-bitmask"; loading/quantized.py reads both back.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch import nn
 from leanlm.compress.checkpoint import float_tensors, write_model_dir
 from leanlm.compress.pruner import pruned_mask
 from leanlm.model.quantized.linear import QuantLinear
-from leanlm.model.sparse.bitmask_layout import bitmask_tensors, sparse24_tensors
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear
+from leanlm.model.sparse.bitmask_layout import bitmask_layer_tensors, bitmask_tensors, sparse24_tensors
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 CT_VERSION = "0.12.2"  # the compressed-tensors release whose decompressors this layout was checked against
@@ -29,13 +30,15 @@ def save_compressed_tensors_checkpoint(
     """Write a pruned `model` (2:4 or unstructured, float otherwise) in the compressed-tensors layout."""
     path = Path(path)
     packed = {n: m for n, m in model.named_modules() if isinstance(m, Sparse24Linear)}
-    others = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in packed]
+    unstructured = {n: m for n, m in model.named_modules() if isinstance(m, BitmaskSparseLinear)}
+    others = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in packed | unstructured]
     if others:
         raise ValueError(
             f"compressed-tensors export here writes sparse float models; {others[0]} is quantized "
             "(write it with the leanlm format, or export 4-bit weights with `leanlm quantize --format gptq`)"
         )
     pruned = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and pruned_mask(m) is not None}
+    pruned.update(unstructured)
     if packed and pruned:
         raise ValueError(
             "a compressed-tensors checkpoint holds one sparsity format: this model has 2:4 and other pruned linears"
@@ -48,6 +51,9 @@ def save_compressed_tensors_checkpoint(
     for name, module in targets.items():
         if isinstance(module, Sparse24Linear):
             tensors, weight = sparse24_tensors(module), module.dequantized_weight()
+        elif isinstance(module, BitmaskSparseLinear):
+            weight = module.dequantized_weight()
+            tensors = {**bitmask_layer_tensors(module), "compressed": module.values.to(dtype)}
         else:
             weight = module.weight.detach().to(dtype)
             tensors = bitmask_tensors(weight)

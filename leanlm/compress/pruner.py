@@ -1,9 +1,10 @@
 """Pruner: the Method shape shared by every pruning method (magnitude, Wanda, SparseGPT). Each not-ignored
 float linear of a layer keeps its module and gets zeros where the method prunes; the mask stays on the
 module as `sparsity_mask` (not a tensor of its state dict) so a quantizer later in the recipe keeps those
-weights at zero (GPTQ spreads no error into them; RTN's grids hold 0 exactly). Linears still float and 2:4
-at the end of the recipe become Sparse24Linear (`pack_semi_structured`), unless the pruner says pack=False; int8
-and 2-4 bit layers quantized from 2:4 weights become their 2:4 formats (`pack_quantized_24`).
+weights at zero (GPTQ spreads no error into them; RTN's grids hold 0 exactly). Linears still float at the end
+of the recipe become Sparse24Linear when 2:4, BitmaskSparseLinear when at least bitmask.MIN_SPARSITY of their
+weights are zero (`pack_semi_structured`), unless the pruner says pack=False; int8 and 2-4 bit layers quantized
+from 2:4 weights become their 2:4 formats (`pack_quantized_24`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from leanlm.compress.int_scheme import linear_report
 from leanlm.compress.linear_quantizer import group_linears
 from leanlm.compress.smoothing import set_tensor
 from leanlm.compress.sparsity import satisfies_nm
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear, is_sparse_enough
 from leanlm.model.sparse.quantized_24 import to_sparse24_quantized
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 
@@ -66,23 +68,36 @@ class Pruner(Method):
         return self._prune(model, "lm_head", "lm_head", inputs)
 
 
+def sparse_format(weight: torch.Tensor) -> type[QuantLinear] | None:
+    """The runtime module a pruned weight [N, K] packs into: Sparse24Linear when it is 2:4, BitmaskSparseLinear
+    when at least bitmask.MIN_SPARSITY of it is zero (where its kernel beats the dense one), else None (it stays
+    float).
+    K must be a multiple of 8 (one mask byte per 8 columns)."""
+    if weight.shape[1] % 8:
+        return None
+    if satisfies_nm(weight, 2, 4):
+        return Sparse24Linear
+    if is_sparse_enough(int((weight == 0).sum()), *weight.shape):
+        return BitmaskSparseLinear
+    return None
+
+
 def pack_semi_structured(model: nn.Module, reports: list[LinearReport]) -> list[LinearReport]:
-    """Swap every pruned float linear whose weight is 2:4 for the Sparse24Linear runtime module (values +
-    bitmask, the 2:4 kernels), in the weight's dtype (exact); the reports of those linears say so."""
+    """Swap every pruned float linear for its sparse runtime module (sparse_format: 2:4 values + bitmask, or the
+    nonzeros + a bit per weight), in the weight's dtype (exact); the reports of those linears say so."""
     packed = {}
     for name, module in list(model.named_modules()):
-        mask = pruned_mask(module)
-        if mask is None or not isinstance(module, nn.Linear) or module.in_features % 8:
+        if pruned_mask(module) is None or not isinstance(module, nn.Linear):
             continue
-        if not satisfies_nm(module.weight, 2, 4):
+        cls = sparse_format(module.weight.detach())
+        if cls is None:
             continue
-        layer = Sparse24Linear.from_dense(module.weight, module.bias, module.weight.dtype)
+        layer = cls.from_dense(module.weight, module.bias, module.weight.dtype)
         model.set_submodule(name, layer)
-        packed[name] = layer.weight_bytes() + (
-            0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
-        )
+        bias_bytes = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+        packed[name] = (cls.format, layer.weight_bytes() + bias_bytes)
     return [
-        dataclasses.replace(r, format=Sparse24Linear.format, bytes_after=packed[r.name]) if r.name in packed else r
+        dataclasses.replace(r, format=packed[r.name][0], bytes_after=packed[r.name][1]) if r.name in packed else r
         for r in reports
     ]
 

@@ -40,7 +40,9 @@ def compress(
         )
     start = time.perf_counter()
     reports = run_layers(model, methods, calibration, batch=batch, progress=progress)
-    if any(isinstance(cfg, SparsityScheme) and cfg.pattern == "2:4" and cfg.pack for cfg in recipe):
+    # 2:4 and unstructured prunes pack (the latter only where sparse enough: pruner.sparse_format); other N:M
+    # patterns have no kernel and stay float
+    if any(isinstance(cfg, SparsityScheme) and cfg.pack and cfg.pattern in ("2:4", None) for cfg in recipe):
         reports = pack_semi_structured(model, reports)
         reports = pack_quantized_24(model, reports)
     recorded = list(getattr(model, "compression_recipe", []))

@@ -20,7 +20,8 @@ class SparsityScheme:
     sparsity: float | None = None  # fraction of each unit's weights set to zero; default 0.5 without a pattern
     pattern: str | None = None  # "n:m": keep n of every m consecutive input weights of a row
     # 2:4 linears still float when the recipe ends become the Sparse24Linear runtime module (its kernels read
-    # 56% of the dense bytes); False keeps them float, e.g. to fine-tune them
+    # 56% of the dense bytes), unstructured ones at least bitmask.MIN_SPARSITY zero BitmaskSparseLinear; False
+    # keeps them float, e.g. to fine-tune them
     pack: bool = True
 
     def __post_init__(self) -> None:

@@ -15,12 +15,22 @@ from pathlib import Path
 
 import torch
 
-from leanlm.kernels import cpu_act_sparse, cpu_gemm, cpu_gemv, cpu_qgemv, cpu_sparse, cpu_w8a8, paged_attention
+from leanlm.kernels import (
+    cpu_act_sparse,
+    cpu_bitmask,
+    cpu_gemm,
+    cpu_gemv,
+    cpu_qgemv,
+    cpu_sparse,
+    cpu_w8a8,
+    paged_attention,
+)
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 from leanlm.kernels.native_linear import (  # noqa: F401  (re-exported: the layers describe themselves through these)
     KIND_ACT_SPARSE,
     KIND_BF16,
+    KIND_BITMASK,
     KIND_INT4,
     KIND_INT8,
     KIND_SPARSE24,
@@ -84,6 +94,7 @@ class _Model(ctypes.Structure):
         ("linear_act_sparse", _P),
         ("linear_sparse24_int8", _P),
         ("linear_sparse24_int4", _P),
+        ("linear_bitmask", _P),
         ("min_gemm_rows", _I64),
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
@@ -192,6 +203,7 @@ class DecodeLayers:
             _fn_address(cpu_act_sparse._KERNEL) if cpu_act_sparse.is_available() else None,
             _fn_address(cpu_sparse._INT8_KERNEL) if cpu_sparse.quant_is_available() else None,
             _fn_address(cpu_sparse._INT4_KERNEL) if cpu_sparse.quant_is_available() else None,
+            _fn_address(cpu_bitmask._KERNEL) if cpu_bitmask.is_available() else None,
             cpu_gemm.MIN_ROWS,
             MIN_PARALLEL_BYTES,
             eps,

@@ -192,7 +192,9 @@ def _check_quant_args(x, codes, mask, scales, zeros, bias, bits: int, group_size
     for name, (t, dtype, shape) in want.items():
         if t is None or not _is_cpu_contiguous(t, dtype) or (shape is not None and tuple(t.shape) != shape):
             got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
-            raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor{'' if shape is None else f' {shape}'}, not {got}")
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} CPU tensor{'' if shape is None else f' {shape}'}, not {got}"
+            )
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"x {tuple(x.shape)} does not match codes {tuple(codes.shape)}: want x [..., {K}]")
     return K

@@ -32,6 +32,7 @@ enum {
     KIND_W8A8 = 3,
     KIND_SPARSE24 = 4,
     KIND_ACT_SPARSE = 5,
+    KIND_BITMASK = 6,
     KIND_SPARSE24_INT8 = 7,
     KIND_SPARSE24_INT4 = 8
 };
@@ -52,6 +53,8 @@ typedef int (*linear_sparse24_int8_fn)(const uint16_t *, const int8_t *, const u
 typedef int (*linear_sparse24_int4_fn)(const uint16_t *, const uint8_t *, const uint8_t *, const float *,
                                        const uint8_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
                                        int64_t, int, int64_t);
+typedef int (*linear_bitmask_fn)(const uint16_t *, const uint16_t *, const uint8_t *, const int64_t *,
+                                 const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
                             int);
 typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
@@ -68,8 +71,8 @@ typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t 
  * the ctypes mirror in cpu_decode.py lays it out identically. */
 typedef struct {
     int64_t kind;           /* KIND_* */
-    /* bf16 [N, K], int8 [N, K], packed 4-bit codes uint8 [N, K / 2], 2:4 values bf16 [N, K / 2], or for
-     * KIND_ACT_SPARSE the bf16 weight transposed [K, N] */
+    /* bf16 [N, K], int8 [N, K], packed 4-bit codes uint8 [N, K / 2], 2:4 values bf16 [N, K / 2], bitmask
+     * values bf16 [nnz] (the nonzeros row-major), or for KIND_ACT_SPARSE the bf16 weight transposed [K, N] */
     const void *weight;
     /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size]; KIND_ACT_SPARSE: [1], the
      * input threshold (inputs of magnitude <= it are zero, their weight rows not read) */
@@ -85,9 +88,11 @@ typedef struct {
     const float *packed_scales, *packed_mins;
     const float *packed_bias; /* float32 [panels * 32] or NULL */
     int64_t packed_bits, packed_group;
-    /* KIND_SPARSE24(_INT8, _INT4): the 2:4 bitmask [N, K / 8] (2 bits per nibble); NULL otherwise */
+    /* KIND_SPARSE24(_INT8, _INT4): the 2:4 bitmask [N, K / 8] (2 bits per nibble); KIND_BITMASK: a bit per
+     * weight [N, K / 8] (bit i of byte b: column 8b + i holds a value); NULL otherwise */
     const uint8_t *mask;
     const uint8_t *zeros; /* KIND_SPARSE24_INT4: the zero codes [N, K / group_size]; NULL otherwise */
+    const int64_t *row_offsets; /* KIND_BITMASK: where each row's values start [N]; NULL otherwise */
 } decode_linear;
 
 typedef struct {
@@ -114,6 +119,7 @@ typedef struct {
     linear_act_sparse_fn linear_act_sparse; /* NULL where that kernel is not loaded (no layer is then KIND_ACT_SPARSE) */
     linear_sparse24_int8_fn linear_sparse24_int8; /* NULL without VBMI2, as linear_sparse24 */
     linear_sparse24_int4_fn linear_sparse24_int4;
+    linear_bitmask_fn linear_bitmask; /* NULL where the CPU lacks AVX512-VBMI2 (no layer is then KIND_BITMASK) */
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
@@ -168,6 +174,10 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
         return m->linear_sparse24_int4(x, (const uint8_t *)l->weight, l->mask, l->scales, l->zeros, l->bias, y, M,
                                        l->out_features, l->in_features, l->group_size, threads,
                                        m->min_parallel_bytes);
+    case KIND_BITMASK:
+        if (m->linear_bitmask == NULL || l->mask == NULL || l->row_offsets == NULL) return -11;
+        return m->linear_bitmask(x, (const uint16_t *)l->weight, l->mask, l->row_offsets, l->bias, y, M,
+                                 l->out_features, l->in_features, threads, m->min_parallel_bytes);
     default:
         return -10;
     }

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from leanlm.kernels import cpu_act_sparse, cpu_gemm, cpu_qgemv, cpu_sparse, cpu_w8a8
+from leanlm.kernels import cpu_act_sparse, cpu_bitmask, cpu_gemm, cpu_qgemv, cpu_sparse, cpu_w8a8
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-KIND_BF16, KIND_INT8, KIND_INT4, KIND_W8A8, KIND_SPARSE24, KIND_ACT_SPARSE = 0, 1, 2, 3, 4, 5
+KIND_BF16, KIND_INT8, KIND_INT4, KIND_W8A8, KIND_SPARSE24, KIND_ACT_SPARSE, KIND_BITMASK = 0, 1, 2, 3, 4, 5, 6
 KIND_SPARSE24_INT8, KIND_SPARSE24_INT4 = 7, 8
 _SPARSE24_QUANT = (KIND_SPARSE24_INT8, KIND_SPARSE24_INT4)
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -36,6 +36,7 @@ class _Linear(ctypes.Structure):
         ("packed_group", _I64),
         ("mask", _P),
         ("zeros", _P),
+        ("row_offsets", _P),
     ]
 
 
@@ -48,9 +49,10 @@ class NativeLinear:
     set) at every row count; 2:4 values bf16 [N, K / 2] with `mask`; or activation-sparse, the bf16 weight
     transposed [K, N] with its input threshold as `scales` (float32 [1]) and its score scales as `mins` ([K]).
     `packed` is the same weight in cpu_gemm's layout (what the layer's own products use from 9 rows on; 2:4: the
-    dense weight's), or None for at most MAX_ROWS. 2:4 with quantized kept weights: int8 codes [N, K / 2] or
-    4-bit codes uint8 [N, K / 4] (cpu_sparse's chunk order) with `mask`, scales [N, K / group_size] (group_size
-    K: one per row) and, for 4 bits, `zeros` (uint8 zero codes, of the scales' shape)."""
+    dense weight's, bitmask too), or None for at most MAX_ROWS. 2:4 with quantized kept weights: int8 codes
+    [N, K / 2] or 4-bit codes uint8 [N, K / 4] (cpu_sparse's chunk order) with `mask`, scales [N, K / group_size]
+    (group_size K: one per row) and, for 4 bits, `zeros` (uint8 zero codes, of the scales' shape). Unstructured
+    sparse (bitmask): the nonzeros bf16 [nnz] row-major with `mask` and `row_offsets`."""
 
     kind: int
     weight: torch.Tensor
@@ -60,15 +62,21 @@ class NativeLinear:
     group_size: int = 0
     perm: torch.Tensor | None = None
     packed: cpu_gemm.PackedBF16 | cpu_gemm.PackedQuant | cpu_w8a8.PackedW8A8 | None = None
-    mask: torch.Tensor | None = None  # KIND_SPARSE24*: uint8 [N, K / 8], 4 bits per group of 4 columns, 2 set
+    mask: torch.Tensor | None = None  # KIND_SPARSE24*: uint8 [N, K / 8], 4 bits per group of 4 columns, 2 set;
+    # KIND_BITMASK: uint8 [N, K / 8], bit i of byte b set where column 8 b + i holds a value
     zeros: torch.Tensor | None = None  # KIND_SPARSE24_INT4: uint8 [N, K / group_size]
+    row_offsets: torch.Tensor | None = None  # KIND_BITMASK: int64 [N], where each row's values start
 
     @property
     def out_features(self) -> int:
+        if self.kind == KIND_BITMASK:  # the weight is 1-D: the mask has the shape
+            return self.mask.shape[0]
         return self.weight.shape[1 if self.kind == KIND_ACT_SPARSE else 0]
 
     @property
     def in_features(self) -> int:
+        if self.kind == KIND_BITMASK:
+            return 8 * self.mask.shape[1]
         if self.kind == KIND_ACT_SPARSE:
             return self.weight.shape[0]
         if self.kind == KIND_SPARSE24_INT4:
@@ -77,9 +85,10 @@ class NativeLinear:
 
     def is_supported(self) -> bool:
         """Contiguous CPU tensors of the dtypes and shapes the kernel for `kind` reads."""
-        tensors = [self.weight, self.scales, self.mins, self.bias, self.perm, self.mask, self.zeros]
-        tensors = [t for t in tensors if t is not None]
-        if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+        if self.kind == KIND_BITMASK and not self._bitmask_shapes_match():  # checked before the shape properties
+            return False
+        tensors = (self.weight, self.scales, self.mins, self.bias, self.perm, self.mask, self.zeros, self.row_offsets)
+        if not all(t.is_cpu and t.is_contiguous() for t in tensors if t is not None):
             return False
         if self.bias is not None and (self.bias.dtype != _BF16 or self.bias.shape != (self.out_features,)):
             return False
@@ -94,6 +103,8 @@ class NativeLinear:
             return ok and self.mask.shape == (self.out_features, self.in_features // 8) and cpu_sparse.is_available()
         if self.kind in _SPARSE24_QUANT:
             return self._sparse24_quant_ok()
+        if self.kind == KIND_BITMASK:  # the kernel needs VBMI2 (without it the loop holds a NULL function)
+            return cpu_bitmask.is_available()
         if self.kind == KIND_ACT_SPARSE:  # never packed: a dense GEMM would not sparsify its input
             ok = self.weight.dtype == _BF16 and self.weight.dim() == 2 and self.packed is None
             ok = ok and self.scales is not None and self.scales.dtype == _F32 and self.scales.numel() == 1
@@ -150,6 +161,13 @@ class NativeLinear:
             and all(t is not None and t.dtype == dtype and t.shape == (N, K // gs) for t, dtype in side)
         )
 
+    def _bitmask_shapes_match(self) -> bool:
+        """bf16 values [nnz], mask uint8 [N, K / 8] and row_offsets int64 [N] (the layer checked that they agree)."""
+        m, offsets = self.mask, self.row_offsets
+        ok = self.weight.dtype == _BF16 and self.weight.dim() == 1 and m is not None and offsets is not None
+        ok = ok and m.dtype == torch.uint8 and m.dim() == 2 and offsets.dtype == torch.int64
+        return ok and offsets.shape == m.shape[:1]
+
     def _packed_matches(self) -> bool:
         """The packed weight has this layer's shape, an even K (the loop passes its rows unpadded) and the
         format of `kind` (bf16 panels, 8-bit or 4-bit code panels with this group size)."""
@@ -158,7 +176,7 @@ class NativeLinear:
             return self.kind == KIND_W8A8 and (p.out_features, p.in_features) == (self.out_features, self.in_features)
         if (p.out_features, p.in_features, p.padded_in_features) != (self.out_features,) + (self.in_features,) * 2:
             return False
-        if self.kind in (KIND_BF16, KIND_SPARSE24):  # 2:4: the dense weight's panels
+        if self.kind in (KIND_BF16, KIND_SPARSE24, KIND_BITMASK):  # 2:4 and bitmask: the dense weight's panels
             return isinstance(p, cpu_gemm.PackedBF16)
         if not isinstance(p, cpu_gemm.PackedQuant):
             return False
@@ -193,4 +211,5 @@ class NativeLinear:
             p.group_size if quant else 0,
             ptr(self.mask),
             ptr(self.zeros),
+            ptr(self.row_offsets),
         )

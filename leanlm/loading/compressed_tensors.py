@@ -1,7 +1,8 @@
 """Reading sparse compressed-tensors checkpoints (llm-compressor's "sparse-24-bitmask" and "sparse-bitmask"
 formats, see model/sparse/bitmask_layout.py): 2:4 weights become Sparse24Linear layers as they are stored,
-unstructured ones dense float weights with their zeros. Quantized compressed-tensors checkpoints (config
-groups) are refused with what to do instead."""
+unstructured ones BitmaskSparseLinear layers as they are stored where sparse enough for its kernel to pay
+(bitmask.MIN_SPARSITY) and K is a multiple of 8, else dense float weights with their zeros. Quantized
+compressed-tensors checkpoints (config groups) are refused with what to do instead."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leanlm.model.sparse.bitmask_layout import from_bitmask_tensors, from_sparse24_tensors
+from leanlm.model.sparse.bitmask_layout import from_bitmask_layer_tensors, from_bitmask_tensors, from_sparse24_tensors
 
 SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask")
 
@@ -40,8 +41,8 @@ def read_compressed_tensors_config(path: Path) -> dict[str, Any] | None:
 
 
 def compressed_tensors_layers(sparsity: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-    """2:4 layers by module name (their tensors, bias included, removed from `state_dict`); unstructured weights
-    are put back into `state_dict` as dense `name.weight`."""
+    """Sparse layers by module name (their tensors, bias included, removed from `state_dict`); unstructured weights
+    that stay dense are put back into `state_dict` as `name.weight`."""
     layers = {}
     for name in [k.removesuffix(".compressed") for k in state_dict if k.endswith(".compressed")]:
         prefix = name + "."
@@ -50,6 +51,9 @@ def compressed_tensors_layers(sparsity: dict[str, Any], state_dict: dict[str, to
         try:
             if sparsity["format"] == "sparse-24-bitmask":
                 layers[name] = from_sparse24_tensors(tensors, state_dict.pop(prefix + "bias", None))
+            elif (layer := from_bitmask_layer_tensors(tensors, state_dict.get(prefix + "bias"))) is not None:
+                layers[name] = layer
+                state_dict.pop(prefix + "bias", None)
             else:
                 state_dict[prefix + "weight"] = from_bitmask_tensors(tensors)
         except (ValueError, KeyError) as e:

@@ -13,7 +13,7 @@ from torch import nn
 
 from leanlm.model.quantized.gptq_layout import BITS, CODES_PER_INT32, from_gptq_tensors
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, QuantLinear
-from leanlm.model.sparse import semi_structured  # noqa: F401  (registers the sparse formats)
+from leanlm.model.sparse import semi_structured  # noqa: F401  (registers "sparse24", "act_sparse", "sparse_bitmask")
 
 QUANT_CONFIG_FILE = "quantization_config.json"
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """A model to train: any checkpoint the engine loads, built in float32 with every linear a float linear.
 
-2:4 layers (Sparse24Linear) are widened back to float weights with their zeros, so a model pruned by
-`leanlm prune` can be fine-tuned and packed again; other quantized layers have no float weight to train
+Sparse layers (Sparse24Linear, BitmaskSparseLinear) are widened back to float weights with their zeros, so a
+model pruned by `leanlm prune` can be fine-tuned and packed again; other quantized layers have no float weight to train
 (quantization-aware training is a separate method), so they are refused with what to do instead.
 """
 
@@ -15,6 +15,7 @@ from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.quantized import read_quantization_config
 from leanlm.model.device import resolve_device
 from leanlm.model.llama import LlamaForCausalLM, build_model
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 
@@ -23,7 +24,7 @@ def load_trainable(name_or_path: str | Path, device: str | None = None) -> tuple
     ckpt = load_checkpoint(name_or_path)
     state = dict(ckpt.state_dict)
     for name, layer in ckpt.quantized.items():
-        if not isinstance(layer, Sparse24Linear):
+        if not isinstance(layer, (Sparse24Linear, BitmaskSparseLinear)):
             raise ValueError(
                 f"{ckpt.source}: {name} is a {getattr(layer, 'format', type(layer).__name__)} layer, which has no "
                 "float weight to train; fine-tune the float (or pruned) model and quantize after"

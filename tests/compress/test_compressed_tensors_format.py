@@ -12,8 +12,11 @@ from leanlm.compress import MagnitudeConfig, RTNConfig, compress, save_checkpoin
 from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.bitmask_layout import (
+    bitmask_layer_tensors,
     bitmask_tensors,
+    from_bitmask_layer_tensors,
     from_bitmask_tensors,
     from_sparse24_tensors,
     pack_bits,
@@ -44,6 +47,22 @@ def test_2_4_tensors_are_the_layer_own_values_and_mask():
     assert torch.equal(from_sparse24_tensors(tensors).dequantized_weight(), w.float())
 
 
+def test_unstructured_tensors_load_as_the_bitmask_layer_when_sparse_enough():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(6, 24, generator=g) * (torch.rand(6, 24, generator=g) > 0.8)).bfloat16()
+    tensors = bitmask_tensors(w)
+    layer = from_bitmask_layer_tensors(tensors)
+    assert isinstance(layer, BitmaskSparseLinear) and torch.equal(layer.dequantized_weight(), w.float())
+    assert all(torch.equal(a, b) for a, b in zip(bitmask_layer_tensors(layer).values(), tensors.values(), strict=True))
+    no_offsets = {k: v for k, v in tensors.items() if k != "row_offsets"}  # optional: rebuilt from the mask
+    assert torch.equal(from_bitmask_layer_tensors(no_offsets).row_offsets, tensors["row_offsets"])
+    bad = {**tensors, "row_offsets": tensors["row_offsets"].flip(0)}
+    with pytest.raises(ValueError, match="row_offsets"):
+        from_bitmask_layer_tensors(bad)
+    assert from_bitmask_layer_tensors(bitmask_tensors(torch.ones(6, 24))) is None  # dense: not worth it
+    assert from_bitmask_layer_tensors(bitmask_tensors(torch.zeros(6, 20))) is None  # K % 8: no mask bytes
+
+
 def test_unstructured_tensors_round_trip_and_checks():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(6, 20, generator=g) * (torch.rand(6, 20, generator=g) > 0.7)
@@ -55,7 +74,10 @@ def test_unstructured_tensors_round_trip_and_checks():
         from_bitmask_tensors({**tensors, "compressed": tensors["compressed"][:-1]})
 
 
-@pytest.mark.parametrize("target", [dict(pattern="2:4"), dict(sparsity=0.6)], ids=["2:4", "60%"])
+TARGETS = [dict(pattern="2:4"), dict(sparsity=0.6), dict(sparsity=0.5)]
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=["2:4", "60%", "50%"])
 def test_a_pruned_model_round_trips_through_the_layout(tmp_path, tokenizer, target):
     cfg = tiny_config(tokenizer.vocab_size)
     model = build_model(cfg, tiny_state_dict(cfg, seed=4), torch.bfloat16)
@@ -69,6 +91,10 @@ def test_a_pruned_model_round_trips_through_the_layout(tmp_path, tokenizer, targ
     loaded = load_model(str(path), dtype="bfloat16", progress=False)
     packed = sum(isinstance(m, Sparse24Linear) for m in loaded.modules())
     assert packed == (14 if "pattern" in target else 0)
+    # 60% zeros pack (and load) as BitmaskSparseLinear; 50% stays a dense weight with zeros, as it was pruned
+    unstructured = 14 if target.get("sparsity") == 0.6 else 0
+    assert sum(isinstance(m, BitmaskSparseLinear) for m in model.modules()) == unstructured
+    assert sum(isinstance(m, BitmaskSparseLinear) for m in loaded.modules()) == unstructured
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         assert torch.equal(dense_logits(loaded, ids), dense_logits(model, ids))

@@ -7,10 +7,11 @@ import torch
 from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, SparseGPTConfig, WandaConfig, compress
 from leanlm.compress.gptq import layer_error
 from leanlm.compress.magnitude import global_threshold
-from leanlm.compress.pruner import pruned_mask
+from leanlm.compress.pruner import pack_semi_structured, pruned_mask
 from leanlm.compress.sparsegpt import sparsegpt_prune
 from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask, parse_pattern, satisfies_nm
 from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 from tests.compress.conftest import dense_logits
 
@@ -146,7 +147,7 @@ def test_magnitude_scopes(tiny_model):
     model = tiny_model()
     weights = {n: m.weight.detach().clone() for n, m in _linears(model).items()}
     threshold = global_threshold(list(weights.values()), 0.5)
-    report = compress(model, MagnitudeConfig(scope="global"), progress=False)
+    report = compress(model, MagnitudeConfig(scope="global", pack=False), progress=False)  # layers past 60% stay float
     zeros = sum(int((m.weight == 0).sum()) for m in _linears(model).values())
     total = sum(w.numel() for w in weights.values())
     assert zeros == int(0.5 * total)
@@ -201,6 +202,24 @@ def test_unpacked_24_stays_float_with_its_mask_and_packing_is_exact(tiny_model, 
     reports = pack_semi_structured(model, report.linears)
     assert {r.format for r in reports} == {"sparse24"}
     assert torch.equal(dense_logits(model, calib), before)
+
+
+def test_unstructured_prunes_pack_as_bitmask_from_the_threshold_on_exactly(tiny_model, calib):
+    model = tiny_model()
+    report = compress(model, WandaConfig(sparsity=0.7, pack=False), calib, progress=False)
+    assert {r.format for r in report.linears} == {"float"}
+    before = dense_logits(model, calib)
+    reports = pack_semi_structured(model, report.linears)
+    assert {r.format for r in reports} == {"sparse_bitmask"}
+    assert all(r.bytes_after < 0.45 * r.bytes_before for r in reports if r.name != "lm_head")
+    assert all(isinstance(m, BitmaskSparseLinear) for m in _linears(model).values())
+    assert torch.equal(dense_logits(model, calib), before)  # the packed layers compute the same numbers
+    packed = tiny_model()
+    assert {r.format for r in compress(packed, WandaConfig(sparsity=0.7), calib, progress=False).linears} == {
+        "sparse_bitmask"
+    }
+    below = tiny_model()  # 50% zeros: below MIN_SPARSITY, the dense kernel is as fast; stays float
+    assert {r.format for r in compress(below, WandaConfig(sparsity=0.5), calib, progress=False).linears} == {"float"}
 
 
 def test_sparsegpt_error_below_magnitude_on_the_tiny_model(tiny_model, calib):

@@ -1,6 +1,7 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
-over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4, W8A8 and 2:4 sparse
-linears (all of them, some among bf16 ones, and on a CPU without the sparse kernel), with
+over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4, W8A8, 2:4 sparse
+and unstructured (bitmask) sparse linears (all of them, some among bf16 ones, and on a CPU without the sparse
+kernels), with
 and without q/k/v biases, batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV
 caches, on any thread count; when it steps aside (fp8 KV cache, the torch backend, layers it has no format
 for); that it is rebuilt when the weights change (compress(), a dtype cast, an in-place edit); its row
@@ -16,12 +17,13 @@ import torch
 
 from leanlm.compress import ActivationSparsityConfig, RTNConfig, compress
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
+from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear, to_bitmask
 from leanlm.model.sparse.semi_structured import Sparse24Linear, to_sparse24
 from tests.conftest import tiny_state_dict
 
@@ -85,6 +87,16 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
                         setattr(block, name, to_sparse24(linear))
         if kind == "sparse24":
             assert sum(isinstance(m, Sparse24Linear) for m in model.modules()) == 14
+    elif kind in ("bitmask", "bitmask-mixed"):  # 75% unstructured zeros in every linear, or in the MLPs only
+        for layer in model.model.layers:
+            for block in [layer.mlp, layer.self_attn] if kind == "bitmask" else [layer.mlp]:
+                for name, linear in list(block.named_children()):
+                    if name.endswith("proj"):
+                        with torch.no_grad():
+                            linear.weight.copy_(_prune_unstructured(linear.weight, 0.75))
+                        setattr(block, name, to_bitmask(linear))
+        if kind == "bitmask":
+            assert sum(isinstance(m, BitmaskSparseLinear) for m in model.modules()) == 14
     elif kind == "act-sparse":  # 40% of every linear's inputs below its threshold, their weight rows skipped
         calib = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
         compress(model, [ActivationSparsityConfig(sparsity=0.4)], calib, progress=False)
@@ -101,6 +113,14 @@ def _prune_24(w: torch.Tensor) -> torch.Tensor:
     groups = w.reshape(w.shape[0], -1, 4)
     keep = groups.abs().topk(2, dim=-1).indices
     return torch.zeros_like(groups).scatter_(-1, keep, groups.gather(-1, keep)).reshape(w.shape)
+
+
+def _prune_unstructured(w: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """The smallest `sparsity` of |w| zeroed over the whole matrix (rows keep different counts), and row 3 all
+    zero."""
+    keep = w.abs() > w.abs().flatten().kthvalue(int(sparsity * w.numel())).values
+    keep[3] = False
+    return w * keep
 
 
 def _cache(model, kv_dtype=torch.bfloat16, num_blocks: int = 64) -> PagedKVCache:
@@ -153,6 +173,8 @@ KINDS = [
     "w8a8",
     "sparse24",
     "sparse24-mixed",
+    "bitmask",
+    "bitmask-mixed",
     "act-sparse",
 ]
 
@@ -165,6 +187,8 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
         pytest.skip("the CPU lacks AVX512-VNNI")
     if kind.startswith("sparse24") and not cpu_sparse.is_available():
         pytest.skip(f"CPU 2:4 sparse kernel: {cpu_sparse.unavailable_reason()}")
+    if kind.startswith("bitmask") and not cpu_bitmask.is_available():
+        pytest.skip(f"CPU bitmask sparse kernel: {cpu_bitmask.unavailable_reason()}")
     model = _model(kind, architecture)
     native = _decode(model, native=True, batch=batch)
     reference = _decode(model, native=False, batch=batch)
@@ -173,6 +197,9 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
     if kind.startswith("sparse24"):  # the loop ran the sparse kernel, next to bf16 linears when mixed
         kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
         assert kinds == {cpu_decode.KIND_SPARSE24} | ({cpu_decode.KIND_BF16} if kind == "sparse24-mixed" else set())
+    if kind.startswith("bitmask"):  # the loop ran the bitmask kernel, next to bf16 linears when mixed
+        kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        assert kinds == {cpu_decode.KIND_BITMASK} | ({cpu_decode.KIND_BF16} if kind == "bitmask-mixed" else set())
     if kind == "act-sparse":  # the loop ran the skipping kernel; 9+ rows stay on PyTorch (no dense GEMM for them)
         kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
         assert kinds == {cpu_decode.KIND_ACT_SPARSE} and model.native_decode_plan().batched_loop is None
@@ -194,6 +221,22 @@ def test_sparse_layers_without_the_sparse_kernel_run_their_dense_copies_in_the_l
     assert plan.loop is not None
     linears = [linear for layer in plan.loop._keep[0] for linear in layer.linears]
     assert {linear.kind for linear in linears} == {cpu_decode.KIND_BF16}
+    native = _decode(model, native=True, batch=batch)
+    assert torch.equal(native, _decode(model, native=False, batch=batch))
+    assert expected is None or torch.equal(native, expected)
+
+
+@pytest.mark.parametrize("batch", [1, 12])
+def test_bitmask_layers_without_their_kernel_run_their_dense_copies_in_the_loop(batch, monkeypatch):
+    """No VBMI2: the loop takes bitmask layers as their widened bf16 weights, with the same numbers."""
+    model = _model("bitmask-mixed")
+    expected = _decode(model, native=True, batch=batch) if cpu_bitmask.is_available() else None
+    missing = NativeKernel(cpu_bitmask._KERNEL.source, "unused", [], None, cpu_needs=("avx512_bf16", "no_such_flag"))
+    monkeypatch.setattr(cpu_bitmask, "_KERNEL", missing)
+    model = _model("bitmask-mixed")  # a fresh plan: the loop is built without the bitmask kernel
+    plan = model.native_decode_plan()
+    assert plan.loop is not None
+    assert {linear.kind for layer in plan.loop._keep[0] for linear in layer.linears} == {cpu_decode.KIND_BF16}
     native = _decode(model, native=True, batch=batch)
     assert torch.equal(native, _decode(model, native=False, batch=batch))
     assert expected is None or torch.equal(native, expected)

@@ -6,12 +6,14 @@ transformers read), converted to and from ours.
   column 8b + i) and `shape` int64 [[N], [K]]. This is Sparse24Linear's own layout (values, mask) bit for bit.
 - "sparse-bitmask" (unstructured): `compressed` 1-D (every nonzero, row-major), `bitmask` uint8
   [N, ceil(K/8)] (same packing), `row_offsets` int64 [N] (where each row's values start), `shape` int64 [N, K].
+  With K a multiple of 8 this is BitmaskSparseLinear's layout (values, mask, row_offsets) bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear, is_sparse_enough
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 _BITS = 2 ** torch.arange(8, dtype=torch.int32)  # bit i of a byte: column 8b + i
@@ -59,6 +61,36 @@ def bitmask_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
         "row_offsets": torch.cumsum(counts, 0) - counts,
         "shape": torch.tensor(list(weight.shape), dtype=torch.int64),
     }
+
+
+def bitmask_layer_tensors(layer: BitmaskSparseLinear) -> dict[str, torch.Tensor]:
+    """An unstructured sparse layer's weight as compressed-tensors' sparse-bitmask tensors (its own, unchanged)."""
+    n, k = layer.out_features, layer.in_features
+    return {
+        "compressed": layer.values,
+        "bitmask": layer.mask,
+        "row_offsets": layer.row_offsets,
+        "shape": torch.tensor([n, k], dtype=torch.int64),
+    }
+
+
+def from_bitmask_layer_tensors(
+    tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None
+) -> BitmaskSparseLinear | None:
+    """sparse-bitmask tensors -> BitmaskSparseLinear when its kernel pays (is_sparse_enough) and fits
+    (K a multiple of 8); None otherwise (load the dense weight: from_bitmask_tensors). ValueError when the tensors
+    do not agree with each other (the layer checks row_offsets against the mask's popcounts)."""
+    n, k = (int(v) for v in _shape(tensors, 2))
+    values, bits = tensors["compressed"], tensors["bitmask"]
+    if k % 8 or values.dim() != 1 or not is_sparse_enough(n * k - values.numel(), n, k):
+        return None
+    if tuple(bits.shape) != (n, k // 8):
+        raise ValueError(f"sparse-bitmask bitmask {list(bits.shape)} does not fit shape [{n}, {k}]")
+    offsets = tensors.get("row_offsets")
+    if offsets is None:  # optional in compressed-tensors: each row starts where the previous one ends
+        counts = unpack_bits(bits, k).sum(1)
+        offsets = torch.cumsum(counts, 0) - counts
+    return BitmaskSparseLinear(values, bits, offsets, bias)
 
 
 def from_bitmask_tensors(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
