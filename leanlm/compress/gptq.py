@@ -96,14 +96,11 @@ def gptq_quantize(
         return (c.double() - (qp.zero if qp.zero is not None else 0)) * qp.scale
 
     q_all = obs_sweep(w, u, block, pruned, select, round_column)
-    if static is not None:  # codes back in input order: the groups already are
+    if static is not None:
         qparams = QParams(
             torch.cat([qp.scale for qp in static], dim=1).float().unsqueeze(-1),
             None if spec.symmetric else torch.cat([qp.zero for qp in static], dim=1).float().unsqueeze(-1),
         )
-        if perm is not None:
-            codes = torch.empty_like(codes).index_copy_(1, perm, codes)
-        perm = None
     elif group is not None:
         scale = torch.cat(scales, dim=1).float()  # [N, G]
         zero = None if spec.symmetric else torch.cat(zeros, dim=1).float()
@@ -114,6 +111,8 @@ def gptq_quantize(
     dequantized = q_all.float()
     if perm is not None:
         dequantized = torch.empty_like(dequantized).index_copy_(1, perm, dequantized)
+        if static is not None:  # codes back in input order, where their groups are: nothing to store
+            codes, perm = torch.empty_like(codes).index_copy_(1, perm, codes), None
     dtype = torch.int8 if spec.symmetric or spec.bits < 8 else torch.uint8
     return GPTQResult(codes.to(dtype), qparams, perm, dequantized)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, SparseGPTConfig, WandaConfig, compress
-from leanlm.compress.gptq import layer_error
+from leanlm.compress.gptq import gptq_quantize, layer_error
 from leanlm.compress.magnitude import global_threshold
 from leanlm.compress.pruner import pack_semi_structured, pruned_mask
 from leanlm.compress.sparsegpt import sparsegpt_prune
@@ -246,6 +246,48 @@ def test_zeros_survive_a_quantizer_later_in_the_recipe(tiny_model, calib, quanti
         w = m.dequantized_weight()
         assert (w[masks[name]] == 0).all()
         assert satisfies_nm(w, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("quantizer", "format"),
+    [
+        (RTNConfig(bits=4, group_size=64), "sparse24_int4"),
+        (RTNConfig(bits=8, group_size=None), "sparse24_int8"),
+        (GPTQConfig(bits=4, group_size=64), "sparse24_int4"),  # act-order: static groups, so it packs
+        (GPTQConfig(bits=8, group_size=64), "sparse24_int8"),
+    ],
+)
+def test_prune_24_then_quantize_packs_the_kept_codes_exactly(tiny_model, calib, quantizer, format):
+    model, unpacked = tiny_model(), tiny_model()
+    recipe = [SparseGPTConfig(pattern="2:4"), quantizer]
+    report = compress(model, recipe, calib, progress=False)
+    assert {r.format for r in report.linears} == {format}
+    assert all(r.bytes_after < 0.8 * r.bytes_before / (2 if quantizer.bits == 4 else 4) + 1 for r in report.linears)
+    # the same recipe left dense (the pruner does not pack): the same numbers
+    compress(unpacked, [SparseGPTConfig(pattern="2:4", pack=False), quantizer], calib, progress=False)
+    for name, m in _linears(model).items():
+        dense = _linears(unpacked)[name]
+        assert m.format == format and dense.format in ("int8_weight_only", "int_group_weight_only")
+        assert torch.equal(m.dequantized_weight(), dense.dequantized_weight())
+    assert torch.equal(dense_logits(model, calib), dense_logits(unpacked, calib))
+
+
+def test_gptq_static_groups_keep_input_order_and_act_orders_benefit():
+    """Static groups (parameters fixed before the sweep, in input order) with act-order: no permutation is
+    stored, each group's codes dequantize with its own input-order parameters, and the GPTQ objective stays
+    below RTN's (the groups are coarser than act-order's own, so it may trail plain act-order a little)."""
+    h, _ = _correlated_hessian(k=128)
+    w = _weights(32, 128)
+    cfg = GPTQConfig(bits=4, group_size=32, static_groups=True)
+    result = gptq_quantize(w, h, cfg)
+    assert result.perm is None
+    scale, zero = result.qparams.scale[..., 0], result.qparams.zero[..., 0]  # [N, G]
+    rebuilt = (result.codes.float() - zero.repeat_interleave(32, 1)) * scale.repeat_interleave(32, 1)
+    assert torch.allclose(rebuilt, result.dequantized, atol=1e-6)
+    rtn = gptq_quantize(w, torch.eye(128), GPTQConfig(bits=4, group_size=32, act_order=False))
+    assert layer_error(w, result.dequantized, h) < layer_error(w, rtn.dequantized, h)
+    dynamic = gptq_quantize(w, h, GPTQConfig(bits=4, group_size=32))
+    assert layer_error(w, result.dequantized, h) < 1.5 * layer_error(w, dynamic.dequantized, h)
 
 
 def test_joint_sparsegpt_quantizes_in_the_same_sweep(tiny_model, calib):

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from leanlm.compress import ActivationSparsityConfig, RTNConfig, compress
+from leanlm.compress import ActivationSparsityConfig, MagnitudeConfig, RTNConfig, compress
 from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
@@ -24,6 +24,7 @@ from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear, to_bitmask
+from leanlm.model.sparse.quantized_24 import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.sparse.semi_structured import Sparse24Linear, to_sparse24
 from tests.conftest import tiny_state_dict
 
@@ -97,6 +98,10 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
                         setattr(block, name, to_bitmask(linear))
         if kind == "bitmask":
             assert sum(isinstance(m, BitmaskSparseLinear) for m in model.modules()) == 14
+    elif kind in ("sparse24-int8", "sparse24-int4"):  # pruned 2:4, then quantized: the kept codes only
+        bits, group = (8, None) if kind == "sparse24-int8" else (4, 64)
+        compress(model, [MagnitudeConfig(pattern="2:4"), RTNConfig(bits=bits, group_size=group)], None, progress=False)
+        assert sum(isinstance(m, (Sparse24Int8Linear, Sparse24Int4Linear)) for m in model.modules()) == 14
     elif kind == "act-sparse":  # 40% of every linear's inputs below its threshold, their weight rows skipped
         calib = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
         compress(model, [ActivationSparsityConfig(sparsity=0.4)], calib, progress=False)
@@ -173,6 +178,8 @@ KINDS = [
     "w8a8",
     "sparse24",
     "sparse24-mixed",
+    "sparse24-int8",
+    "sparse24-int4",
     "bitmask",
     "bitmask-mixed",
     "act-sparse",
@@ -185,7 +192,7 @@ KINDS = [
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
     if kind == "w8a8" and not cpu_w8a8.is_available():
         pytest.skip("the CPU lacks AVX512-VNNI")
-    if kind.startswith("sparse24") and not cpu_sparse.is_available():
+    if kind.startswith("sparse24") and not (cpu_sparse.is_available() and cpu_sparse.quant_is_available()):
         pytest.skip(f"CPU 2:4 sparse kernel: {cpu_sparse.unavailable_reason()}")
     if kind.startswith("bitmask") and not cpu_bitmask.is_available():
         pytest.skip(f"CPU bitmask sparse kernel: {cpu_bitmask.unavailable_reason()}")
@@ -196,7 +203,13 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
     assert torch.equal(native, reference)
     if kind.startswith("sparse24"):  # the loop ran the sparse kernel, next to bf16 linears when mixed
         kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
-        assert kinds == {cpu_decode.KIND_SPARSE24} | ({cpu_decode.KIND_BF16} if kind == "sparse24-mixed" else set())
+        expected = {
+            "sparse24": {cpu_decode.KIND_SPARSE24},
+            "sparse24-mixed": {cpu_decode.KIND_SPARSE24, cpu_decode.KIND_BF16},
+            "sparse24-int8": {cpu_decode.KIND_SPARSE24_INT8},
+            "sparse24-int4": {cpu_decode.KIND_SPARSE24_INT4},
+        }
+        assert kinds == expected[kind]
     if kind.startswith("bitmask"):  # the loop ran the bitmask kernel, next to bf16 linears when mixed
         kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
         assert kinds == {cpu_decode.KIND_BITMASK} | ({cpu_decode.KIND_BF16} if kind == "bitmask-mixed" else set())
@@ -224,6 +237,25 @@ def test_sparse_layers_without_the_sparse_kernel_run_their_dense_copies_in_the_l
     native = _decode(model, native=True, batch=batch)
     assert torch.equal(native, _decode(model, native=False, batch=batch))
     assert expected is None or torch.equal(native, expected)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_24_layers_without_their_kernels_run_their_dense_codes_in_the_loop(bits, monkeypatch):
+    """No VBMI2: the loop takes 2:4 int8 / int4 layers as dense int8 / int4 layers of the widened codes (the
+    same weights, so the same answers to the kernels' rounding) and matches the PyTorch path bit for bit."""
+    kind = f"sparse24-int{bits}"
+    expected = _decode(_model(kind), native=True, batch=1) if cpu_sparse.quant_is_available() else None
+    for name in ("_INT8_KERNEL", "_INT4_KERNEL"):
+        source = getattr(cpu_sparse, name).source
+        monkeypatch.setattr(cpu_sparse, name, NativeKernel(source, "unused", [], None, cpu_needs=("no_such_flag",)))
+    model = _model(kind)
+    plan = model.native_decode_plan()
+    linears = [linear for layer in plan.loop._keep[0] for linear in layer.linears]
+    assert {linear.kind for linear in linears} == {cpu_decode.KIND_INT8 if bits == 8 else cpu_decode.KIND_INT4}
+    native = _decode(model, native=True, batch=1)
+    assert torch.equal(native, _decode(model, native=False, batch=1))
+    if expected is not None:  # different kernels, same weights: equal to bf16 rounding of the hidden states
+        assert (native.float() - expected.float()).abs().max() <= 0.05 * expected.float().abs().max()
 
 
 @pytest.mark.parametrize("batch", [1, 12])

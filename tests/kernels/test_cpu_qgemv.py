@@ -9,18 +9,11 @@ import pytest
 import torch
 
 from leanlm.kernels import cpu_qgemv
+from tests.kernels.linear_inputs import check_against_float64
 
 pytestmark = pytest.mark.skipif(
     not cpu_qgemv.is_available(), reason=f"CPU quantized GEMV kernels: {cpu_qgemv.unavailable_reason()}"
 )
-
-EPS32 = 2.0**-23
-
-
-def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
-    """Spacing of bfloat16 numbers at |v| (8 significant bits)."""
-    exponent = torch.floor(torch.log2(v.abs().clamp_min(2.0**-126)))
-    return torch.exp2(exponent - 7)
 
 
 def _x(M: int, K: int, g: torch.Generator, outlier: float | None = None) -> torch.Tensor:
@@ -57,23 +50,6 @@ def _dequant_int4(codes, scales, mins, group_size):
     )
 
 
-def _check(y, x, w_deq, bias, slack_weight):
-    """y against x @ w_deq^T + bias in float64: per element half a bf16 ulp plus fp32 accumulation slack
-    (|x| @ slack_weight^T scaled by a chain depth), and the whole output's SQNR and max error."""
-    ref = x.double() @ w_deq.T + (bias.double() if bias is not None else 0.0)
-    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
-    K = x.shape[-1]
-    slack = (K // 16 + 64) * EPS32 * (x.double().abs() @ slack_weight.T)
-    if bias is not None:
-        slack = slack + 2 * EPS32 * bias.double().abs()
-    err = (y.double() - ref).abs()
-    bound = 0.5 * _bf16_ulp(ref).double() * (1 + 2**-7) + slack
-    assert (err <= bound).all(), f"max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
-    noise = (y.double() - ref).pow(2).sum()
-    sqnr = 10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300))
-    assert sqnr >= 40 and err.max() <= 1e-2 * ref.abs().max(), (sqnr, err.max())
-
-
 INT8_SHAPES = [(M, N, K) for M in (1, 2, 3, 4, 8) for N, K in ((576, 576), (37, 100), (7, 1536), (192, 33))] + [
     (5, 100, 64),
     (6, 33, 31),
@@ -90,7 +66,7 @@ def test_int8_matches_float64(M, N, K, has_bias):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x, (qweight, scales), bias = _x(M, K, g), _int8_weight(N, K, g), _bias(N, has_bias, g)
     w_deq = qweight.double() * scales.double()[:, None]
-    _check(cpu_qgemv.linear_int8(x, qweight, scales, bias), x, w_deq, bias, w_deq.abs())
+    check_against_float64(cpu_qgemv.linear_int8(x, qweight, scales, bias), x, w_deq, bias, w_deq.abs())
 
 
 INT8_GROUP_CASES = [
@@ -114,7 +90,7 @@ def test_int8_group_wise_matches_float64(M, N, K, gs, has_bias):
     g = torch.Generator().manual_seed(M * 1000 + N + K + gs)
     x, bias = _x(M, K, g), _bias(N, has_bias, g)
     qweight, scales, w_deq = _int8_group_weight(N, K, gs, g)
-    _check(cpu_qgemv.linear_int8(x, qweight, scales, bias, group_size=gs), x, w_deq, bias, w_deq.abs())
+    check_against_float64(cpu_qgemv.linear_int8(x, qweight, scales, bias, group_size=gs), x, w_deq, bias, w_deq.abs())
 
 
 @pytest.mark.parametrize("gs", [16, 32, 64])
@@ -153,7 +129,7 @@ def _check_int4(x, codes, qweight, scales, mins, gs, bias):
     # The kernel sums x (128 + q) per group, then adds (min - 128 scale) * sum(x): slack for both terms.
     slack_w = (codes.double() + 128) * scales.double().repeat_interleave(gs, 1)
     slack_w = slack_w + (mins.double() - 128 * scales.double()).abs().repeat_interleave(gs, 1)
-    _check(cpu_qgemv.linear_int4(x, qweight, scales, mins, gs, bias), x, w_deq, bias, slack_w)
+    check_against_float64(cpu_qgemv.linear_int4(x, qweight, scales, mins, gs, bias), x, w_deq, bias, slack_w)
 
 
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
@@ -171,7 +147,7 @@ def test_huge_outlier_activation(outlier):
     x = _x(4, 1536, g, outlier=outlier)
     qweight, scales = _int8_weight(96, 1536, g)
     w_deq = qweight.double() * scales.double()[:, None]
-    _check(cpu_qgemv.linear_int8(x, qweight, scales), x, w_deq, None, w_deq.abs())
+    check_against_float64(cpu_qgemv.linear_int8(x, qweight, scales), x, w_deq, None, w_deq.abs())
     for gs in (32, 128):
         codes, qweight4, scales4, mins4 = _int4_weight(96, 1536, gs, g)
         _check_int4(x, codes, qweight4, scales4, mins4, gs, None)

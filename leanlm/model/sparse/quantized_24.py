@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_sparse
+from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.linear import (
     Int8WeightOnlyLinear,
     IntGroupWeightOnlyLinear,
@@ -23,7 +24,7 @@ from leanlm.model.quantized.linear import (
     packs_rows,
     register_format,
 )
-from leanlm.model.quantized.numerics import unpack_int4
+from leanlm.model.quantized.numerics import pack_int4, unpack_int4
 from leanlm.model.sparse.semi_structured import check_mask, compress_24, mask_bits
 
 CHUNK = cpu_sparse.CHUNK  # dense columns per 16 bytes of int4 codes (32 kept codes)
@@ -75,8 +76,8 @@ class Sparse24Int8Linear(QuantLinear):
     """W 2:4 sparse with int8 kept weights: `codes` int8 [N, K / 2] (the kept codes in column order), `mask`
     [N, K / 8] as Sparse24Linear's, `scales` float32 [N] (group_size None) or [N, K / group_size]; w = q * scale.
 
-    Up to 8 bf16 rows run on cpu_sparse's kernel, 9+ on cpu_gemm's int8 GEMM over the widened codes, anything
-    else on the dequantized weight."""
+    Up to 8 bf16 rows run on cpu_sparse's kernel, 9+ on cpu_gemm's int8 GEMM over the widened codes; anything
+    else (CPUs without VBMI2, float32 inputs) on the dense int8 layer of the widened codes, made on first use."""
 
     format = "sparse24_int8"
     tensor_names = ("codes", "mask", "scales")
@@ -97,6 +98,7 @@ class Sparse24Int8Linear(QuantLinear):
         self.register_buffer("codes", codes.contiguous())  # [N, K/2]
         self.register_buffer("mask", mask.contiguous())  # [N, K/8]
         self.register_buffer("scales", scales.float().reshape(n, -1).contiguous())  # [N, G]
+        self.dense = PackedCache()  # dense_layer()
 
     @classmethod
     def from_quantized(cls, layer: Int8WeightOnlyLinear) -> Sparse24Int8Linear:
@@ -120,6 +122,14 @@ class Sparse24Int8Linear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.dense_codes().float() * _per_column(self.scales, self.in_features)
 
+    def _dense(self, codes, mask, scales, bias) -> Int8WeightOnlyLinear:
+        gs = self.group_size
+        return Int8WeightOnlyLinear(self.dense_codes(), scales if gs else scales.view(-1), bias, group_size=gs)
+
+    def dense_layer(self) -> Int8WeightOnlyLinear:
+        """The same layer with dense codes (zeros at the pruned columns), kept while the tensors stay the same."""
+        return self.dense.get((self.codes, self.mask, self.scales, self.bias), self._dense)
+
     def _pack(self, codes, mask, scales, bias) -> cpu_gemm.PackedQuant:
         return cpu_gemm.pack_quant(self.dense_codes(), scales, None, self._kernel_group, 8, bias)
 
@@ -136,11 +146,13 @@ class Sparse24Int8Linear(QuantLinear):
             return cpu_sparse.linear_sparse24_quant(
                 x, self.codes, self.mask, self.scales, None, self.bias, 8, self._kernel_group
             )
-        return self.reference_forward(x)
+        return self.dense_layer()(x)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+        if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int8 kernel
+            return self.dense_layer().native_linear(packed)
         packed_weight = self.packed_weight() if packed else None
-        if (packed and packed_weight is None) or not cpu_sparse.quant_is_available():
+        if packed and packed_weight is None:
             return None
         return cpu_decode.NativeLinear(
             cpu_decode.KIND_SPARSE24_INT8,
@@ -160,7 +172,8 @@ class Sparse24Int4Linear(QuantLinear):
     min = -(zero * scale), so the grid holds 0 exactly (IntGroupWeightOnlyLinear's numbers, bit for bit).
 
     Up to 8 bf16 rows run on cpu_sparse's kernel, 9+ on cpu_gemm's int4 GEMM over the widened codes (pruned
-    columns hold the zero code), anything else on the dequantized weight."""
+    columns hold the zero code); anything else (CPUs without VBMI2, float32 inputs) on the dense layer of those
+    codes, made on first use."""
 
     format = "sparse24_int4"
     tensor_names = ("codes", "mask", "scales", "zeros")
@@ -184,6 +197,7 @@ class Sparse24Int4Linear(QuantLinear):
         self.register_buffer("mask", mask.contiguous())  # [N, K/8]
         self.register_buffer("scales", scales.float().contiguous())  # [N, G]
         self.register_buffer("zeros", zeros.contiguous())  # [N, G]
+        self.dense = PackedCache()  # dense_layer()
 
     @classmethod
     def from_quantized(cls, layer: IntGroupWeightOnlyLinear) -> Sparse24Int4Linear:
@@ -222,6 +236,14 @@ class Sparse24Int4Linear(QuantLinear):
         w = self.dense_codes().float() * _per_column(self.scales, k) + _per_column(self.mins(), k)
         return w.masked_fill_(~mask_bits(self.mask), 0.0)  # pruned: zero * scale + min, exactly 0 already
 
+    def _dense(self, codes, mask, scales, zeros, bias) -> IntGroupWeightOnlyLinear:
+        packed = pack_int4(self.dense_codes())
+        return IntGroupWeightOnlyLinear(packed, scales, self.mins(), bias, bits=self.bits, group_size=self.group_size)
+
+    def dense_layer(self) -> IntGroupWeightOnlyLinear:
+        """The same layer with dense codes (the zero code at the pruned columns), kept while the tensors stay."""
+        return self.dense.get((self.codes, self.mask, self.scales, self.zeros, self.bias), self._dense)
+
     def _pack(self, codes, mask, scales, zeros, bias) -> cpu_gemm.PackedQuant:
         return cpu_gemm.pack_quant(self.dense_codes(), scales, self.mins(), self.group_size, 4, bias)
 
@@ -238,11 +260,13 @@ class Sparse24Int4Linear(QuantLinear):
             return cpu_sparse.linear_sparse24_quant(
                 x, self.codes, self.mask, self.scales, self.zeros, self.bias, 4, self.group_size
             )
-        return self.reference_forward(x)
+        return self.dense_layer()(x)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+        if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int4 kernel
+            return self.dense_layer().native_linear(packed)
         packed_weight = self.packed_weight() if packed else None
-        if (packed and packed_weight is None) or not cpu_sparse.quant_is_available():
+        if packed and packed_weight is None:
             return None
         return cpu_decode.NativeLinear(
             cpu_decode.KIND_SPARSE24_INT4,
