@@ -1,14 +1,17 @@
-"""Batch-1 decode of the default model with every decoder linear pruned to 2:4 and run as Sparse24Linear (the
-2:4 kernel inside the native decode loop), next to the same model dense in bf16, in one run (issue 17's target:
-at least 1.25x the dense model's decode speed at the same precision).
+"""Batch-1 decode of the default model with every decoder linear in a sparse runtime format, next to the dense model
+at the same weight precision, in one run (issue 17's target: 2:4 at least 1.25x the dense model's decode speed at the
+same precision):
 
-Both engines load the bundled GGUF dequantized to bf16 (batched_decode's LeanLM engine, capped at one running
-request); the sparse one then has the 2 largest |w| of each group of 4 input columns of every q/k/v/o/gate/up/down
-weight kept (`MagnitudeConfig(pattern="2:4")` through `compress`, which packs them into Sparse24Linear; every
-pruning method gives the same layout, so the speed is the method's). The embedding and the tied output head stay dense.
-Pruning without any recovery hurts quality: this measures speed only. Repetitions alternate between the engines,
-each on a fresh prompt; repetitions during which other processes took more than --max-other-cpu of the CPU
-(/proc/stat) are discarded and counted.
+- bf16: dense, 2:4 (Sparse24Linear) and 70% unstructured (BitmaskSparseLinear);
+- int8 per channel: dense (RTN) and 2:4 then RTN (Sparse24Int8Linear);
+- int4 g64: dense (RTN) and 2:4 then RTN (Sparse24Int4Linear).
+
+Every engine loads the bundled GGUF dequantized to bf16 (batched_decode's LeanLM engine, capped at one running
+request) and is compressed in place through `compress`: magnitude pruning (every pruning method gives the same
+layout, so the speed is the method's), then RTN where quantized. The embedding and the tied output head stay dense
+bf16. Pruning without any recovery hurts quality: this measures speed only. Repetitions alternate between the
+engines, each on a fresh prompt; repetitions during which other processes took more than --max-other-cpu of the
+CPU (/proc/stat) are discarded and counted.
 
     python benchmarks/sparse_decode.py --out docs/sparse-decode.md
 """
@@ -17,30 +20,51 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from batched_decode import leanlm_llm  # benchmarks/: the engine options every LeanLM row uses
+from tqdm import tqdm
 
 from leanlm.analysis.bench import LeanLMRunner, Repetitions, median
 from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
-from leanlm.compress import MagnitudeConfig, compress
+from leanlm.compress import MagnitudeConfig, RTNConfig, compress
 from leanlm.data import wikitext2_test_path
-from leanlm.kernels import cpu_decode, cpu_gemv, cpu_sparse
+from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_gemv, cpu_qgemv, cpu_sparse
+from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+from leanlm.llm import LLM
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.sparse.bitmask import BitmaskSparseLinear
+from leanlm.model.sparse.quantized_24 import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 TARGET = 1.25  # issue 17: 2:4 sparse decode at least this much faster than dense at the same precision
+INT8, INT4 = RTNConfig(bits=8, group_size=None), RTNConfig(bits=4, group_size=64)
+PRUNE_24 = MagnitudeConfig(pattern="2:4")
 
 
-def sparsify(model: torch.nn.Module) -> int:
-    """Prune every decoder linear to 2:4 by magnitude (leanlm.compress; 2:4 layers are packed into
-    Sparse24Linear at the end of the recipe); the number packed."""
-    report = compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
-    return sum(r.format == Sparse24Linear.format for r in report.linears)
+@dataclass(frozen=True)
+class Variant:
+    """One engine of the table: its recipe, the loop kind batch-1 decode must run on, its dense baseline."""
+
+    recipe: tuple
+    kind: int
+    baseline: str
+
+
+VARIANTS = {
+    "dense bf16": Variant((), cpu_decode.KIND_BF16, "dense bf16"),
+    "2:4 bf16": Variant((PRUNE_24,), cpu_decode.KIND_SPARSE24, "dense bf16"),
+    "70% unstructured bf16": Variant((MagnitudeConfig(sparsity=0.7),), cpu_decode.KIND_BITMASK, "dense bf16"),
+    "dense int8": Variant((INT8,), cpu_decode.KIND_INT8, "dense int8"),
+    "2:4 int8": Variant((PRUNE_24, INT8), cpu_decode.KIND_SPARSE24_INT8, "dense int8"),
+    "dense int4 g64": Variant((INT4,), cpu_decode.KIND_INT4, "dense int4 g64"),
+    "2:4 int4 g64": Variant((PRUNE_24, INT4), cpu_decode.KIND_SPARSE24_INT4, "dense int4 g64"),
+}
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
@@ -65,38 +89,81 @@ def decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for layer in model.model.layers for m in (*layer.self_attn.children(), *layer.mlp.children())]
 
 
-def chain_table(dense: torch.nn.Module, sparse: torch.nn.Module, rows: list[int], max_other: float) -> list[str]:
-    """The products alone: every decoder linear of each model once per pass (the weights of one decode step), on
-    the kernels the loop calls (cpu_gemv on the dense weights, cpu_sparse on the 2:4 ones), median of 21 passes
-    alternating, passes during which other processes took more than max_other of the CPU left out."""
-    weights = [m.weight for m in decoder_linears(dense)]
-    pairs = [(m.values, m.mask) for m in decoder_linears(sparse)]
-    lines = [
-        "| rows | dense bf16 GEMV ms | 2:4 GEMV ms | speedup | dense GB/s | 2:4 GB/s |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    dense_bytes = sum(w.numel() * 2 for w in weights)
-    sparse_bytes = sum(v.numel() * 2 + m.numel() for v, m in pairs)
+def kernel_call(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, threads: int):
+    """A zero-argument call of the C kernel the decode loop runs for `module` on x [M, K] into y [M, N] (no bias,
+    as SmolLM2's), skipping the Python wrappers' checks so small products are timed as the loop runs them."""
+    group = getattr(module, "group_size", None) or module.in_features  # for the kernels that take one
+    if isinstance(module, Sparse24Linear):
+        fn, tensors, group = cpu_sparse._KERNEL.fn(), (module.values, module.mask), None
+    elif isinstance(module, BitmaskSparseLinear):
+        fn, tensors, group = cpu_bitmask._KERNEL.fn(), (module.values, module.mask, module.row_offsets), None
+    elif isinstance(module, Sparse24Int8Linear):
+        fn, tensors = cpu_sparse._INT8_KERNEL.fn(), (module.codes, module.mask, module.scales)
+    elif isinstance(module, Sparse24Int4Linear):
+        fn, tensors = cpu_sparse._INT4_KERNEL.fn(), (module.codes, module.mask, module.scales, module.zeros)
+    elif isinstance(module, Int8WeightOnlyLinear):
+        fn, tensors = cpu_qgemv._INT8_KERNEL.fn(), (module.qweight, module.scales)
+    elif isinstance(module, IntGroupWeightOnlyLinear):
+        fn, tensors = cpu_qgemv._INT4_KERNEL.fn(), (module.qweight, module.scales, module.mins)
+    else:
+        fn, tensors, group = cpu_gemv._KERNEL.fn(), (module.weight,), None
+    sizes = (x.shape[0], module.out_features, module.in_features) + (() if group is None else (group,))
+    pointers = [x.data_ptr()] + [t.data_ptr() for t in tensors] + [None, y.data_ptr()]  # None: no bias
+    return lambda: fn(*pointers, *sizes, threads, MIN_PARALLEL_BYTES)  # the caller keeps x, y and module alive
+
+
+def chain_table(models: dict[str, torch.nn.Module], rows: list[int], max_other: float) -> list[str]:
+    """The products alone: every decoder linear of each model once per pass (the weights of one decode step, from
+    DRAM), on the kernels the loop calls, median of 21 passes alternating between models, passes during which
+    other processes took more than max_other of the CPU left out; the ratio is against the model's baseline."""
+    threads = torch.get_num_threads()
+    head = "| model | " + " | ".join(f"{M} row{'s' if M > 1 else ''}: ms, vs baseline" for M in rows) + " |"
+    lines = [head, "|---|" + "---:|" * len(rows)]
+    cells: dict[str, list[str]] = {name: [] for name in models}
     for M in rows:
-        xs = {k: torch.randn(M, k).bfloat16() for k in {w.shape[1] for w in weights}}
-        runs = {
-            "dense": lambda: [cpu_gemv.linear_bf16(xs[w.shape[1]], w) for w in weights],
-            "sparse": lambda: [cpu_sparse.linear_sparse24(xs[2 * v.shape[1]], v, m) for v, m in pairs],
-        }
-        times: dict[str, list[float]] = {"dense": [], "sparse": []}
+        passes = {}
+        for name, model in models.items():
+            linears = decoder_linears(model)
+            xs = {m.in_features: torch.randn(M, m.in_features).bfloat16() for m in linears}
+            ys = {m.out_features: torch.empty(M, m.out_features, dtype=torch.bfloat16) for m in linears}
+            calls = [kernel_call(m, xs[m.in_features], ys[m.out_features], threads) for m in linears]
+            passes[name] = (calls, xs, ys)  # the calls hold raw pointers: keep their tensors alive
+        times: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(21):
-            for name, run in runs.items():
+            for name, (calls, _, _) in passes.items():
                 with CpuMonitor() as monitor:
                     t0 = time.perf_counter()
-                    run()
+                    for call in calls:
+                        call()
                     elapsed = time.perf_counter() - t0
                 if not monitor.sample.is_contaminated(max_other):
                     times[name].append(elapsed)
-        d, s = median(times["dense"]), median(times["sparse"])
-        lines.append(
-            f"| {M} | {d * 1e3:.2f} | {s * 1e3:.2f} | {d / s:.2f}x | {dense_bytes / d / 1e9:.1f} | "
-            f"{sparse_bytes / s / 1e9:.1f} |"
-        )
+        med = {name: median(t) for name, t in times.items()}
+        for name in models:
+            base = med[VARIANTS[name].baseline]
+            cells[name].append(f"{med[name] * 1e3:.2f}, {base / med[name]:.2f}x")
+    lines += [f"| {name} | " + " | ".join(c) + " |" for name, c in cells.items()]
+    return lines
+
+
+def build(model_path: str, variant: Variant) -> LLM:
+    """The engine of one variant: the dense bf16 model compressed in place by its recipe."""
+    llm = leanlm_llm(model_path, 1, dequantize=True)
+    if variant.recipe:
+        compress(llm.llm_engine.model, list(variant.recipe), progress=False)
+    return llm
+
+
+def verdicts(tpot: dict[str, float], variants: dict[str, Variant]) -> list[str]:
+    """Issue 17's target for each 2:4 row, against the dense model at its precision."""
+    lines = ["", f"Target (issue 17): 2:4 >= {TARGET}x the dense model at the same precision, batch 1:"]
+    for name in (n for n in variants if n.startswith("2:4")):
+        speedup = tpot[variants[name].baseline] / tpot[name]
+        if speedup != speedup:  # NaN: an engine kept no repetition
+            verdict = "not measured (every repetition of an engine was discarded: rerun on a quieter machine)"
+        else:
+            verdict = f"{speedup:.2f}x, " + ("met" if speedup >= TARGET else "not met")
+        lines.append(f"- {name}: {verdict}")
     return lines
 
 
@@ -108,25 +175,28 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
     ap.add_argument("--out", default=None, help="markdown file whose sparse-decode section gets the table")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="a subset to time")
     args = ap.parse_args()
-    if not cpu_sparse.is_available():
-        raise SystemExit(f"the 2:4 kernel is unavailable here ({cpu_sparse.unavailable_reason()}): nothing to time")
+    variants = {name: VARIANTS[name] for name in args.variants}
+    if not {"dense bf16", *(v.baseline for v in variants.values())} <= set(variants):
+        raise SystemExit("every variant needs its dense baseline (and dense bf16) among --variants")
+    if not (cpu_sparse.is_available() and cpu_sparse.quant_is_available() and cpu_bitmask.is_available()):
+        reason = cpu_sparse.unavailable_reason() or cpu_bitmask.unavailable_reason()
+        raise SystemExit(f"the sparse kernels are unavailable here ({reason}): nothing to time")
 
-    engines = {"dense bf16": leanlm_llm(args.model, 1, dequantize=True)}
-    engines["2:4 sparse bf16"] = leanlm_llm(args.model, 1, dequantize=True)
-    swapped = sparsify(engines["2:4 sparse bf16"].llm_engine.model)
+    engines = {name: build(args.model, variant) for name, variant in tqdm(variants.items(), desc="engines")}
     runners = {name: LeanLMRunner(llm) for name, llm in engines.items()}
     tokenizer = engines["dense bf16"].tokenizer
     text = wikitext2_test_path().read_text()
     prompts = prompts_from_text(tokenizer, text, [args.prompt_len] * (args.reps + 1), seed=0)
     for runner in runners.values():
         runner.latency(prompts[0], 16)  # warm-up: kernels compiled, native loop built
-    kinds = {name: loop_kinds(llm.llm_engine.model) for name, llm in engines.items()}
-    assert kinds["dense bf16"] == {cpu_decode.KIND_BF16}, kinds
-    assert kinds["2:4 sparse bf16"] == {cpu_decode.KIND_SPARSE24}, kinds  # the loop runs the 2:4 kernel
+    for name, llm in engines.items():  # each decodes on its own kernel inside the native loop
+        kinds = loop_kinds(llm.llm_engine.model)
+        assert kinds == {variants[name].kind}, (name, kinds)
 
     results = {name: Repetitions() for name in runners}
-    for rep in range(args.reps):  # alternate, so drift in machine load hits both alike
+    for rep in range(args.reps):  # alternate, so drift in machine load hits every engine alike
         for name, runner in runners.items():
             with CpuMonitor() as monitor:
                 sample = runner.latency(prompts[rep + 1], args.output_len)
@@ -134,33 +204,31 @@ def main() -> None:
             print(f"{name}: {sample.decode_tokens_per_s:.1f} tok/s (others {monitor.sample.other_share:.0%})")
 
     tpot = {name: median([s.tpot_s for s in reps.values]) for name, reps in results.items()}
-    base = tpot["dense bf16"]
     lines = [
         f"Batch-1 greedy decode of {Path(args.model).name}: {args.prompt_len}-token prompts (WikiText-2), "
         f"{args.output_len} new tokens, {args.reps} repetitions per engine alternating (median time per output "
         f"token); repetitions during which other processes took more than {args.max_other_cpu:.0%} of the CPU "
-        f"are discarded. The 2:4 model has its {swapped} decoder linears magnitude-pruned to 2:4 and stored as "
-        "Sparse24Linear; embedding and tied head stay dense bf16. Both decode in the native loop. "
+        "are discarded. Every decoder linear (210) is magnitude-pruned (2:4, or 70% of each row) and, for int8 / "
+        "int4, then quantized by RTN (int8 per channel, int4 in groups of 64); the embedding and tied head stay "
+        "dense bf16. Every engine decodes in the native loop on its format's kernel. "
         f"Machine: {describe_machine()}. Command: `python benchmarks/sparse_decode.py --reps {args.reps}`.",
         "",
-        "| model | decoder linear weights MB | TPOT ms | tokens/s | vs dense bf16 | kept / discarded reps |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | decoder linear weights MB | TPOT ms | tokens/s | vs dense, same precision | vs dense bf16 | "
+        "kept / discarded reps |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, reps in results.items():
         mb = linear_bytes(engines[name].llm_engine.model) / 1e6
+        same = tpot[VARIANTS[name].baseline] / tpot[name]
         lines.append(
-            f"| {name} | {mb:.1f} | {tpot[name] * 1000:.2f} | {1 / tpot[name]:.1f} | {base / tpot[name]:.2f}x | "
-            f"{len(reps.values)} / {len(reps.discarded)} |"
+            f"| {name} | {mb:.1f} | {tpot[name] * 1000:.2f} | {1 / tpot[name]:.1f} | {same:.2f}x | "
+            f"{tpot['dense bf16'] / tpot[name]:.2f}x | {len(reps.values)} / {len(reps.discarded)} |"
         )
-    speedup = base / tpot["2:4 sparse bf16"]
-    if speedup != speedup:  # NaN: an engine kept no repetition
-        verdict = "not measured (every repetition of an engine was discarded: rerun on a quieter machine)"
-    else:
-        verdict = f"{speedup:.2f}x, " + ("met" if speedup >= TARGET else "not met")
-    lines += ["", f"Target (issue 17): 2:4 sparse >= {TARGET}x dense bf16 at batch 1: {verdict}."]
-    dense_model, sparse_model = (llm.llm_engine.model for llm in engines.values())
-    lines += ["", "The decoder linears alone (one pass = every product of a decode step, weights from DRAM):", ""]
-    lines += chain_table(dense_model, sparse_model, [1, 4, 8], args.max_other_cpu)
+    lines += verdicts(tpot, variants)
+    models = {name: llm.llm_engine.model for name, llm in engines.items()}
+    lines += ["", "The decoder linears alone (one pass = every product of a decode step, weights from DRAM; the"]
+    lines += ["ratio is against the dense model at the same precision):", ""]
+    lines += chain_table(models, [1, 4, 8], args.max_other_cpu)
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -93,7 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(model, data, config, sparsity, state)
     before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
     result = trainer.run()
-    if sparsity is not None and sparsity.pattern == "2:4" and sparsity.pack:
+    if sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
         pack_semi_structured(model, [])
     start = time.perf_counter()
     save_checkpoint(model, out, tokenizer)
