@@ -146,6 +146,53 @@ def chain_table(models: dict[str, torch.nn.Module], rows: list[int], max_other: 
     return lines
 
 
+SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))  # SmolLM2's q/o, k/v, gate/up, down (N x K)
+
+
+def sparsity_sweep(levels: list[float], max_other: float, copies: int = 60) -> list[str]:
+    """The unstructured (bitmask) kernel against the dense bf16 GEMV per SmolLM2 shape and fraction of zeros, batch
+    1: `copies` random weights of each shape cycled (so they come from DRAM, as in decode), magnitude-pruned per row,
+    median of 21 passes alternating, contaminated passes left out. Where BitmaskSparseLinear.MIN_SPARSITY comes from."""
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    lines = ["| shape (N x K) | " + " | ".join(f"{s:.0%} zeros" for s in levels) + " |"]
+    lines.append("|---|" + "---:|" * len(levels))
+    for n, k in SHAPES:
+        x, y = torch.randn(1, k, generator=gen).bfloat16(), torch.empty(1, n, dtype=torch.bfloat16)
+        weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(copies)]
+        layers = {"dense": [_dense_linear(w) for w in weights]}
+        for s in levels:
+            cut = int(s * k)
+            layers[s] = [BitmaskSparseLinear.from_dense(_prune_rows(w, cut)) for w in weights]
+        calls = {key: [kernel_call(m, x, y, threads) for m in ms] for key, ms in layers.items()}
+        times: dict = {key: [] for key in calls}
+        for _ in range(21):
+            for key, run in calls.items():
+                with CpuMonitor() as monitor:
+                    t0 = time.perf_counter()
+                    for call in run:
+                        call()
+                    elapsed = time.perf_counter() - t0
+                if not monitor.sample.is_contaminated(max_other):
+                    times[key].append(elapsed)
+        dense = median(times["dense"])
+        cells = [f"{median(times[s]) / copies * 1e6:.1f} us, {dense / median(times[s]):.2f}x" for s in levels]
+        lines.append(f"| {n} x {k} (dense {dense / copies * 1e6:.1f} us) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _dense_linear(w: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+    linear.weight.data = w
+    return linear
+
+
+def _prune_rows(w: torch.Tensor, cut: int) -> torch.Tensor:
+    """w with the `cut` smallest |w| of every row zeroed."""
+    drop = w.float().abs().argsort(dim=1)[:, :cut]
+    return w.scatter(1, drop, 0.0)
+
+
 def build(model_path: str, variant: Variant) -> LLM:
     """The engine of one variant: the dense bf16 model compressed in place by its recipe."""
     llm = leanlm_llm(model_path, 1, dequantize=True)
@@ -229,6 +276,13 @@ def main() -> None:
     lines += ["", "The decoder linears alone (one pass = every product of a decode step, weights from DRAM; the"]
     lines += ["ratio is against the dense model at the same precision):", ""]
     lines += chain_table(models, [1, 4, 8], args.max_other_cpu)
+    levels = [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    lines += [
+        "",
+        "The unstructured kernel alone by fraction of zeros (batch 1, 60 random weights of each shape cycled,",
+    ]
+    lines += ["magnitude-pruned per row; time per product and speedup over the dense bf16 GEMV):", ""]
+    lines += sparsity_sweep(levels, args.max_other_cpu)
     report = "\n".join(lines)
     print(report)
     if args.out:

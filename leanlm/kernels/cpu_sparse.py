@@ -218,8 +218,33 @@ def linear_sparse24_quant(
     fn = kernel.fn()
     if fn is None:
         raise RuntimeError(f"CPU quantized 2:4 GEMV kernel unavailable: {kernel.unavailable_reason}")
-    K = _check_quant_args(x, codes, mask, scales, zeros, bias, bits, group_size)
-    N = codes.shape[0]
+    # The fast check (one expression: this runs ~200 times per decoded token); _check_quant_args explains.
+    N, K = codes.shape[0], codes.shape[-1] * (2 if bits == 8 else 4)
+    if not (
+        codes.dim() == 2
+        and x.dim() >= 1
+        and x.shape[-1] == K
+        and x.dtype is _BF16
+        and codes.dtype is (_I8 if bits == 8 else _U8)
+        and mask.dtype is _U8
+        and scales.dtype is torch.float32
+        and all(t.is_cpu and t.is_contiguous() for t in (x, codes, mask, scales))
+        and mask.shape == (N, K // 8)
+        and quant_group_ok(group_size, K)
+        and scales.shape == (N, K // group_size)
+        and (
+            bits == 8
+            or (
+                zeros is not None
+                and zeros.dtype is _U8
+                and zeros.shape == scales.shape
+                and zeros.is_cpu
+                and zeros.is_contiguous()
+            )
+        )
+        and (bias is None or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous() and bias.shape == (N,)))
+    ):
+        _check_quant_args(x, codes, mask, scales, zeros, bias, bits, group_size)
     y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     args = [ptr(x), ptr(codes), ptr(mask), ptr(scales)] + ([ptr(zeros)] if bits == 4 else []) + [ptr(bias), ptr(y)]
