@@ -7,12 +7,11 @@ zeros). The pruning methods that produce such weights live in leanlm.compress.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_gemm, cpu_gemv
-from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import QuantLinear, check_shape, matrix_shape, packs_rows, register_format
+from leanlm.kernels import cpu_bitmask, cpu_decode
+from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
 from leanlm.model.sparse.semi_structured import mask_bits
+from leanlm.model.sparse.widened import WidenedSparseLinear
 
 # A pruned layer packs into (and a compressed-tensors checkpoint loads as) this format from this fraction of zeros
 # on. Measured at batch 1 (2 threads, 60 copies of each weight cycled so they come from DRAM, AMD EPYC Zen 4) on
@@ -79,7 +78,7 @@ def _check_row_offsets(fmt: str, values: torch.Tensor, mask: torch.Tensor, row_o
 
 
 @register_format
-class BitmaskSparseLinear(QuantLinear):
+class BitmaskSparseLinear(WidenedSparseLinear):
     """y = x W^T + b with W unstructured sparse: `values` [nnz] (the nonzeros row-major, in the compute dtype),
     `mask` uint8 [N, K / 8] (bit i of byte b: column 8 b + i holds a value) and `row_offsets` int64 [N] (where each
     row's values start): compressed-tensors' "sparse-bitmask" tensors, bit for bit.
@@ -91,7 +90,7 @@ class BitmaskSparseLinear(QuantLinear):
 
     format = "sparse_bitmask"
     tensor_names = ("values", "mask", "row_offsets")
-    compute_dtype_buffers = ("bias", "values")
+    widen = staticmethod(widen_bitmask)
 
     def __init__(
         self, values: torch.Tensor, mask: torch.Tensor, row_offsets: torch.Tensor, bias: torch.Tensor | None = None
@@ -112,7 +111,6 @@ class BitmaskSparseLinear(QuantLinear):
         self.register_buffer("values", values.detach().clone().contiguous())  # [nnz]
         self.register_buffer("mask", mask.detach().clone().contiguous())  # [N, K/8]
         self.register_buffer("row_offsets", row_offsets.detach().clone().contiguous())  # [N]
-        self.dense = PackedCache()  # widen_bitmask of values/mask, for the paths that run on a dense weight
 
     @classmethod
     def from_dense(
@@ -126,54 +124,29 @@ class BitmaskSparseLinear(QuantLinear):
         """The fraction of the weight's entries that are not stored."""
         return 1.0 - self.values.numel() / (self.out_features * self.in_features)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return widen_bitmask(self.values, self.mask).float()
+    def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.values, self.mask, self.row_offsets
 
-    def dense_weight(self) -> torch.Tensor:
-        """The widened weight [N, K] in the values' dtype, kept while values and mask stay the same."""
-        return self.dense.get((self.values, self.mask), widen_bitmask)
+    def kernel_should_use(self, x: torch.Tensor) -> bool:
+        return cpu_bitmask.should_use(x, self.values, self.mask, self.row_offsets)
 
-    def _pack(self, values, mask, bias) -> cpu_gemm.PackedBF16:
-        return cpu_gemm.pack(widen_bitmask(values, mask), bias)
+    def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_bitmask.linear_bitmask(x, self.values, self.mask, self.row_offsets, bias)
 
-    def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
-        """The dense weight in cpu_gemm's panels (bf16 values on the CPU), for 9+ rows."""
-        if not (self.values.dtype is torch.bfloat16 and self.values.is_cpu and cpu_gemm.is_available()):
+    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
+        if not cpu_bitmask.is_available():
             return None
-        return self.packed.get((self.values, self.mask, self.bias), self._pack)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
-        if self.values.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
-            no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
-            if packs_rows(x, self.mask, bias) and self.packed_weight() is not None:  # 9+ rows
-                return cpu_gemm.gemm(x, self.packed.value)
-            if no_grad and cpu_bitmask.should_use(x, self.values, self.mask, self.row_offsets):
-                return cpu_bitmask.linear_bitmask(x, self.values, self.mask, self.row_offsets, bias)
-            dense = self.dense_weight()
-            if no_grad and cpu_gemv.should_use(x, dense):
-                return cpu_gemv.linear_bf16(x, dense, bias)  # no VBMI2: the same numbers from the dense copy
-            return F.linear(x, dense, bias)
-        return self.reference_forward(x)
-
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        if cpu_bitmask.is_available():
-            return cpu_decode.NativeLinear(
-                cpu_decode.KIND_BITMASK,
-                self.values,
-                bias=self.bias,
-                mask=self.mask,
-                row_offsets=self.row_offsets,
-                packed=packed_weight,
-            )
-        # Without the sparse kernel the loop runs the dense copy on the bf16 one (same numbers, dense bytes).
-        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.dense_weight(), bias=self.bias, packed=packed_weight)
+        return cpu_decode.NativeLinear(
+            cpu_decode.KIND_BITMASK,
+            self.values,
+            bias=self.bias,
+            mask=self.mask,
+            row_offsets=self.row_offsets,
+            packed=packed_weight,
+        )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, dtype={self.values.dtype}, sparsity={self.sparsity():.3f}"
+        return f"{super().extra_repr()}, sparsity={self.sparsity():.3f}"
 
 
 def to_bitmask(linear: torch.nn.Linear, dtype: torch.dtype = torch.bfloat16) -> BitmaskSparseLinear:

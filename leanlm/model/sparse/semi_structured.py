@@ -6,11 +6,10 @@ decode reads 56% of the dense bf16 bytes. The pruning methods that produce such 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_sparse
-from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import QuantLinear, check_shape, matrix_shape, packs_rows, register_format
+from leanlm.kernels import cpu_decode, cpu_sparse
+from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
+from leanlm.model.sparse.widened import WidenedSparseLinear
 
 GROUP = 4  # input columns per group, of which KEPT are stored
 KEPT = 2
@@ -75,7 +74,7 @@ def widen_24(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @register_format
-class Sparse24Linear(QuantLinear):
+class Sparse24Linear(WidenedSparseLinear):
     """y = x W^T + b with W 2:4 sparse along K: `values` [N, K / 2] (the kept values, in the compute dtype) and
     `mask` [N, K / 8] (4 bits per group of 4 input columns, exactly 2 set: where the values go).
 
@@ -86,7 +85,7 @@ class Sparse24Linear(QuantLinear):
 
     format = "sparse24"
     tensor_names = ("values", "mask")
-    compute_dtype_buffers = ("bias", "values")
+    widen = staticmethod(widen_24)
 
     def __init__(self, values: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         n, half_k = matrix_shape(self.format, "values", values)
@@ -99,7 +98,6 @@ class Sparse24Linear(QuantLinear):
         check_mask(fmt, mask, n, k)
         self.register_buffer("values", values.detach().clone().contiguous())  # [N, K/2]
         self.register_buffer("mask", mask.detach().clone().contiguous())  # [N, K/8]
-        self.dense = PackedCache()  # widen_24 of values/mask, for the paths that run on a dense weight
 
     @classmethod
     def from_dense(
@@ -109,47 +107,20 @@ class Sparse24Linear(QuantLinear):
         values, mask = compress_24(weight, dtype)
         return cls(values, mask, None if bias is None else bias.detach().to(dtype))
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return widen_24(self.values, self.mask).float()
+    def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.values, self.mask
 
-    def dense_weight(self) -> torch.Tensor:
-        """The widened weight [N, K] in the values' dtype, kept while values and mask stay the same."""
-        return self.dense.get((self.values, self.mask), widen_24)
+    def kernel_should_use(self, x: torch.Tensor) -> bool:
+        return cpu_sparse.should_use(x, self.values, self.mask)
 
-    def _pack(self, values, mask, bias) -> cpu_gemm.PackedBF16:
-        return cpu_gemm.pack(widen_24(values, mask), bias)
+    def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_sparse.linear_sparse24(x, self.values, self.mask, bias)
 
-    def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
-        """The dense weight in cpu_gemm's panels (bf16 values on the CPU), for 9+ rows."""
-        if not (self.values.dtype is torch.bfloat16 and self.values.is_cpu and cpu_gemm.is_available()):
+    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
+        if not cpu_sparse.is_available():
             return None
-        return self.packed.get((self.values, self.mask, self.bias), self._pack)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
-        if self.values.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
-            if packs_rows(x, self.values, bias) and self.packed_weight() is not None:  # 9+ rows
-                return cpu_gemm.gemm(x, self.packed.value)
-            if cpu_sparse.should_use(x, self.values, self.mask) and not (x.requires_grad and torch.is_grad_enabled()):
-                return cpu_sparse.linear_sparse24(x, self.values, self.mask, bias)
-            dense = self.dense_weight()
-            if cpu_gemv.should_use(x, dense) and not (x.requires_grad and torch.is_grad_enabled()):
-                return cpu_gemv.linear_bf16(x, dense, bias)  # no VBMI2: the same numbers from the dense copy
-            return F.linear(x, dense, bias)
-        return self.reference_forward(x)
-
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        if cpu_sparse.is_available():
-            kind, weight = cpu_decode.KIND_SPARSE24, self.values
-            return cpu_decode.NativeLinear(kind, weight, bias=self.bias, mask=self.mask, packed=packed_weight)
-        # Without the sparse kernel the loop runs the dense copy on the bf16 one (same numbers, dense bytes).
-        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.dense_weight(), bias=self.bias, packed=packed_weight)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, dtype={self.values.dtype}"
+        kind = cpu_decode.KIND_SPARSE24
+        return cpu_decode.NativeLinear(kind, self.values, bias=self.bias, mask=self.mask, packed=packed_weight)
 
 
 def to_sparse24(linear: torch.nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Sparse24Linear:

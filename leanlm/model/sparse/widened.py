@@ -1,0 +1,86 @@
+"""The base of the sparse layers stored in the model's float dtype (2:4, unstructured): their kernels widen the
+weight in registers for a few bf16 rows, and every other path runs a dense copy of it (the packed GEMM for 9+ rows,
+the bf16 GEMV where the sparse kernel is missing, F.linear otherwise), with the same numbers."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv
+from leanlm.model.packed_cache import PackedCache
+from leanlm.model.quantized.linear import QuantLinear, packs_rows
+
+
+class WidenedSparseLinear(QuantLinear):
+    """y = x W^T + b with W stored as `values` (the kept weights, in the compute dtype), `mask` and whatever else
+    `sparse_tensors` names. A subclass says how to widen (values, mask) to W [N, K] and how its kernel runs."""
+
+    compute_dtype_buffers = ("bias", "values")
+    widen: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (values, mask) -> W [N, K] in values' dtype
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.dense = PackedCache()  # the widened weight, for the paths that run on a dense weight
+
+    @abstractmethod
+    def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
+        """(values, mask, ...): what the kernel reads, in its argument order."""
+
+    @abstractmethod
+    def kernel_should_use(self, x: torch.Tensor) -> bool:
+        """The sparse kernel takes these rows (its policy: dtype, row count, CPU features)."""
+
+    @abstractmethod
+    def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y from the sparse kernel."""
+
+    @abstractmethod
+    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
+        """This layer in its sparse kind of the decode loop, or None where that kernel is not loaded."""
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return type(self).widen(self.values, self.mask).float()
+
+    def dense_weight(self) -> torch.Tensor:
+        """The widened weight [N, K] in the values' dtype, kept while values and mask stay the same."""
+        return self.dense.get((self.values, self.mask), type(self).widen)
+
+    def _pack(self, values, mask, bias) -> cpu_gemm.PackedBF16:
+        return cpu_gemm.pack(type(self).widen(values, mask), bias)
+
+    def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
+        """The dense weight in cpu_gemm's panels (bf16 values on the CPU), for 9+ rows."""
+        if not (self.values.dtype is torch.bfloat16 and self.values.is_cpu and cpu_gemm.is_available()):
+            return None
+        return self.packed.get((self.values, self.mask, self.bias), self._pack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if self.values.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
+            no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
+            if packs_rows(x, self.values, bias) and self.packed_weight() is not None:  # 9+ rows
+                return cpu_gemm.gemm(x, self.packed.value)
+            if no_grad and self.kernel_should_use(x):
+                return self.kernel(x, bias)
+            dense = self.dense_weight()
+            if no_grad and cpu_gemv.should_use(x, dense):
+                return cpu_gemv.linear_bf16(x, dense, bias)  # no sparse kernel: the same numbers from the dense copy
+            return F.linear(x, dense, bias)
+        return self.reference_forward(x)
+
+    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+        packed_weight = self.packed_weight() if packed else None
+        if packed and packed_weight is None:
+            return None
+        native = self.native_sparse(packed_weight)
+        if native is not None:
+            return native
+        # Without the sparse kernel the loop runs the dense copy on the bf16 one (same numbers, dense bytes).
+        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.dense_weight(), bias=self.bias, packed=packed_weight)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dtype={self.values.dtype}"
