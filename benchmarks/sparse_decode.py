@@ -112,6 +112,22 @@ def kernel_call(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, threa
     return lambda: fn(*pointers, *sizes, threads, MIN_PARALLEL_BYTES)  # the caller keeps x, y and module alive
 
 
+def median_pass_times(passes: dict, max_other: float, repeats: int = 21) -> dict:
+    """Median seconds of each pass (a list of calls run in order), over `repeats` rounds alternating between the
+    passes; rounds during which other processes took more than max_other of the CPU are left out."""
+    times: dict = {key: [] for key in passes}
+    for _ in range(repeats):
+        for key, calls in passes.items():
+            with CpuMonitor() as monitor:
+                t0 = time.perf_counter()
+                for call in calls:
+                    call()
+                elapsed = time.perf_counter() - t0
+            if not monitor.sample.is_contaminated(max_other):
+                times[key].append(elapsed)
+    return {key: median(t) for key, t in times.items()}
+
+
 def chain_table(models: dict[str, torch.nn.Module], rows: list[int], max_other: float) -> list[str]:
     """The products alone: every decoder linear of each model once per pass (the weights of one decode step, from
     DRAM), on the kernels the loop calls, median of 21 passes alternating between models, passes during which
@@ -128,17 +144,7 @@ def chain_table(models: dict[str, torch.nn.Module], rows: list[int], max_other: 
             ys = {m.out_features: torch.empty(M, m.out_features, dtype=torch.bfloat16) for m in linears}
             calls = [kernel_call(m, xs[m.in_features], ys[m.out_features], threads) for m in linears]
             passes[name] = (calls, xs, ys)  # the calls hold raw pointers: keep their tensors alive
-        times: dict[str, list[float]] = {name: [] for name in models}
-        for _ in range(21):
-            for name, (calls, _, _) in passes.items():
-                with CpuMonitor() as monitor:
-                    t0 = time.perf_counter()
-                    for call in calls:
-                        call()
-                    elapsed = time.perf_counter() - t0
-                if not monitor.sample.is_contaminated(max_other):
-                    times[name].append(elapsed)
-        med = {name: median(t) for name, t in times.items()}
+        med = median_pass_times({name: calls for name, (calls, _, _) in passes.items()}, max_other)
         for name in models:
             base = med[VARIANTS[name].baseline]
             cells[name].append(f"{med[name] * 1e3:.2f}, {base / med[name]:.2f}x")
@@ -165,18 +171,9 @@ def sparsity_sweep(levels: list[float], max_other: float, copies: int = 60) -> l
             cut = int(s * k)
             layers[s] = [BitmaskSparseLinear.from_dense(_prune_rows(w, cut)) for w in weights]
         calls = {key: [kernel_call(m, x, y, threads) for m in ms] for key, ms in layers.items()}
-        times: dict = {key: [] for key in calls}
-        for _ in range(21):
-            for key, run in calls.items():
-                with CpuMonitor() as monitor:
-                    t0 = time.perf_counter()
-                    for call in run:
-                        call()
-                    elapsed = time.perf_counter() - t0
-                if not monitor.sample.is_contaminated(max_other):
-                    times[key].append(elapsed)
-        dense = median(times["dense"])
-        cells = [f"{median(times[s]) / copies * 1e6:.1f} us, {dense / median(times[s]):.2f}x" for s in levels]
+        med = median_pass_times(calls, max_other)
+        dense = med["dense"]
+        cells = [f"{med[s] / copies * 1e6:.1f} us, {dense / med[s]:.2f}x" for s in levels]
         lines.append(f"| {n} x {k} (dense {dense / copies * 1e6:.1f} us) | " + " | ".join(cells) + " |")
     return lines
 
