@@ -1,6 +1,7 @@
 """Compression on the real bundled SmolLM2: quality against the float model, and a quantized checkpoint
 written by `leanlm quantize` served by `leanlm serve` and queried with the openai client."""
 
+import dataclasses
 import socket
 
 import pytest
@@ -192,3 +193,49 @@ def test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers(smollm, ca
     assert loop is not None and {lin.kind for layer in loop._keep[0] for lin in layer.linears} == {
         cpu_decode.KIND_ACT_SPARSE
     }
+
+
+@pytest.mark.parametrize("kind", ["sparse24_int8", "sparse24_int4", "sparse_bitmask"])
+def test_sparse_formats_on_smollm_decode_on_their_kernels_like_their_dense_copies(smollm, tmp_path, kind):
+    """SmolLM2 pruned (2:4 then RTN int8 / int4, or 70% unstructured), saved once unpacked (dense layers with zeros)
+    and once packed: each loads into its format, decodes in the native loop on its kernel, and answers as the
+    unpacked copy does. The prompt's logits run the same packed GEMM (the first token and its logprob equal bit
+    for bit); decode runs the sparse kernel, bit for bit the dense GEMV for bf16 (every token equal), within bf16
+    rounding of the dense quantized kernels otherwise (logprobs of the first steps close)."""
+    from leanlm import LLM, SamplingParams
+    from leanlm.compress import MagnitudeConfig, RTNConfig, save_checkpoint
+    from leanlm.kernels import cpu_decode
+
+    recipes = {
+        "sparse24_int8": (MagnitudeConfig(pattern="2:4"), RTNConfig(bits=8, group_size=None)),
+        "sparse24_int4": (MagnitudeConfig(pattern="2:4"), RTNConfig(bits=4, group_size=64)),
+        "sparse_bitmask": (MagnitudeConfig(sparsity=0.7),),
+    }
+    loop_kind = {
+        "sparse24_int8": cpu_decode.KIND_SPARSE24_INT8,
+        "sparse24_int4": cpu_decode.KIND_SPARSE24_INT4,
+        "sparse_bitmask": cpu_decode.KIND_BITMASK,
+    }[kind]
+    prune, *quantize = recipes[kind]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = {}
+    for packed in (False, True):
+        model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
+        compress(model, [dataclasses.replace(prune, pack=packed), *quantize], progress=False)
+        save_checkpoint(model, tmp_path / str(packed), smollm.tokenizer)
+        llm = LLM(str(tmp_path / str(packed)), dtype="bfloat16", progress=False)
+        served = llm.llm_engine.model
+        formats = {m.format for n, m in served.named_modules() if n.endswith("_proj") and hasattr(m, "format")}
+        assert (formats == {kind}) == packed, formats
+        out = llm.generate([TEXT[:60]], params, use_tqdm=False)[0].outputs[0]
+        outs[packed] = (out.token_ids, [lp[tok] for lp, tok in zip(out.logprobs, out.token_ids, strict=True)])
+        if packed:
+            loop = served.native_decode_plan().loop
+            assert loop is not None and {lin.kind for layer in loop._keep[0] for lin in layer.linears} == {loop_kind}
+    (dense_ids, dense_lps), (ids, lps) = outs[False], outs[True]
+    assert ids[0] == dense_ids[0] and lps[0] == dense_lps[0]
+    if kind == "sparse_bitmask":
+        assert outs[True] == outs[False]
+    else:
+        same = next((i for i, (a, b) in enumerate(zip(ids, dense_ids, strict=True)) if a != b), len(ids))
+        assert all(abs(a - b) < 0.1 for a, b in zip(lps[:same], dense_lps[:same], strict=True))
