@@ -1,21 +1,17 @@
 """BitmaskSparseLinear, the unstructured sparse runtime format: exact compress / widen round trips, the errors for
-K not a multiple of 8 and for untrusted tensors, every forward path against the dense weight (the bitmask kernel,
-the packed GEMM, a CPU without VBMI2, float32 and autograd), and a checkpoint saved and loaded back."""
+K not a multiple of 8 and for untrusted tensors, and a checkpoint saved and loaded back. The forward paths it shares
+with Sparse24Linear (its kernel, the packed GEMM, a CPU without VBMI2, float32 and autograd) are tested in
+test_widened.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from leanlm.compress import save_checkpoint
-from leanlm.kernels import cpu_bitmask, cpu_gemm, cpu_gemv
-from leanlm.kernels.build import NativeKernel
 from leanlm.llm import load_model
-from leanlm.model.layers import Linear
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear, compress_bitmask, to_bitmask, widen_bitmask
@@ -83,59 +79,6 @@ def test_metadata_and_tensors_rebuild_the_same_layer():
     assert all(torch.equal(t, rebuilt.state_dict()[n]) for n, t in tensors.items())
     with pytest.raises(ValueError, match="declares"):
         BitmaskSparseLinear.from_tensors({**meta, "in_features": 32}, tensors)
-
-
-def _dense_linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
-    dense = Linear(w.shape[1], w.shape[0], bias=b is not None, dtype=torch.bfloat16)
-    with torch.no_grad():
-        dense.weight.copy_(w)
-        if b is not None:
-            dense.bias.copy_(b)
-    return dense
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
-def test_bf16_forward_equals_the_dense_layer(rows):
-    """1-8 rows on the bitmask kernel, 9+ on the packed GEMM: the dense bf16 Linear's numbers bit for bit."""
-    g = torch.Generator().manual_seed(rows)
-    w, b = _weight(96, 584, 0.8).bfloat16(), torch.randn(96, generator=g).bfloat16()  # K % 32 == 8
-    layer, dense = BitmaskSparseLinear.from_dense(w, b), _dense_linear(w, b)
-    x = torch.randn(rows, 584, generator=g).bfloat16()
-    with torch.inference_mode():
-        y = layer(x)
-        assert torch.equal(y, dense(x))
-    ref = F.linear(x.double(), w.double(), b.double())
-    assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
-    assert (layer.packed.value is not None) == (rows >= cpu_gemm.MIN_ROWS and cpu_gemm.is_available())
-    if cpu_bitmask.is_available() and cpu_gemm.is_available():  # no path kept a widened dense copy
-        assert layer.dense.value is None
-
-
-def test_without_vbmi2_the_dense_copy_gives_the_same_numbers(monkeypatch):
-    w, b = _weight(40, 128).bfloat16(), torch.randn(40).bfloat16()
-    layer = BitmaskSparseLinear.from_dense(w, b)
-    x = torch.randn(2, 128).bfloat16()
-    expected = layer(x)
-    missing = NativeKernel(Path("unused.c"), "unused", [], None, cpu_needs=("avx512_bf16", "no_such_cpu_flag"))
-    monkeypatch.setattr(cpu_bitmask, "_KERNEL", missing)
-    assert not cpu_bitmask.is_available()
-    assert torch.equal(layer(x), expected)
-    assert layer.dense.value is not None  # the widened copy ran
-    if cpu_gemv.is_available():
-        assert torch.equal(layer(x), cpu_gemv.linear_bf16(x, w, b))
-
-
-def test_float32_and_autograd_run_on_the_dense_copy():
-    w, b = _weight(), torch.randn(48)
-    layer = BitmaskSparseLinear.from_dense(w, b, dtype=torch.float32)
-    x = torch.randn(5, 64, requires_grad=True)
-    y = layer(x)
-    assert torch.allclose(y, F.linear(x, w, b), atol=1e-6)
-    y.sum().backward()
-    assert torch.allclose(x.grad, w.sum(0).expand(5, -1), atol=1e-6)
-    bf16 = BitmaskSparseLinear.from_dense(w, b).set_compute_dtype(torch.float32)  # the model's dtype decides
-    assert bf16.values.dtype == torch.float32 and bf16.bias.dtype == torch.float32
-    assert bf16(x).dtype == torch.float32
 
 
 def test_a_checkpoint_with_a_bitmask_layer_loads_back_identical(tmp_path, tokenizer):

@@ -1,6 +1,6 @@
 """Sparse24Linear, the 2:4 runtime format: exact compress / widen round trips, the errors for weights that are not
-2:4 and for untrusted tensors, every forward path against the dense weight (the sparse kernel, the packed GEMM,
-a CPU without VBMI2, no kernels at all, float32), and a checkpoint saved and loaded back."""
+2:4 and for untrusted tensors, every kernel disabled (F.linear on the dense weight), and a checkpoint saved and
+loaded back. The forward paths it shares with BitmaskSparseLinear are tested in test_widened.py."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from leanlm.compress import save_checkpoint
-from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_sparse
-from leanlm.kernels.build import NativeKernel
 from leanlm.llm import load_model
-from leanlm.model.layers import Linear
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
 from leanlm.model.sparse.semi_structured import Sparse24Linear, compress_24, mask_bits, to_sparse24, widen_24
@@ -88,57 +84,6 @@ def test_metadata_and_tensors_rebuild_the_same_layer():
     assert all(torch.equal(t, rebuilt.state_dict()[n]) for n, t in tensors.items())
     with pytest.raises(ValueError, match="declares"):
         Sparse24Linear.from_tensors({**meta, "in_features": 32}, tensors)
-
-
-def _dense_linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
-    dense = Linear(w.shape[1], w.shape[0], bias=b is not None, dtype=torch.bfloat16)
-    with torch.no_grad():
-        dense.weight.copy_(w)
-        if b is not None:
-            dense.bias.copy_(b)
-    return dense
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
-def test_bf16_forward_equals_the_dense_layer(rows):
-    """1-8 rows on the sparse kernel, 9+ on the packed GEMM: the dense bf16 Linear's numbers bit for bit."""
-    g = torch.Generator().manual_seed(rows)
-    w, b = _weight(96, 576).bfloat16(), torch.randn(96, generator=g).bfloat16()
-    layer, dense = Sparse24Linear.from_dense(w, b), _dense_linear(w, b)
-    x = torch.randn(rows, 576, generator=g).bfloat16()
-    with torch.inference_mode():
-        y = layer(x)
-        assert torch.equal(y, dense(x))
-    ref = F.linear(x.double(), w.double(), b.double())
-    assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
-    assert (layer.packed.value is not None) == (rows >= cpu_gemm.MIN_ROWS and cpu_gemm.is_available())
-
-
-def test_without_vbmi2_the_dense_copy_gives_the_same_numbers(monkeypatch):
-    w, b = _weight(40, 128).bfloat16(), torch.randn(40).bfloat16()
-    layer = Sparse24Linear.from_dense(w, b)
-    x = torch.randn(2, 128).bfloat16()
-    expected = layer(x)
-    missing = NativeKernel(Path("unused.c"), "unused", [], None, cpu_needs=("avx512_bf16", "no_such_cpu_flag"))
-    monkeypatch.setattr(cpu_sparse, "_KERNEL", missing)
-    assert not cpu_sparse.is_available()
-    assert torch.equal(layer(x), expected)
-    assert layer.dense.value is not None  # the widened copy ran
-    if cpu_gemv.is_available():
-        assert torch.equal(layer(x), cpu_gemv.linear_bf16(x, w, b))
-
-
-def test_float32_and_autograd_run_on_the_dense_copy():
-    w, b = _weight(), torch.randn(48)
-    layer = Sparse24Linear.from_dense(w, b, dtype=torch.float32)
-    x = torch.randn(5, 64, requires_grad=True)
-    y = layer(x)
-    assert torch.allclose(y, F.linear(x, w, b), atol=1e-6)
-    y.sum().backward()
-    assert torch.allclose(x.grad, w.sum(0).expand(5, -1), atol=1e-6)
-    bf16 = Sparse24Linear.from_dense(w, b).set_compute_dtype(torch.float32)  # the model's dtype decides
-    assert bf16.values.dtype == torch.float32 and bf16.bias.dtype == torch.float32
-    assert bf16(x).dtype == torch.float32
 
 
 _NO_KERNELS = textwrap.dedent("""
