@@ -18,6 +18,7 @@ from leanlm.compress import save_checkpoint
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
+from leanlm.model.sparse import tensor_cores
 from leanlm.model.sparse.semi_structured import Sparse24Linear, compress_24, mask_bits, to_sparse24, widen_24
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.kernels.test_cpu_sparse import prune_24
@@ -107,6 +108,19 @@ def test_with_every_kernel_disabled_it_runs_f_linear_on_the_dense_weight():
     root = Path(__file__).parents[2]
     result = subprocess.run([sys.executable, "-c", _NO_KERNELS], env=env, cwd=root, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_the_sparse_tensor_cores_take_only_cuda_rows_of_shapes_they_support():
+    """The GPU path itself runs in tests/model/test_formats_cuda.py; here, that nothing else reaches it."""
+    values = torch.zeros(64, 128, dtype=torch.bfloat16)  # a 256-wide weight
+    x = torch.zeros(tensor_cores.MIN_ROWS, 256, dtype=torch.bfloat16)
+    assert not tensor_cores.should_use(x, values)  # CPU tensors
+    assert tensor_cores.fits(values)
+    assert not tensor_cores.fits(values.float())  # float32: no sparse tensor cores
+    assert not tensor_cores.fits(values[:48])  # rows not a multiple of 32
+    assert not tensor_cores.fits(values[:, :80])  # in_features 160: not a multiple of 64
+    layer = Sparse24Linear(values, torch.full((64, 32), 0b0011_0011, dtype=torch.uint8))
+    assert layer.tensor_core_weight(x) is None and layer.semi_structured.value is None
 
 
 def test_a_checkpoint_with_a_2_4_layer_loads_back_identical(tmp_path, tokenizer):

@@ -39,12 +39,12 @@ class ActSparseLinear(QuantLinear):
         value = float(threshold.reshape(-1)[0])
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{self.format} threshold must be a finite value >= 0, got {value}")
-        scale = column_scale.detach().float().reshape(k).contiguous()
+        scale = column_scale.detach().to(weight_t.device, torch.float32).reshape(k).contiguous()
         if not bool(torch.isfinite(scale).all() and (scale >= 0).all()):
             raise ValueError(f"{self.format} column_scale must hold finite values >= 0")
         super().__init__(k, n, bias)
         self.register_buffer("weight_t", weight_t.detach().clone().contiguous())  # [K, N]
-        self.register_buffer("threshold", torch.tensor([value], dtype=torch.float32))  # [1]
+        self.register_buffer("threshold", torch.tensor([value], dtype=torch.float32, device=weight_t.device))  # [1]
         self.register_buffer("column_scale", scale.clone())  # [K] float32
         self.threshold_value = value  # read by every forward; the buffer is what checkpoints save
 

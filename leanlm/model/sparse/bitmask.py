@@ -45,7 +45,7 @@ def compress_bitmask(
     n, k = matrix_shape(BitmaskSparseLinear.format, "weight", weight)
     _check_columns(BitmaskSparseLinear.format, k)
     keep = weight.detach() != 0  # [N, K]
-    bits = keep.view(n, k // 8, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)
+    bits = keep.view(n, k // 8, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=keep.device)
     mask = bits.sum(-1, dtype=torch.uint8)  # [N, K/8]: the 8 bits are disjoint, so the sum is their OR
     counts = keep.sum(1)  # [N]
     row_offsets = torch.cumsum(counts, 0) - counts
@@ -56,7 +56,7 @@ def compress_bitmask(
 def widen_bitmask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The dense [N, K] weight in values' dtype: each value at its column, zeros elsewhere (exact)."""
     keep = mask_bits(mask)  # [N, K]; row-major, the set bits meet the values in order
-    return torch.zeros(keep.shape, dtype=values.dtype).masked_scatter_(keep, values)
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter_(keep, values)
 
 
 def _check_row_offsets(fmt: str, values: torch.Tensor, mask: torch.Tensor, row_offsets: torch.Tensor) -> None:

@@ -117,7 +117,8 @@ class Sparse24Int8Linear(QuantLinear):
 
     def dense_codes(self) -> torch.Tensor:
         """int8 [N, K]: the kept codes at their columns, 0 elsewhere."""
-        return widen(self.codes, self.mask, torch.zeros(self.out_features, self.in_features, dtype=torch.int8))
+        fill = torch.zeros(self.out_features, self.in_features, dtype=torch.int8, device=self.codes.device)
+        return widen(self.codes, self.mask, fill)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.dense_codes().float() * _per_column(self.scales, self.in_features)

@@ -8,18 +8,20 @@ from __future__ import annotations
 import torch
 
 from leanlm.kernels import cpu_decode, cpu_sparse
+from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
+from leanlm.model.sparse import tensor_cores
 from leanlm.model.sparse.widened import WidenedSparseLinear
 
 GROUP = 4  # input columns per group, of which KEPT are stored
 KEPT = 2
-_BITS = torch.arange(8, dtype=torch.uint8)  # bit i of a mask byte: column i of its two groups
 
 
 def mask_bits(mask: torch.Tensor) -> torch.Tensor:
     """bool [N, K] from the bitmask uint8 [N, K / 8]: bit i of byte b marks input column 8 b + i (so group 2 b is
     the low nibble, group 2 b + 1 the high one)."""
-    return ((mask[..., None] >> _BITS) & 1).bool().flatten(-2)
+    bits = torch.arange(8, dtype=torch.uint8, device=mask.device)  # bit i of a byte: column i of its two groups
+    return ((mask[..., None] >> bits) & 1).bool().flatten(-2)
 
 
 def compress_24(weight: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +45,7 @@ def compress_24(weight: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
             "(leanlm.compress) or keep it dense"
         )
     # Rank columns: nonzeros first, then by column; the best 2 of each group, put back in column order.
-    order = torch.arange(GROUP - 1, -1, -1)  # earlier columns win ties among zeros
+    order = torch.arange(GROUP - 1, -1, -1, device=weight.device)  # earlier columns win ties among zeros
     keep = (nonzero.to(torch.int64) * GROUP + order).topk(KEPT, dim=-1).indices.sort(dim=-1).values  # [N, K/4, 2]
     values = groups.gather(-1, keep).reshape(n, k // 2)
     nibbles = (torch.ones_like(keep) << keep).sum(-1)  # [N, K/4]: 4 bits, 2 set
@@ -70,7 +72,7 @@ def check_mask(fmt: str, mask: torch.Tensor, n: int, k: int) -> None:
 def widen_24(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The dense [N, K] weight in values' dtype: each kept value at its column, zeros elsewhere (exact)."""
     keep = mask_bits(mask)  # [N, K]; row-major, the set bits meet the values in order (2 per group)
-    return torch.zeros(keep.shape, dtype=values.dtype).masked_scatter_(keep, values)
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter_(keep, values)
 
 
 @register_format
@@ -98,6 +100,7 @@ class Sparse24Linear(WidenedSparseLinear):
         check_mask(fmt, mask, n, k)
         self.register_buffer("values", values.detach().clone().contiguous())  # [N, K/2]
         self.register_buffer("mask", mask.detach().clone().contiguous())  # [N, K/8]
+        self.semi_structured = PackedCache()  # the weight on CUDA's sparse tensor cores, made on first use
 
     @classmethod
     def from_dense(
@@ -115,6 +118,11 @@ class Sparse24Linear(WidenedSparseLinear):
 
     def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_sparse.linear_sparse24(x, self.values, self.mask, bias)
+
+    def tensor_core_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not tensor_cores.should_use(x, self.values):
+            return None
+        return self.semi_structured.get((self.values, self.mask), lambda v, m: tensor_cores.compress(widen_24(v, m)))
 
     def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
         if not cpu_sparse.is_available():

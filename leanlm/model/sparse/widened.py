@@ -42,6 +42,11 @@ class WidenedSparseLinear(QuantLinear):
     def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
         """This layer in its sparse kind of the decode loop, or None where that kernel is not loaded."""
 
+    def tensor_core_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The weight as the GPU's sparse tensor cores take it, for these CUDA rows; None where they should not
+        run (the default: only 2:4 has such hardware)."""
+        return None
+
     def dequantized_weight(self) -> torch.Tensor:
         return type(self).widen(self.values, self.mask).float()
 
@@ -66,6 +71,9 @@ class WidenedSparseLinear(QuantLinear):
                 return cpu_gemm.gemm(x, self.packed.value)
             if no_grad and self.kernel_should_use(x):
                 return self.kernel(x, bias)
+            sparse_weight = self.tensor_core_weight(x) if no_grad and x.is_cuda else None
+            if sparse_weight is not None:
+                return F.linear(x, sparse_weight, bias)
             dense = self.dense_weight()
             if no_grad and cpu_gemv.should_use(x, dense):
                 return cpu_gemv.linear_bf16(x, dense, bias)  # no sparse kernel: the same numbers from the dense copy
