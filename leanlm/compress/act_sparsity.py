@@ -71,7 +71,7 @@ def column_scale(weight: torch.Tensor, score: str) -> torch.Tensor:
     """[K] float32: what each input's magnitude is multiplied by before the threshold."""
     if score == "weighted":
         return weight.detach().float().norm(dim=0)
-    return torch.ones(weight.shape[1])
+    return torch.ones(weight.shape[1], device=weight.device)
 
 
 def output_errors(samples: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, levels: list[float]) -> list[float]:

@@ -63,7 +63,7 @@ def gptq_quantize(
     spec = cfg.spec(weight.shape[1])
     h, w = prepare_hessian(hessian, weight, cfg.damp_percent)
     n, k = w.shape
-    pruned = torch.zeros(n, k, dtype=torch.bool) if pruned is None else pruned.clone()
+    pruned = torch.zeros(n, k, dtype=torch.bool, device=w.device) if pruned is None else pruned.clone()
     perm = None
     group = spec.group_size
     find_qparams = shrink_qparams if cfg.shrink_search else compute_qparams
@@ -77,7 +77,7 @@ def gptq_quantize(
         w, h, pruned = w[:, perm], h[perm][:, perm], pruned[:, perm]
     u = inverse_cholesky_upper(h)  # [K, K]
     block = cfg.block_size if group is None else max(group, cfg.block_size // group * group)
-    codes = torch.empty(n, k, dtype=torch.int16)
+    codes = torch.empty(n, k, dtype=torch.int16, device=w.device)
     scales, zeros = [], []
     # per channel: fixed up front, as in GPTQ; per group: from the group's already-updated columns
     current = [find_qparams(w.masked_fill(pruned, 0.0), spec) if group is None else None]

@@ -41,7 +41,7 @@ class LLMInt8(LinearQuantizer):
 
     def quantize_linear(self, linear, inputs: GroupInputs | None):
         if inputs is None:
-            outliers = torch.zeros(0, dtype=torch.long)
+            outliers = torch.zeros(0, dtype=torch.long, device=linear.weight.device)
         else:
             outliers = (inputs.absmax > self.config.threshold).nonzero().squeeze(1)
         return llm_int8_linear(linear.weight, linear.bias, outliers, self.config.threshold)

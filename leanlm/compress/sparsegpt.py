@@ -80,7 +80,7 @@ def sparsegpt_prune(
     """SparseGPT of weight [N, K] given H [K, K] -> the pruned and updated weight [N, K] float32; pure.
     pruned [N, K]: weights already zero that must stay so (counted as part of each block's choice)."""
     h, w = prepare_hessian(hessian, weight, cfg.damp_percent)
-    mask = torch.zeros(w.shape, dtype=torch.bool) if pruned is None else pruned.clone()
+    mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device) if pruned is None else pruned.clone()
     return obs_sweep(w, inverse_cholesky_upper(h), cfg.block_size, mask, sparsegpt_select(cfg)).float()
 
 

@@ -162,7 +162,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
     row and a cumulative sum: ~3 ms for 64 x 49152, where an exponential race (argmax p / q, q ~ Exp(1))
     drew 3M exponentials in ~60 ms."""
     cdf = probs.cumsum(dim=-1)  # [B, V] float32
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype)  # [B, 1]
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)  # [B, 1]
     for row, generator in generators.items():
         u[row] = torch.rand(1, generator=generator, dtype=cdf.dtype)
     sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # [B]

@@ -54,3 +54,15 @@ def test_seeded_sampling_is_reproducible(tokenizer):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     first = _tokens(_engine(tokenizer, "cuda", torch.float32), params)
     assert _tokens(_engine(tokenizer, "cuda", torch.float32), params) == first
+
+
+def test_unseeded_sampling_and_prompt_logprobs_run_on_the_gpu(tokenizer):
+    """The paths `leanlm eval ppl` takes: random draws made on the logits' device, and prompt logprobs."""
+    engine = _engine(tokenizer, "cuda", torch.float32)
+    params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, prompt_logprobs=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    outputs = run_to_completion(engine)
+    for i, prompt in zip(ids, PROMPTS, strict=True):
+        assert len(outputs[i].outputs[0].token_ids) == 6
+        assert len(outputs[i].prompt_logprobs) == len(prompt)
+    assert engine.stats().num_free_kv_blocks == engine.num_kv_blocks

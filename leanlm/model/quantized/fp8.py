@@ -3,6 +3,8 @@ else dequantize + F.linear."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from leanlm.model.quantized.linear import (
@@ -14,10 +16,22 @@ from leanlm.model.quantized.linear import (
 from leanlm.model.quantized.numerics import quantize_fp8
 
 
+@functools.cache
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU _scaled_mm takes per-row scales (torch 2.13 does; 2.11 asserts per-tensor)."""
+    x = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(x, x.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def scaled_mm_supported(device: torch.device) -> bool:
-    """torch._scaled_mm runs FP8 on CPU and on CUDA from compute capability 8.9 (Ada, Hopper)."""
+    """torch._scaled_mm runs FP8 with per-row scales on CPU (where this torch can) and on CUDA from compute
+    capability 8.9 (Ada, Hopper)."""
     if device.type == "cpu":
-        return True
+        return _cpu_rowwise_scaled_mm()
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 

@@ -18,12 +18,11 @@ _ROW_MULTIPLE, _COL_MULTIPLE = 32, 64
 
 
 def is_available(device: torch.device) -> bool:
-    """A CUDA device with sparse tensor cores, and a PyTorch that drives them."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (8, 0)
-        and hasattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS")
-    )
+    """A CUDA device with sparse tensor cores and a PyTorch that drives them there: cuSPARSELt, or CUTLASS, whose
+    PyTorch kernels run on compute capability 8.x only (not Hopper)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return torch.backends.cusparselt.is_available() or torch.cuda.get_device_capability(device)[0] == 8
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -46,7 +45,7 @@ def should_use(x: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def backend() -> type:
-    """cuSPARSELt's tensor class where PyTorch was built with it, else CUTLASS's."""
+    """cuSPARSELt's tensor class where PyTorch was built with it, else CUTLASS's (see is_available)."""
     if torch.backends.cusparselt.is_available():
         return torch.sparse.SparseSemiStructuredTensorCUSPARSELT
     return torch.sparse.SparseSemiStructuredTensorCUTLASS
