@@ -1,14 +1,14 @@
 """2:4 sparse products on an NVIDIA GPU's sparse tensor cores against cuBLAS on the dense weight, per decoder layer
 of real model shapes (q, k, v, o, gate, up, down), by the number of token rows [M]. This is what sets
-`leanlm.model.sparse.tensor_cores.MIN_ROWS`, the row count from which Sparse24Linear's CUDA rows take the sparse
+`leanlm.model.sparse.tensor_cores.MIN_MACS`, the product size from which Sparse24Linear's CUDA rows take the sparse
 tensor cores.
 
-Each row is one decoder layer's seven products through `Sparse24Linear`'s CUDA path (eager PyTorch: the
-semi-structured tensor's dispatch is part of the cost a model pays), timed with CUDA events over --iters calls after
-warm-up, in bf16, on random 2:4 weights (the speed does not depend on the values). Needs CUDA (compute capability
-8.0+).
+Each row times one decoder layer's seven products as Sparse24Linear's CUDA path makes them (F.linear on PyTorch's
+semi-structured tensor, eager: its dispatch is part of the cost a model pays), with CUDA events over --iters calls
+after warm-up, in bf16, on random 2:4 weights (the speed does not depend on the values). Needs CUDA (compute
+capability 8.0+).
 
-    python benchmarks/gpu_sparse24.py --out docs/sparse-gpu.md
+    python benchmarks/gpu_sparse24.py --out docs/sparsity.md
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def table(iters: int) -> str:
         f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, cuSPARSELt "
         f"{'yes' if torch.backends.cusparselt.is_available() else 'no'}; bf16, one decoder layer's seven products "
         f"(q, k, v, o, gate, up, down), eager, mean of {iters} calls by CUDA events. Command: "
-        f"`python benchmarks/gpu_sparse24.py --out docs/sparse-gpu.md`.\n\n"
+        f"`python benchmarks/gpu_sparse24.py --out docs/sparsity.md`.\n\n"
     )
     lines = [
         "| model | rows | cuBLAS dense us | cuSPARSELt us | CUTLASS us | best 2:4 vs dense |",

@@ -113,7 +113,7 @@ def test_with_every_kernel_disabled_it_runs_f_linear_on_the_dense_weight():
 def test_the_sparse_tensor_cores_take_only_cuda_rows_of_shapes_they_support():
     """The GPU path itself runs in tests/model/test_formats_cuda.py; here, that nothing else reaches it."""
     values = torch.zeros(64, 128, dtype=torch.bfloat16)  # a 256-wide weight
-    x = torch.zeros(tensor_cores.MIN_ROWS, 256, dtype=torch.bfloat16)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16).expand(tensor_cores.MIN_MACS // (64 * 256), 256)  # enough MACs
     assert not tensor_cores.should_use(x, values)  # CPU tensors
     assert tensor_cores.fits(values)
     assert not tensor_cores.fits(values.float())  # float32: no sparse tensor cores

@@ -1,7 +1,7 @@
 """2:4 weights on NVIDIA's sparse tensor cores (compute capability 8.0+), through PyTorch's semi-structured sparse
-tensors: cuSPARSELt where PyTorch has it, CUTLASS otherwise. Sparse24Linear runs its CUDA rows here when there are
-enough of them; fewer rows stay on cuBLAS with the widened weight, which `benchmarks/gpu_sparse24.py` measured to
-be faster there (the table in docs/sparsity.md)."""
+tensors: cuSPARSELt where PyTorch has it, CUTLASS otherwise. Sparse24Linear runs a CUDA product here only when it is
+large enough to pay for the semi-structured call's fixed cost; smaller ones stay on cuBLAS with the widened weight
+(`benchmarks/gpu_sparse24.py`, the table in docs/sparsity.md)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import warnings
 
 import torch
 
-# Rows [M] at or above which the sparse product beats cuBLAS on the widened weight; measured on an H200 with
-# SmolLM2 and Qwen2.5 shapes (benchmarks/gpu_sparse24.py).
-MIN_ROWS = 256
+# Multiply-adds (rows x N x K) from which a product takes the sparse tensor cores. Measured on an H200 with torch
+# 2.11's cuSPARSELt path: each eager call costs about 0.45 ms whatever its size, so only products of about 1e12
+# multiply-adds (a Llama-3-8B gate/up/down at 16k rows: that layer 1.29x) beat cuBLAS on the dense weight; every
+# SmolLM2 and Qwen2.5 shape up to 16k rows ran 2-30x slower there.
+MIN_MACS = 10**12
 _DTYPES = (torch.float16, torch.bfloat16)
 # The stricter backend's shape rule (CUTLASS: weight rows % 32, columns % 64); cuSPARSELt's is looser.
 _ROW_MULTIPLE, _COL_MULTIPLE = 32, 64
@@ -25,19 +27,20 @@ def is_available(device: torch.device) -> bool:
     return torch.backends.cusparselt.is_available() or torch.cuda.get_device_capability(device)[0] == 8
 
 
-def fits(weight: torch.Tensor) -> bool:
-    """A weight [N, K] (or its kept values [N, K / 2]: same N, and K / 2 % 32 == K % 64) the kernels take."""
-    n, k = weight.shape
-    return weight.dtype in _DTYPES and n % _ROW_MULTIPLE == 0 and (2 * k) % _COL_MULTIPLE == 0
+def fits(values: torch.Tensor) -> bool:
+    """Whether the kernels take the 2:4 weight [N, K] whose kept values [N, K / 2] these are."""
+    n, half_k = values.shape
+    return values.dtype in _DTYPES and n % _ROW_MULTIPLE == 0 and (2 * half_k) % _COL_MULTIPLE == 0
 
 
 def should_use(x: torch.Tensor, values: torch.Tensor) -> bool:
-    """MIN_ROWS+ rows of x in values' dtype on a CUDA device with sparse tensor cores, and a weight that fits."""
+    """A product of MIN_MACS+ multiply-adds over x in values' dtype on a CUDA device with sparse tensor cores, and a
+    weight that fits."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     return (
         x.is_cuda
         and values.is_cuda
-        and rows >= MIN_ROWS
+        and rows * values.shape[0] * 2 * values.shape[1] >= MIN_MACS
         and x.dtype is values.dtype
         and fits(values)
         and is_available(x.device)
