@@ -52,9 +52,11 @@ class GMPConfig(MethodConfig, SparsityScheme):
 
 @dataclass(frozen=True)
 class RewindConfig(MethodConfig, SparsityScheme):
-    """Iterative magnitude pruning with rewinding: `rounds` equal parts of the run; after round r of R, prune by
-    magnitude to sparsity 1 - (1 - s)^(r / R) (each round removes the same share of what is left) and rewind the
-    kept weights to the run's start (not after the last round: its weights are the result)."""
+    """Iterative magnitude pruning with rewinding (Frankle & Carbin 2019): `rounds` prunings. The run is split
+    into rounds + 1 equal parts; after part r of the first R, prune by magnitude to sparsity 1 - (1 - s)^(r / R)
+    (each round removes the same share of what is left) and rewind the kept weights, and the optimizer, to the
+    run's start: the pretrained weights, as Chen et al. 2020 do for BERT. The last part trains the final subnetwork
+    (the "ticket"), so no pruning goes untrained."""
 
     name = "rewind"
     rounds: int = 3
@@ -295,10 +297,10 @@ class Rewinding(SparseTraining):
             p.grad_keep = p.keep
 
     def refresh(self, step, total_steps):
-        rounds = self.config.rounds
-        done = step * rounds // max(total_steps, 1)  # rounds finished after `step` steps
-        before = (step - 1) * rounds // max(total_steps, 1) if step else 0
-        if done == before or done > rounds:
+        rounds, total = self.config.rounds, max(total_steps, 1)
+        done = min(step * (rounds + 1) // total, rounds)  # prunings due after `step` steps
+        before = min((step - 1) * (rounds + 1) // total, rounds) if step else 0
+        if done == before:
             self.zero_pruned()
             return False
         # each round prunes the same share of what is left: (1 - s)^(done / rounds) of the weights survive
@@ -308,10 +310,9 @@ class Rewinding(SparseTraining):
                 scores = (self.dense(name) * p.keep).abs()
                 p.keep = ~schedule_mask(scores, self.config, fraction) & p.keep
                 p.grad_keep = p.keep
-                if done < rounds:  # the last round's weights are the result: no rewind after it
-                    self.dense(name).copy_(self.start[name] * p.keep)
+                self.dense(name).copy_(self.start[name] * p.keep)
         self.zero_pruned()
-        return done < rounds
+        return True
 
     def state_dict(self):
         return {"masks": super().state_dict(), "start": self.start}

@@ -139,10 +139,20 @@ def test_rewinding_resets_the_kept_weights_to_the_start(tiny_model, windows):
     trainer = Trainer(model, windows, config(), RewindConfig(sparsity=0.5, rounds=2), progress=False)
     rewinding = trainer.sparse
     optimizer = trainer.optimizer
-    for step in range(STEPS // 2):
+    for step in range(STEPS):  # 2 prunings: the first after a third of the run
         trainer._step(step)
-    assert trainer.optimizer is not optimizer  # the first round ended: moments reset with the weights
+        if trainer.optimizer is not optimizer:  # the first round ended: moments reset with the weights
+            break
+    assert step + 1 == -(-STEPS // 3)
     for name in start:
         keep = rewinding.params[name].keep
         assert 0.25 < 1 - float(keep.float().mean()) < 0.35  # 1 - sqrt(0.5) of the weights pruned in round 1
         assert torch.equal(rewinding.dense(name).detach(), start[name] * keep)
+    for later in range(step + 1, STEPS):  # the second pruning, then the last third trains the final subnetwork
+        trainer._step(later)
+    for name in start:
+        keep = rewinding.params[name].keep
+        assert abs(1 - float(keep.float().mean()) - 0.5) < 0.01
+        trained = rewinding.dense(name).detach()
+        assert torch.equal(trained[~keep], torch.zeros_like(trained[~keep]))
+        assert not torch.equal(trained, start[name] * keep)  # the ticket was trained after its rewind
