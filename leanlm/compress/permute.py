@@ -62,21 +62,23 @@ def search_permutation(
     scores: torch.Tensor, n: int, m: int, max_rounds: int = 400, patience: int = 25, seed: int = 0
 ) -> torch.Tensor:
     """An order of the columns of scores [R, K] keeping more of them under n:m: perm [K] with column j of the
-    reordered matrix = column perm[j]. Never keeps less than the identity."""
+    reordered matrix = column perm[j], on the CPU (CPU indices index tensors on any device). Never keeps less
+    than the identity. The search runs on the scores' device."""
     rows, k = scores.shape
+    device = scores.device
     if k % m:
         raise ValueError(f"{k} columns do not split into groups of {m}")
     groups = k // m
-    perm = torch.arange(k)
+    perm = torch.arange(k, device=device)
     if groups < 2:
-        return perm
+        return perm.cpu()
     gen = torch.Generator().manual_seed(seed)
     s = scores.float().t().contiguous()  # [K, R]: a column's scores, gathered by index below
-    a_idx, b_idx = torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij")
+    a_idx, b_idx = torch.meshgrid(torch.arange(m, device=device), torch.arange(m, device=device), indexing="ij")
     a_idx, b_idx = a_idx.flatten(), b_idx.flatten()  # the m*m swaps: column a of group A <-> column b of B
     idle = 0
     for _ in range(max_rounds):
-        order = torch.randperm(groups, generator=gen)[: groups // 2 * 2].view(-1, 2)  # disjoint pairs [P, 2]
+        order = torch.randperm(groups, generator=gen)[: groups // 2 * 2].view(-1, 2).to(device)  # disjoint pairs [P, 2]
         cols = perm.view(groups, m)[order]  # [P, 2, m] input channels now in each pair's two groups
         gain, best = _best_swaps(s, cols, n, a_idx, b_idx)
         improve = gain > 1e-6 * (1 + gain.abs().max())
@@ -90,7 +92,7 @@ def search_permutation(
         sa, sb = a_idx[best[improve]], b_idx[best[improve]]
         pos_a, pos_b = p[:, 0] * m + sa, p[:, 1] * m + sb
         perm[pos_a], perm[pos_b] = perm[pos_b].clone(), perm[pos_a].clone()
-    return perm
+    return perm.cpu()
 
 
 def _without_each(vals: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
