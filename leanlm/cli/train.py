@@ -60,6 +60,10 @@ def add_parser(sub) -> None:
     p.add_argument("--decay", type=float, default=None, help="sr-ste: lambda on pruned weights; top-kast: L2")
     p.add_argument("--backward-sparsity", type=float, default=None, help="top-kast: sparsity of the backward set")
     p.add_argument("--rounds", type=int, default=None, help="rewind: prune-and-rewind rounds")
+    p.add_argument(
+        "--kv-heads", type=int, default=None, help="convert to this many K/V heads first (GQA / MQA uptraining)"
+    )
+    p.add_argument("--kv-init", default="mean", help="with --kv-heads: mean | first | random (default mean)")
     p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
     p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
     add_dataclass_args(p, TrainConfig)
@@ -72,7 +76,9 @@ def add_parser(sub) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from leanlm.compress.calibration import read_calibration_text
     from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.compress.gqa import GQAConfig
     from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress.recipe import compress
     from leanlm.train.data import TokenWindows
     from leanlm.train.model import load_trainable
     from leanlm.train.trainer import TrainConfig, Trainer
@@ -81,9 +87,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.recipe, args.sparsity, args.pattern, args.decay, args.backward_sparsity, args.rounds
     )  # validates before loading
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    gqa = None if args.kv_heads is None else GQAConfig(num_key_value_heads=args.kv_heads, init=args.kv_init)
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
     model, tokenizer = load_trainable(args.model, args.device)
+    if gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
+        compress(model, [gqa], progress=False)
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
     out = Path(args.out)

@@ -9,6 +9,7 @@ from leanlm.compress.checkpoint import save_checkpoint
 from leanlm.compress.fp8 import FP8Config
 from leanlm.compress.gptq import GPTQConfig
 from leanlm.compress.gptq_format import save_gptq_checkpoint
+from leanlm.compress.gqa import GQAConfig
 from leanlm.compress.llm_int8 import LLMInt8Config
 from leanlm.compress.magnitude import MagnitudeConfig
 from leanlm.compress.permute import PermuteConfig
@@ -35,6 +36,7 @@ __all__ = [
     "WandaConfig",
     "SparseGPTConfig",
     "ActivationSparsityConfig",
+    "GQAConfig",
     "CompressionReport",
     "LinearReport",
 ]

@@ -79,3 +79,23 @@ def test_a_quantized_checkpoint_cannot_be_trained(tmp_path, tokenizer, capsys):
     path = save_checkpoint(model, tmp_path / "int8", tokenizer)
     assert main(["train", "--model", str(path), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
     assert "no float weight to train" in capsys.readouterr().err
+
+
+def test_convert_to_multi_query_attention_and_uptrain(tmp_path, tokenizer, capsys):
+    from leanlm.llm import load_model
+
+    cfg = tiny_config(tokenizer.vocab_size)  # 4 query heads, 2 K/V heads
+    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
+    data, out = tmp_path / "text.txt", tmp_path / "mqa"
+    data.write_text(TEXT)
+    argv = ["train", "--model", str(dense), "--kv-heads", "1", "--data", str(data), "--seq-len", "32"]
+    argv += ["--tokens", str(32 * 8 * 2), "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 0
+    assert "2 steps, 512 tokens" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+    recipe = json.loads((out / "quantization_config.json").read_text())["recipe"]
+    assert [step["method"] for step in recipe] == ["gqa", "train"] and recipe[0]["init"] == "mean"
+    model = load_model(str(out), progress=False)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (cfg.head_dim, cfg.hidden_size)
+    assert main([*argv[:4], "3", *argv[5:-4], "--out", str(tmp_path / "bad"), "--device", "cpu"]) == 2
+    assert "divides 2" in capsys.readouterr().err
