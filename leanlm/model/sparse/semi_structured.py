@@ -78,12 +78,12 @@ def widen_24(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @register_format
 class Sparse24Linear(WidenedSparseLinear):
     """y = x W^T + b with W 2:4 sparse along K: `values` [N, K / 2] (the kept values, in the compute dtype) and
-        `mask` [N, K / 8] (4 bits per group of 4 input columns, exactly 2 set: where the values go). On a CUDA GPU, products
-    large enough to pay for it run on the sparse tensor cores (tensor_cores.py).
+    `mask` [N, K / 8] (4 bits per group of 4 input columns, exactly 2 set: where the values go).
 
-        Up to 8 bf16 rows run on cpu_sparse's kernel (the weight widened in registers); 9+ bf16 rows on cpu_gemm over
-        a packed dense copy made on first use; anything else (other dtypes, CPUs without the kernels) on a cached
-        dense copy: bf16 GEMV where that kernel exists, else F.linear.
+    Up to 8 bf16 rows run on cpu_sparse's kernel (the weight widened in registers); 9+ bf16 rows on cpu_gemm over
+    a packed dense copy made on first use; on a CUDA GPU, products large enough to pay for it on the sparse tensor
+    cores (tensor_cores.py); anything else (other dtypes, CPUs without the kernels) on a cached dense copy: bf16
+    GEMV where that kernel exists, else F.linear.
     """
 
     format = "sparse24"
