@@ -10,6 +10,7 @@ from leanlm.compress.fp8 import FP8Config
 from leanlm.compress.gptq import GPTQConfig
 from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.compress.gqa import GQAConfig
+from leanlm.compress.lkd import LKDConfig
 from leanlm.compress.llm_int8 import LLMInt8Config
 from leanlm.compress.magnitude import MagnitudeConfig
 from leanlm.compress.permute import PermuteConfig
@@ -37,6 +38,7 @@ __all__ = [
     "SparseGPTConfig",
     "ActivationSparsityConfig",
     "GQAConfig",
+    "LKDConfig",
     "CompressionReport",
     "LinearReport",
 ]

@@ -18,6 +18,9 @@ NEEDS_STATS = "stats"
 # The first calibration sequences whole at each group's input, and a runner for the layer's submodules on them
 # (AWQ scores its scales on the output of the attention or MLP block a group feeds).
 NEEDS_SEQUENCES = "sequences"
+# The calibration hidden states entering each decoder layer, and that layer as it was before the recipe's methods
+# edited it (LKD distils the quantized layer against it); the loop calls fit_layer instead of apply_layer.
+NEEDS_LAYER = "layer"
 
 
 @dataclass
@@ -34,6 +37,14 @@ class GroupInputs:
     # run(module, x [S', T, K]) -> [S', T, N]: a submodule of this layer that reads the group's input, run on
     # whole sequences under the engine's attention context (NEEDS_SEQUENCES; None otherwise)
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
+class LayerInputs:
+    """What a NEEDS_LAYER method gets for one decoder layer."""
+
+    hidden: torch.Tensor  # [S, T, hidden]: every calibration sequence entering the layer
+    teacher: nn.Module  # a copy of the layer before any method of this recipe edited it
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,11 @@ class Method(ABC):
         """Compress `layer` (full name `prefix`) in place; `inputs` maps the first linear of each of the layer's
         `linear_groups` (of the one group, for a sequential method) to what fed the group (None without
         calibration data)."""
+
+    def fit_layer(self, layer: nn.Module, prefix: str, inputs: LayerInputs) -> list[LinearReport]:
+        """For methods that need NEEDS_LAYER, called instead of apply_layer when there is calibration data; the
+        others never get it, so by default it is apply_layer without group inputs."""
+        return self.apply_layer(layer, prefix, None)
 
     def summary(self) -> dict:
         """What the method measured beyond its linears' reports (channel permutation: its kept-score gains)."""

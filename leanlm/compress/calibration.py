@@ -8,6 +8,7 @@ scheme). Attention runs through the engine's own paged backend, so calibration s
 from __future__ import annotations
 
 import bz2
+import copy
 import functools
 import html
 import importlib.util
@@ -19,7 +20,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_SEQUENCES, GroupInputs, LinearReport, Method
+from leanlm.compress.base import (
+    NEEDS_HESSIAN,
+    NEEDS_LAYER,
+    NEEDS_SEQUENCES,
+    GroupInputs,
+    LayerInputs,
+    LinearReport,
+    Method,
+)
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaAttention
 from leanlm.model.paged_kv import PagedKVCache
@@ -262,11 +271,16 @@ def run_layers(
         hidden = model.model.embed_tokens(samples.to(device))  # [S, T, d]
         runner = LayerRunner(model, samples.shape[1], batch)
     layers = model.model.layers
+    keeps_teacher = any(NEEDS_LAYER in m.needs for m in methods)
     for idx, layer in enumerate(tqdm(layers, desc="compressing layers", unit="layer", disable=not progress)):
         prefix = f"model.layers.{idx}"
+        teacher = copy.deepcopy(layer) if keeps_teacher and hidden is not None else None
         for method in methods:
             if hidden is None:
                 reports += method.apply_layer(layer, prefix, None)
+                continue
+            if NEEDS_LAYER in method.needs:
+                reports += method.fit_layer(layer, prefix, LayerInputs(hidden, teacher))
                 continue
             # a sequential method sees each group's inputs through the groups it has already compressed
             for groups in [(g,) for g in layer.linear_groups] if method.is_sequential else [layer.linear_groups]:
