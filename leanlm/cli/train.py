@@ -64,6 +64,10 @@ def add_parser(sub) -> None:
         "--kv-heads", type=int, default=None, help="convert to this many K/V heads first (GQA / MQA uptraining)"
     )
     p.add_argument("--kv-init", default="mean", help="with --kv-heads: mean | first | random (default mean)")
+    p.add_argument(
+        "--qat-bits", type=int, default=None, help="quantization-aware training: RTN to these bits first (2-4, 8)"
+    )
+    p.add_argument("--qat-group-size", type=int, default=64, help="with --qat-bits: columns per scale; 0 = per channel")
     p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
     p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
     add_dataclass_args(p, TrainConfig)
@@ -79,8 +83,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leanlm.compress.gqa import GQAConfig
     from leanlm.compress.pruner import pack_semi_structured
     from leanlm.compress.recipe import compress
+    from leanlm.compress.rtn import RTNConfig
     from leanlm.train.data import TokenWindows
     from leanlm.train.model import load_trainable
+    from leanlm.train.qat import attach_fake_quant, detach_fake_quant
     from leanlm.train.trainer import TrainConfig, Trainer
 
     sparsity = build_sparsity(
@@ -88,11 +94,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     )  # validates before loading
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     gqa = None if args.kv_heads is None else GQAConfig(num_key_value_heads=args.kv_heads, init=args.kv_init)
+    qat = None if args.qat_bits is None else RTNConfig(bits=args.qat_bits, group_size=args.qat_group_size or None)
+    if qat is not None and sparsity is not None:
+        raise ValueError(f"--qat-bits trains a quantized model: it does not combine with --recipe {args.recipe}")
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
     model, tokenizer = load_trainable(args.model, args.device)
     if gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
         compress(model, [gqa], progress=False)
+    if qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
+        compress(model, [qat], progress=False)
+        attach_fake_quant(model)
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
     out = Path(args.out)
@@ -102,6 +114,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(model, data, config, sparsity, state)
     before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
     result = trainer.run()
+    if qat is not None:
+        detach_fake_quant(model)
     if sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
         pack_semi_structured(model, [])
     start = time.perf_counter()

@@ -2,9 +2,9 @@
 is trained to reproduce the float layer's output on the calibration activations entering it, one layer at a time,
 with no data beyond the calibration text.
 
-For each quantized linear of the layer, the student holds its weight in float (starting from the dequantized
-weight) with the quantizer's per-group scale and offset, all trainable; the forward rounds the weight onto its grid
-with a straight-through estimator. After `steps` Adam steps on the relative MSE to the float layer's output, the
+For each quantized linear of the layer, the student is a FakeQuantLinear: its weight in float (starting from the
+dequantized weight) with the quantizer's per-group scale and offset, all trainable, rounded onto the grid in the
+forward with a straight-through estimator. After `steps` Adam steps on the relative MSE to the float layer's output, the
 weights are rounded once more and the layer gets back its own runtime format, with new codes and parameters. A
 layer that ends farther from the float one, over all calibration sequences, than the quantizer left it keeps the
 quantizer's result: LKD never makes a layer worse on the text it sees.
@@ -15,12 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from leanlm.compress.base import NEEDS_LAYER, LayerInputs, Method, MethodConfig, register_method
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
-from leanlm.model.quantized.numerics import pack_int4
+from leanlm.model.quantized.fake_quant import TRAINABLE, FakeQuantLinear
 from leanlm.train.forward import decoder_layer
 
 
@@ -37,71 +35,11 @@ class LKDConfig(MethodConfig):
             raise ValueError(f"LKD needs steps >= 1, batch_size >= 1 and lr > 0, got {self}")
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    return x + (torch.round(x) - x).detach()
-
-
-class FakeQuantLinear(nn.Module):
-    """A trainable stand-in for an int8 or 2-4 bit weight-only layer: w_q = clamp(round((w - off) / s)) * s + off
-    per group, with w, s and off parameters (off is 0 for the symmetric int8 grid)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        if isinstance(layer, IntGroupWeightOnlyLinear):
-            if layer.perm is not None:
-                raise ValueError(
-                    "LKD trains layers stored in input order: quantize without act-order (or with static groups)"
-                )
-            self.lo, self.hi, group = 0, 2**layer.bits - 1, layer.group_size
-            offset = layer.mins
-        else:  # Int8WeightOnlyLinear: symmetric codes, one scale per channel or group
-            self.lo, self.hi, group = -127, 127, layer.group_size or layer.in_features
-            offset = None
-        self.source, self.group = layer, group
-        scales = layer.scales.reshape(layer.out_features, -1)  # [N, G]
-        self.weight = nn.Parameter(layer.dequantized_weight().float())  # [N, K]
-        self.scale = nn.Parameter(scales.float().clone())
-        self.offset = None if offset is None else nn.Parameter(offset.float().clone())
-        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().float())
-
-    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-column scale and offset [N, K]."""
-        scale = self.scale.repeat_interleave(self.group, dim=1)
-        offset = torch.zeros_like(scale) if self.offset is None else self.offset.repeat_interleave(self.group, dim=1)
-        return scale, offset
-
-    def codes(self, ste: bool) -> torch.Tensor:
-        scale, offset = self._grid()
-        q = (self.weight - offset) / scale
-        return (_round_ste(q) if ste else torch.round(q)).clamp(self.lo, self.hi)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale, offset = self._grid()
-        return F.linear(x, self.codes(ste=True) * scale + offset, self.bias)
-
-    @torch.no_grad()
-    def to_module(self) -> nn.Module:
-        """The source layer's format with the trained codes, scales and offsets."""
-        src, codes = self.source, self.codes(ste=False)
-        bias = src.bias
-        if isinstance(src, IntGroupWeightOnlyLinear):
-            return IntGroupWeightOnlyLinear(
-                pack_int4(codes.to(torch.int16)),
-                self.scale.detach(),
-                self.offset.detach(),
-                bias,
-                bits=src.bits,
-                group_size=src.group_size,
-            )
-        scales = self.scale.detach() if src.group_size is not None else self.scale.detach().reshape(-1)
-        return Int8WeightOnlyLinear(codes.to(torch.int8), scales, bias, group_size=src.group_size)
-
-
 def _students(layer: nn.Module) -> dict[str, tuple[nn.Module, str, FakeQuantLinear]]:
     """name -> (parent, attribute, stand-in) for every int8 / 2-4 bit weight-only linear of the layer."""
     found = {}
     for name, module in layer.named_modules():
-        if type(module) in (Int8WeightOnlyLinear, IntGroupWeightOnlyLinear):
+        if type(module) in TRAINABLE:
             parent_name, _, attr = name.rpartition(".")
             found[name] = (layer.get_submodule(parent_name), attr, FakeQuantLinear(module))
     return found

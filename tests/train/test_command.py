@@ -99,3 +99,45 @@ def test_convert_to_multi_query_attention_and_uptrain(tmp_path, tokenizer, capsy
     assert model.model.layers[0].self_attn.k_proj.weight.shape == (cfg.head_dim, cfg.hidden_size)
     assert main([*argv[:4], "3", *argv[5:-4], "--out", str(tmp_path / "bad"), "--device", "cpu"]) == 2
     assert "divides 2" in capsys.readouterr().err
+
+
+def test_quantization_aware_training_saves_trained_int4_layers(tmp_path, tokenizer, capsys):
+    from leanlm.compress import RTNConfig
+    from leanlm.llm import load_model
+    from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
+
+    cfg = tiny_config(tokenizer.vocab_size)
+    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
+    data, out = tmp_path / "text.txt", tmp_path / "qat"
+    data.write_text(TEXT)
+    argv = ["train", "--model", str(dense), "--qat-bits", "4", "--qat-group-size", "32", "--data", str(data)]
+    argv += ["--seq-len", "32", "--tokens", str(32 * 8 * 3), "--lr", "1e-3", "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 0
+    assert "3 steps, 768 tokens" in capsys.readouterr().out
+    layers = json.loads((out / "quantization_config.json").read_text())["layers"]
+    assert len(layers) == 14 and {m["format"] for m in layers.values()} == {"int_group_weight_only"}
+    trained = load_model(str(out), progress=False).model.layers[0].mlp.up_proj
+    rtn = build_model(cfg, tiny_state_dict(cfg), torch.float32)
+    compress(rtn, RTNConfig(bits=4, group_size=32), progress=False)
+    assert isinstance(trained, IntGroupWeightOnlyLinear) and trained.bits == 4
+    assert not torch.equal(trained.dequantized_weight(), rtn.model.layers[0].mlp.up_proj.dequantized_weight())
+    assert main([*argv[:-4], "--recipe", "gmp", "--out", str(tmp_path / "bad")]) == 2
+    assert "does not combine" in capsys.readouterr().err
+
+
+def test_fake_quant_layers_swap_in_and_back(tmp_path):
+    from leanlm.compress import RTNConfig
+    from leanlm.model.quantized.fake_quant import FakeQuantLinear
+    from leanlm.train.qat import attach_fake_quant, detach_fake_quant
+
+    cfg = tiny_config(256)
+    model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
+    with pytest.raises(ValueError, match="quantize first"):
+        attach_fake_quant(model)
+    compress(model, RTNConfig(bits=8), progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert attach_fake_quant(model) == 14
+    assert sum(isinstance(m, FakeQuantLinear) for m in model.modules()) == 14
+    assert detach_fake_quant(model) == 14
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
