@@ -20,6 +20,7 @@ CONFIGS: dict[str, dict] = {
     "W4A16 g64 GPTQ": dict(method="gptq", bits=4),
     "W3A16 g64 RTN": dict(method="rtn", bits=3),
     "W3A16 g64 RTN + LKD": dict(method="rtn", bits=3, lkd=dict(steps=100, lr=1e-4)),
+    "W3A16 g64 RTN + LKD lr 1e-3": dict(method="rtn", bits=3, lkd=dict(steps=100, lr=1e-3)),
     "W3A16 g64 GPTQ": dict(method="gptq", bits=3),
 }
 
