@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_LAYER, LayerInputs, Method, MethodConfig, register_method
-from leanlm.model.quantized.fake_quant import TRAINABLE, FakeQuantLinear
+from leanlm.model.quantized.fake_quant import attach_fake_quant, detach_fake_quant
 from leanlm.train.forward import decoder_layer
 
 
@@ -33,16 +33,6 @@ class LKDConfig(MethodConfig):
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
             raise ValueError(f"LKD needs steps >= 1, batch_size >= 1 and lr > 0, got {self}")
-
-
-def _students(layer: nn.Module) -> dict[str, tuple[nn.Module, str, FakeQuantLinear]]:
-    """name -> (parent, attribute, stand-in) for every int8 / 2-4 bit weight-only linear of the layer."""
-    found = {}
-    for name, module in layer.named_modules():
-        if type(module) in TRAINABLE:
-            parent_name, _, attr = name.rpartition(".")
-            found[name] = (layer.get_submodule(parent_name), attr, FakeQuantLinear(module))
-    return found
 
 
 def relative_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -64,23 +54,21 @@ class LKD(Method):
         return []  # the loop calls fit_layer: LKD needs calibration data (NEEDS_LAYER)
 
     def fit_layer(self, layer: nn.Module, prefix: str, inputs: LayerInputs) -> list:
-        students = _students(layer)
-        if not students:
-            return []
         cfg, hidden = self.config, inputs.hidden  # [S, T, d]
         rope = self.rotary(torch.arange(hidden.shape[1], device=hidden.device), hidden.dtype)
         with torch.no_grad():
             target = decoder_layer(inputs.teacher, hidden, rope)  # [S, T, d]
             before = float(relative_mse(decoder_layer(layer, hidden, rope), target))
         frozen = [p for p in layer.parameters() if p.requires_grad]  # the layer's float tensors stay as they are
+        students = attach_fake_quant(layer)
+        if not students:
+            return []
         for p in frozen:
             p.requires_grad_(False)
-        for parent, attr, student in students.values():
-            setattr(parent, attr, student)
-        weights = [s.weight for _, _, s in students.values()]
-        grids = [p for _, _, s in students.values() for p in (s.scale, s.offset) if p is not None]
+        weights = [s.weight for s in students]
+        grids = [p for s in students for p in (s.scale, s.offset) if p is not None]
         opt = torch.optim.Adam([{"params": weights}, {"params": grids, "lr": cfg.lr / 10}], lr=cfg.lr)
-        trained = None
+        after = before
         try:
             with torch.enable_grad():
                 for step in range(cfg.steps):
@@ -89,19 +77,13 @@ class LKD(Method):
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
-            trained = {name: student.to_module() for name, (_, _, student) in students.items()}
-        finally:  # trained runtime modules, or (after an error) the ones the layer came with
-            for name, (parent, attr, student) in students.items():
-                setattr(parent, attr, student.source if trained is None else trained[name])
+            with torch.no_grad():  # the stand-ins compute what their runtime layers will
+                after = float(relative_mse(decoder_layer(layer, hidden, rope), target))
+        finally:  # trained layers where they are closer to the float one; else (or after an error) the quantizer's
+            detach_fake_quant(layer, trained=after < before)
             for p in frozen:
                 p.requires_grad_(True)
-        with torch.no_grad():
-            after = float(relative_mse(decoder_layer(layer, hidden, rope), target))
-        if not after < before:  # keep the quantizer's layer
-            for parent, attr, student in students.values():
-                setattr(parent, attr, student.source)
-            after = before
-        self.losses[prefix] = (before, after)
+        self.losses[prefix] = (before, min(before, after))
         return []
 
     def summary(self) -> dict:

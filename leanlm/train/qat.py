@@ -7,22 +7,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from leanlm.model.quantized.fake_quant import TRAINABLE, FakeQuantLinear
-
-
-def _swap(model: nn.Module, kinds: tuple[type, ...], make) -> int:
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if type(module) in kinds:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, make(module))
-            swapped += 1
-    return swapped
+from leanlm.model.quantized import fake_quant
 
 
 def attach_fake_quant(model: nn.Module) -> int:
     """Replace every int8 / 2-4 bit weight-only linear by its trainable stand-in; how many were replaced."""
-    count = _swap(model, TRAINABLE, FakeQuantLinear)
+    count = len(fake_quant.attach_fake_quant(model))
     if count == 0:
         raise ValueError("QAT needs quantized linears: quantize first (RTN int8, or 2-4 bits group-wise)")
     return count
@@ -30,4 +20,4 @@ def attach_fake_quant(model: nn.Module) -> int:
 
 def detach_fake_quant(model: nn.Module) -> int:
     """Put back the runtime layers, with the trained codes, scales and offsets."""
-    return _swap(model, (FakeQuantLinear,), lambda stand_in: stand_in.to_module())
+    return fake_quant.detach_fake_quant(model)

@@ -77,3 +77,25 @@ class FakeQuantLinear(nn.Module):
             )
         scales = self.scale.detach() if src.group_size is not None else self.scale.detach().reshape(-1)
         return Int8WeightOnlyLinear(codes.to(torch.int8), scales, bias, group_size=src.group_size)
+
+
+def _swap(root: nn.Module, kinds: tuple[type, ...], make) -> list[nn.Module]:
+    """Replace every submodule of root whose type is one of kinds by make(it); the replacements, in order."""
+    made = []
+    for name, module in list(root.named_modules()):
+        if type(module) in kinds:
+            parent_name, _, attr = name.rpartition(".")
+            made.append(make(module))
+            setattr(root.get_submodule(parent_name), attr, made[-1])
+    return made
+
+
+def attach_fake_quant(root: nn.Module) -> list[FakeQuantLinear]:
+    """Replace every int8 / 2-4 bit weight-only linear under root by its trainable stand-in."""
+    return _swap(root, TRAINABLE, FakeQuantLinear)
+
+
+def detach_fake_quant(root: nn.Module, trained: bool = True) -> int:
+    """Put back runtime layers: with the trained codes, scales and offsets, or (trained=False) the layers the
+    stand-ins were made from. How many were put back."""
+    return len(_swap(root, (FakeQuantLinear,), lambda s: s.to_module() if trained else s.source))
