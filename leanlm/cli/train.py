@@ -122,12 +122,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     save_checkpoint(model, out, tokenizer)
     if not args.keep_state:
         state.unlink(missing_ok=True)
-    print(format_result(result, args.model, out, sparsity, before, time.perf_counter() - start))
+    recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
+    print(format_result(result, args.model, out, recipe, before, time.perf_counter() - start))
     return 0
 
 
-def format_result(result, model: str, out: Path, sparsity, held_out_before: float | None, save_s: float) -> str:
-    recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
+def format_result(result, model: str, out: Path, recipe: str, held_out_before: float | None, save_s: float) -> str:
+    """What a training command prints when it is done; `recipe` names what the run learned."""
     resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
     lines = [
         f"{model} -> {out}: {recipe}, {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "

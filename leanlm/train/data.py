@@ -30,13 +30,18 @@ class TokenWindows:
         windows = ids[: count * seq_len].view(count, seq_len)
         return cls(windows[: count - held_out], windows[count - held_out :])
 
-    def batch(self, index: int, batch_size: int, seed: int) -> torch.Tensor:
-        """Micro-batch number `index` of the run [batch_size, seq_len]: epochs of the training windows, each
-        in its own seeded order."""
+    def rows(self, index: int, batch_size: int, seed: int) -> list[int]:
+        """Which training windows micro-batch number `index` of the run reads: epochs of the training windows,
+        each in its own seeded order."""
         n = self.train.shape[0]
-        rows = []
+        rows, orders = [], {}
         for i in range(index * batch_size, (index + 1) * batch_size):
             epoch, pos = divmod(i, n)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            rows.append(self.train[order[pos]])
-        return torch.stack(rows)
+            if epoch not in orders:
+                orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            rows.append(int(orders[epoch][pos]))
+        return rows
+
+    def batch(self, index: int, batch_size: int, seed: int) -> torch.Tensor:
+        """Micro-batch number `index` of the run [batch_size, seq_len] (the windows `rows` names)."""
+        return self.train[self.rows(index, batch_size, seed)]

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -82,6 +83,18 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class Objective(Protocol):
+    """What a run minimizes, when it is not the next-token loss (leanlm.train.distill's teacher loss)."""
+
+    def loss(self, model: nn.Module, input_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Mean loss of the micro-batch input_ids [B, T]: the training windows numbered `rows`."""
+        ...
+
+    def identity(self) -> dict:
+        """Its settings, which a resumed run must match, and which the checkpoint's recipe records."""
+        ...
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -108,11 +121,12 @@ class Trainer:
         sparsity: MethodConfig | None = None,
         state_path: str | Path | None = None,
         progress: bool = True,
+        objective: Objective | None = None,
     ) -> None:
         if data.train.shape[1] != config.seq_len:
             raise ValueError(f"data windows have {data.train.shape[1]} tokens, config.seq_len is {config.seq_len}")
         self.model, self.data, self.config, self.progress = model, data, config, progress
-        self.sparsity_config = sparsity
+        self.sparsity_config, self.objective = sparsity, objective
         self.state_path = None if state_path is None else Path(state_path)
         self.sparse: SparseTraining | None = None if sparsity is None else build_sparse_training(sparsity)
         model.train().requires_grad_(False)
@@ -169,10 +183,13 @@ class Trainer:
             group["lr"] = cfg.lr_at(step)
         total = 0.0
         for micro in range(cfg.grad_accum):
-            ids = self.data.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seed)
-            ids = ids.to(self.model.model.norm.weight.device)
+            rows = self.data.rows(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seed)
+            ids = self.data.train[rows].to(self.model.model.norm.weight.device)
             with torch.autocast(ids.device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "float32"):
-                loss = causal_lm_loss(self.model, ids) / cfg.grad_accum
+                if self.objective is None:
+                    loss = causal_lm_loss(self.model, ids) / cfg.grad_accum
+                else:
+                    loss = self.objective.loss(self.model, ids, rows) / cfg.grad_accum
             loss.backward()
             total += float(loss.detach())
         if cfg.grad_clip:
@@ -185,7 +202,8 @@ class Trainer:
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
-        """Mean next-token loss on the held-out windows (the end of the training text)."""
+        """Mean next-token loss on the held-out windows (the end of the training text), whatever the objective:
+        runs with different objectives compare on it."""
         cfg, device = self.config, self.model.model.norm.weight.device
         was_training = self.model.training
         self.model.eval()
@@ -202,10 +220,13 @@ class Trainer:
     def _identity(self) -> dict:
         """What a saved state must match to be resumed: the run's settings and its sparsity method."""
         sparsity = self.sparsity_config
-        return {
+        identity = {
             "config": dataclasses.asdict(self.config),
             "sparsity": None if sparsity is None else {"method": sparsity.name, **dataclasses.asdict(sparsity)},
         }
+        if self.objective is not None:  # absent otherwise, so states written before objectives still resume
+            identity["objective"] = self.objective.identity()
+        return identity
 
     def save_state(self) -> None:
         """Everything a resumed run needs, written to a temporary file and renamed (a crash leaves the last
@@ -226,7 +247,7 @@ class Trainer:
         if self.state_path is None or not self.state_path.is_file():
             return 0
         state = torch.load(self.state_path, weights_only=False)
-        saved = {k: state[k] for k in self._identity()}
+        saved = {k: state.get(k) for k in self._identity()}
         if saved != self._identity():
             raise ValueError(
                 f"{self.state_path} holds a run with other settings ({saved}); use another --out or delete it"
@@ -243,6 +264,8 @@ class Trainer:
         step = {"method": "train", **dataclasses.asdict(self.config)}
         if self.sparsity_config is not None:
             step["sparsity"] = {"method": self.sparsity_config.name, **dataclasses.asdict(self.sparsity_config)}
+        if self.objective is not None:
+            step["objective"] = self.objective.identity()
         self.model.compression_recipe = [*getattr(self.model, "compression_recipe", []), step]
 
 
@@ -253,6 +276,7 @@ def train(
     sparsity: MethodConfig | None = None,
     state_path: str | Path | None = None,
     progress: bool = True,
+    objective: Objective | None = None,
 ) -> TrainResult:
     """Fine-tune `model` in place on `data` to the config's token budget (see Trainer)."""
-    return Trainer(model, data, config, sparsity, state_path, progress).run()
+    return Trainer(model, data, config, sparsity, state_path, progress, objective).run()

@@ -1,0 +1,123 @@
+"""`leanlm distill`: train a student on a teacher's next-token distributions (cached top-k) and the hard labels,
+to a token budget, resumably, and save it as a checkpoint the engine loads.
+
+    leanlm distill --teacher smollm2-135m-instruct --student-layers 15 --tokens 600000 --out smol-15
+    leanlm distill --teacher smollm2-135m-instruct --student-layers 15 --kd-weight 0 --out smol-15-ce  # control
+
+The student is a checkpoint (--student) or, by default, the teacher with half its layers (one out of two, as
+DistilBERT initialises). The teacher's top-k distribution over every window the run reads is computed once into
+--teacher-cache (default OUT/teacher_cache), which later runs on the same text reuse. Run the same command again
+after an interruption and it resumes from OUT/train_state.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from leanlm.cli.train import STATE_FILE, format_result
+
+
+def parse_layers(spec: str | None) -> list[int] | None:
+    """'0,2,4' -> [0, 2, 4]."""
+    if spec is None:
+        return None
+    try:
+        return [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--keep-layers takes comma-separated layer indices, e.g. 0,2,4; got {spec!r}") from None
+
+
+def add_parser(sub) -> None:
+    from leanlm.cli.common import add_dataclass_args
+    from leanlm.loading.registry import DEFAULT_MODEL
+    from leanlm.train.distill import DistillConfig
+    from leanlm.train.trainer import TrainConfig
+
+    p = sub.add_parser("distill", help="train a smaller student on a teacher's distributions (knowledge distillation)")
+    p.add_argument("--teacher", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
+    student = p.add_mutually_exclusive_group()
+    student.add_argument("--student", default=None, help="a student checkpoint with the teacher's vocabulary")
+    student.add_argument(
+        "--student-layers",
+        type=int,
+        default=None,
+        help="the teacher with this many layers, evenly spaced (default half)",
+    )
+    student.add_argument("--keep-layers", default=None, help="the teacher with these layers, e.g. 0,2,4,...")
+    add_dataclass_args(p, DistillConfig)
+    p.add_argument("--teacher-cache", default=None, help="where the teacher's top-k lives (default OUT/teacher_cache)")
+    p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
+    p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
+    add_dataclass_args(p, TrainConfig)
+    p.add_argument("--out", required=True, help="output directory (the run's resumable state lives there too)")
+    p.add_argument("--keep-state", action="store_true", help=f"keep OUT/{STATE_FILE} after the run completes")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.set_defaults(func=cmd_distill)
+
+
+def build_student(teacher, student: str | None, layers: list[int] | None, depth: int | None, device):
+    """The student the flags name (see the module's docstring)."""
+    from leanlm.train.model import load_trainable
+    from leanlm.train.student import keep_layers, spread_layers
+
+    if student is not None:
+        model, _ = load_trainable(student, device)
+        if model.config.vocab_size != teacher.config.vocab_size:
+            raise ValueError(
+                f"the student's vocabulary has {model.config.vocab_size} tokens, the teacher's "
+                f"{teacher.config.vocab_size}: distillation needs the same tokenizer"
+            )
+        return model
+    count = teacher.config.num_hidden_layers
+    return keep_layers(teacher, layers or spread_layers(count, depth or max(count // 2, 1)))
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from leanlm.compress.calibration import read_calibration_text
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.train.data import TokenWindows
+    from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
+    from leanlm.train.model import load_trainable
+    from leanlm.train.trainer import TrainConfig, Trainer
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    distill = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
+    layers = parse_layers(args.keep_layers)
+    if args.data is not None and not Path(args.data).is_file():
+        raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
+    teacher, tokenizer = load_trainable(args.teacher, args.device)
+    student = build_student(teacher, args.student, layers, args.student_layers, args.device)
+    ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
+    out = Path(args.out)
+    objective = None  # kd_weight 0: hard labels only, the control a distilled student is measured against
+    if distill.kd_weight > 0:
+        began = time.perf_counter()
+        cache = prepare_teacher(
+            teacher, args.teacher, data, config, distill, args.teacher_cache or out / "teacher_cache"
+        )
+        print(f"teacher cache {cache.directory} ready in {time.perf_counter() - began:.0f} s")
+        objective = DistillObjective(distill, cache)
+    del teacher
+    state = out / STATE_FILE
+    if state.is_file():
+        print(f"resuming from {state}")
+    trainer = Trainer(student, data, config, None, state, objective=objective)
+    before = trainer.held_out_loss() if not state.is_file() else None
+    result = trainer.run()
+    start = time.perf_counter()
+    save_checkpoint(student, out, tokenizer)
+    if not args.keep_state:
+        state.unlink(missing_ok=True)
+    recipe = f"distillation ({student.config.num_hidden_layers} layers, {describe(distill)})"
+    print(format_result(result, args.teacher, out, recipe, before, time.perf_counter() - start))
+    return 0
+
+
+def describe(config) -> str:
+    if config.kd_weight == 0:
+        return "hard labels only"
+    return f"{config.divergence} KL on the top {config.top_k} at T={config.temperature:g}, weight {config.kd_weight:g}"

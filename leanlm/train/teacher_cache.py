@@ -1,0 +1,148 @@
+"""The teacher's top-k next-token distribution over the training windows, computed once and kept on disk, so a
+distillation run pays for the teacher's forward once: not at every epoch, not again on resumption, and not again
+for another student (or another loss weight) trained on the same text.
+
+Each position keeps the k most likely tokens' log-probabilities at the distillation temperature and the
+log-probability of everything else (the tail), so the k + 1 bins are a complete distribution and a KL divergence
+over them is exact for what they keep. The cache is a directory: `meta.json` (what it was computed from) and
+shards of SHARD consecutive training windows, each written whole (temporary file, then rename) and only when a
+run reads one of its windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanlm.train.forward import hidden_states
+
+SHARD = 64  # training windows per shard file
+CHUNK = 1024  # positions per head product: bounds the [n, V] float32 scores
+
+
+@dataclass(frozen=True)
+class TeacherTargets:
+    """The cached teacher distribution of a micro-batch, for positions 0 .. T-2 (those with a next token)."""
+
+    indices: torch.Tensor  # [B, T-1, k] long: the teacher's k most likely next tokens
+    logprobs: torch.Tensor  # [B, T-1, k] float32: their log-probabilities at the temperature
+    tail: torch.Tensor  # [B, T-1] float32: log of the probability of every other token
+
+
+@torch.no_grad()
+def top_k_distribution(
+    model: nn.Module, input_ids: torch.Tensor, top_k: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] -> indices [B, T-1, k], log-probabilities [B, T-1, k] and tail [B, T-1] of the model's
+    next-token distribution at `temperature`."""
+    batch, length = input_ids.shape
+    hidden = hidden_states(model, input_ids)[:, :-1].reshape(batch * (length - 1), -1)  # [N, hidden]
+    parts = []
+    for start in range(0, hidden.shape[0], CHUNK):
+        scores = model.compute_logits(hidden[start : start + CHUNK])  # [n, V]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / temperature
+        top, index = scores.topk(top_k, dim=-1)  # [n, k]
+        logprobs = top - torch.logsumexp(scores, dim=-1, keepdim=True)
+        parts.append((index, logprobs, tail_logprob(logprobs)))
+    index, logprobs, tail = (torch.cat(p) for p in zip(*parts, strict=True))
+    return (
+        index.view(batch, length - 1, top_k),
+        logprobs.view(batch, length - 1, top_k),
+        tail.view(batch, length - 1),
+    )
+
+
+def tail_logprob(logprobs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(logprobs))) over the last dim: the log-probability of the tokens not listed. Floored at
+    log(1e-12) (top-k lists that hold all the mass in float32), which keeps its gradient finite."""
+    return torch.log((-torch.expm1(torch.logsumexp(logprobs, dim=-1))).clamp_min(1e-12))
+
+
+class TeacherCache:
+    """`build()` fills the shards a run needs; `targets(rows)` reads a micro-batch's targets from memory."""
+
+    def __init__(self, directory: str | Path, identity: dict) -> None:
+        self.directory, self.identity = Path(directory), identity
+        self._shards: dict[int, dict[str, torch.Tensor]] = {}
+        meta = self.directory / "meta.json"
+        if meta.is_file():
+            saved = json.loads(meta.read_text())
+            if saved != identity:
+                raise ValueError(
+                    f"{self.directory} caches another teacher or text ({saved}); pass another --teacher-cache or "
+                    "delete it"
+                )
+
+    @staticmethod
+    def identity_of(teacher: str, data_windows: torch.Tensor, top_k: int, temperature: float, dtype: str) -> dict:
+        digest = hashlib.sha256(data_windows.contiguous().numpy().tobytes()).hexdigest()
+        return {
+            "teacher": teacher,
+            "top_k": top_k,
+            "temperature": temperature,
+            "dtype": dtype,
+            "windows": list(data_windows.shape),
+            "text_sha256": digest,
+        }
+
+    def _path(self, shard: int) -> Path:
+        return self.directory / f"shard_{shard:05d}.pt"
+
+    def missing(self, rows: set[int]) -> list[int]:
+        """The shards holding `rows` that are not on disk yet."""
+        return sorted({r // SHARD for r in rows if not self._path(r // SHARD).is_file()})
+
+    def build(self, teacher: nn.Module, windows: torch.Tensor, rows: set[int], batch_size: int, progress=True) -> int:
+        """Compute and write every missing shard holding one of `rows` (windows [N, T], the training windows);
+        returns how many windows the teacher ran on. `teacher` runs under the caller's autocast."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "meta.json").write_text(json.dumps(self.identity, indent=1))
+        shards = self.missing(rows)
+        device = teacher.model.norm.weight.device
+        total = sum(min(SHARD, windows.shape[0] - s * SHARD) for s in shards)
+        bar = tqdm(total=total, desc="teacher top-k", unit="window", disable=not progress)
+        for shard in shards:
+            block = windows[shard * SHARD : (shard + 1) * SHARD]
+            parts = []
+            for start in range(0, block.shape[0], batch_size):
+                ids = block[start : start + batch_size].to(device)
+                parts.append(top_k_distribution(teacher, ids, self.identity["top_k"], self.identity["temperature"]))
+                bar.update(ids.shape[0])
+            index, logprobs, tail = (torch.cat(p).cpu() for p in zip(*parts, strict=True))
+            record = {
+                "indices": index.to(torch.int32),  # 4 bytes: vocabularies pass 65,536 (Qwen2.5: 151,936)
+                "logprobs": logprobs.to(torch.float16),
+                "tail": tail,
+            }
+            tmp = self._path(shard).with_suffix(".tmp")
+            torch.save(record, tmp)
+            os.replace(tmp, self._path(shard))
+        bar.close()
+        return total
+
+    def targets(self, rows: list[int], device: torch.device) -> TeacherTargets:
+        """The cached distribution of training windows `rows` (built before), on `device`."""
+        picked = []
+        for row in rows:
+            shard, offset = divmod(row, SHARD)
+            if shard not in self._shards:
+                if not self._path(shard).is_file():
+                    raise RuntimeError(f"{self._path(shard)} is missing: build the cache for the run's windows first")
+                self._shards[shard] = torch.load(self._path(shard), weights_only=True)
+            # widened before stacking: CPU autocast refuses to stack float16
+            picked.append(
+                {
+                    k: v[offset].to(torch.long if k == "indices" else torch.float32)
+                    for k, v in self._shards[shard].items()
+                }
+            )
+        return TeacherTargets(
+            *(torch.stack([p[k] for p in picked]).to(device) for k in ("indices", "logprobs", "tail"))
+        )
