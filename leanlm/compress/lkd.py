@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_LAYER, LayerInputs, Method, MethodConfig, register_method
-from leanlm.model.quantized.fake_quant import attach_fake_quant, detach_fake_quant
+from leanlm.model.quantized.fake_quant import GRID_LR_SCALE, attach_fake_quant, detach_fake_quant
 from leanlm.train.forward import decoder_layer
 
 
 @dataclass(frozen=True)
 class LKDConfig(MethodConfig):
     steps: int = 100  # Adam steps per layer
-    lr: float = 1e-4  # of the weights; scales and offsets learn at lr / 10
+    lr: float = 1e-4  # of the weights; scales and offsets learn at lr * GRID_LR_SCALE (a tenth)
     batch_size: int = 4  # calibration sequences per step
 
     name = "lkd"
@@ -67,7 +67,7 @@ class LKD(Method):
             p.requires_grad_(False)
         weights = [s.weight for s in students]
         grids = [p for s in students for p in (s.scale, s.offset) if p is not None]
-        opt = torch.optim.Adam([{"params": weights}, {"params": grids, "lr": cfg.lr / 10}], lr=cfg.lr)
+        opt = torch.optim.Adam([{"params": weights}, {"params": grids, "lr": cfg.lr * GRID_LR_SCALE}], lr=cfg.lr)
         after = before
         try:
             with torch.enable_grad():

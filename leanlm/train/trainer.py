@@ -138,11 +138,17 @@ class Trainer:
         self.result = TrainResult(0, 0, 0.0, 0)
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over matrices (decayed) and the rest (not), and a group of its own for each `lr_scale` a
+        parameter asks for (fake-quantized grids: leanlm.model.quantized.fake_quant.GRID_LR_SCALE)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        rest = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": self.config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.config.lr, betas=(0.9, 0.95), eps=1e-8)
+        groups = {(True, 1.0): [], (False, 1.0): []}  # always these two first: older saved states have just them
+        for p in params:
+            groups.setdefault((p.dim() >= 2, getattr(p, "lr_scale", 1.0)), []).append(p)
+        param_groups = [
+            {"params": ps, "weight_decay": self.config.weight_decay if matrix else 0.0, "lr_scale": scale}
+            for (matrix, scale), ps in groups.items()
+        ]
+        return torch.optim.AdamW(param_groups, lr=self.config.lr, betas=(0.9, 0.95), eps=1e-8)
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -180,7 +186,7 @@ class Trainer:
     def _step(self, step: int) -> float:
         cfg = self.config
         for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr_at(step)
+            group["lr"] = cfg.lr_at(step) * group.get("lr_scale", 1.0)
         total = 0.0
         for micro in range(cfg.grad_accum):
             rows = self.data.rows(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seed)

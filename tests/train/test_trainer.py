@@ -80,3 +80,19 @@ def test_a_state_from_other_settings_is_not_resumed(tiny_model, windows, tmp_pat
     train(tiny_model(), windows, config(tokens=SEQ_LEN * 8 * 2), None, state, progress=False)
     with pytest.raises(ValueError, match="other settings"):
         train(tiny_model(), windows, config(lr=1e-3, tokens=SEQ_LEN * 8 * 2), None, state, progress=False)
+
+
+def test_fake_quantized_grids_learn_at_their_own_rate(tiny_model, windows):
+    from leanlm.compress import RTNConfig, compress
+    from leanlm.model.quantized.fake_quant import GRID_LR_SCALE
+    from leanlm.train.qat import attach_fake_quant
+
+    model = tiny_model()
+    compress(model, [RTNConfig(bits=4, group_size=32)], progress=False)
+    attach_fake_quant(model)
+    trainer = Trainer(model, windows, config(tokens=SEQ_LEN * 4 * 2), progress=False)
+    trainer._step(3)
+    rates = {id(p): g["lr"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    up = model.model.layers[0].mlp.up_proj
+    assert rates[id(up.scale)] == rates[id(up.offset)] == pytest.approx(GRID_LR_SCALE * rates[id(up.weight)])
+    assert rates[id(up.weight)] == pytest.approx(trainer.config.lr_at(3)) and rates[id(up.weight)] > 0

@@ -14,6 +14,12 @@ from leanlm.model.quantized.numerics import pack_int4
 TRAINABLE = (Int8WeightOnlyLinear, IntGroupWeightOnlyLinear)
 
 
+# Scales and offsets learn at this fraction of the weights' learning rate (read by the trainer's optimizer groups,
+# `lr_scale` on a parameter): Adam moves every parameter by about the learning rate whatever its gradient, and a
+# scale is a few times smaller than the weights it covers, so at the weights' rate it would swing the whole grid.
+GRID_LR_SCALE = 0.1
+
+
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
@@ -39,6 +45,9 @@ class FakeQuantLinear(nn.Module):
         self.weight = nn.Parameter(layer.dequantized_weight().float())  # [N, K]
         self.scale = nn.Parameter(scales.float().clone())
         self.offset = None if offset is None else nn.Parameter(offset.float().clone())
+        for grid in (self.scale, self.offset):
+            if grid is not None:
+                grid.lr_scale = GRID_LR_SCALE
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().float())
 
     @property
