@@ -105,8 +105,8 @@ def main() -> None:
         fresh = TeacherCache(f"{tmp}/timing", cache.identity)
 
         def teacher_pass():
-            for shard in fresh.directory.glob("shard_*"):
-                shard.unlink()
+            for window in fresh.directory.glob("window_*"):
+                window.unlink()
             fresh.build(teacher, data.train[:count], set(range(count)), args.batch_size, progress=False)
 
         with torch.autocast("cpu", torch.bfloat16):

@@ -4,9 +4,10 @@ for another student (or another loss weight) trained on the same text.
 
 Each position keeps the k most likely tokens' log-probabilities at the distillation temperature and the
 log-probability of everything else (the tail), so the k + 1 bins are a complete distribution and a KL divergence
-over them is exact for what they keep. The cache is a directory: `meta.json` (what it was computed from) and
-shards of SHARD consecutive training windows, each written whole (temporary file, then rename) and only when a
-run reads one of its windows.
+over them is exact for what they keep. The cache is a directory: `meta.json` (what it was computed from) and a
+file per training window (about 100 kB at k = 32 and 512 tokens), written whole (temporary file, then rename) the
+first time a run reads that window: a run reads its windows in a shuffled order, and any coarser unit would make
+the teacher run on windows no run reads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from tqdm.auto import tqdm
 
 from leanlm.train.forward import hidden_states
 
-SHARD = 64  # training windows per shard file
 CHUNK = 1024  # positions per head product: bounds the [n, V] float32 scores
 
 
@@ -66,11 +66,11 @@ def tail_logprob(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 class TeacherCache:
-    """`build()` fills the shards a run needs; `targets(rows)` reads a micro-batch's targets from memory."""
+    """`build()` computes the windows a run reads; `targets(rows)` reads a micro-batch's targets from memory."""
 
     def __init__(self, directory: str | Path, identity: dict) -> None:
         self.directory, self.identity = Path(directory), identity
-        self._shards: dict[int, dict[str, torch.Tensor]] = {}
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> its three tensors
         meta = self.directory / "meta.json"
         if meta.is_file():
             saved = json.loads(meta.read_text())
@@ -92,57 +92,47 @@ class TeacherCache:
             "text_sha256": digest,
         }
 
-    def _path(self, shard: int) -> Path:
-        return self.directory / f"shard_{shard:05d}.pt"
+    def _path(self, row: int) -> Path:
+        return self.directory / f"window_{row:07d}.pt"
 
     def missing(self, rows: set[int]) -> list[int]:
-        """The shards holding `rows` that are not on disk yet."""
-        return sorted({r // SHARD for r in rows if not self._path(r // SHARD).is_file()})
+        """The windows among `rows` whose distribution is not on disk yet."""
+        return sorted(r for r in rows if not self._path(r).is_file())
 
     def build(self, teacher: nn.Module, windows: torch.Tensor, rows: set[int], batch_size: int, progress=True) -> int:
-        """Compute and write every missing shard holding one of `rows` (windows [N, T], the training windows);
-        returns how many windows the teacher ran on. `teacher` runs under the caller's autocast."""
+        """Compute and write the distribution of every window in `rows` not cached yet (windows [N, T]: the
+        training windows); returns how many windows the teacher ran on. `teacher` runs under the caller's
+        autocast."""
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "meta.json").write_text(json.dumps(self.identity, indent=1))
-        shards = self.missing(rows)
+        missing = self.missing(rows)
         device = teacher.model.norm.weight.device
-        total = sum(min(SHARD, windows.shape[0] - s * SHARD) for s in shards)
-        bar = tqdm(total=total, desc="teacher top-k", unit="window", disable=not progress)
-        for shard in shards:
-            block = windows[shard * SHARD : (shard + 1) * SHARD]
-            parts = []
-            for start in range(0, block.shape[0], batch_size):
-                ids = block[start : start + batch_size].to(device)
-                parts.append(top_k_distribution(teacher, ids, self.identity["top_k"], self.identity["temperature"]))
-                bar.update(ids.shape[0])
-            index, logprobs, tail = (torch.cat(p).cpu() for p in zip(*parts, strict=True))
-            record = {
-                "indices": index.to(torch.int32),  # 4 bytes: vocabularies pass 65,536 (Qwen2.5: 151,936)
-                "logprobs": logprobs.to(torch.float16),
-                "tail": tail,
-            }
-            tmp = self._path(shard).with_suffix(".tmp")
-            torch.save(record, tmp)
-            os.replace(tmp, self._path(shard))
-        bar.close()
-        return total
+        for start in tqdm(range(0, len(missing), batch_size), desc="teacher top-k", unit="batch", disable=not progress):
+            chunk = missing[start : start + batch_size]
+            index, logprobs, tail = (
+                t.cpu()
+                for t in top_k_distribution(
+                    teacher, windows[chunk].to(device), self.identity["top_k"], self.identity["temperature"]
+                )
+            )
+            for i, row in enumerate(chunk):
+                record = {  # cloned: a saved view would write its whole batch's storage
+                    "indices": index[i].to(torch.int32).clone(),  # int32: vocabularies pass 65,536 (Qwen2.5)
+                    "logprobs": logprobs[i].to(torch.float16).clone(),
+                    "tail": tail[i].clone(),
+                }
+                tmp = self._path(row).with_suffix(".tmp")
+                torch.save(record, tmp)
+                os.replace(tmp, self._path(row))
+        return len(missing)
 
     def targets(self, rows: list[int], device: torch.device) -> TeacherTargets:
         """The cached distribution of training windows `rows` (built before), on `device`."""
-        picked = []
         for row in rows:
-            shard, offset = divmod(row, SHARD)
-            if shard not in self._shards:
-                if not self._path(shard).is_file():
-                    raise RuntimeError(f"{self._path(shard)} is missing: build the cache for the run's windows first")
-                self._shards[shard] = torch.load(self._path(shard), weights_only=True)
-            # widened before stacking: CPU autocast refuses to stack float16
-            picked.append(
-                {
-                    k: v[offset].to(torch.long if k == "indices" else torch.float32)
-                    for k, v in self._shards[shard].items()
-                }
-            )
-        return TeacherTargets(
-            *(torch.stack([p[k] for p in picked]).to(device) for k in ("indices", "logprobs", "tail"))
-        )
+            if row not in self._loaded:
+                if not self._path(row).is_file():
+                    raise RuntimeError(f"{self._path(row)} is missing: build the cache for the run's windows first")
+                record = torch.load(self._path(row), weights_only=True)
+                # widened once here: CPU autocast refuses to stack float16
+                self._loaded[row] = (record["indices"].long(), record["logprobs"].float(), record["tail"])
+        return TeacherTargets(*(torch.stack(parts).to(device) for parts in zip(*(self._loaded[r] for r in rows))))

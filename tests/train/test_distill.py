@@ -13,7 +13,7 @@ from leanlm.model.llama import build_model
 from leanlm.train.distill import DistillConfig, DistillObjective, distillation_loss_sum, prepare_teacher, rows_read
 from leanlm.train.forward import logits
 from leanlm.train.student import keep_layers
-from leanlm.train.teacher_cache import SHARD, TeacherCache, TeacherTargets, top_k_distribution
+from leanlm.train.teacher_cache import TeacherCache, TeacherTargets, top_k_distribution
 from leanlm.train.trainer import TrainConfig, Trainer
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.train.conftest import SEQ_LEN, VOCAB
@@ -75,8 +75,7 @@ def test_cache_is_computed_once_and_matches_the_teacher(tiny_model, windows, tmp
     config = DistillConfig(top_k=6)
     cache = prepare_teacher(teacher, "tiny", data, cfg, config, tmp_path / "cache", progress=False)
     rows = sorted(rows_read(data, cfg))
-    shards = {r // SHARD for r in rows}
-    assert sorted(p.name for p in (tmp_path / "cache").glob("shard_*.pt")) == [f"shard_{s:05d}.pt" for s in shards]
+    assert sorted(p.name for p in (tmp_path / "cache").glob("window_*.pt")) == [f"window_{r:07d}.pt" for r in rows]
     got = cache.targets(rows[:3], torch.device("cpu"))
     index, logprobs, tail = top_k_distribution(teacher, data.train[rows[:3]], 6, 1.0)
     assert torch.equal(got.indices, index)
@@ -170,9 +169,9 @@ def test_distill_command_makes_a_student_the_engine_loads(tmp_path, tokenizer, c
     assert [step["method"] for step in recipe] == ["keep_layers", "train"]
     assert load_model(str(out), progress=False).config.num_hidden_layers == cfg.num_hidden_layers // 2
     # the same run again reuses the cache: no teacher windows computed
-    shards = sorted((out / "teacher_cache").glob("shard_*.pt"))
-    stamps = [p.stat().st_mtime_ns for p in shards]
+    files = sorted((out / "teacher_cache").glob("window_*.pt"))
+    stamps = [p.stat().st_mtime_ns for p in files]
     assert main([*argv[:-4], "--out", str(tmp_path / "again"), "--teacher-cache", str(out / "teacher_cache")]) == 0
-    assert [p.stat().st_mtime_ns for p in shards] == stamps
+    assert [p.stat().st_mtime_ns for p in files] == stamps
     assert main([*argv, "--keep-layers", "0,9"]) == 2
     assert "distinct indices" in capsys.readouterr().err
