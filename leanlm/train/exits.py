@@ -190,44 +190,34 @@ def _row_chunks(num_rows: int, chunk: int):
     return [slice(s, s + chunk) for s in range(0, num_rows, chunk)]
 
 
-def exit_loss(
-    model: nn.Module, ids: torch.Tensor, config: ExitHeadsConfig, chunk: int = 512
-) -> tuple[torch.Tensor, dict[int, float]]:
-    """Sum over exits of the mean per-token T^2 KL(final || exit at T) (+ ce_weight x next-token CE) on ids
-    [B, T], and each exit's mean KL part. Each (rows, exit) pair runs under checkpointing, so no [n, V] logits
-    are kept for the backward."""
+def exit_loss_backward(
+    model: nn.Module, ids: torch.Tensor, config: ExitHeadsConfig, scale: float = 1.0, chunk: int = 512
+) -> tuple[float, dict[int, float]]:
+    """Backpropagate `scale` x the summed per-exit loss on ids [B, T] into the exits' gradients, and return that
+    loss (unscaled) and each exit's KL part. The loss of an exit: mean per-token T^2 KL(final || exit, at T)
+    + ce_weight x next-token CE. The model is frozen, so the terms of different rows and exits share no graph:
+    each (rows, exit) term goes backward at once and no [n, V] logits outlive it."""
     streams, final = _streams(model, ids, set(config.layers))
     batch, seq = ids.shape
-    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).reshape(-1)  # [B*T]; the last position of each window
-    scored = (torch.arange(seq, device=ids.device) < seq - 1).repeat(batch)  # [B*T] has no next token: unscored
+    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).reshape(-1)  # [B*T]
+    scored = (torch.arange(seq, device=ids.device) < seq - 1).repeat(batch)  # [B*T]: the last position has no next
     num_scored = int(scored.sum())
-    total = final.new_zeros((), dtype=torch.float32)
-    parts = dict.fromkeys(config.layers, 0.0)
+    total, parts = 0.0, dict.fromkeys(config.layers, 0.0)
     for rows in _row_chunks(final.shape[0], chunk):
         with torch.no_grad():
-            teacher = (model.compute_logits(final[rows]).float() / config.temperature).log_softmax(dim=-1)
+            teacher = (model.compute_logits(final[rows]).float() / config.temperature).log_softmax(dim=-1)  # [n, V]
         for k in config.layers:
-            kl, ce = torch.utils.checkpoint.checkpoint(
-                _exit_terms,
-                model,
-                model.model.exits[str(k)],
-                streams[k][rows],
-                teacher,
-                targets[rows],
-                scored[rows],
-                config.temperature,
-                use_reentrant=False,
-            )
-            total = total + (config.temperature**2 * kl + config.ce_weight * ce) / num_scored
+            scores = model.compute_logits(model.model.exits[str(k)](streams[k][rows])).float()  # [n, V]
+            log_q = (scores / config.temperature).log_softmax(dim=-1)
+            kl = (F.kl_div(log_q, teacher, log_target=True, reduction="none").sum(-1) * scored[rows]).sum()
+            loss = config.temperature**2 * kl
+            if config.ce_weight:
+                ce = F.cross_entropy(scores, targets[rows], reduction="none")
+                loss = loss + config.ce_weight * (ce * scored[rows]).sum()
+            (loss * (scale / num_scored)).backward()
+            total += float(loss.detach()) / num_scored
             parts[k] += float(kl.detach()) / num_scored
     return total, parts
-
-
-def _exit_terms(model, head, x, teacher, targets, scored, temperature):
-    scores = model.compute_logits(head(x)).float()  # [n, V]
-    kl = F.kl_div((scores / temperature).log_softmax(dim=-1), teacher, log_target=True, reduction="none").sum(-1)
-    ce = F.cross_entropy(scores, targets, reduction="none")
-    return (kl * scored).sum(), (ce * scored).sum()
 
 
 @dataclass
@@ -309,9 +299,8 @@ class ExitTrainer:
         for micro in range(cfg.grad_accum):
             ids = self.data.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seed).to(device)
             with torch.autocast(device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "float32"):
-                loss, _ = exit_loss(self.model, ids, self.exits)
-            (loss / cfg.grad_accum).backward()
-            total += float(loss.detach()) / cfg.grad_accum
+                loss, _ = exit_loss_backward(self.model, ids, self.exits, scale=1 / cfg.grad_accum)
+            total += loss / cfg.grad_accum
         if cfg.grad_clip:
             nn.utils.clip_grad_norm_(list(self.heads.parameters()), cfg.grad_clip)
         self.optimizer.step()
