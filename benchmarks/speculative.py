@@ -307,10 +307,13 @@ def exit_argmax(net, ids: list[int]) -> torch.Tensor:
         return net.compute_logits(net(torch.tensor(ids), torch.arange(len(ids)))).argmax(dim=-1)
 
 
-def exit_rows(layer_counts: tuple[int, ...] = (8, 16, 20, 24, 26, 28), rounds: int = 5) -> list[ExitRow]:
-    """Why self-speculation does not pay on SmolLM2: how often an untrained early exit agrees with the whole
-    model (the ceiling of its greedy acceptance) against what its step costs."""
-    net, tokenizer = load_net(SMOL)
+def exit_rows(
+    layer_counts: tuple[int, ...] = (8, 16, 20, 24, 26, 28), rounds: int = 5, model: str = SMOL
+) -> list[ExitRow]:
+    """Why self-speculation does not pay on SmolLM2: how often an early exit agrees with the whole model (the
+    ceiling of its greedy acceptance) against what its step costs. Untrained on SMOL; through the trained exits
+    of a `leanlm train --exits` checkpoint where `model` has them (first_layers picks them)."""
+    net, tokenizer = load_net(model)
     prompt_ids = prompts(tokenizer)
     full = {kind: exit_argmax(net, ids) for kind, ids in prompt_ids.items()}
     drafts = {num_layers: net.first_layers(num_layers) for num_layers in layer_counts}
@@ -519,6 +522,31 @@ def format_report(
     return "\n".join(lines)
 
 
+def format_trained_exits(results: dict) -> str:
+    """Self-speculation on SmolLM2 through its untrained exits (final norm) and through trained ones."""
+    lines = [
+        "| exits | setup | prompt | speedup | decode speedup | acceptance | tokens/step | identical |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for label, part in results.items():
+        for r in map(lambda d: LatencyRow(**d), part["latency"]):
+            if r.proposer != "plain":
+                lines.append(
+                    f"| {label} | {r.proposer} | {r.prompt} | {r.speedup:.2f}x | {r.decode_speedup:.2f}x | "
+                    f"{r.acceptance:.2f} | {r.tokens_per_step:.2f} | {'yes' if r.identical else 'NO'} |"
+                )
+    lines += ["", "| exits | K | " + " | ".join(f"agreement, {k}" for k in PROMPT_KINDS) + " | step ms |"]
+    lines.append("|---|---:|" + "---:|" * len(PROMPT_KINDS) + "---:|")
+    for label, part in results.items():
+        for e in map(lambda d: ExitRow(**d), part["agreement"]):
+            cells = " | ".join(f"{e.agreement[k]:.2f}" for k in PROMPT_KINDS)
+            lines.append(f"| {label} | {e.num_layers} | {cells} | {e.step_ms:.2f} |")
+    return "\n".join(lines)
+
+
+PROMPT_KINDS = ("code edit", "code completion", "extractive", "open chat")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -530,6 +558,7 @@ def main() -> None:
         default=8,
         help="touch this much memory first: a VM's first touch of a page is slow, later reuse is not",
     )
+    ap.add_argument("--exits-model", default=None, help="trained-exits part: a `leanlm train --exits` checkpoint")
     ap.add_argument("--results-dir", default="bench-results/speculative")
     ap.add_argument("--doc", default=None)
     args = ap.parse_args()
@@ -570,6 +599,18 @@ def main() -> None:
         results["costs"] = [asdict(r) for r in cost_rows(root)]
     if "exits" in parts:
         results["exits"] = [asdict(r) for r in exit_rows()]
+    if "trained-exits" in parts:  # self:K before and after `leanlm train --exits` (docs/training.md)
+        if args.exits_model is None:
+            raise SystemExit("--parts trained-exits needs --exits-model DIR (a `leanlm train --exits` output)")
+        setups = {"plain": {}, "self:24": dict(speculative="self:24"), "self:16": dict(speculative="self:16")}
+        results["trained_exits"] = {
+            label: {
+                "latency": [asdict(r) for r in latency_rows(model, setups, args.reps, args.threshold)],
+                "agreement": [asdict(r) for r in exit_rows((8, 16, 24), model=model)],
+            }
+            for label, model in (("untrained", SMOL), ("trained", args.exits_model))
+        }
+        print(format_trained_exits(results["trained_exits"]))
     if "batch" in parts:
         results["batch"] = [asdict(r) for r in batch_rows(args.reps, args.threshold)]
     if "memory" in parts:

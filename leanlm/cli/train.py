@@ -3,6 +3,7 @@ budget, resumably, and save it as a checkpoint the engine loads (2:4 results pac
 
     leanlm prune --method sparsegpt --pattern 2:4 --out smol-24
     leanlm train --model smol-24 --recipe sr-ste --pattern 2:4 --tokens 600000 --out smol-24-srste
+    leanlm train --exits 8,16,24 --lr 1e-3 --tokens 100000 --out smol-exits   # then --speculative self:24
 
 Run the same command again after an interruption and it resumes from OUT/train_state.pt.
 """
@@ -68,6 +69,14 @@ def add_parser(sub) -> None:
         "--qat-bits", type=int, default=None, help="quantization-aware training: RTN to these bits first (2-4, 8)"
     )
     p.add_argument("--qat-group-size", type=int, default=64, help="with --qat-bits: columns per scale; 0 = per channel")
+    p.add_argument(
+        "--exits",
+        default=None,
+        help="train early-exit heads after these layer counts (e.g. 8,16,24) on the frozen model",
+    )
+    p.add_argument("--exit-adapter-rank", type=int, default=0, help="with --exits: 0 = norm only; r = + rank-r adapter")
+    p.add_argument("--exit-temperature", type=float, default=1.0, help="with --exits: temperature of the KL")
+    p.add_argument("--exit-ce-weight", type=float, default=0.0, help="with --exits: weight of next-token CE")
     p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
     p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
     add_dataclass_args(p, TrainConfig)
@@ -99,6 +108,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--qat-bits trains a quantized model: it does not combine with --recipe {args.recipe}")
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
+    exits = build_exits_config(args)
+    if exits is not None and (sparsity is not None or qat is not None or gqa is not None):
+        raise ValueError("--exits trains heads on a frozen model: it does not combine with a recipe, QAT or GQA")
     model, tokenizer = load_trainable(args.model, args.device)
     if gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
         compress(model, [gqa], progress=False)
@@ -111,6 +123,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     state = out / STATE_FILE
     if state.is_file():
         print(f"resuming from {state}")
+    if exits is not None:
+        return _train_exits(model, tokenizer, data, config, exits, state, args)
     trainer = Trainer(model, data, config, sparsity, state)
     before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
     result = trainer.run()
@@ -124,6 +138,57 @@ def cmd_train(args: argparse.Namespace) -> int:
         state.unlink(missing_ok=True)
     recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
     print(format_result(result, args.model, out, recipe, before, time.perf_counter() - start))
+    return 0
+
+
+def build_exits_config(args: argparse.Namespace):
+    """The ExitHeadsConfig behind --exits (None without it); validates the flags."""
+    from leanlm.train.exits import ExitHeadsConfig
+
+    if args.exits is None:
+        return None
+    try:
+        layers = tuple(int(k) for k in args.exits.split(","))
+    except ValueError:
+        raise ValueError(f"--exits takes layer counts separated by commas, e.g. 8,16,24; got {args.exits!r}") from None
+    return ExitHeadsConfig(layers, args.exit_temperature, args.exit_ce_weight, args.exit_adapter_rank)
+
+
+def _train_exits(model, tokenizer, data, config, exits, state: Path, args: argparse.Namespace) -> int:
+    """Exit heads on the frozen model: held-out KL and agreement with the final layer before and after, a 95%
+    threshold per exit and confidence measure, and the model saved with its exits."""
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.train.exits import CONFIDENCE_MEASURES, ExitTrainer, attach_exits, calibrate_threshold, exit_statistics
+
+    attach_exits(model, exits)
+    trainer = ExitTrainer(model, data, config, exits, state)
+    before = None if state.is_file() else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
+    result = trainer.run()
+    after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)
+    save_checkpoint(model, Path(args.out), tokenizer)
+    if not args.keep_state:
+        state.unlink(missing_ok=True)
+    resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
+    lines = [
+        f"{args.model} -> {args.out}: exits after layers {', '.join(map(str, exits.layers))}, {result.steps} steps, "
+        f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:.0f} tokens/s){resumed}",
+        f"held-out ({data.held_out.numel():,} tokens), against the final layer:",
+    ]
+    for k, s in after.items():
+        was = f"KL {before[k].mean_kl:.3f} -> " if before else "KL "
+        agree = f"top-1 {before[k].agreement:.3f} -> " if before else "top-1 "
+        lines.append(f"  exit {k}: {was}{s.mean_kl:.3f}, {agree}{s.agreement:.3f}")
+    lines.append("thresholds for 95% agreement with the full model (share of tokens that would exit there):")
+    for k, s in after.items():
+        cells = []
+        for measure in CONFIDENCE_MEASURES:
+            c = calibrate_threshold(s, measure, 0.95)
+            cells.append(
+                f"{measure} " + ("none" if c.threshold is None else f">= {c.threshold:.3f}: {c.exit_fraction:.1%}")
+            )
+        lines.append(f"  exit {k}: " + "; ".join(cells))
+    lines.append(f"draft with them: leanlm generate --model {args.out} --speculative self:{exits.layers[-1]}")
+    print("\n".join(lines))
     return 0
 
 

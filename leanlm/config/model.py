@@ -72,6 +72,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, eot, im_end, ...)
     name: str = ""  # human-readable model name, for logs
+    # trained early-exit heads (leanlm.model.exit_head): after how many layers each reads the residual stream,
+    # and the rank of their adapters (0 = an RMSNorm only); saved in config.json as "leanlm_exits"
+    exit_layers: tuple[int, ...] = ()
+    exit_adapter_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -106,6 +110,13 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be > 0")
+        layers = self.exit_layers
+        if list(layers) != sorted(set(layers)) or any(not 1 <= k < self.num_hidden_layers for k in layers):
+            raise ValueError(
+                f"exit_layers must be increasing layer counts in 1..{self.num_hidden_layers - 1}, got {layers}"
+            )
+        if self.exit_adapter_rank < 0 or (self.exit_adapter_rank and not layers):
+            raise ValueError(f"exit_adapter_rank must be >= 0 and needs exit_layers, got {self.exit_adapter_rank}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -136,6 +147,7 @@ class ModelConfig:
                     high_freq_factor=float(raw_scaling.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=int(raw_scaling.get("original_max_position_embeddings", 8192)),
                 )
+        exits = cfg.get("leanlm_exits") or {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -156,6 +168,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=str(cfg.get("_name_or_path", "")),
+            exit_layers=tuple(int(k) for k in exits.get("layers", ())),
+            exit_adapter_rank=int(exits.get("adapter_rank", 0)),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -183,4 +197,6 @@ class ModelConfig:
             cfg["mlp_bias"] = False
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        if self.exit_layers:  # HF loaders ignore the key (and the exits' tensors)
+            cfg["leanlm_exits"] = {"layers": list(self.exit_layers), "adapter_rank": self.exit_adapter_rank}
         return cfg

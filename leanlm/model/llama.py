@@ -16,6 +16,7 @@ from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_rows
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
+from leanlm.model.exit_head import build_exits
 from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from leanlm.model.native_decode import NativeDecodePlan
 
@@ -112,6 +113,8 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # trained early exits (config.exit_layers): read by drafts and training only, never by this forward
+        self.exits = build_exits(config.hidden_size, config.rms_norm_eps, config.exit_layers, config.exit_adapter_rank)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         """Embeddings x [T, hidden] -> final-normed hidden [T, hidden]."""
@@ -133,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, get_backend(attention_backend))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb: RotaryEmbedding | None = None  # built on the real device by build_model
+        # an early-exit draft's adapter, between its norm and the head (first_layers); None on a whole model
+        self.head_adapter: nn.Module | None = None
         # Every layer in one native call for all-decode steps, rebuilt when the weights change.
         self._native_plan: NativeDecodePlan | None = None
         self.allow_native_decode = True  # False keeps every step on the PyTorch path (tests compare the two)
@@ -155,21 +160,28 @@ class LlamaForCausalLM(nn.Module):
         return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_adapter is not None:
+            hidden = self.head_adapter(hidden)
         return self.lm_head(hidden)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
-        """This model cut after `num_layers` decoder layers, then its final norm and head (the early-exit draft
-        of self-speculation). Every module, and so every weight, is shared: nothing is copied. Its layers keep
-        their indices, so it reads the target's KV cache for them.
+        """This model cut after `num_layers` decoder layers, then the head: through the trained exit at that
+        layer when the model has one (its norm as the draft's norm, its adapter before the head), else through
+        the final norm (the early-exit draft of self-speculation). Every module, and so every weight, is shared:
+        nothing is copied. Its layers keep their indices, so it reads the target's KV cache for them.
         """
         if not 1 <= num_layers < self.config.num_hidden_layers:
             raise ValueError(
                 f"a draft of the first {num_layers} layers needs 1 <= layers < {self.config.num_hidden_layers}"
             )
-        config = dataclasses.replace(self.config, num_hidden_layers=num_layers)
+        config = dataclasses.replace(self.config, num_hidden_layers=num_layers, exit_layers=(), exit_adapter_rank=0)
         with torch.device("meta"):
             draft = LlamaForCausalLM(config)
-        draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
+        exit_head = self.model.exits[str(num_layers)] if str(num_layers) in self.model.exits else None
+        draft.model.embed_tokens = self.model.embed_tokens
+        # the exit's norm stands where the final norm was, so the native decode loop runs the draft unchanged
+        draft.model.norm = self.model.norm if exit_head is None else exit_head.norm
+        draft.head_adapter = None if exit_head is None else exit_head.adapter
         draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
         draft.lm_head, draft.rotary_emb = self.lm_head, self.rotary_emb
         return draft.eval()

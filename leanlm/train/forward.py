@@ -9,6 +9,9 @@ logits against the engine's).
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,15 +44,23 @@ def decoder_layer(layer: LlamaDecoderLayer, x: torch.Tensor, rope: tuple[torch.T
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def hidden_states(model: nn.Module, input_ids: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-    """input_ids [B, T] -> final-normed hidden states [B, T, hidden] (after the first `num_layers` layers,
-    default all; the final norm applied either way)."""
+def residual_stream(model: nn.Module, input_ids: torch.Tensor, num_layers: int | None = None) -> Iterator[torch.Tensor]:
+    """input_ids [B, T] -> the residual stream [B, T, hidden] after 0, 1, ..., `num_layers` layers (default all),
+    un-normed, one at a time: early-exit training reads every layer's output from this one forward."""
     x = model.model.embed_tokens(input_ids)  # [B, T, hidden]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     rope = model.rotary_emb(positions, x.dtype)  # cos, sin [T, 1, D/2]
+    yield x
     for layer in model.model.layers[:num_layers]:
         x = decoder_layer(layer, x, rope)
-    return model.model.norm(x)
+        yield x
+
+
+def hidden_states(model: nn.Module, input_ids: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+    """input_ids [B, T] -> final-normed hidden states [B, T, hidden] (after the first `num_layers` layers,
+    default all; the final norm applied either way)."""
+    last = deque(residual_stream(model, input_ids, num_layers), maxlen=1).pop()  # no list of every layer's output
+    return model.model.norm(last)
 
 
 def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The training forward and loop on the real bundled SmolLM2: logits equal to the engine's path, and a few
-SR-STE steps from a 2:4-pruned copy (its first 6 layers) lower the held-out loss and leave a 2:4 model."""
+"""The training forward and loop on the real bundled SmolLM2: logits equal to the engine's path, a few
+SR-STE steps from a 2:4-pruned copy (its first 6 layers) lower the held-out loss and leave a 2:4 model, and a
+trained early exit lowers its KL and drafts plain greedy output through self:24."""
 
 import pytest
 import torch
@@ -36,3 +37,29 @@ def test_sr_ste_steps_recover_a_2_4_smollm2(smollm):
     result = trainer.run()
     assert result.held_out[-1][1] < before - 0.1
     assert satisfies_nm(model.model.layers[5].mlp.down_proj.weight, 2, 4)
+
+
+def test_trained_exit_on_smollm2_lowers_kl_and_drafts_plain_greedy_output(smollm):
+    from leanlm.config import EngineConfig
+    from leanlm.engine.engine import LLMEngine
+    from leanlm.sampling_params import SamplingParams
+    from leanlm.train.exits import ExitHeadsConfig, ExitTrainer, attach_exits, exit_statistics
+    from tests.conftest import run_to_completion
+
+    model = build_model(smollm.config, {k: v.clone() for k, v in smollm.state_dict.items()}, torch.float32)
+    exits = ExitHeadsConfig(layers=(24,))
+    attach_exits(model, exits)
+    ids = smollm.tokenizer.encode(read_calibration_text()[:20_000], add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, 64, held_out=2)
+    cfg = TrainConfig(tokens=64 * 2 * 3, seq_len=64, batch_size=2, grad_accum=1, lr=2e-2, warmup_steps=0)
+    before = exit_statistics(model, data.held_out)[24].mean_kl
+    ExitTrainer(model, data, cfg, exits, progress=False).run()
+    assert exit_statistics(model, data.held_out)[24].mean_kl < before - 0.5
+    prompt = smollm.tokenizer.encode("The Eiffel Tower is a wrought-iron lattice tower in Paris. It was built")
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for spec in (None, "self:24"):
+        engine = LLMEngine(model, smollm.tokenizer, EngineConfig(speculative=spec), torch.device("cpu"), torch.float32)
+        rid = engine.add_request(prompt, greedy)
+        outputs[spec] = run_to_completion(engine)[rid].outputs[0].token_ids
+    assert outputs["self:24"] == outputs[None]
