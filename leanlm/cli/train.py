@@ -137,6 +137,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.keep_state:
         state.unlink(missing_ok=True)
     recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
+    if qat is not None:
+        recipe = f"quantization-aware training (W{qat.bits}" + (f" g{qat.group_size})" if qat.group_size else ")")
+    if gqa is not None:
+        recipe += f", {gqa.num_key_value_heads} K/V heads ({gqa.init} init)"
     print(format_result(result, args.model, out, recipe, before, time.perf_counter() - start))
     return 0
 
