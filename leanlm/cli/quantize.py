@@ -33,6 +33,7 @@ def build_recipe(
     symmetric: bool | None = None,
     quantize_lm_head: bool = False,
     true_sequential: bool = False,
+    static_groups: bool = False,
 ) -> list[MethodConfig]:
     """The recipe behind each CLI method. group_size None = the method's default (64 below 8 bits, per
     channel at 8), 0 = per channel."""
@@ -48,7 +49,7 @@ def build_recipe(
     if method == "rtn":
         return [RTNConfig(**scheme)]
     if method == "gptq":
-        return [GPTQConfig(**scheme, act_order=act_order, true_sequential=true_sequential)]
+        return [GPTQConfig(**scheme, act_order=act_order, true_sequential=true_sequential, static_groups=static_groups)]
     if method == "awq":
         return [AWQConfig(**scheme), RTNConfig(**scheme)]
     if method == "smoothquant":
@@ -99,6 +100,12 @@ def add_parser(sub) -> None:
         help="GPTQ: fit o_proj to the quantized q/k/v and down_proj to the quantized gate/up (about "
         "+20%% calibration time)",
     )
+    p.add_argument(
+        "--static-groups",
+        action="store_true",
+        help="GPTQ act-order with each group's scale fixed in input order: no permutation is stored (what QAT "
+        "and the 2:4 int4 format need)",
+    )
     p.add_argument("--quantize-lm-head", action="store_true", help="also quantize the output head")
     add_calibration_args(p, "GPTQ, AWQ, SmoothQuant, LLM.int8()")
     p.add_argument(
@@ -136,6 +143,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         args.symmetric,
         args.quantize_lm_head,
         args.true_sequential,
+        args.static_groups,
     )  # validates before loading
     check_output_format(args.format, recipe)
     return run_recipe(args, recipe, args.method in NEEDS_CALIBRATION, args.format)

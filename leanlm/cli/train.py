@@ -70,6 +70,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--qat-group-size", type=int, default=64, help="with --qat-bits: columns per scale; 0 = per channel")
     p.add_argument(
+        "--qat",
+        action="store_true",
+        help="quantization-aware training of the checkpoint's own int8 / 2-4 bit layers (e.g. a GPTQ output made "
+        "with --static-groups)",
+    )
+    p.add_argument(
         "--exits",
         default=None,
         help="train early-exit heads after these layer counts (e.g. 8,16,24) on the frozen model",
@@ -104,18 +110,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     gqa = None if args.kv_heads is None else GQAConfig(num_key_value_heads=args.kv_heads, init=args.kv_init)
     qat = None if args.qat_bits is None else RTNConfig(bits=args.qat_bits, group_size=args.qat_group_size or None)
-    if qat is not None and sparsity is not None:
-        raise ValueError(f"--qat-bits trains a quantized model: it does not combine with --recipe {args.recipe}")
+    if args.qat and qat is not None:
+        raise ValueError(
+            "--qat trains the checkpoint's quantized layers, --qat-bits quantizes with RTN first: pick one"
+        )
+    if (qat is not None or args.qat) and sparsity is not None:
+        raise ValueError(f"QAT trains a quantized model: it does not combine with --recipe {args.recipe}")
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
     exits = build_exits_config(args)
-    if exits is not None and (sparsity is not None or qat is not None or gqa is not None):
+    if exits is not None and (sparsity is not None or qat is not None or args.qat or gqa is not None):
         raise ValueError("--exits trains heads on a frozen model: it does not combine with a recipe, QAT or GQA")
-    model, tokenizer = load_trainable(args.model, args.device)
+    model, tokenizer = load_trainable(args.model, args.device, keep_quantized=args.qat)
     if gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
         compress(model, [gqa], progress=False)
     if qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
         compress(model, [qat], progress=False)
+    if qat is not None or args.qat:
         attach_fake_quant(model)
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
@@ -128,7 +139,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(model, data, config, sparsity, state)
     before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
     result = trainer.run()
-    if qat is not None:
+    if qat is not None or args.qat:
         detach_fake_quant(model)
     if sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
         pack_semi_structured(model, [])
@@ -139,6 +150,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
     if qat is not None:
         recipe = f"quantization-aware training (W{qat.bits}" + (f" g{qat.group_size})" if qat.group_size else ")")
+    if args.qat:
+        recipe = "quantization-aware training of the checkpoint's quantized layers"
     if gqa is not None:
         recipe += f", {gqa.num_key_value_heads} K/V heads ({gqa.init} init)"
     print(format_result(result, args.model, out, recipe, before, time.perf_counter() - start))

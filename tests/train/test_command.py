@@ -125,6 +125,36 @@ def test_quantization_aware_training_saves_trained_int4_layers(tmp_path, tokeniz
     assert "does not combine" in capsys.readouterr().err
 
 
+def test_quantization_aware_training_of_a_gptq_checkpoint(tmp_path, tokenizer, capsys):
+    from leanlm.compress import GPTQConfig
+    from leanlm.llm import load_model
+
+    cfg = tiny_config(tokenizer.vocab_size)
+    ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def gptq(name, **kw):
+        model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
+        compress(model, GPTQConfig(bits=4, group_size=32, **kw), ids, progress=False)
+        return model, save_checkpoint(model, tmp_path / name, tokenizer)
+
+    start, static = gptq("static", act_order=True, static_groups=True)
+    data, out = tmp_path / "text.txt", tmp_path / "qat"
+    data.write_text(TEXT)
+    argv = ["train", "--model", str(static), "--qat", "--data", str(data), "--seq-len", "32", "--lr", "1e-3"]
+    argv += ["--tokens", str(32 * 8 * 2), "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 0
+    assert "quantization-aware training of the checkpoint's quantized layers, 2 steps" in capsys.readouterr().out
+    trained = load_model(str(out), progress=False).model.layers[0].mlp.up_proj
+    before = start.model.layers[0].mlp.up_proj
+    assert trained.perm is None and trained.bits == 4
+    assert not torch.equal(trained.dequantized_weight(), before.dequantized_weight())
+    _, permuted = gptq("act-order", act_order=True)
+    assert main([*argv[:2], str(permuted), *argv[3:-4], "--out", str(tmp_path / "bad"), "--device", "cpu"]) == 2
+    assert "static groups" in capsys.readouterr().err
+    assert main([*argv, "--qat-bits", "4"]) == 2
+    assert "pick one" in capsys.readouterr().err
+
+
 def test_fake_quant_layers_swap_in_and_back(tmp_path):
     from leanlm.compress import RTNConfig
     from leanlm.model.quantized.fake_quant import FakeQuantLinear

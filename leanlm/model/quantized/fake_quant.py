@@ -33,7 +33,8 @@ class FakeQuantLinear(nn.Module):
         if isinstance(layer, IntGroupWeightOnlyLinear):
             if layer.perm is not None:
                 raise ValueError(
-                    "LKD trains layers stored in input order: quantize without act-order (or with static groups)"
+                    "QAT and LKD train layers stored in input order: quantize without act-order, or with GPTQ's "
+                    "static groups (--static-groups)"
                 )
             self.lo, self.hi, group = 0, 2**layer.bits - 1, layer.group_size
             offset = layer.mins
