@@ -175,10 +175,17 @@ def _train_exits(model, tokenizer, data, config, exits, state: Path, args: argpa
     """Exit heads on the frozen model: held-out KL and agreement with the final layer before and after, a 95%
     threshold per exit and confidence measure, and the model saved with its exits."""
     from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.train.exits import CONFIDENCE_MEASURES, ExitTrainer, attach_exits, calibrate_threshold, exit_statistics
+    from leanlm.train.exits import (
+        CONFIDENCE_MEASURES,
+        ExitObjective,
+        attach_exits,
+        calibrate_threshold,
+        exit_statistics,
+    )
+    from leanlm.train.trainer import Trainer
 
     attach_exits(model, exits)
-    trainer = ExitTrainer(model, data, config, exits, state)
+    trainer = Trainer(model, data, config, None, state, objective=ExitObjective(exits))
     before = None if state.is_file() else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
     result = trainer.run()
     after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)

@@ -84,6 +84,11 @@ class DistillObjective:
     def identity(self) -> dict:
         return {"method": "distill", **self.cache.identity, **dataclasses.asdict(self.config)}
 
+    def backward(self, model: nn.Module, input_ids: torch.Tensor, rows: list[int], scale: float) -> float:
+        loss = self.loss(model, input_ids, rows)
+        (loss * scale).backward()
+        return float(loss.detach())
+
     def loss(self, model: nn.Module, input_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Mean loss per scored position of the micro-batch [B, T]. Like causal_lm_loss, the head and loss run
         CHUNK positions at a time under checkpointing, so the [B*T, V] scores never exist at once."""

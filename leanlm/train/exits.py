@@ -1,29 +1,21 @@
 """Early-exit heads trained on a frozen model (CALM, Schuster et al. 2022; LayerSkip, Elhoushi et al. 2024): each
 exit learns to make the shared LM head, reading layer K's residual stream, match the whole model's distribution.
-One frozen forward per batch gives every exit its input; only the heads train. Also CALM's confidence measures
-and a per-exit threshold calibration on held-out text.
-
-    attach_exits(model, ExitHeadsConfig(layers=(8, 16, 24)))
-    result = ExitTrainer(model, TokenWindows.from_ids(ids, 256), TrainConfig(tokens=100_000, lr=1e-3)).run()
+One frozen forward per batch gives every exit its input; only the heads train, in the trainer's loop
+(ExitObjective). Also CALM's confidence measures and a per-exit threshold calibration on held-out text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from leanlm.model.exit_head import build_exits
-from leanlm.train.data import TokenWindows
 from leanlm.train.forward import residual_stream
-from leanlm.train.trainer import DTYPES, TrainConfig
+from leanlm.train.trainer import DTYPES
 
 
 def _opt(default, help: str, **extra):
@@ -220,141 +212,30 @@ def exit_loss_backward(
     return total, parts
 
 
-@dataclass
-class ExitTrainResult:
-    steps: int
-    tokens: int  # tokens trained on, this run and any it resumed
-    seconds: float  # wall time of the steps, this run and any it resumed
-    resumed_from: int  # the step the run started at (0 = fresh)
-    losses: list[float] = field(default_factory=list)  # training loss of each step (summed over exits)
-    held_out: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (step, {exit: held-out KL})
+class ExitObjective:
+    """The trainer's objective (leanlm.train.trainer.Objective) for exit heads attached to a frozen model
+    (attach_exits): only the heads train, and the held-out measure is each exit's KL to the final layer.
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
+        attach_exits(model, exits)
+        Trainer(model, data, TrainConfig(tokens=100_000, lr=1e-3), objective=ExitObjective(exits)).run()
+    """
 
+    def __init__(self, config: ExitHeadsConfig) -> None:
+        self.config = config
 
-class ExitTrainer:
-    """Trains the exits already attached to a frozen `model` (attach_exits) to `config`'s token budget, with its
-    learning-rate schedule, resuming from `state_path` like leanlm.train.trainer.Trainer."""
+    def identity(self) -> dict:
+        return {"method": "exits", **dataclasses.asdict(self.config)}
 
-    def __init__(
-        self,
-        model: nn.Module,
-        data: TokenWindows,
-        config: TrainConfig,
-        exits: ExitHeadsConfig,
-        state_path: str | Path | None = None,
-        progress: bool = True,
-    ) -> None:
-        if data.train.shape[1] != config.seq_len:
-            raise ValueError(f"data windows have {data.train.shape[1]} tokens, config.seq_len is {config.seq_len}")
-        if exit_layers(model) != exits.layers:
-            raise ValueError(f"the model's exits are at {exit_layers(model)}, not {exits.layers}: attach_exits first")
-        self.model, self.data, self.config, self.exits, self.progress = model, data, config, exits, progress
-        self.state_path = None if state_path is None else Path(state_path)
-        model.eval().requires_grad_(False)
-        self.heads = model.model.exits.float().requires_grad_(True)  # the master weights train in float32
-        params = list(self.heads.parameters())
-        decay = [p for p in params if p.dim() >= 2]
-        rest = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
-        self.result = ExitTrainResult(0, 0, 0.0, 0)
-
-    def run(self) -> ExitTrainResult:
-        cfg = self.config
-        start_step = self._resume()
-        bar = tqdm(
-            range(start_step, cfg.total_steps),
-            desc="training exits",
-            unit="step",
-            initial=start_step,
-            total=cfg.total_steps,
-            disable=not self.progress,
-        )
-        for step in bar:
-            began = time.perf_counter()
-            loss = self._step(step)
-            self.result.seconds += time.perf_counter() - began
-            self.result.steps, self.result.tokens = step + 1, (step + 1) * cfg.tokens_per_step
-            self.result.losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.result.tokens_per_second:.0f}")
-            done = step + 1 == cfg.total_steps
-            if done or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                self.result.held_out.append((step + 1, self.held_out_kl()))
-            if self.state_path is not None and cfg.save_every and ((step + 1) % cfg.save_every == 0 or done):
-                self.save_state()
-        self.heads.requires_grad_(False)
-        step = {"method": "exits", **dataclasses.asdict(self.exits), "train": dataclasses.asdict(cfg)}
-        self.model.compression_recipe = [*getattr(self.model, "compression_recipe", []), step]
-        return self.result
-
-    def _step(self, step: int) -> float:
-        cfg = self.config
-        for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr_at(step)
-        total = 0.0
-        device = self.model.model.norm.weight.device
-        for micro in range(cfg.grad_accum):
-            ids = self.data.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seed).to(device)
-            with torch.autocast(device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "float32"):
-                loss, _ = exit_loss_backward(self.model, ids, self.exits, scale=1 / cfg.grad_accum)
-            total += loss / cfg.grad_accum
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(list(self.heads.parameters()), cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
-
-    def held_out_kl(self) -> dict[int, float]:
-        """Mean KL(final || exit) per exit on the held-out windows."""
-        stats = exit_statistics(self.model, self.data.held_out, self.config.batch_size, self.config.dtype)
-        return {k: s.mean_kl for k, s in stats.items()}
-
-    # the state file follows Trainer's: identity check, written to a temporary file and renamed
-
-    def _identity(self) -> dict:
-        return {"config": dataclasses.asdict(self.config), "exits": dataclasses.asdict(self.exits)}
-
-    def save_state(self) -> None:
-        state = {
-            **self._identity(),
-            "heads": self.heads.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "result": dataclasses.asdict(self.result),
-        }
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
-
-    def _resume(self) -> int:
-        if self.state_path is None or not self.state_path.is_file():
-            return 0
-        state = torch.load(self.state_path, weights_only=False)
-        saved = {k: state.get(k) for k in self._identity()}
-        if saved != self._identity():
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        if exit_layers(model) != self.config.layers:
             raise ValueError(
-                f"{self.state_path} holds a run with other settings ({saved}); use another --out or delete it"
+                f"the model's exits are at {exit_layers(model)}, not {self.config.layers}: attach_exits first"
             )
-        self.heads.load_state_dict(state["heads"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.result = ExitTrainResult(
-            **{**state["result"], "held_out": [tuple(x) for x in state["result"]["held_out"]]}
-        )
-        self.result.resumed_from = self.result.steps
-        return self.result.steps
+        return list(model.model.exits.parameters())
 
+    def backward(self, model: nn.Module, input_ids: torch.Tensor, rows: list[int], scale: float) -> float:
+        return exit_loss_backward(model, input_ids, self.config, scale)[0]
 
-def train_exits(
-    model: nn.Module,
-    data: TokenWindows,
-    config: TrainConfig,
-    exits: ExitHeadsConfig,
-    state_path: str | Path | None = None,
-    progress: bool = True,
-) -> ExitTrainResult:
-    """Attach fresh exits to `model` and train them (see ExitTrainer); the model's own weights do not change."""
-    attach_exits(model, exits)
-    return ExitTrainer(model, data, config, exits, state_path, progress).run()
+    def held_out(self, model: nn.Module, windows: torch.Tensor, batch_size: int, dtype: str) -> dict[int, float]:
+        """Mean KL(final || exit) per exit on the held-out windows."""
+        return {k: s.mean_kl for k, s in exit_statistics(model, windows, batch_size, dtype).items()}

@@ -84,10 +84,14 @@ class TrainConfig:
 
 
 class Objective(Protocol):
-    """What a run minimizes, when it is not the next-token loss (leanlm.train.distill's teacher loss)."""
+    """What a run minimizes, when it is not the whole model's next-token loss: a teacher's distribution
+    (leanlm.train.distill), or early-exit heads on a frozen model (leanlm.train.exits). It may also define
+    `parameters(model)`, the parameters that train (default: every float one), and `held_out(model, windows,
+    batch_size, dtype)`, its held-out measure (default: the next-token loss)."""
 
-    def loss(self, model: nn.Module, input_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Mean loss of the micro-batch input_ids [B, T]: the training windows numbered `rows`."""
+    def backward(self, model: nn.Module, input_ids: torch.Tensor, rows: list[int], scale: float) -> float:
+        """Backpropagate `scale` x the mean loss of the micro-batch input_ids [B, T] (the training windows
+        numbered `rows`); return the loss, unscaled."""
         ...
 
     def identity(self) -> dict:
@@ -102,7 +106,7 @@ class TrainResult:
     seconds: float  # wall time of the steps, this run and any it resumed
     resumed_from: int  # the step the run started at (0 = fresh)
     losses: list[float] = field(default_factory=list)  # training loss of each step
-    held_out: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss)
+    held_out: list[tuple[int, float | dict]] = field(default_factory=list)  # (step, held-out loss or measure)
     sparsity: dict[str, float] = field(default_factory=dict)  # the sparsity method's summary
 
     @property
@@ -130,8 +134,12 @@ class Trainer:
         self.state_path = None if state_path is None else Path(state_path)
         self.sparse: SparseTraining | None = None if sparsity is None else build_sparse_training(sparsity)
         model.train().requires_grad_(False)
-        for p in model.parameters():
-            p.requires_grad_(p.is_floating_point())
+        if objective is not None and hasattr(objective, "parameters"):
+            trainable = objective.parameters(model)
+        else:
+            trainable = [p for p in model.parameters() if p.is_floating_point()]
+        for p in trainable:
+            p.requires_grad_(True)
         if self.sparse is not None:
             self.sparse.attach(model)
         self.optimizer = self._new_optimizer()
@@ -194,10 +202,10 @@ class Trainer:
             with torch.autocast(ids.device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "float32"):
                 if self.objective is None:
                     loss = causal_lm_loss(self.model, ids) / cfg.grad_accum
+                    loss.backward()
+                    total += float(loss.detach())
                 else:
-                    loss = self.objective.loss(self.model, ids, rows) / cfg.grad_accum
-            loss.backward()
-            total += float(loss.detach())
+                    total += self.objective.backward(self.model, ids, rows, 1 / cfg.grad_accum) / cfg.grad_accum
         if cfg.grad_clip:
             nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip)
         self.optimizer.step()
@@ -207,10 +215,13 @@ class Trainer:
         return total
 
     @torch.no_grad()
-    def held_out_loss(self) -> float:
-        """Mean next-token loss on the held-out windows (the end of the training text), whatever the objective:
-        runs with different objectives compare on it."""
+    def held_out_loss(self) -> float | dict:
+        """Mean next-token loss on the held-out windows (the end of the training text), so runs with different
+        objectives compare on it; or the objective's own held-out measure where it has one (exit heads: the
+        model's loss does not move)."""
         cfg, device = self.config, self.model.model.norm.weight.device
+        if self.objective is not None and hasattr(self.objective, "held_out"):
+            return self.objective.held_out(self.model, self.data.held_out, cfg.batch_size, cfg.dtype)
         was_training = self.model.training
         self.model.eval()
         losses = []

@@ -16,8 +16,8 @@ from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from leanlm.train.exits import (
     ExitHeadsConfig,
+    ExitObjective,
     ExitStatistics,
-    ExitTrainer,
     attach_exits,
     calibrate_threshold,
     exit_statistics,
@@ -26,7 +26,7 @@ from leanlm.train.exits import (
     top2_gap,
 )
 from leanlm.train.model import load_trainable
-from leanlm.train.trainer import TrainConfig
+from leanlm.train.trainer import TrainConfig, Trainer
 from tests.compress.conftest import dense_logits
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 from tests.train.conftest import SEQ_LEN, VOCAB
@@ -85,38 +85,44 @@ def test_training_lowers_held_out_kl_and_leaves_the_model_alone(windows, rank):
     exits = ExitHeadsConfig(layers=(1, 2), adapter_rank=rank, ce_weight=0.1)
     attach_exits(model, exits)
     before = _kl(model, windows.held_out)
-    result = ExitTrainer(model, windows, _config(), exits, progress=False).run()
+    result = Trainer(model, windows, _config(), progress=False, objective=ExitObjective(exits)).run()
     after = _kl(model, windows.held_out)
     for k in (1, 2):
         assert after[k] < 0.9 * before[k]
     assert result.held_out[-1][1] == pytest.approx(after, rel=0.02)  # the loop evaluates under bf16 autocast
-    assert result.tokens == SEQ_LEN * 4 * 30 and model.compression_recipe[-1]["method"] == "exits"
+    assert result.tokens == SEQ_LEN * 4 * 30 and model.compression_recipe[-1]["objective"]["method"] == "exits"
     for name, tensor in model.state_dict().items():
         if not name.startswith("model.exits."):
             assert torch.equal(tensor, frozen[name]), name
 
 
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(windows, tmp_path):
+class _Interrupt(Exception):
+    pass
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(windows, tmp_path, monkeypatch):
     config = _config(steps=6, save_every=1, dtype="float32")
     whole = attach_exits(_model(), EXITS)
-    ExitTrainer(whole, windows, config, EXITS, progress=False).run()
-    state = tmp_path / "state.pt"
-    first = attach_exits(_model(), EXITS)
-    ExitTrainer(first, windows, dataclasses.replace(config, tokens=SEQ_LEN * 4 * 3), EXITS, state, False).run()
-    with pytest.raises(ValueError, match="other settings"):  # a different budget is a different run
-        ExitTrainer(attach_exits(_model(), EXITS), windows, config, EXITS, state, False).run()
-    # the 3-step run's state, relabelled as the 6-step run's after 3 steps: same batches, same schedule
-    saved = torch.load(state, weights_only=False)
-    saved["config"] = dataclasses.asdict(config)
-    torch.save(saved, state)
+    Trainer(whole, windows, config, progress=False, objective=ExitObjective(EXITS)).run()
+    state, step = tmp_path / "state.pt", Trainer._step
+
+    def crash_at_step_3(self, index):
+        if index == 3:
+            raise _Interrupt
+        return step(self, index)
+
+    monkeypatch.setattr(Trainer, "_step", crash_at_step_3)
+    with pytest.raises(_Interrupt):
+        Trainer(attach_exits(_model(), EXITS), windows, config, None, state, False, ExitObjective(EXITS)).run()
+    monkeypatch.setattr(Trainer, "_step", step)
+    other = ExitObjective(ExitHeadsConfig(layers=(1, 2), ce_weight=0.5))
+    with pytest.raises(ValueError, match="other settings"):
+        Trainer(attach_exits(_model(), EXITS), windows, config, None, state, False, other).run()
     resumed = attach_exits(_model(), EXITS)
-    result = ExitTrainer(resumed, windows, config, EXITS, state, False).run()
+    result = Trainer(resumed, windows, config, None, state, False, ExitObjective(EXITS)).run()
     assert result.resumed_from == 3 and result.steps == 6
-    # the LR schedule differs over the first 3 steps (its length is the budget's), so compare loosely
-    for k in ("1", "2"):
-        a, b = whole.model.exits[k].norm.weight, resumed.model.exits[k].norm.weight
-        assert not torch.equal(b, first.model.exits[k].norm.weight)
-        assert (a - b).abs().max() < 0.1
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_confidence_measures():
@@ -146,7 +152,7 @@ def test_checkpoint_round_trip_gives_identical_exit_logits(windows, tmp_path, to
     model = _model()
     exits = ExitHeadsConfig(layers=(1, 2), adapter_rank=rank)
     attach_exits(model, exits)
-    ExitTrainer(model, windows, _config(steps=5), exits, progress=False).run()
+    Trainer(model, windows, _config(steps=5), progress=False, objective=ExitObjective(exits)).run()
     save_checkpoint(model, tmp_path / "ckpt", tokenizer, dtype=torch.float32)
     loaded = load_model(str(tmp_path / "ckpt"), dtype="float32", progress=False)
     assert loaded.config.exit_layers == (1, 2) and loaded.config.exit_adapter_rank == rank
@@ -207,7 +213,7 @@ def test_the_command_trains_exits_into_a_checkpoint_generate_drafts_with(tmp_pat
     assert not (out / "train_state.pt").exists()
     assert main(["generate", "--model", str(out), "--speculative", "self:3", "--max-tokens", "8", "Hello"]) == 0
     loaded, _ = load_trainable(out)
-    assert loaded.config.exit_layers == (1, 3) and loaded.compression_recipe[-1]["method"] == "exits"
+    assert loaded.config.exit_layers == (1, 3) and loaded.compression_recipe[-1]["objective"]["method"] == "exits"
 
 
 def test_the_command_refuses_exits_with_a_recipe(tmp_path, capsys):

@@ -43,7 +43,7 @@ def test_trained_exit_on_smollm2_lowers_kl_and_drafts_plain_greedy_output(smollm
     from leanlm.config import EngineConfig
     from leanlm.engine.engine import LLMEngine
     from leanlm.sampling_params import SamplingParams
-    from leanlm.train.exits import ExitHeadsConfig, ExitTrainer, attach_exits, exit_statistics
+    from leanlm.train.exits import ExitHeadsConfig, ExitObjective, attach_exits, exit_statistics
     from tests.conftest import run_to_completion
 
     model = build_model(smollm.config, {k: v.clone() for k, v in smollm.state_dict.items()}, torch.float32)
@@ -53,7 +53,7 @@ def test_trained_exit_on_smollm2_lowers_kl_and_drafts_plain_greedy_output(smollm
     data = TokenWindows.from_ids(ids, 64, held_out=2)
     cfg = TrainConfig(tokens=64 * 2 * 3, seq_len=64, batch_size=2, grad_accum=1, lr=2e-2, warmup_steps=0)
     before = exit_statistics(model, data.held_out)[24].mean_kl
-    ExitTrainer(model, data, cfg, exits, progress=False).run()
+    Trainer(model, data, cfg, progress=False, objective=ExitObjective(exits)).run()
     assert exit_statistics(model, data.held_out)[24].mean_kl < before - 0.5
     prompt = smollm.tokenizer.encode("The Eiffel Tower is a wrought-iron lattice tower in Paris. It was built")
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
