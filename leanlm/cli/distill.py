@@ -17,7 +17,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from leanlm.cli.train import STATE_FILE, format_result
+from leanlm.cli.train import STATE_FILE, add_run_args, format_result
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -34,7 +34,6 @@ def add_parser(sub) -> None:
     from leanlm.cli.common import add_dataclass_args
     from leanlm.loading.registry import DEFAULT_MODEL
     from leanlm.train.distill import DistillConfig
-    from leanlm.train.trainer import TrainConfig
 
     p = sub.add_parser("distill", help="train a smaller student on a teacher's distributions (knowledge distillation)")
     p.add_argument("--teacher", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
@@ -49,12 +48,7 @@ def add_parser(sub) -> None:
     student.add_argument("--keep-layers", default=None, help="the teacher with these layers, e.g. 0,2,4,...")
     add_dataclass_args(p, DistillConfig)
     p.add_argument("--teacher-cache", default=None, help="where the teacher's top-k lives (default OUT/teacher_cache)")
-    p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
-    p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
-    add_dataclass_args(p, TrainConfig)
-    p.add_argument("--out", required=True, help="output directory (the run's resumable state lives there too)")
-    p.add_argument("--keep-state", action="store_true", help=f"keep OUT/{STATE_FILE} after the run completes")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    add_run_args(p)
     p.set_defaults(func=cmd_distill)
 
 

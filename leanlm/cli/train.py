@@ -48,9 +48,7 @@ def build_sparsity(
 
 
 def add_parser(sub) -> None:
-    from leanlm.cli.common import add_dataclass_args
     from leanlm.loading.registry import DEFAULT_MODEL
-    from leanlm.train.trainer import TrainConfig
 
     p = sub.add_parser("train", help="fine-tune a model, dense or learning sparsity (GMP, SR-STE, Top-KAST, ...)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name, GGUF file or HF directory")
@@ -83,13 +81,21 @@ def add_parser(sub) -> None:
     p.add_argument("--exit-adapter-rank", type=int, default=0, help="with --exits: 0 = norm only; r = + rank-r adapter")
     p.add_argument("--exit-temperature", type=float, default=1.0, help="with --exits: temperature of the KL")
     p.add_argument("--exit-ce-weight", type=float, default=0.0, help="with --exits: weight of next-token CE")
+    add_run_args(p)
+    p.set_defaults(func=cmd_train)
+
+
+def add_run_args(p) -> None:
+    """The flags every training command shares: the text, the run's settings, where it goes."""
+    from leanlm.cli.common import add_dataclass_args
+    from leanlm.train.trainer import TrainConfig
+
     p.add_argument("--data", default=None, help="training text (default: gensim's Wikipedia articles, not WikiText)")
     p.add_argument("--held-out", type=int, default=4, help="windows at the end of the text kept for held-out loss")
     add_dataclass_args(p, TrainConfig)
     p.add_argument("--out", required=True, help="output directory (the run's resumable state lives there too)")
     p.add_argument("--keep-state", action="store_true", help=f"keep OUT/{STATE_FILE} after the run completes")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
