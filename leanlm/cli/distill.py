@@ -46,19 +46,31 @@ def add_parser(sub) -> None:
         help="the teacher with this many layers, evenly spaced (default half)",
     )
     student.add_argument("--keep-layers", default=None, help="the teacher with these layers, e.g. 0,2,4,...")
+    p.add_argument(
+        "--qat",
+        action="store_true",
+        help="with --student: a quantized checkpoint whose int8 / 2-4 bit layers train through fake quantization "
+        "on the teacher's distribution (LLM-QAT)",
+    )
     add_dataclass_args(p, DistillConfig)
     p.add_argument("--teacher-cache", default=None, help="where the teacher's top-k lives (default OUT/teacher_cache)")
     add_run_args(p)
     p.set_defaults(func=cmd_distill)
 
 
-def build_student(teacher, student: str | None, layers: list[int] | None, depth: int | None, device):
-    """The student the flags name (see the module's docstring)."""
+def build_student(teacher, student: str | None, layers: list[int] | None, depth: int | None, device, qat=False):
+    """The student the flags name (see the module's docstring); with qat, a quantized checkpoint with its layers
+    swapped for trainable fake-quantized stand-ins."""
     from leanlm.train.model import load_trainable
+    from leanlm.train.qat import attach_fake_quant
     from leanlm.train.student import keep_layers, spread_layers
 
+    if qat and student is None:
+        raise ValueError("--qat trains a quantized student: pass it with --student DIR (leanlm quantize's output)")
     if student is not None:
-        model, _ = load_trainable(student, device)
+        model, _ = load_trainable(student, device, keep_quantized=qat)
+        if qat:
+            attach_fake_quant(model)
         if model.config.vocab_size != teacher.config.vocab_size:
             raise ValueError(
                 f"the student's vocabulary has {model.config.vocab_size} tokens, the teacher's "
@@ -75,6 +87,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from leanlm.train.data import TokenWindows
     from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
     from leanlm.train.model import load_trainable
+    from leanlm.train.qat import detach_fake_quant
     from leanlm.train.trainer import TrainConfig, Trainer
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
@@ -83,7 +96,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
     teacher, tokenizer = load_trainable(args.teacher, args.device)
-    student = build_student(teacher, args.student, layers, args.student_layers, args.device)
+    student = build_student(teacher, args.student, layers, args.student_layers, args.device, args.qat)
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
     out = Path(args.out)
@@ -102,11 +115,14 @@ def cmd_distill(args: argparse.Namespace) -> int:
     trainer = Trainer(student, data, config, None, state, objective=objective)
     before = trainer.held_out_loss() if not state.is_file() else None
     result = trainer.run()
+    if args.qat:
+        detach_fake_quant(student)
     start = time.perf_counter()
     save_checkpoint(student, out, tokenizer)
     if not args.keep_state:
         state.unlink(missing_ok=True)
-    recipe = f"distillation ({student.config.num_hidden_layers} layers, {describe(distill)})"
+    kind = "quantization-aware distillation" if args.qat else "distillation"
+    recipe = f"{kind} ({student.config.num_hidden_layers} layers, {describe(distill)})"
     print(format_result(result, args.teacher, out, recipe, before, time.perf_counter() - start))
     return 0
 

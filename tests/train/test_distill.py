@@ -175,3 +175,26 @@ def test_distill_command_makes_a_student_the_engine_loads(tmp_path, tokenizer, c
     assert [p.stat().st_mtime_ns for p in files] == stamps
     assert main([*argv, "--keep-layers", "0,9"]) == 2
     assert "distinct indices" in capsys.readouterr().err
+
+
+def test_distill_into_a_quantized_student(tmp_path, tokenizer, capsys):
+    from leanlm.compress import RTNConfig, compress
+    from leanlm.llm import load_model
+
+    cfg = tiny_config(tokenizer.vocab_size)
+    float_dir = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "t", tokenizer)
+    quantized = build_model(cfg, tiny_state_dict(cfg), torch.float32)
+    compress(quantized, RTNConfig(bits=4, group_size=32), progress=False)
+    int4 = save_checkpoint(quantized, tmp_path / "int4", tokenizer)
+    data, out = tmp_path / "text.txt", tmp_path / "qat"
+    data.write_text(TEXT)
+    argv = ["distill", "--teacher", str(float_dir), "--student", str(int4), "--qat", "--data", str(data)]
+    argv += ["--seq-len", "32", "--top-k", "8", "--lr", "1e-3", "--tokens", str(32 * 8 * 2), "--out", str(out)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    assert "quantization-aware distillation" in capsys.readouterr().out
+    trained = load_model(str(out), progress=False).model.layers[0].mlp.up_proj
+    before = quantized.model.layers[0].mlp.up_proj
+    assert type(trained) is type(before) and trained.bits == 4
+    assert not torch.equal(trained.dequantized_weight(), before.dequantized_weight())
+    assert main(["distill", "--teacher", str(float_dir), "--qat", "--out", str(tmp_path / "bad")]) == 2
+    assert "pass it with --student" in capsys.readouterr().err
