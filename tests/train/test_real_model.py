@@ -63,3 +63,28 @@ def test_trained_exit_on_smollm2_lowers_kl_and_drafts_plain_greedy_output(smollm
         rid = engine.add_request(prompt, greedy)
         outputs[spec] = run_to_completion(engine)[rid].outputs[0].token_ids
     assert outputs["self:24"] == outputs[None]
+
+
+def test_a_student_cut_from_smollm2_learns_its_teacher(smollm, tmp_path):
+    # teacher: SmolLM2's first 4 layers (real weights, a fraction of the cost); student: 2 of them, distilled
+    from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
+    from leanlm.train.student import keep_layers
+
+    full = build_model(smollm.config, {k: v.clone() for k, v in smollm.state_dict.items()}, torch.float32)
+    teacher = full.first_layers(4)
+    student = keep_layers(teacher, [0, 2])
+    ids = smollm.tokenizer.encode(read_calibration_text()[:40_000], add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, 64, held_out=2)
+    cfg = TrainConfig(tokens=64 * 2 * 4, seq_len=64, batch_size=2, grad_accum=1, lr=5e-4, warmup_steps=0)
+    config = DistillConfig(top_k=16)
+    objective = DistillObjective(config, prepare_teacher(teacher, "smol-4", data, cfg, config, tmp_path, False))
+
+    def divergence():
+        with torch.no_grad():
+            p = torch.log_softmax(logits(teacher, data.held_out), -1)
+            q = torch.log_softmax(logits(student, data.held_out), -1)
+            return float((p.exp() * (p - q)).sum(-1).mean())
+
+    before = divergence()
+    Trainer(student, data, cfg, progress=False, objective=objective).run()
+    assert divergence() < 0.8 * before
