@@ -16,7 +16,7 @@ from leanlm.train.student import keep_layers
 from leanlm.train.teacher_cache import TeacherCache, TeacherTargets, top_k_distribution
 from leanlm.train.trainer import TrainConfig, Trainer
 from tests.conftest import tiny_config, tiny_state_dict
-from tests.train.conftest import SEQ_LEN, VOCAB
+from tests.train.conftest import SEQ_LEN, VOCAB, run_interrupted, teacher_divergence
 
 TEXT = " ".join(f"The clockmaker made clock number {i} for the village." for i in range(400))
 
@@ -96,24 +96,14 @@ def test_a_student_learns_its_teacher(tiny_model, windows, tmp_path):
     config = DistillConfig(top_k=16)
     objective = DistillObjective(config, prepare_teacher(teacher, "t", data, cfg, config, tmp_path / "c", False))
 
-    def divergence():
-        with torch.no_grad():
-            p = torch.log_softmax(logits(teacher, data.held_out), -1)
-            q = torch.log_softmax(logits(student, data.held_out), -1)
-            return float((p.exp() * (p - q)).sum(-1).mean())
-
-    before = divergence()
+    before = teacher_divergence(teacher, student, data.held_out)
     Trainer(student, data, cfg, objective=objective, progress=False).run()
-    assert divergence() < 0.7 * before
+    assert teacher_divergence(teacher, student, data.held_out) < 0.7 * before
     recipe = student.compression_recipe
     assert recipe[-2] == {"method": "keep_layers", "layers": [1]} and recipe[-1]["objective"]["method"] == "distill"
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def test_resumed_distillation_equals_an_uninterrupted_one(tiny_model, windows, tmp_path, monkeypatch):
+def test_resumed_distillation_equals_an_uninterrupted_one(tiny_model, windows, tmp_path):
     teacher = tiny_model(seed=4)
     data, cfg = _windows_and_config(windows, steps=4)
     cfg = TrainConfig(**{**cfg.__dict__, "save_every": 1})
@@ -122,17 +112,8 @@ def test_resumed_distillation_equals_an_uninterrupted_one(tiny_model, windows, t
     straight = keep_layers(teacher, [0])
     Trainer(straight, data, cfg, objective=objective, progress=False).run()
 
-    step, state = Trainer._step, tmp_path / "state.pt"
-
-    def crash_at_step_2(self, index):
-        if index == 2:
-            raise _Interrupt
-        return step(self, index)
-
-    monkeypatch.setattr(Trainer, "_step", crash_at_step_2)
-    with pytest.raises(_Interrupt):
-        Trainer(keep_layers(teacher, [0]), data, cfg, None, state, False, objective).run()
-    monkeypatch.setattr(Trainer, "_step", step)
+    state = tmp_path / "state.pt"
+    run_interrupted(Trainer(keep_layers(teacher, [0]), data, cfg, None, state, False, objective).run, at_step=2)
     resumed = keep_layers(teacher, [0])
     result = Trainer(resumed, data, cfg, None, state, False, objective).run()
     assert result.resumed_from == 2 and result.steps == 4

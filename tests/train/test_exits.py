@@ -29,7 +29,7 @@ from leanlm.train.model import load_trainable
 from leanlm.train.trainer import TrainConfig, Trainer
 from tests.compress.conftest import dense_logits
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
-from tests.train.conftest import SEQ_LEN, VOCAB
+from tests.train.conftest import SEQ_LEN, VOCAB, run_interrupted
 
 EXITS = ExitHeadsConfig(layers=(1, 2))
 
@@ -96,25 +96,14 @@ def test_training_lowers_held_out_kl_and_leaves_the_model_alone(windows, rank):
             assert torch.equal(tensor, frozen[name]), name
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(windows, tmp_path, monkeypatch):
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(windows, tmp_path):
     config = _config(steps=6, save_every=1, dtype="float32")
     whole = attach_exits(_model(), EXITS)
     Trainer(whole, windows, config, progress=False, objective=ExitObjective(EXITS)).run()
-    state, step = tmp_path / "state.pt", Trainer._step
-
-    def crash_at_step_3(self, index):
-        if index == 3:
-            raise _Interrupt
-        return step(self, index)
-
-    monkeypatch.setattr(Trainer, "_step", crash_at_step_3)
-    with pytest.raises(_Interrupt):
-        Trainer(attach_exits(_model(), EXITS), windows, config, None, state, False, ExitObjective(EXITS)).run()
-    monkeypatch.setattr(Trainer, "_step", step)
+    state = tmp_path / "state.pt"
+    run_interrupted(
+        Trainer(attach_exits(_model(), EXITS), windows, config, None, state, False, ExitObjective(EXITS)).run, 3
+    )
     other = ExitObjective(ExitHeadsConfig(layers=(1, 2), ce_weight=0.5))
     with pytest.raises(ValueError, match="other settings"):
         Trainer(attach_exits(_model(), EXITS), windows, config, None, state, False, other).run()

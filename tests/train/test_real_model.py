@@ -13,6 +13,7 @@ from leanlm.train.forward import logits
 from leanlm.train.sparse import SRSTEConfig
 from leanlm.train.trainer import TrainConfig, Trainer
 from tests.compress.conftest import dense_logits
+from tests.train.conftest import teacher_divergence
 
 pytestmark = pytest.mark.real_model
 
@@ -79,12 +80,6 @@ def test_a_student_cut_from_smollm2_learns_its_teacher(smollm, tmp_path):
     config = DistillConfig(top_k=16)
     objective = DistillObjective(config, prepare_teacher(teacher, "smol-4", data, cfg, config, tmp_path, False))
 
-    def divergence():
-        with torch.no_grad():
-            p = torch.log_softmax(logits(teacher, data.held_out), -1)
-            q = torch.log_softmax(logits(student, data.held_out), -1)
-            return float((p.exp() * (p - q)).sum(-1).mean())
-
-    before = divergence()
+    before = teacher_divergence(teacher, student, data.held_out)
     Trainer(student, data, cfg, progress=False, objective=objective).run()
-    assert divergence() < 0.8 * before
+    assert teacher_divergence(teacher, student, data.held_out) < 0.8 * before

@@ -5,7 +5,7 @@ import torch
 
 from leanlm.train.sparse import GMPConfig
 from leanlm.train.trainer import TrainConfig, Trainer, train
-from tests.train.conftest import SEQ_LEN
+from tests.train.conftest import SEQ_LEN, run_interrupted
 
 
 def config(**kw):
@@ -47,27 +47,13 @@ def test_training_lowers_the_held_out_loss_and_records_itself(tiny_model, window
     assert model.compression_recipe[-1]["method"] == "train" and model.compression_recipe[-1]["lr"] == 3e-3
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_model, windows, tmp_path, monkeypatch):
+def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_model, windows, tmp_path):
     sparsity = GMPConfig(pattern="2:4", every=1, end=0.8)
     straight = tiny_model()
     train(straight, windows, config(), sparsity, progress=False)
 
     state = tmp_path / "state.pt"
-    step = Trainer._step
-
-    def crash_at_step_3(self, index):
-        if index == 3:
-            raise _Interrupt
-        return step(self, index)
-
-    monkeypatch.setattr(Trainer, "_step", crash_at_step_3)
-    with pytest.raises(_Interrupt):
-        train(tiny_model(), windows, config(), sparsity, state, progress=False)
-    monkeypatch.setattr(Trainer, "_step", step)
+    run_interrupted(lambda: train(tiny_model(), windows, config(), sparsity, state, progress=False), at_step=3)
     resumed = tiny_model()
     result = train(resumed, windows, config(), sparsity, state, progress=False)
     assert result.resumed_from == 2 and result.steps == 6 and len(result.losses) == 6
