@@ -92,7 +92,9 @@ def test_tokenizing_and_templating_run_off_the_event_loop(tiny_engine_factory, m
     with serve_engine(engine) as server:
         waited, status = asyncio.run(scenario(server.url))
     assert status == 200
-    assert waited < 0.6, f"/health waited {waited:.2f} s behind a slow request's preparation"
+    # On the event loop, /health would wait out the rest of the 1.5 s render (about 1.2 s); off it, it answers at
+    # once. 1.0 s leaves room for a loaded machine (0.62 s was seen under the full suite) and still fails the former.
+    assert waited < 1.0, f"/health waited {waited:.2f} s behind a slow request's preparation"
 
 
 def test_non_finite_numbers_are_refused_in_every_float_field(tiny_engine_factory):
