@@ -11,7 +11,7 @@ bin for the rest of the vocabulary, at temperature T; T^2 keeps the gradient's s
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +20,9 @@ from torch import nn
 from leanlm.train.data import TokenWindows
 from leanlm.train.forward import hidden_states
 from leanlm.train.teacher_cache import CHUNK, TeacherCache, TeacherTargets, tail_logprob
-from leanlm.train.trainer import DTYPES, TrainConfig
+from leanlm.train.trainer import DTYPES, TrainConfig, _opt
 
 DIVERGENCES = ("forward", "reverse")
-
-
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)

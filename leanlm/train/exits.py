@@ -7,7 +7,7 @@ One frozen forward per batch gives every exit its input; only the heads train, i
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +15,7 @@ from torch import nn
 
 from leanlm.model.exit_head import build_exits
 from leanlm.train.forward import residual_stream
-from leanlm.train.trainer import DTYPES
-
-
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+from leanlm.train.trainer import DTYPES, _opt
 
 
 @dataclass(frozen=True)
