@@ -100,8 +100,13 @@ def cmd_distill(args: argparse.Namespace) -> int:
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
     out = Path(args.out)
-    objective = None  # kd_weight 0: hard labels only, the control a distilled student is measured against
-    if distill.kd_weight > 0:
+    if distill.cosine_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
+        raise ValueError(
+            f"--cosine-weight compares hidden states of one width: the teacher's are {teacher.config.hidden_size} "
+            f"wide, the student's {student.config.hidden_size}; drop it for this student"
+        )
+    objective = None  # no teacher term: hard labels only, the control a distilled student is measured against
+    if distill.needs_teacher:
         began = time.perf_counter()
         cache = prepare_teacher(
             teacher, args.teacher, data, config, distill, args.teacher_cache or out / "teacher_cache"
@@ -128,6 +133,13 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def describe(config) -> str:
-    if config.kd_weight == 0:
+    if not config.needs_teacher:
         return "hard labels only"
-    return f"{config.divergence} KL on the top {config.top_k} at T={config.temperature:g}, weight {config.kd_weight:g}"
+    parts = []
+    if config.kd_weight > 0:
+        parts.append(
+            f"{config.divergence} KL on the top {config.top_k} at T={config.temperature:g}, weight {config.kd_weight:g}"
+        )
+    if config.cosine_weight > 0:
+        parts.append(f"hidden-state cosine, weight {config.cosine_weight:g}")
+    return "; ".join(parts)

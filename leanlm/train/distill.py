@@ -1,11 +1,16 @@
 """Knowledge distillation (Hinton et al. 2015; DistilBERT; MiniLLM's reverse KL): the student learns the
-teacher's next-token distribution, read from a TeacherCache, mixed with the hard-label loss.
+teacher's next-token distribution, read from a TeacherCache, mixed with the hard-label loss and, as DistilBERT
+adds, the cosine distance between the two models' final hidden states:
 
     loss = kd_weight * T^2 * D(teacher_T, student_T) + (1 - kd_weight) * CE(student, next token)
+           + cosine_weight * (1 - cos(student hidden, teacher hidden))
 
 D is KL(teacher || student) (forward: the student covers every mode the teacher gives mass) or KL(student ||
 teacher) (reverse: the student concentrates on the teacher's main modes), over the cached top-k tokens plus one
-bin for the rest of the vocabulary, at temperature T; T^2 keeps the gradient's scale independent of T.
+bin for the rest of the vocabulary, at temperature T; T^2 keeps the gradient's scale independent of T. The
+hidden states are the final-normed ones the head reads, so the cosine term needs a student of the teacher's width
+(DistilBERT keeps BERT's width and halves its depth). DistilBERT's weights 5 / 2 / 1 (soft / hard / cosine) are
+kd_weight 5/7 and cosine_weight 1/7 here.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class DistillConfig:
     divergence: str = _opt(
         "forward", "forward: KL(teacher || student); reverse: KL(student || teacher)", choices=DIVERGENCES
     )
+    cosine_weight: float = _opt(
+        0.0, "weight of DistilBERT's 1 - cos(student, teacher) on the final hidden states (same width needed)"
+    )
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -43,6 +51,13 @@ class DistillConfig:
             raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
+        if not self.cosine_weight >= 0:
+            raise ValueError(f"cosine_weight must be >= 0, got {self.cosine_weight}")
+
+    @property
+    def needs_teacher(self) -> bool:
+        """False for the hard-label control (kd_weight 0, no cosine term), which trains without a teacher."""
+        return self.kd_weight > 0 or self.cosine_weight > 0
 
 
 def distillation_loss_sum(
@@ -94,6 +109,8 @@ class DistillObjective:
         k = teacher.indices.shape[-1]
         flat = TeacherTargets(teacher.indices.reshape(-1, k), teacher.logprobs.reshape(-1, k), teacher.tail.reshape(-1))
         total = hidden.new_zeros((), dtype=torch.float32)
+        if self.config.cosine_weight > 0:
+            total = total + self.config.cosine_weight * cosine_distance_sum(hidden, teacher.hidden)
         for start in range(0, hidden.shape[0], CHUNK):
             rows_ = slice(start, start + CHUNK)
             part = TeacherTargets(flat.indices[rows_], flat.logprobs[rows_], flat.tail[rows_])
@@ -101,6 +118,20 @@ class DistillObjective:
                 _head_loss_sum, model, hidden[rows_], targets[rows_], part, self.config, use_reentrant=False
             )
         return total / targets.numel()
+
+
+def cosine_distance_sum(student: torch.Tensor, teacher: torch.Tensor | None) -> torch.Tensor:
+    """Sum over positions of 1 - cos(student, teacher): student hidden [N, hidden], the cached teacher's [..., hidden]
+    (DistilBERT's L_cos, in float32 whatever the autocast)."""
+    if teacher is None:
+        raise ValueError("the teacher cache holds no hidden states: build it with cosine_weight > 0")
+    teacher = teacher.reshape(-1, teacher.shape[-1])
+    if teacher.shape != student.shape:
+        raise ValueError(
+            f"the cosine loss compares hidden states of one width: the student's are {student.shape[-1]} wide, "
+            f"the teacher's {teacher.shape[-1]}; set cosine_weight to 0 for a student of another width"
+        )
+    return (1 - F.cosine_similarity(student.float(), teacher.float(), dim=-1)).sum()
 
 
 def _head_loss_sum(model: nn.Module, hidden, targets, teacher: TeacherTargets, config: DistillConfig):
@@ -123,7 +154,9 @@ def prepare_teacher(
     progress: bool = True,
 ) -> TeacherCache:
     """The teacher cache in `directory`, with every window the run will read (computed now where missing)."""
-    identity = TeacherCache.identity_of(teacher_name, data.train, config.top_k, config.temperature, train_config.dtype)
+    identity = TeacherCache.identity_of(
+        teacher_name, data.train, config.top_k, config.temperature, train_config.dtype, config.cosine_weight > 0
+    )
     cache = TeacherCache(directory, identity)
     device = teacher.model.norm.weight.device
     with torch.autocast(device.type, DTYPES[train_config.dtype], enabled=train_config.dtype != "float32"):

@@ -34,16 +34,20 @@ class TeacherTargets:
     indices: torch.Tensor  # [B, T-1, k] long: the teacher's k most likely next tokens
     logprobs: torch.Tensor  # [B, T-1, k] float32: their log-probabilities at the temperature
     tail: torch.Tensor  # [B, T-1] float32: log of the probability of every other token
+    hidden: torch.Tensor | None = None  # [B, T-1, hidden] float32: its final-normed hidden states, when cached
 
 
 @torch.no_grad()
 def top_k_distribution(
-    model: nn.Module, input_ids: torch.Tensor, top_k: int, temperature: float
+    model: nn.Module, input_ids: torch.Tensor, top_k: int, temperature: float, hidden: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [B, T] -> indices [B, T-1, k], log-probabilities [B, T-1, k] and tail [B, T-1] of the model's
-    next-token distribution at `temperature`."""
+    next-token distribution at `temperature`. `hidden`: the model's final-normed hidden states of input_ids
+    [B, T, hidden], when the caller has computed them."""
     batch, length = input_ids.shape
-    hidden = hidden_states(model, input_ids)[:, :-1].reshape(batch * (length - 1), -1)  # [N, hidden]
+    if hidden is None:
+        hidden = hidden_states(model, input_ids)
+    hidden = hidden[:, :-1].reshape(batch * (length - 1), -1)  # [N, hidden]
     parts = []
     for start in range(0, hidden.shape[0], CHUNK):
         scores = model.compute_logits(hidden[start : start + CHUNK])  # [n, V]
@@ -66,24 +70,37 @@ def tail_logprob(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 class TeacherCache:
-    """`build()` computes the windows a run reads; `targets(rows)` reads a micro-batch's targets from memory."""
+    """`build()` computes the windows a run reads; `targets(rows)` reads a micro-batch's targets from memory.
+
+    With `hidden_states` in its identity it also keeps the teacher's final-normed hidden states (float16, 2 bytes
+    x hidden size per position: DistilBERT's cosine loss reads them). Such a cache also serves runs that do not
+    need them, and goes on storing them for every window it adds.
+    """
 
     def __init__(self, directory: str | Path, identity: dict) -> None:
         self.directory, self.identity = Path(directory), identity
-        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> its three tensors
+        self._loaded: dict[int, tuple[torch.Tensor, ...]] = {}  # row -> its tensors
         meta = self.directory / "meta.json"
         if meta.is_file():
             saved = json.loads(meta.read_text())
-            if saved != identity:
+            if _without_hidden(saved) != _without_hidden(identity):
                 raise ValueError(
                     f"{self.directory} caches another teacher or text ({saved}); pass another --teacher-cache or "
                     "delete it"
                 )
+            if identity.get("hidden_states") and not saved.get("hidden_states"):
+                raise ValueError(
+                    f"{self.directory} was computed without the teacher's hidden states, which the cosine loss "
+                    "needs; pass another --teacher-cache or delete it"
+                )
+            self.identity = saved
 
     @staticmethod
-    def identity_of(teacher: str, data_windows: torch.Tensor, top_k: int, temperature: float, dtype: str) -> dict:
+    def identity_of(
+        teacher: str, data_windows: torch.Tensor, top_k: int, temperature: float, dtype: str, hidden: bool = False
+    ) -> dict:
         digest = hashlib.sha256(data_windows.contiguous().numpy().tobytes()).hexdigest()
-        return {
+        identity = {
             "teacher": teacher,
             "top_k": top_k,
             "temperature": temperature,
@@ -91,6 +108,7 @@ class TeacherCache:
             "windows": list(data_windows.shape),
             "text_sha256": digest,
         }
+        return {**identity, "hidden_states": True} if hidden else identity  # caches from before keep their meta
 
     def _path(self, row: int) -> Path:
         return self.directory / f"window_{row:07d}.pt"
@@ -107,12 +125,15 @@ class TeacherCache:
         (self.directory / "meta.json").write_text(json.dumps(self.identity, indent=1))
         missing = self.missing(rows)
         device = teacher.model.norm.weight.device
+        keep_hidden = bool(self.identity.get("hidden_states"))
         for start in tqdm(range(0, len(missing), batch_size), desc="teacher top-k", unit="batch", disable=not progress):
             chunk = missing[start : start + batch_size]
+            ids = windows[chunk].to(device)
+            hidden = hidden_states(teacher, ids)  # [B, T, hidden]
             index, logprobs, tail = (
                 t.cpu()
                 for t in top_k_distribution(
-                    teacher, windows[chunk].to(device), self.identity["top_k"], self.identity["temperature"]
+                    teacher, ids, self.identity["top_k"], self.identity["temperature"], hidden=hidden
                 )
             )
             for i, row in enumerate(chunk):
@@ -121,6 +142,8 @@ class TeacherCache:
                     "logprobs": logprobs[i].to(torch.float16).clone(),
                     "tail": tail[i].clone(),
                 }
+                if keep_hidden:
+                    record["hidden"] = hidden[i, :-1].to(torch.float16).cpu().clone()  # positions with a target
                 tmp = self._path(row).with_suffix(".tmp")
                 torch.save(record, tmp)
                 os.replace(tmp, self._path(row))
@@ -134,5 +157,12 @@ class TeacherCache:
                     raise RuntimeError(f"{self._path(row)} is missing: build the cache for the run's windows first")
                 record = torch.load(self._path(row), weights_only=True)
                 # widened once here: CPU autocast refuses to stack float16
-                self._loaded[row] = (record["indices"].long(), record["logprobs"].float(), record["tail"])
+                parts = (record["indices"].long(), record["logprobs"].float(), record["tail"])
+                if "hidden" in record:
+                    parts += (record["hidden"].float(),)
+                self._loaded[row] = parts
         return TeacherTargets(*(torch.stack(parts).to(device) for parts in zip(*(self._loaded[r] for r in rows))))
+
+
+def _without_hidden(identity: dict) -> dict:
+    return {k: v for k, v in identity.items() if k != "hidden_states"}

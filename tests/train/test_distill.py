@@ -10,8 +10,15 @@ import torch.nn.functional as F
 from leanlm.cli import main
 from leanlm.compress import save_checkpoint
 from leanlm.model.llama import build_model
-from leanlm.train.distill import DistillConfig, DistillObjective, distillation_loss_sum, prepare_teacher, rows_read
-from leanlm.train.forward import logits
+from leanlm.train.distill import (
+    DistillConfig,
+    DistillObjective,
+    cosine_distance_sum,
+    distillation_loss_sum,
+    prepare_teacher,
+    rows_read,
+)
+from leanlm.train.forward import hidden_states, logits
 from leanlm.train.student import keep_layers
 from leanlm.train.teacher_cache import TeacherCache, TeacherTargets, top_k_distribution
 from leanlm.train.trainer import TrainConfig, Trainer
@@ -22,7 +29,7 @@ TEXT = " ".join(f"The clockmaker made clock number {i} for the village." for i i
 
 
 def test_config_refuses_bad_values():
-    for bad in ({"top_k": 0}, {"temperature": 0.0}, {"kd_weight": 1.5}, {"divergence": "js"}):
+    for bad in ({"top_k": 0}, {"temperature": 0.0}, {"kd_weight": 1.5}, {"divergence": "js"}, {"cosine_weight": -1}):
         with pytest.raises(ValueError):
             DistillConfig(**bad)
 
@@ -86,6 +93,65 @@ def test_cache_is_computed_once_and_matches_the_teacher(tiny_model, windows, tmp
     other = TeacherCache.identity_of("another", data.train, 6, 1.0, cfg.dtype)
     with pytest.raises(ValueError, match="another --teacher-cache"):
         TeacherCache(tmp_path / "cache", other)
+
+
+def test_cosine_loss_and_the_cached_hidden_states(tiny_model, windows, tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(6, 16, generator=gen), torch.randn(2, 3, 16, generator=gen)
+    expected = sum(
+        1 - float(a[i] @ b.reshape(6, 16)[i]) / float(a[i].norm() * b.reshape(6, 16)[i].norm()) for i in range(6)
+    )
+    assert float(cosine_distance_sum(a, b)) == pytest.approx(expected, rel=1e-5)
+    assert float(cosine_distance_sum(a, 3 * a)) == pytest.approx(0.0, abs=1e-5)  # blind to scale
+    with pytest.raises(ValueError, match="one width"):
+        cosine_distance_sum(a, torch.randn(6, 8))
+    with pytest.raises(ValueError, match="no hidden states"):
+        cosine_distance_sum(a, None)
+
+    teacher = tiny_model()
+    data, cfg = _windows_and_config(windows)
+    plain = prepare_teacher(teacher, "tiny", data, cfg, DistillConfig(top_k=6), tmp_path / "plain", progress=False)
+    with pytest.raises(ValueError, match="without the teacher's hidden states"):
+        prepare_teacher(teacher, "tiny", data, cfg, DistillConfig(top_k=6, cosine_weight=1.0), plain.directory)
+    cache = prepare_teacher(
+        teacher, "tiny", data, cfg, DistillConfig(top_k=6, cosine_weight=1.0), tmp_path / "c", progress=False
+    )
+    rows = sorted(rows_read(data, cfg))[:3]
+    got = cache.targets(rows, torch.device("cpu"))
+    torch.testing.assert_close(got.hidden, hidden_states(teacher, data.train[rows])[:, :-1], atol=2e-3, rtol=1e-3)
+    assert plain.targets(rows, torch.device("cpu")).hidden is None
+    # a cache with hidden states serves a run without the cosine term, and keeps them for the windows it adds
+    served = prepare_teacher(
+        teacher, "tiny", data, _windows_and_config(windows, 8)[1], DistillConfig(top_k=6), cache.directory, False
+    )
+    assert (
+        served.identity["hidden_states"]
+        and served.targets(sorted(rows_read(data, _windows_and_config(windows, 8)[1])), torch.device("cpu")).hidden
+        is not None
+    )
+
+
+def test_the_cosine_term_pulls_the_students_hidden_states_to_the_teachers(tiny_model, windows, tmp_path):
+    teacher = tiny_model(seed=4)
+    data, cfg = _windows_and_config(windows, steps=30)
+
+    def distance(model):
+        with torch.no_grad():
+            return float(
+                cosine_distance_sum(
+                    hidden_states(model, data.held_out).reshape(-1, 64), hidden_states(teacher, data.held_out)
+                )
+            )
+
+    ends = {}
+    for weight in (10.0, 0.0):  # the cache built for the cosine term serves the run without it
+        config = DistillConfig(top_k=16, cosine_weight=weight)
+        cache = prepare_teacher(teacher, "t", data, cfg, config, tmp_path / "c", False)
+        student = keep_layers(teacher, [1])
+        start = distance(student)
+        Trainer(student, data, cfg, objective=DistillObjective(config, cache), progress=False).run()
+        ends[weight] = distance(student)
+    assert ends[10.0] < 0.6 * start and ends[10.0] < 0.7 * ends[0.0]
 
 
 def test_a_student_learns_its_teacher(tiny_model, windows, tmp_path):
@@ -179,3 +245,26 @@ def test_distill_into_a_quantized_student(tmp_path, tokenizer, capsys):
     assert not torch.equal(trained.dequantized_weight(), before.dequantized_weight())
     assert main(["distill", "--teacher", str(float_dir), "--qat", "--out", str(tmp_path / "bad")]) == 2
     assert "pass it with --student" in capsys.readouterr().err
+
+
+def test_a_wider_teacher_and_the_cosine_flag(tmp_path, tokenizer, capsys):
+    """A larger teacher sharing the tokenizer (Qwen2.5-Coder-1.5B -> 0.5B, as the issue names) distils into a
+    narrower student; the cosine term, which needs one width, is refused for that pair and runs for a same-width
+    student cut from the teacher."""
+    import dataclasses
+
+    small = tiny_config(tokenizer.vocab_size)
+    wide = dataclasses.replace(small, hidden_size=96, intermediate_size=192, num_hidden_layers=3, head_dim=24)
+    teacher = save_checkpoint(build_model(wide, tiny_state_dict(wide, 1), torch.float32), tmp_path / "t", tokenizer)
+    student = save_checkpoint(build_model(small, tiny_state_dict(small), torch.float32), tmp_path / "s", tokenizer)
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    argv = ["distill", "--teacher", str(teacher), "--data", str(data), "--seq-len", "32", "--top-k", "8"]
+    argv += ["--tokens", str(32 * 8 * 2), "--device", "cpu"]
+    assert main([*argv, "--student", str(student), "--out", str(tmp_path / "kd")]) == 0
+    assert "forward KL on the top 8" in capsys.readouterr().out
+    assert main([*argv, "--student", str(student), "--cosine-weight", "0.2", "--out", str(tmp_path / "bad")]) == 2
+    assert "one width" in capsys.readouterr().err
+    assert main([*argv, "--cosine-weight", "0.2", "--kd-weight", "0.7", "--out", str(tmp_path / "cos")]) == 0
+    assert "hidden-state cosine, weight 0.2" in capsys.readouterr().out
+    assert json.loads((tmp_path / "cos" / "teacher_cache" / "meta.json").read_text())["hidden_states"] is True
