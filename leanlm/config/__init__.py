@@ -1,7 +1,14 @@
 """Configuration as frozen dataclasses, validated on construction with messages that say what to do: the model
 (model.py), the engine and speculative decoding (engine.py), the server (serve.py)."""
 
-from leanlm.config.engine import KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from leanlm.config.engine import (
+    EXIT_MEASURES,
+    KV_CACHE_DTYPES,
+    SPECULATIVE_METHODS,
+    EarlyExitConfig,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from leanlm.config.model import (
     DTYPES,
     MAX_POSITION_EMBEDDINGS,
@@ -18,6 +25,8 @@ __all__ = [
     "MAX_POSITION_EMBEDDINGS",
     "SPECULATIVE_METHODS",
     "SUPPORTED_ARCHITECTURES",
+    "EXIT_MEASURES",
+    "EarlyExitConfig",
     "EngineConfig",
     "ModelConfig",
     "RopeScaling",

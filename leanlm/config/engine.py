@@ -1,5 +1,6 @@
-"""EngineConfig (the engine's knobs) and SpeculativeConfig (how speculative decoding drafts and verifies):
-frozen dataclasses, validated on construction; each EngineConfig field is a CLI flag."""
+"""EngineConfig (the engine's knobs), SpeculativeConfig (how speculative decoding drafts and verifies) and
+EarlyExitConfig (where CALM's per-token early exit may leave the network): frozen dataclasses, validated on
+construction; each EngineConfig field is a CLI flag."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (leanlm.engine.early_exit)
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,29 @@ class EngineConfig:
     speculative_max_batch_size: int = dataclasses.field(
         default=8, metadata={"help": "steps sampling more requests than this do not speculate"}
     )
+    early_exit: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "CALM early exit at decode: K:THRESHOLD[,K:THRESHOLD...], a token leaves after K layers when its "
+            "confidence there reaches THRESHOLD (leanlm train --exits prints calibrated ones); default: off"
+        },
+    )
+    early_exit_measure: str = dataclasses.field(
+        default="softmax",
+        metadata={
+            "choices": EXIT_MEASURES,
+            "help": "CALM's confidence: the exit's top probability | its top-2 gap | the cosine of the hidden state "
+            "before and after layer K",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
             _ = self.speculative_config  # parses and validates the proposer name
+        if self.early_exit is not None:
+            _ = self.early_exit_config
+            if self.speculative is not None:
+                raise ValueError("early_exit and speculative decoding do not combine: choose one")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -86,6 +107,40 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens),
             max_batch_size=self.speculative_max_batch_size,
         )
+
+    @property
+    def early_exit_config(self) -> EarlyExitConfig | None:
+        if self.early_exit is None:
+            return None
+        return EarlyExitConfig.parse(self.early_exit, self.early_exit_measure)
+
+
+@dataclass(frozen=True)
+class EarlyExitConfig:
+    """CALM (Schuster et al. 2022) at decode: after K layers a decode step measures its tokens' confidence at the
+    exit there and, when every token of the step reaches the exit's threshold, takes their next tokens from that
+    exit and skips the remaining layers, whose KV for these tokens it fills from the hidden state at K."""
+
+    exits: tuple[tuple[int, float], ...]  # (layer count K, threshold), K increasing
+    measure: str = "softmax"  # one of EXIT_MEASURES
+
+    def __post_init__(self) -> None:
+        layers = [k for k, _ in self.exits]
+        if not layers or layers != sorted(set(layers)) or layers[0] < 1:
+            raise ValueError(f"early exits need increasing layer counts >= 1, e.g. 24:0.9; got {self.exits}")
+        if self.measure not in EXIT_MEASURES:
+            raise ValueError(f"unknown confidence measure {self.measure!r}; use one of {', '.join(EXIT_MEASURES)}")
+
+    @classmethod
+    def parse(cls, spec: str, measure: str = "softmax") -> EarlyExitConfig:
+        """'16:0.95,24:0.9' -> exits ((16, 0.95), (24, 0.9))."""
+        try:
+            exits = tuple((int(k), float(t)) for k, t in (part.split(":") for part in spec.split(",")))
+        except ValueError:
+            raise ValueError(
+                f"--early-exit takes K:THRESHOLD pairs, e.g. 24:0.9 or 16:0.95,24:0.9; got {spec!r}"
+            ) from None
+        return cls(exits, measure)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "lookahead")

@@ -13,6 +13,7 @@ import torch
 
 from leanlm.config import EngineConfig
 from leanlm.engine.block_pool import BlockPool
+from leanlm.engine.early_exit import EarlyExitStats
 from leanlm.engine.executor import IsolatingExecutor
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.model_runner import ModelRunner
@@ -36,6 +37,7 @@ class EngineStats:
     num_running_tokens: int  # tokens with KV across running requests
     num_running_slots: int  # KV slots their blocks hold (block_size per block): running_tokens / slots = KV use
     spec_decode: SpecStats | None  # totals of speculative decoding; None when it is off
+    early_exit: EarlyExitStats | None = None  # totals of CALM's early exit; None when it is off
 
 
 class LLMEngine:
@@ -204,6 +206,7 @@ class LLMEngine:
             num_running_tokens=sum(r.num_computed_tokens for r in running),
             num_running_slots=sum(len(kv.get_block_ids(r.request_id)) for r in running) * self.engine_config.block_size,
             spec_decode=spec.stats() if spec is not None else None,
+            early_exit=self.model_runner.early_exit.stats() if self.model_runner.early_exit is not None else None,
         )
 
     @property

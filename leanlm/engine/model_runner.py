@@ -13,6 +13,7 @@ import torch
 
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine.draft_proposer import model_proposer
+from leanlm.engine.early_exit import EarlyExit
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
@@ -111,6 +112,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
+        exits = engine_config.early_exit_config
+        self.early_exit = EarlyExit(model, exits) if exits is not None else None  # CALM, decode steps only
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
@@ -133,8 +136,12 @@ class ModelRunner:
         entries = _attention_entries(scheduler_output, layout)
         ctx = build_forward_context(*entries, self.kv_cache)
         started = time.perf_counter()
+        exit_logits = None  # [T, V] when an early exit answered the step
         with forward_context(ctx):
-            hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
+            if self.early_exit is not None and ctx.is_all_decode:
+                hidden, exit_logits = self.early_exit.forward(layout.input_ids, layout.positions, ctx)
+            else:
+                hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
         if self.spec_decoder is not None and ctx.is_all_decode:
             self.spec_decoder.record_target_step(time.perf_counter() - started)
 
@@ -143,7 +150,10 @@ class ModelRunner:
         if layout.sample_rows:
             # [rows, V] in the model's dtype: the sampler copies to float32 only where it edits or normalizes
             # (a fresh [64, 49152] float32 copy took 2-10 ms a step, mostly page faults on new memory)
-            logits = self.model.compute_logits(hidden[layout.sample_token_idx])
+            if exit_logits is not None:
+                logits = exit_logits[layout.sample_token_idx]
+            else:
+                logits = self.model.compute_logits(hidden[layout.sample_token_idx])
             self._sample(scheduler_output, layout.sample_rows, logits, sampled, logprobs)
         scored = [
             self._prompt_logprobs(r, n, hidden, start)

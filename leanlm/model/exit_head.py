@@ -5,6 +5,7 @@ self-speculation (`self:K`) drafts through the one at K."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from leanlm.model.layers import Linear, RMSNorm
@@ -51,3 +52,23 @@ def build_exits(hidden_size: int, eps: float, layers: tuple[int, ...], adapter_r
     """One ExitHead per layer count, keyed by str(K): their weights are `model.exits.{K}.norm.weight` and
     `model.exits.{K}.adapter.{down,up}_proj.weight`."""
     return nn.ModuleDict({str(k): ExitHead(hidden_size, eps, adapter_rank) for k in layers})
+
+
+# CALM's confidence measures: the engine's early exit decides with them, leanlm.train.exits calibrates them
+
+
+def softmax_max(logits: torch.Tensor) -> torch.Tensor:
+    """CALM's softmax response: the top probability of each row, logits [N, V] -> [N]."""
+    return logits.float().softmax(dim=-1).amax(dim=-1)
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """The gap between each row's two largest probabilities, logits [N, V] -> [N]."""
+    top = logits.float().softmax(dim=-1).topk(2, dim=-1).values  # [N, 2]
+    return top[:, 0] - top[:, 1]
+
+
+def saturation(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """CALM's hidden-state saturation: cosine similarity of each token's hidden state before and after a layer,
+    [N, hidden] x2 -> [N] (near 1: the layer barely moved it)."""
+    return F.cosine_similarity(before.float(), after.float(), dim=-1)

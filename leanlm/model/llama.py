@@ -17,6 +17,7 @@ from leanlm.kernels import cpu_rows
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
 from leanlm.model.exit_head import build_exits
+from leanlm.model.kv_quant import store_kv
 from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from leanlm.model.native_decode import NativeDecodePlan
 
@@ -45,6 +46,17 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, ctx.kv_cache.layer(self.layer_idx), self.scale, ctx)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store the K/V of normed inputs x [T, hidden] in this layer's cache at the forward context's slots,
+        attending to nothing: CALM's state propagation for a token that left the network before this layer."""
+        ctx = get_forward_context()
+        num_tokens = x.shape[0]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        kv = ctx.kv_cache.layer(self.layer_idx)
+        store_kv(kv.k_cache, kv.k_scales, apply_rotary(k, *rope), ctx.kv_write_index)
+        store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
 
 
 class LlamaMLP(nn.Module):
@@ -174,17 +186,28 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"a draft of the first {num_layers} layers needs 1 <= layers < {self.config.num_hidden_layers}"
             )
-        config = dataclasses.replace(self.config, num_hidden_layers=num_layers, exit_layers=(), exit_adapter_rank=0)
+        return self.layer_span(0, num_layers)
+
+    def layer_span(self, start: int, end: int) -> LlamaForCausalLM:
+        """Layers [start, end) of this model, then the head as `first_layers(end)` reads it (the final norm when
+        `end` is the last layer). Its forward starts from embeddings; CALM's early exit runs the native decode loop
+        of each span on the residual stream the span before left (leanlm.engine.early_exit). Shares every module.
+        """
+        count = self.config.num_hidden_layers
+        if not 0 <= start < end <= count:
+            raise ValueError(f"a span of layers [{start}, {end}) needs 0 <= start < end <= {count}")
+        config = dataclasses.replace(self.config, num_hidden_layers=end - start, exit_layers=(), exit_adapter_rank=0)
         with torch.device("meta"):
-            draft = LlamaForCausalLM(config)
-        exit_head = self.model.exits[str(num_layers)] if str(num_layers) in self.model.exits else None
-        draft.model.embed_tokens = self.model.embed_tokens
-        # the exit's norm stands where the final norm was, so the native decode loop runs the draft unchanged
-        draft.model.norm = self.model.norm if exit_head is None else exit_head.norm
-        draft.head_adapter = None if exit_head is None else exit_head.adapter
-        draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
-        draft.lm_head, draft.rotary_emb = self.lm_head, self.rotary_emb
-        return draft.eval()
+            span = LlamaForCausalLM(config)
+        exit_head = self.model.exits[str(end)] if str(end) in self.model.exits and end < count else None
+        span.model.embed_tokens = self.model.embed_tokens
+        # the exit's norm stands where the final norm was, so the native decode loop runs the span unchanged
+        span.model.norm = self.model.norm if exit_head is None else exit_head.norm
+        span.head_adapter = None if exit_head is None else exit_head.adapter
+        span.model.layers = nn.ModuleList(self.model.layers[start:end])
+        span.lm_head, span.rotary_emb = self.lm_head, self.rotary_emb
+        span.allow_native_decode = self.allow_native_decode
+        return span.eval()
 
 
 def build_model(

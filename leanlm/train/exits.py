@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.model.exit_head import build_exits
+from leanlm.config import EXIT_MEASURES
+from leanlm.model.exit_head import build_exits, saturation, softmax_max, top2_gap
 from leanlm.train.forward import residual_stream
 from leanlm.train.trainer import DTYPES, _opt
 
@@ -63,24 +64,7 @@ def exit_layers(model: nn.Module) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------- confidence
 
 
-def softmax_max(logits: torch.Tensor) -> torch.Tensor:
-    """CALM's softmax response: the top probability of each row, logits [N, V] -> [N]."""
-    return logits.float().softmax(dim=-1).amax(dim=-1)
-
-
-def top2_gap(logits: torch.Tensor) -> torch.Tensor:
-    """The gap between each row's two largest probabilities, logits [N, V] -> [N]."""
-    top = logits.float().softmax(dim=-1).topk(2, dim=-1).values  # [N, 2]
-    return top[:, 0] - top[:, 1]
-
-
-def saturation(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """CALM's hidden-state saturation: cosine similarity of each token's hidden state before and after a layer,
-    [N, hidden] x2 -> [N] (near 1: the layer barely moved it)."""
-    return F.cosine_similarity(before.float(), after.float(), dim=-1)
-
-
-CONFIDENCE_MEASURES = ("softmax", "gap", "saturation")
+CONFIDENCE_MEASURES = EXIT_MEASURES  # the engine's early exit reads the same three
 
 
 @dataclass
