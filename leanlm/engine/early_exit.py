@@ -48,10 +48,9 @@ class EarlyExitStats:
 
 @dataclass(frozen=True)
 class _Span:
-    """Layers [start, end) of the model, and the exit checked after them (None: no check)."""
+    """Some layers of the model, ending after `end` layers, and the exit threshold checked there (None: none)."""
 
     model: LlamaForCausalLM  # a view sharing the model's modules (LlamaForCausalLM.layer_span)
-    start: int
     end: int
     threshold: float | None
 
@@ -72,11 +71,11 @@ class EarlyExit:
         for k, threshold in config.exits:
             # saturation compares the stream before and after layer K: a span must end at K - 1
             if config.measure == "saturation" and k - 1 > start:
-                self.spans.append(_Span(model.layer_span(start, k - 1), start, k - 1, None))
+                self.spans.append(_Span(model.layer_span(start, k - 1), k - 1, None))
                 start = k - 1
-            self.spans.append(_Span(model.layer_span(start, k), start, k, threshold))
+            self.spans.append(_Span(model.layer_span(start, k), k, threshold))
             start = k
-        self.spans.append(_Span(model.layer_span(start, num_layers), start, num_layers, None))
+        self.spans.append(_Span(model.layer_span(start, num_layers), num_layers, None))
         self._stats = EarlyExitStats(exited={k: 0 for k, _ in config.exits})
 
     @torch.inference_mode()
