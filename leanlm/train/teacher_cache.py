@@ -158,10 +158,12 @@ class TeacherCache:
                 record = torch.load(self._path(row), weights_only=True)
                 # widened once here: CPU autocast refuses to stack float16
                 parts = (record["indices"].long(), record["logprobs"].float(), record["tail"])
-                if "hidden" in record:
-                    parts += (record["hidden"].float(),)
-                self._loaded[row] = parts
-        return TeacherTargets(*(torch.stack(parts).to(device) for parts in zip(*(self._loaded[r] for r in rows))))
+                # hidden states stay float16 in memory (half of a run's cache) and widen per micro-batch
+                self._loaded[row] = parts + ((record["hidden"],) if "hidden" in record else ())
+        columns = list(zip(*(self._loaded[r] for r in rows)))
+        if len(columns) == 4:
+            columns[3] = [h.float() for h in columns[3]]
+        return TeacherTargets(*(torch.stack(parts).to(device) for parts in columns))
 
 
 def _without_hidden(identity: dict) -> dict:
