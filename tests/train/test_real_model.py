@@ -66,20 +66,49 @@ def test_trained_exit_on_smollm2_lowers_kl_and_drafts_plain_greedy_output(smollm
     assert outputs["self:24"] == outputs[None]
 
 
-def test_a_student_cut_from_smollm2_learns_its_teacher(smollm, tmp_path):
-    # teacher: SmolLM2's first 4 layers (real weights, a fraction of the cost); student: 2 of them, distilled
-    from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
+def _smollm2_pair(smollm):
+    """Teacher: SmolLM2's first 4 layers (real weights, a fraction of the cost); student: 2 of them."""
     from leanlm.train.student import keep_layers
 
     full = build_model(smollm.config, {k: v.clone() for k, v in smollm.state_dict.items()}, torch.float32)
     teacher = full.first_layers(4)
-    student = keep_layers(teacher, [0, 2])
     ids = smollm.tokenizer.encode(read_calibration_text()[:40_000], add_special_tokens=False)
     data = TokenWindows.from_ids(ids, 64, held_out=2)
     cfg = TrainConfig(tokens=64 * 2 * 4, seq_len=64, batch_size=2, grad_accum=1, lr=5e-4, warmup_steps=0)
+    return teacher, keep_layers(teacher, [0, 2]), data, cfg
+
+
+def test_a_student_cut_from_smollm2_learns_its_teacher(smollm, tmp_path):
+    from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
+
+    teacher, student, data, cfg = _smollm2_pair(smollm)
     config = DistillConfig(top_k=16)
     objective = DistillObjective(config, prepare_teacher(teacher, "smol-4", data, cfg, config, tmp_path, False))
 
     before = teacher_divergence(teacher, student, data.held_out)
     Trainer(student, data, cfg, progress=False, objective=objective).run()
     assert teacher_divergence(teacher, student, data.held_out) < 0.8 * before
+
+
+def test_the_cosine_term_on_smollm2_pulls_the_students_hidden_states_to_the_teachers(smollm, tmp_path):
+    from leanlm.train.distill import DistillConfig, DistillObjective, cosine_distance_sum, prepare_teacher
+    from leanlm.train.forward import hidden_states
+    from leanlm.train.student import keep_layers
+
+    teacher, _, data, cfg = _smollm2_pair(smollm)
+
+    @torch.no_grad()
+    def distance(student):
+        ours = hidden_states(student, data.held_out).flatten(0, 1)
+        return float(cosine_distance_sum(ours, hidden_states(teacher, data.held_out)))
+
+    after = {}
+    for weight in (10.0, 0.0):  # the cosine term beside hard labels, and hard labels alone (the cache serves both)
+        config = DistillConfig(top_k=16, kd_weight=0.0, cosine_weight=weight)
+        cache = prepare_teacher(teacher, "smol-4", data, cfg, DistillConfig(top_k=16, cosine_weight=10.0), tmp_path)
+        student = keep_layers(teacher, [0, 2])
+        before = distance(student)
+        Trainer(student, data, cfg, progress=False, objective=DistillObjective(config, cache)).run()
+        after[weight] = distance(student)
+    # 40.0 -> 33.3 with the term, 37.5 without it (Zen 4)
+    assert after[10.0] < 0.9 * before and after[10.0] < after[0.0] - 1.0
