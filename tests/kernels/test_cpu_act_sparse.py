@@ -40,6 +40,10 @@ def test_equals_float64_math_on_the_sparsified_input(M, N, K, has_bias):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_is_the_same_alone_or_in_a_batch(threads):
     x, wt, threshold, b = _inputs(8, 1536, 576, True, seed=7)
+    kept = cpu_act_sparse.sparsify(x, threshold) != 0
+    # the batch keeps > 90% of the weight rows (the kernel walks them one at a time), each row alone < 90% (walked
+    # in groups of 8): the two walks must give the same bits
+    assert float(kept.any(0).float().mean()) > 0.9 and float(kept.float().mean(1).max()) < 0.9
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -49,6 +53,37 @@ def test_each_row_is_the_same_alone_or_in_a_batch(threads):
             assert torch.equal(alone, batch[t : t + 1])
     finally:
         torch.set_num_threads(before)
+
+
+def test_both_walks_sum_the_rows_in_increasing_k():
+    """Each output of column n sums 256, 1 and seven 2^-16 in a per-column order, through 9 kept rows (a group of
+    8 and one more). In fp32, in increasing k, 2^-16 added to 256 or 257 rounds away (a tie to even) unless the
+    tiny terms come first; 257 rounds to bf16 256 and anything above it to 258. So the output's bits tell the
+    order apart. Alone, row 0 keeps 9 of 32 inputs (the grouped walk); beside a row that keeps all 32, the
+    single walk. Both must give the float32 sum in increasing k."""
+    K, N = 32, 64
+    gen = torch.Generator().manual_seed(11)
+    terms = torch.tensor([256.0, 1.0] + [2.0**-16] * 7)
+    wt = torch.randn(K, N, generator=gen)
+    for n in range(N):
+        wt[:9, n] = terms[torch.randperm(9, generator=gen)]
+    wt = wt.bfloat16()
+    x = torch.zeros(2, K)
+    x[0, :9], x[1] = 1.0, 2.0
+    x = x.bfloat16()
+    expected = torch.zeros(N, dtype=torch.float32)
+    for k in range(9):  # the float32 sum in increasing k (the products by 1 are exact)
+        expected = expected + wt[k].float()
+    expected = expected.bfloat16()
+    assert 0 < int((expected == 256).sum()) < N  # both outcomes occur: the test can tell orders apart
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # one part: the sum in k order, not split
+        alone = cpu_act_sparse.linear_act_sparse(x[:1], wt.contiguous(), 0.5)
+        batch = cpu_act_sparse.linear_act_sparse(x, wt.contiguous(), 0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone[0], expected) and torch.equal(batch[0], expected)
 
 
 def test_the_weight_aware_score_thresholds_x_times_the_column_scale():
