@@ -16,10 +16,19 @@ repetitions alternating between engines; repetitions during which other processe
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+import torch
 from batched_decode import leanlm_llm  # benchmarks/: the engine options every LeanLM row uses
-from sparse_decode import linear_bytes, loop_kinds  # benchmarks/
+from sparse_decode import (  # benchmarks/
+    _dense_linear,
+    decoder_linears,
+    kernel_call,
+    linear_bytes,
+    loop_kinds,
+    median_pass_times,
+)
 
 from leanlm.analysis.bench import LeanLMRunner, Repetitions, median
 from leanlm.analysis.bench_suite import prompts_from_text
@@ -30,6 +39,7 @@ from leanlm.compress import ActivationSparsityConfig, calibration_samples, compr
 from leanlm.data import wikitext2_test_path
 from leanlm.kernels import cpu_act_sparse, cpu_decode
 from leanlm.loading.registry import DEFAULT_MODEL
+from leanlm.model.sparse.activation import ActSparseLinear
 
 TARGET_SPEEDUP, TARGET_PPL, TARGET_SPARSITY = 1.2, 0.05, 0.4  # issue 17
 
@@ -47,6 +57,30 @@ def build_engines(model: str, sparsities: list[float], max_batch: int) -> tuple[
         report = compress(engines[name].llm_engine.model, ActivationSparsityConfig(sparsity=s), samples, progress=False)
         details[name] = report.details["act-sparsity"]
     return engines, details
+
+
+def kernel_sweep(model: torch.nn.Module, levels: list[float], max_other: float, copies: int = 60) -> list[str]:
+    """The kernel alone against the dense bf16 GEMV for each distinct decoder-linear shape of `model`, batch 1:
+    `copies` random weights of each shape cycled (so they come from DRAM, as in decode), the threshold at the
+    given quantile of |x|, median of 21 passes alternating, contaminated passes left out."""
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    shapes = sorted({(m.out_features, m.in_features) for m in decoder_linears(model)}, reverse=True)
+    lines = ["| shape (N x K) | dense GEMV us | " + " | ".join(f"{s:.0%} of inputs zero" for s in levels) + " |"]
+    lines.append("|---|---:|" + "---:|" * len(levels))
+    for n, k in shapes:
+        x, y = torch.randn(1, k, generator=gen).bfloat16(), torch.empty(1, n, dtype=torch.bfloat16)
+        dense = [_dense_linear(torch.randn(n, k, generator=gen).bfloat16()) for _ in range(copies)]
+        layers = {"dense": dense}
+        for s in levels:  # inputs at or below the threshold are zero: the k-th smallest |x| zeroes k of them
+            cut = round(s * k)
+            threshold = float(x.float().abs().flatten().kthvalue(cut).values) if cut > 0 else 0.0
+            layers[s] = [ActSparseLinear.from_linear(m, threshold) for m in dense]
+        calls = {key: [kernel_call(m, x, y, threads) for m in ms] for key, ms in layers.items()}
+        med = median_pass_times(calls, max_other)
+        cells = [f"{med[s] / copies * 1e6:.1f}, {med['dense'] / med[s]:.2f}x" for s in levels]
+        lines.append(f"| {n} x {k} | {med['dense'] / copies * 1e6:.1f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def timed(runners: dict, run, reps: int, max_other: float) -> dict[str, Repetitions]:
@@ -69,7 +103,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
-    ap.add_argument("--out", default=None, help="markdown file whose act-sparse-decode section gets the tables")
+    ap.add_argument("--sweep-levels", default="0,0.25,0.4,0.5,0.7", help="kernel table levels ('' skips)")
+    ap.add_argument("--out", default=None, help="markdown file whose act-sparse-decode(-MODEL) section gets the tables")
     args = ap.parse_args()
     if not cpu_act_sparse.is_available():
         raise SystemExit(f"the activation-sparse kernel is unavailable ({cpu_act_sparse.unavailable_reason()})")
@@ -98,7 +133,7 @@ def main() -> None:
         f"linear; embedding and tied head dense. Perplexity: WikiText-2 test, {len(windows)} x 2048 windows, the "
         f"sparsity applied to every token. Batch 1: {args.output_len} new tokens after 16-token prompts, "
         f"{args.reps} repetitions alternating (median time per output token). Machine: {describe_machine()}. "
-        f"Command: `python benchmarks/act_sparse_decode.py --reps {args.reps}`.",
+        f"Command: `python benchmarks/act_sparse_decode.py {' '.join(sys.argv[1:])}`.",
         "",
         "| model | perplexity | vs dense | weight rows read (batch 1) | TPOT ms | tokens/s | vs dense bf16 | kept / "
         "discarded reps |",
@@ -121,10 +156,20 @@ def main() -> None:
             f"<= +{TARGET_PPL:.0%} perplexity: {speed:.2f}x at {loss:+.1%}, {verdict}.",
         ]
     lines += batch_table(engines, details, prompts[1 + args.reps :], batches, args)
+    if args.sweep_levels:
+        levels = [float(s) for s in args.sweep_levels.split(",")]
+        lines += [
+            "",
+            "The kernel alone against the dense bf16 GEMV per decoder-linear shape, batch 1 (60 random weights of "
+            "each shape cycled, so they come from DRAM; us per product, speedup over dense):",
+            "",
+            *kernel_sweep(engines["dense bf16"].llm_engine.model, levels, args.max_other_cpu),
+        ]
     report = "\n".join(lines)
     print(report)
     if args.out:
-        replace_section(Path(args.out), "act-sparse-decode", report)
+        section = "act-sparse-decode" if args.model == DEFAULT_MODEL else f"act-sparse-decode-{Path(args.model).name}"
+        replace_section(Path(args.out), section, report)
 
 
 def batch_table(engines: dict, details: dict, prompts: list, batches: list[int], args) -> list[str]:

@@ -33,11 +33,12 @@ from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import MagnitudeConfig, RTNConfig, compress
 from leanlm.data import wikitext2_test_path
-from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_gemv, cpu_qgemv, cpu_sparse
+from leanlm.kernels import cpu_act_sparse, cpu_bitmask, cpu_decode, cpu_gemv, cpu_qgemv, cpu_sparse
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 from leanlm.llm import LLM
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.sparse.activation import ActSparseLinear
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.quantized_24 import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
@@ -93,6 +94,10 @@ def kernel_call(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, threa
     """A zero-argument call of the C kernel the decode loop runs for `module` on x [M, K] into y [M, N] (no bias,
     as SmolLM2's), skipping the Python wrappers' checks so small products are timed as the loop runs them."""
     group = getattr(module, "group_size", None) or module.in_features  # for the kernels that take one
+    if isinstance(module, ActSparseLinear):  # its threshold is a double among the pointers
+        fn, M, (N, K) = cpu_act_sparse._KERNEL.fn(), x.shape[0], (module.out_features, module.in_features)
+        args = (x.data_ptr(), module.weight_t.data_ptr(), module.threshold_value, module.column_scale.data_ptr())
+        return lambda: fn(*args, None, y.data_ptr(), M, N, K, threads, MIN_PARALLEL_BYTES)
     if isinstance(module, Sparse24Linear):
         fn, tensors, group = cpu_sparse._KERNEL.fn(), (module.values, module.mask), None
     elif isinstance(module, BitmaskSparseLinear):
