@@ -3,6 +3,7 @@ budget, resumably, and save it as a checkpoint the engine loads (2:4 results pac
 
     leanlm prune --method sparsegpt --pattern 2:4 --out smol-24
     leanlm train --model smol-24 --recipe sr-ste --pattern 2:4 --tokens 600000 --out smol-24-srste
+    leanlm train --recipe teal --sparsity 0.4 --tokens 250000 --out smol-teal40   # activation sparsity
     leanlm train --exits 8,16,24 --lr 1e-3 --tokens 100000 --out smol-exits   # then --speculative self:24
 
 Run the same command again after an interruption and it resumes from OUT/train_state.pt.
@@ -15,7 +16,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-RECIPES = ("finetune", "masked", "gmp", "rewind", "sr-ste", "top-kast")
+RECIPES = ("finetune", "masked", "gmp", "rewind", "sr-ste", "top-kast", "teal")
 STATE_FILE = "train_state.pt"
 
 
@@ -99,7 +100,7 @@ def add_run_args(p) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leanlm.compress.calibration import read_calibration_text
+    from leanlm.compress.calibration import calibration_samples, read_calibration_text
     from leanlm.compress.checkpoint import save_checkpoint
     from leanlm.compress.gqa import GQAConfig
     from leanlm.compress.pruner import pack_semi_structured
@@ -108,6 +109,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leanlm.train.data import TokenWindows
     from leanlm.train.model import load_trainable
     from leanlm.train.qat import attach_fake_quant, detach_fake_quant
+    from leanlm.train.sparse import TEALTrainConfig
     from leanlm.train.trainer import TrainConfig, Trainer
 
     sparsity = build_sparsity(
@@ -147,7 +149,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = trainer.run()
     if qat is not None or args.qat:
         detach_fake_quant(model)
-    if sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
+    if isinstance(sparsity, TEALTrainConfig):  # decode's fixed thresholds, calibrated on the trained weights
+        compress(model, [sparsity.runtime_config()], calibration_samples(ids, 64, 256, seed=0), progress=False)
+    elif sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
         pack_semi_structured(model, [])
     start = time.perf_counter()
     save_checkpoint(model, out, tokenizer)
@@ -233,6 +237,6 @@ def format_result(result, model: str, out: Path, recipe: str, held_out_before: f
         first = f"{held_out_before:.4f} -> " if held_out_before is not None else ""
         lines.append(f"held-out loss: {first}{result.held_out[-1][1]:.4f} (step {result.held_out[-1][0]})")
     if result.sparsity:
-        lines.append(f"sparsity of the trained linears: {result.sparsity['sparsity']:.1%}")
+        lines += [f"{key} of the trained linears: {value:.1%}" for key, value in result.sparsity.items()]
     lines.append(f"saved in {save_s:.1f} s; evaluate with: leanlm eval ppl --model {out}")
     return "\n".join(lines)

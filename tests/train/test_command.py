@@ -10,7 +10,7 @@ from leanlm.cli import main
 from leanlm.cli.train import build_sparsity
 from leanlm.compress import MagnitudeConfig, compress, save_checkpoint
 from leanlm.model.llama import build_model
-from leanlm.train.sparse import GMPConfig, SRSTEConfig, TopKASTConfig
+from leanlm.train.sparse import GMPConfig, SRSTEConfig, TEALTrainConfig, TopKASTConfig
 from tests.conftest import tiny_config, tiny_state_dict
 
 TEXT = " ".join(f"The clockmaker made clock number {i} for the village." for i in range(400))
@@ -20,6 +20,7 @@ def test_recipes_behind_the_flags():
     assert build_sparsity("finetune") is None
     assert build_sparsity("sr-ste", pattern="2:4", decay=1e-3) == SRSTEConfig(pattern="2:4", decay=1e-3)
     assert build_sparsity("gmp", sparsity=0.7) == GMPConfig(sparsity=0.7)
+    assert build_sparsity("teal", sparsity=0.4) == TEALTrainConfig(sparsity=0.4)
     assert build_sparsity("top-kast", sparsity=0.8, backward_sparsity=0.6) == TopKASTConfig(
         sparsity=0.8, backward_sparsity=0.6
     )
@@ -32,6 +33,7 @@ def test_recipes_behind_the_flags():
         (["--recipe", "sr-ste", "--sparsity", "0.5"], "pass pattern"),
         (["--recipe", "gmp", "--rounds", "3"], "--rounds does not apply"),
         (["--recipe", "top-kast", "--pattern", "2:4"], "use SR-STE"),
+        (["--recipe", "teal", "--pattern", "2:4"], "not an N:M pattern"),
         (["--recipe", "gmp", "--data", "/no/such/file"], "does not exist"),
         (["--tokens", "10"], "less than one optimizer step"),
     ],
@@ -68,6 +70,29 @@ def test_train_a_pruned_checkpoint_into_one_the_engine_loads(pruned_dir, tmp_pat
     recipe = json.loads((out / "quantization_config.json").read_text())["recipe"]
     assert [step["method"] for step in recipe] == ["magnitude", "train"]
     assert recipe[1]["sparsity"]["method"] == "sr-ste" and recipe[1]["tokens"] == 768
+
+
+def test_activation_sparsity_training_saves_layers_that_skip_small_inputs(tmp_path, tokenizer, capsys):
+    from leanlm.llm import load_model
+    from leanlm.model.sparse.activation import ActSparseLinear
+
+    cfg = tiny_config(tokenizer.vocab_size)
+    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
+    data, out = tmp_path / "text.txt", tmp_path / "teal"
+    data.write_text(TEXT)
+    argv = ["train", "--model", str(dense), "--recipe", "teal", "--sparsity", "0.4", "--data", str(data)]
+    argv += ["--seq-len", "32", "--tokens", str(32 * 8 * 2), "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 0
+    assert "input sparsity of the trained linears: 40.0%" in capsys.readouterr().out
+    recipe = json.loads((out / "quantization_config.json").read_text())["recipe"]
+    assert [step["method"] for step in recipe] == ["train", "act-sparsity"]
+    assert recipe[0]["sparsity"]["method"] == "teal" and recipe[1]["sparsity"] == 0.4
+    model = load_model(str(out), progress=False)
+    layers = [m for m in model.modules() if isinstance(m, ActSparseLinear)]
+    assert len(layers) == 7 * cfg.num_hidden_layers and all(m.threshold_value > 0 for m in layers)
+    trained = model.model.layers[0].mlp.down_proj.weight_t.t().float()
+    untrained = tiny_state_dict(cfg)["model.layers.0.mlp.down_proj.weight"].float()
+    assert not torch.allclose(trained, untrained, atol=1e-4)  # the weights trained, then were kept dense
 
 
 def test_a_quantized_checkpoint_cannot_be_trained(tmp_path, tokenizer, capsys):
