@@ -72,14 +72,22 @@ def test_train_a_pruned_checkpoint_into_one_the_engine_loads(pruned_dir, tmp_pat
     assert recipe[1]["sparsity"]["method"] == "sr-ste" and recipe[1]["tokens"] == 768
 
 
-def test_activation_sparsity_training_saves_layers_that_skip_small_inputs(tmp_path, tokenizer, capsys):
+@pytest.fixture
+def dense_and_text(tmp_path, tokenizer):
+    """(config, a saved tiny dense checkpoint, a training text file); the config has 4 query and 2 K/V heads."""
+    cfg = tiny_config(tokenizer.vocab_size)
+    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    return cfg, dense, data
+
+
+def test_activation_sparsity_training_saves_layers_that_skip_small_inputs(dense_and_text, tmp_path, capsys):
     from leanlm.llm import load_model
     from leanlm.model.sparse.activation import ActSparseLinear
 
-    cfg = tiny_config(tokenizer.vocab_size)
-    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
-    data, out = tmp_path / "text.txt", tmp_path / "teal"
-    data.write_text(TEXT)
+    cfg, dense, data = dense_and_text
+    out = tmp_path / "teal"
     argv = ["train", "--model", str(dense), "--recipe", "teal", "--sparsity", "0.4", "--data", str(data)]
     argv += ["--seq-len", "32", "--tokens", str(32 * 8 * 2), "--out", str(out), "--device", "cpu"]
     assert main(argv) == 0
@@ -106,13 +114,11 @@ def test_a_quantized_checkpoint_cannot_be_trained(tmp_path, tokenizer, capsys):
     assert "no float weight to train" in capsys.readouterr().err
 
 
-def test_convert_to_multi_query_attention_and_uptrain(tmp_path, tokenizer, capsys):
+def test_convert_to_multi_query_attention_and_uptrain(dense_and_text, tmp_path, capsys):
     from leanlm.llm import load_model
 
-    cfg = tiny_config(tokenizer.vocab_size)  # 4 query heads, 2 K/V heads
-    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
-    data, out = tmp_path / "text.txt", tmp_path / "mqa"
-    data.write_text(TEXT)
+    cfg, dense, data = dense_and_text
+    out = tmp_path / "mqa"
     argv = ["train", "--model", str(dense), "--kv-heads", "1", "--data", str(data), "--seq-len", "32"]
     argv += ["--tokens", str(32 * 8 * 2), "--out", str(out), "--device", "cpu"]
     assert main(argv) == 0
@@ -126,15 +132,13 @@ def test_convert_to_multi_query_attention_and_uptrain(tmp_path, tokenizer, capsy
     assert "divides 2" in capsys.readouterr().err
 
 
-def test_quantization_aware_training_saves_trained_int4_layers(tmp_path, tokenizer, capsys):
+def test_quantization_aware_training_saves_trained_int4_layers(dense_and_text, tmp_path, capsys):
     from leanlm.compress import RTNConfig
     from leanlm.llm import load_model
     from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
 
-    cfg = tiny_config(tokenizer.vocab_size)
-    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
-    data, out = tmp_path / "text.txt", tmp_path / "qat"
-    data.write_text(TEXT)
+    cfg, dense, data = dense_and_text
+    out = tmp_path / "qat"
     argv = ["train", "--model", str(dense), "--qat-bits", "4", "--qat-group-size", "32", "--data", str(data)]
     argv += ["--seq-len", "32", "--tokens", str(32 * 8 * 3), "--lr", "1e-3", "--out", str(out), "--device", "cpu"]
     assert main(argv) == 0
