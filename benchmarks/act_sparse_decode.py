@@ -44,8 +44,9 @@ from leanlm.model.sparse.activation import ActSparseLinear
 TARGET_SPEEDUP, TARGET_PPL, TARGET_SPARSITY = 1.2, 0.05, 0.4  # issue 17
 
 
-def build_engines(model: str, sparsities: list[float], max_batch: int) -> tuple[dict, dict]:
-    """name -> LLM (dense first), and name -> what compress reported (the rows read at each batch)."""
+def build_engines(model: str, sparsities: list[float], max_batch: int, trained: list[str]) -> tuple[dict, dict]:
+    """name -> LLM (dense first, then one-shot TEAL at each sparsity, then the `trained` checkpoints: `leanlm train
+    --recipe teal` outputs), and name -> what compress reported (the rows read at each batch)."""
     engines = {"dense bf16": leanlm_llm(model, max_batch, dequantize=True)}
     tokenizer = engines["dense bf16"].tokenizer
     ids = tokenizer.encode(read_calibration_text(), add_special_tokens=False)
@@ -56,7 +57,18 @@ def build_engines(model: str, sparsities: list[float], max_batch: int) -> tuple[
         engines[name] = leanlm_llm(model, max_batch, dequantize=True)
         report = compress(engines[name].llm_engine.model, ActivationSparsityConfig(sparsity=s), samples, progress=False)
         details[name] = report.details["act-sparsity"]
+    for path in trained:
+        engines[f"{Path(path).name} (trained)"] = leanlm_llm(path, max_batch, dequantize=True)
     return engines, details
+
+
+def rows_read(details: dict, name: str, batch: int) -> str:
+    """The share of weight rows a batch reads, from compress's report on the calibration inputs: 100% for the
+    dense model, "-" for a loaded checkpoint (no report)."""
+    if name == "dense bf16":
+        return "100%"
+    share = details.get(name, {}).get(f"weight rows read at batch {batch}")
+    return "-" if share is None else f"{share:.1%}"
 
 
 def kernel_sweep(model: torch.nn.Module, levels: list[float], max_other: float, copies: int = 60) -> list[str]:
@@ -103,6 +115,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
+    ap.add_argument("--trained", nargs="*", default=[], help="checkpoints of `leanlm train --recipe teal` to add")
     ap.add_argument("--sweep-levels", default="0,0.25,0.4,0.5,0.7", help="kernel table levels ('' skips)")
     ap.add_argument("--out", default=None, help="markdown file whose act-sparse-decode(-MODEL) section gets the tables")
     args = ap.parse_args()
@@ -110,7 +123,7 @@ def main() -> None:
         raise SystemExit(f"the activation-sparse kernel is unavailable ({cpu_act_sparse.unavailable_reason()})")
     sparsities = [float(s) for s in args.sparsities.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    engines, details = build_engines(args.model, sparsities, max(batches))
+    engines, details = build_engines(args.model, sparsities, max(batches), args.trained)
     runners = {name: LeanLMRunner(llm) for name, llm in engines.items()}
     tokenizer = engines["dense bf16"].tokenizer
     text = wikitext2_test_path().read_text()
@@ -140,9 +153,8 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, reps in one.items():
-        read = details.get(name, {}).get("weight rows read at batch 1", 1.0)
         lines.append(
-            f"| {name} | {ppl[name]:.2f} | {ppl[name] / ppl['dense bf16'] - 1:+.1%} | {read:.1%} | "
+            f"| {name} | {ppl[name]:.2f} | {ppl[name] / ppl['dense bf16'] - 1:+.1%} | {rows_read(details, name, 1)} | "
             f"{tpot[name] * 1000:.2f} | {1 / tpot[name]:.1f} | {base / tpot[name]:.2f}x | "
             f"{len(reps.values)} / {len(reps.discarded)} |"
         )
@@ -198,9 +210,8 @@ def batch_table(engines: dict, details: dict, prompts: list, batches: list[int],
     for name in runners:
         cells = []
         for b in batches:
-            read = details.get(name, {}).get(f"weight rows read at batch {b}", 1.0)
             rate = rates[name][b]
-            cells.append(f"{read:.0%}, {rate:.0f}, {rate / rates['dense bf16'][b]:.2f}x")
+            cells.append(f"{rows_read(details, name, b)}, {rate:.0f}, {rate / rates['dense bf16'][b]:.2f}x")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Decoder linear weights: {linear_bytes(engines['dense bf16'].llm_engine.model) / 1e6:.1f} MB."]
     return lines

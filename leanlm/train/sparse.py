@@ -119,6 +119,10 @@ class TEALTrainConfig(MethodConfig, SparsityScheme):
         if self.nm is not None:
             raise ValueError("teal zeroes a fraction of each linear's inputs: pass sparsity, not an N:M pattern")
 
+    @property
+    def sparsity_label(self) -> str:
+        return f"{self.sparsity:.0%} of the inputs"
+
     def runtime_config(self):
         from leanlm.compress.act_sparsity import ActivationSparsityConfig
 
