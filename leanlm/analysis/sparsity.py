@@ -1,15 +1,19 @@
 """How sparse a model's weights are: the fraction of exact zeros in each decoder linear, per layer and kind,
 whatever stores them (float, quantized codes, a sparse runtime format). `leanlm eval` and `leanlm prune`
-print it next to their numbers."""
+print it next to their numbers. For activation-sparse layers (TEAL), `InputSparsityMeter` counts the inputs
+they zero on the text being evaluated."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
+from leanlm.kernels.cpu_act_sparse import sparsify
 from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.sparse.activation import ActSparseLinear
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,43 @@ def format_sparsity(rows: list[LinearSparsity]) -> str:
 @torch.no_grad()
 def model_sparsity(model: nn.Module) -> str:
     return format_sparsity(linear_sparsity(model))
+
+
+class InputSparsityMeter:
+    """While entered, counts the inputs each activation-sparse linear of `model` zeroes (|x_k| * scale_k at or
+    below its threshold) in the forward passes it sees: prefill and scoring run the modules, so `leanlm eval ppl`
+    measures the sparsity its perplexity was computed at. The native decode loop bypasses the modules and is
+    not counted."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, ActSparseLinear)}
+        self.counts: dict[str, list[int]] = {name: [0, 0] for name in self.layers}  # name -> [zeroed, seen]
+        self.handles: list = []
+
+    def __enter__(self) -> InputSparsityMeter:
+        self.handles = [m.register_forward_pre_hook(partial(self._count, name)) for name, m in self.layers.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @torch.no_grad()
+    def _count(self, name: str, module: ActSparseLinear, args: tuple) -> None:
+        x = args[0]
+        zeroed = sparsify(x, module.threshold_value, module.column_scale) == 0
+        self.counts[name][0] += int(zeroed.sum())
+        self.counts[name][1] += zeroed.numel()
+
+    def rows(self) -> list[LinearSparsity]:
+        return [LinearSparsity(name, zeroed, seen) for name, (zeroed, seen) in self.counts.items() if seen]
+
+    def format(self) -> str | None:
+        """Overall and per kind, or None when the model has no activation-sparse linear that ran."""
+        rows = self.rows()
+        if not rows:
+            return None
+        kinds = "  ".join(f"{k} {v:.1%}" for k, v in by_kind(rows).items())
+        head = f"input sparsity of the activation-sparse linears on this text: {overall(rows):.2%} zeroed"
+        return f"{head}\n  by kind: {kinds}"

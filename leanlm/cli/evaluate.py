@@ -59,13 +59,14 @@ def _dtype_name(llm) -> str:
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from leanlm.analysis.eval import perplexity
-    from leanlm.analysis.sparsity import by_layer, format_sparsity, linear_sparsity, overall
+    from leanlm.analysis.sparsity import InputSparsityMeter, by_layer, format_sparsity, linear_sparsity, overall
 
     _check_data_file(args.data)
     llm = load_llm(args)
     token_ids, windows = _eval_windows(args, llm.tokenizer)
     start = time.perf_counter()
-    result = perplexity(llm, windows)
+    with InputSparsityMeter(llm.llm_engine.model) as inputs:
+        result = perplexity(llm, windows)
     elapsed = time.perf_counter() - start
     protocol = _eval_protocol(args, len(token_ids), windows)
     sparsity = linear_sparsity(llm.llm_engine.model)
@@ -81,6 +82,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
                     "mean_nll": result.mean_nll,
                     "elapsed_s": elapsed,
                     "weight_sparsity": {"overall": overall(sparsity), "per_layer": list(by_layer(sparsity).values())},
+                    **({"input_sparsity": overall(inputs.rows())} if inputs.rows() else {}),
                 },
                 indent=1,
             )
@@ -92,6 +94,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         f"(mean NLL {result.mean_nll:.5f} nats) in {elapsed:.0f} s"
     )
     print(format_sparsity(sparsity))
+    if inputs.format() is not None:
+        print(inputs.format())
     return 0
 
 

@@ -29,7 +29,7 @@ def build_sparsity(
     rounds: int | None = None,
 ):
     """The training-time sparsity config behind --recipe (None for plain fine-tuning); validates the flags."""
-    from leanlm.train.sparse import TRAINING_CONFIGS
+    from leanlm.train.recipes import TRAINING_CONFIGS
 
     extras = {"decay": decay, "backward_sparsity": backward_sparsity, "rounds": rounds}
     if recipe == "finetune":
@@ -106,10 +106,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leanlm.compress.pruner import pack_semi_structured
     from leanlm.compress.recipe import compress
     from leanlm.compress.rtn import RTNConfig
+    from leanlm.train.act_sparse import TEALTrainConfig
     from leanlm.train.data import TokenWindows
     from leanlm.train.model import load_trainable
     from leanlm.train.qat import attach_fake_quant, detach_fake_quant
-    from leanlm.train.sparse import TEALTrainConfig
     from leanlm.train.trainer import TrainConfig, Trainer
 
     sparsity = build_sparsity(

@@ -1,6 +1,6 @@
 """Sparsity learned during training: masked fine-tuning, gradual magnitude pruning (Zhu & Gupta 2017),
 iterative magnitude pruning with rewinding (Frankle & Carbin 2019), SR-STE (Zhou et al. 2021) and Top-KAST
-(Jayakumar et al. 2020); and activation sparsity (TEAL's, trained with: `teal`).
+(Jayakumar et al. 2020). leanlm.train.recipes names them (and act_sparse's TEAL training) for `leanlm train`.
 
 Each method is a frozen config and a `SparseTraining` that puts a parametrization on every target linear's
 weight: the forward sees `weight * keep`, and the method decides what gradient the dense weight gets back
@@ -12,7 +12,6 @@ end `finish()` bakes the sparse weights into plain parameters and leaves the mas
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,35 +102,6 @@ class TopKASTConfig(MethodConfig, SparsityScheme):
             )
         if self.every < 1 or self.decay < 0:
             raise ValueError("need every >= 1 and decay >= 0")
-
-
-@dataclass(frozen=True)
-class TEALTrainConfig(MethodConfig, SparsityScheme):
-    """Fine-tune with TEAL's activation sparsity in the forward: every target linear's inputs at or below the
-    `sparsity` quantile of |x| (taken per batch) are zero, so the weights learn to do without them; the
-    weights stay dense. After the run, `runtime_config()` calibrates fixed thresholds through `compress`, as
-    `leanlm prune --method teal` does for an untrained model."""
-
-    name = "teal"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.nm is not None:
-            raise ValueError("teal zeroes a fraction of each linear's inputs: pass sparsity, not an N:M pattern")
-
-    @property
-    def sparsity_label(self) -> str:
-        return f"{self.sparsity:.0%} of the inputs"
-
-    def runtime_config(self):
-        from leanlm.compress.act_sparsity import ActivationSparsityConfig
-
-        return ActivationSparsityConfig(sparsity=self.sparsity, ignore=self.ignore)
-
-
-TRAINING_CONFIGS = {
-    cfg.name: cfg for cfg in (MaskedConfig, GMPConfig, RewindConfig, SRSTEConfig, TopKASTConfig, TEALTrainConfig)
-}
 
 
 # ----------------------------------------------------------------------------------------- the weight
@@ -381,59 +351,3 @@ class TopKAST(SparseTraining):
 
     def _after_load(self):
         self.refresh(0, 1)
-
-
-# Inputs whose |x| sets a batch's threshold: a strided sample of at most this many (kthvalue over a whole
-# [8 x 512, 1536] input would cost as much as the product it guards)
-THRESHOLD_SAMPLE = 65536
-
-
-def zero_small_inputs(x: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """x with its entries at or below the `sparsity` quantile of |x| set to zero (the quantile taken over a
-    strided sample; the odd stride walks through every channel). Zeroed entries pass no gradient back, as
-    they contribute nothing at decode."""
-    flat = x.detach().reshape(-1)
-    sample = flat[:: flat.numel() // THRESHOLD_SAMPLE | 1].float().abs()
-    count = int(sparsity * sample.numel())
-    if count == 0:
-        return x
-    threshold = sample.kthvalue(count).values
-    return x.masked_fill(x.detach().abs() <= threshold, 0)
-
-
-class ActSparseTraining(SparseTraining):
-    """TEAL in the forward: a pre-hook on every target linear zeroes its small inputs (no masks on weights, so
-    nothing to save in the state: the thresholds come from each batch)."""
-
-    def attach(self, model):
-        self.linears = target_linears(model, self.config)
-        if not self.linears:
-            raise ValueError(f"{self.config.name}: no linear to sparsify (check `ignore`)")
-        sparsity = self.config.sparsity
-        self.hooks = [
-            m.register_forward_pre_hook(lambda _, args: (zero_small_inputs(args[0], sparsity), *args[1:]))
-            for m in self.linears.values()
-        ]
-
-    def finish(self):
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-        return {"input sparsity": self.config.sparsity}
-
-
-_METHODS: dict[type, Callable[[MethodConfig], SparseTraining]] = {
-    MaskedConfig: MaskedTraining,
-    GMPConfig: GradualMagnitude,
-    RewindConfig: Rewinding,
-    SRSTEConfig: SRSTE,
-    TopKASTConfig: TopKAST,
-    TEALTrainConfig: ActSparseTraining,
-}
-
-
-def build_sparse_training(config: MethodConfig) -> SparseTraining:
-    try:
-        return _METHODS[type(config)](config)
-    except KeyError:
-        raise TypeError(f"{type(config).__name__} is not a training-time sparsity config") from None

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from leanlm.compress.base import MethodConfig
 from leanlm.train.data import TokenWindows
 from leanlm.train.forward import causal_lm_loss
-from leanlm.train.sparse import SparseTraining, build_sparse_training
+from leanlm.train.recipes import build_sparse_training
+from leanlm.train.sparse import SparseTraining
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -35,3 +35,23 @@ def test_zeros_are_counted_in_packed_and_quantized_layers():
     quantized = _model()
     compress(quantized, [MagnitudeConfig(pattern="2:4"), RTNConfig(bits=4, group_size=32)], progress=False)
     assert overall(linear_sparsity(quantized)) >= 0.5
+
+
+def test_the_inputs_activation_sparse_layers_zero_are_counted_while_the_meter_is_on():
+    from leanlm.analysis.sparsity import InputSparsityMeter
+    from leanlm.compress import ActivationSparsityConfig
+    from leanlm.train.forward import logits
+
+    calib = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = _model()
+    assert InputSparsityMeter(model).format() is None  # no activation-sparse layer
+    compress(model, ActivationSparsityConfig(sparsity=0.5, ignore=("lm_head", "down_proj")), calib, progress=False)
+    with InputSparsityMeter(model) as meter:
+        logits(model, calib)  # the calibration text: each layer zeroes about half of what it saw there
+    rows = meter.rows()
+    assert len(rows) == 6 * len(model.model.layers)  # every sparsified linear, not down_proj
+    assert all(r.numel == 4 * 16 * model.config.hidden_size for r in rows if r.name.endswith("q_proj"))
+    assert 0.45 < overall(rows) < 0.55
+    assert "q_proj" in meter.format() and "down_proj" not in meter.format()
+    logits(model, calib)  # the meter is off: nothing more is counted
+    assert meter.rows() == rows

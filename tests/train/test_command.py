@@ -10,7 +10,8 @@ from leanlm.cli import main
 from leanlm.cli.train import build_sparsity
 from leanlm.compress import MagnitudeConfig, compress, save_checkpoint
 from leanlm.model.llama import build_model
-from leanlm.train.sparse import GMPConfig, SRSTEConfig, TEALTrainConfig, TopKASTConfig
+from leanlm.train.act_sparse import TEALTrainConfig
+from leanlm.train.sparse import GMPConfig, SRSTEConfig, TopKASTConfig
 from tests.conftest import tiny_config, tiny_state_dict
 
 TEXT = " ".join(f"The clockmaker made clock number {i} for the village." for i in range(400))

@@ -8,16 +8,14 @@ from torch import nn
 from leanlm.compress.pruner import MASK_ATTR, pack_semi_structured
 from leanlm.compress.sparsity import SparsityScheme, nm_mask, satisfies_nm
 from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.train.recipes import build_sparse_training
 from leanlm.train.sparse import (
     GMPConfig,
     MaskedConfig,
     RewindConfig,
     SRSTEConfig,
-    TEALTrainConfig,
     TopKASTConfig,
-    build_sparse_training,
     schedule_mask,
-    zero_small_inputs,
 )
 from leanlm.train.trainer import TrainConfig, Trainer, train
 from tests.train.conftest import SEQ_LEN
@@ -158,37 +156,3 @@ def test_rewinding_resets_the_kept_weights_to_the_start(tiny_model, windows):
         trained = rewinding.dense(name).detach()
         assert torch.equal(trained[~keep], torch.zeros_like(trained[~keep]))
         assert not torch.equal(trained, start[name] * keep)  # the ticket was trained after its rewind
-
-
-def test_teal_training_zeroes_the_small_inputs_and_passes_no_gradient_through_them():
-    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    y = zero_small_inputs(x, 0.4)
-    zeroed = y == 0
-    assert abs(float(zeroed.float().mean()) - 0.4) < 0.02  # the sample's quantile stands for the whole input's
-    assert x.detach().abs()[zeroed].max() <= x.detach().abs()[~zeroed].min()  # the smallest, not any 40%
-    y.sum().backward()
-    assert torch.equal(x.grad, (~zeroed).float())
-    assert zero_small_inputs(x, 0.0) is x
-
-
-def test_teal_training_sparsifies_every_linear_input_during_the_run_only(tiny_model, windows):
-    from leanlm.train.forward import logits
-
-    model = tiny_model()
-    method = build_sparse_training(TEALTrainConfig(sparsity=0.5))
-    method.attach(model)
-    multiplied = {}  # what each linear multiplies: a forward hook sees the input after the pre-hooks
-    for name, linear in linears(model).items():
-        linear.register_forward_hook(lambda m, args, out, name=name: multiplied.__setitem__(name, args[0]))
-    logits(model, windows.train[:2])
-    assert set(multiplied) == set(linears(model))  # every decoder linear, not the head
-    for name, x in multiplied.items():
-        assert abs(float((x == 0).float().mean()) - 0.5) < 0.05, name
-    assert method.finish() == {"input sparsity": 0.5}
-    logits(model, windows.train[:2])
-    assert all(float((x == 0).float().mean()) < 0.01 for x in multiplied.values())  # the hooks are gone
-
-
-def test_teal_training_takes_a_fraction_not_a_pattern():
-    with pytest.raises(ValueError, match="not an N:M pattern"):
-        TEALTrainConfig(pattern="2:4")
