@@ -44,9 +44,9 @@ THRESHOLD_SAMPLE = 65536
 
 
 def zero_small_inputs(x: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """x with its entries at or below the `sparsity` quantile of |x| set to zero (the quantile taken over a
-    strided sample; the odd stride walks through every channel). Zeroed entries pass no gradient back, as
-    they contribute nothing at decode."""
+    """x with its entries at or below the `sparsity` quantile of |x| set to zero (the quantile of a strided
+    sample; the stride is odd, so the sample is not confined to even channels). Zeroed entries pass no
+    gradient back, as they contribute nothing at decode."""
     flat = x.detach().reshape(-1)
     sample = flat[:: flat.numel() // THRESHOLD_SAMPLE | 1].float().abs()
     count = int(sparsity * sample.numel())
