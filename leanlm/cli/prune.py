@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from leanlm.compress.act_sparsity import ActivationSparsityConfig
+from leanlm.compress.act_sparsity import ALLOCATIONS, ActivationSparsityConfig
 from leanlm.compress.base import MethodConfig
 from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
 from leanlm.compress.permute import PermuteConfig
@@ -26,8 +26,11 @@ def build_prune_recipe(
     group_size: int | None = None,
     joint: bool = False,
     permute: bool = False,
+    allocation: str | None = None,
 ) -> list[MethodConfig]:
     """The recipe behind `leanlm prune`; validates every option before anything loads."""
+    if allocation is not None and method != "teal":
+        raise ValueError(f"--allocation spreads teal's activation sparsity over a layer; {method} does not take it")
     if method == "teal":
         given = {"--pattern": pattern, "--then-quantize": then_quantize, "--bits": bits, "--group-size": group_size}
         given.update({"--joint": joint or None, "--permute": permute or None})
@@ -36,7 +39,9 @@ def build_prune_recipe(
             raise ValueError(
                 f"teal zeroes a fraction of each linear's inputs (--sparsity); {', '.join(flags)} do not apply"
             )
-        return [ActivationSparsityConfig(sparsity=0.4 if sparsity is None else sparsity)]
+        return [
+            ActivationSparsityConfig(sparsity=0.4 if sparsity is None else sparsity, allocation=allocation or "uniform")
+        ]
     if permute:
         if pattern is None:
             raise ValueError("--permute reorders channels for an N:M pattern: add --pattern, e.g. 2:4")
@@ -97,6 +102,13 @@ def add_parser(sub) -> None:
         "--then-quantize", choices=QUANT_METHODS, default=None, help="quantize the pruned model (zeros stay zero)"
     )
     p.add_argument("--joint", action="store_true", help="sparsegpt: prune and quantize in one sweep (--bits)")
+    p.add_argument(
+        "--allocation",
+        choices=ALLOCATIONS,
+        default=None,
+        help="teal: the same share for every linear (uniform, the default), or spread over a layer's linears by "
+        "their own output error (greedy) or the layer's (block: TEAL's)",
+    )
     p.add_argument("--bits", type=int, default=None, help="weight bits of the quantization step (default 4)")
     p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64); 0 = per channel")
     add_calibration_args(p, "Wanda, SparseGPT")
@@ -124,6 +136,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         args.group_size,
         args.joint,
         args.permute,
+        args.allocation,
     )
     if args.format == "compressed-tensors" and (args.method == "teal" or args.then_quantize or args.joint):
         raise ValueError("--format compressed-tensors writes pruned float weights: drop --then-quantize/--joint")

@@ -7,8 +7,10 @@ thresholds come from the calibration inputs the layer loop observes (with earlie
 `allocation="greedy"` spreads a layer's sparsity unevenly (TEAL's greedy allocation, here on each linear's own
 output error): starting from dense, it raises, one step at a time, the sparsity of the linear whose output
 error grows least per weight byte it stops reading, until the layer's bytes-weighted sparsity is `sparsity`.
-The summary reports the batch-size effect: at batch B a weight row may be skipped only when all B rows' inputs
-are zero there, so the share of rows read grows with B (measured on the calibration rows, B at a time).
+`allocation="block"` is TEAL's own greedy: the same steps, chosen on the error of the whole layer's output
+(leanlm.compress.act_allocation). The summary reports the batch-size effect: at batch B a weight row may be
+skipped only when all B rows' inputs are zero there, so the share of rows read grows with B (measured on the
+calibration rows, B at a time).
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanlm.compress.base import NEEDS_STATS, GroupInputs, MethodConfig, register_method
+from leanlm.compress.act_allocation import BLOCK_SEQUENCES, Candidate, block_levels, layer_inputs
+from leanlm.compress.base import NEEDS_LAYER, NEEDS_STATS, GroupInputs, LayerInputs, MethodConfig, register_method
 from leanlm.compress.linear_quantizer import LinearQuantizer, group_linears
 from leanlm.model.sparse.activation import ActSparseLinear
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
-ALLOCATIONS = ("uniform", "greedy")
+ALLOCATIONS = ("uniform", "greedy", "block")
 SCORES = ("magnitude", "weighted")
 _STEP = 0.05  # sparsity increments of the greedy allocation
 _ERROR_ROWS = 1024  # calibration rows the greedy allocation measures output errors on
@@ -108,6 +111,9 @@ class ActivationSparsity(LinearQuantizer):
 
     def __init__(self, config: ActivationSparsityConfig) -> None:
         super().__init__(config)
+        if config.allocation == "block":  # the loop then calls fit_layer with the layer's input hidden states
+            self.needs = frozenset({NEEDS_LAYER})
+        self.rotary = None
         self.read: dict[int, list[float]] = {b: [] for b in BATCH_SIZES}  # per batch size, one share per linear
         self.levels: dict[int, float] = {}  # id(linear) -> its sparsity in the layer at hand (greedy)
         self.by_kind: dict[str, list[float]] = {}  # q_proj, ... -> the sparsity of each such linear
@@ -130,6 +136,28 @@ class ActivationSparsity(LinearQuantizer):
             for n, i in chosen.items():
                 self.by_kind.setdefault(n.rsplit(".", 1)[-1], []).append(levels[i])
         return super().apply_layer(layer, prefix, inputs)
+
+    def begin(self, model: nn.Module) -> None:
+        self.rotary = model.rotary_emb
+
+    def fit_layer(self, layer: nn.Module, prefix: str, inputs: LayerInputs) -> list:
+        """allocation="block": the inputs of every linear group observed here, TEAL's greedy on the layer's
+        output (on its first BLOCK_SEQUENCES sequences), then the thresholds at the chosen levels."""
+        hidden = inputs.hidden  # [S, T, d]
+        rope = self.rotary(torch.arange(hidden.shape[1], device=hidden.device), hidden.dtype)
+        fed = layer_inputs(layer, hidden, rope)
+        levels = [i * _STEP for i in range(int(0.9 / _STEP) + 1)]
+        candidates = {}
+        for _, full, m, group in group_linears(layer, prefix, fed):
+            if isinstance(m, nn.Linear) and not self.config.ignores(full):
+                scale = column_scale(m.weight, self.config.score)
+                scores = group.samples.abs() * scale
+                candidates[full] = Candidate(m, scale, [threshold_for(scores, level) for level in levels])
+        chosen = block_levels(layer, hidden[:BLOCK_SEQUENCES], rope, candidates, levels, self.config.sparsity)
+        self.levels = {id(candidates[n].linear): level for n, level in chosen.items()}
+        for n, level in chosen.items():
+            self.by_kind.setdefault(n.rsplit(".", 1)[-1], []).append(level)
+        return LinearQuantizer.apply_layer(self, layer, prefix, fed)
 
     def quantize_linear(self, linear: nn.Linear, inputs: GroupInputs | None) -> ActSparseLinear:
         if inputs is None or not inputs.samples.numel():

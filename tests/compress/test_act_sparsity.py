@@ -38,7 +38,7 @@ def test_greedy_steps_up_the_cheapest_error_per_byte():
     assert levels == {"a": 0, "b": 3}
 
 
-@pytest.mark.parametrize("allocation", ["uniform", "greedy"])
+@pytest.mark.parametrize("allocation", ["uniform", "greedy", "block"])
 @pytest.mark.parametrize("score", ["magnitude", "weighted"])
 def test_every_decoder_linear_sparsifies_its_share_of_calibration_inputs(tiny_model, calib, allocation, score):
     model = tiny_model()
@@ -79,6 +79,11 @@ def test_teal_recipe_and_flags_that_do_not_apply():
         build_prune_recipe("teal", pattern="2:4")
     with pytest.raises(ValueError, match="--then-quantize"):
         build_prune_recipe("teal", then_quantize="rtn")
+    assert build_prune_recipe("teal", allocation="block") == [
+        ActivationSparsityConfig(sparsity=0.4, allocation="block")
+    ]
+    with pytest.raises(ValueError, match="--allocation"):
+        build_prune_recipe("wanda", sparsity=0.5, allocation="block")
 
 
 def test_the_kernel_path_and_the_pytorch_path_agree_on_a_compressed_layer(tiny_model, calib, monkeypatch):
