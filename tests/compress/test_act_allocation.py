@@ -1,6 +1,7 @@
 """TEAL's block-level greedy allocation: the steps are chosen on the layer's own output, so a linear whose
 inputs the layer's output does not depend on takes sparsity first; the layer ends at its bytes-weighted target."""
 
+import pytest
 import torch
 
 from leanlm.compress.act_allocation import Candidate, block_levels, layer_inputs
@@ -47,3 +48,42 @@ def test_the_layer_ends_at_its_bytes_weighted_target_and_its_hooks_are_gone(tiny
     assert 0.4 - 1e-9 <= reached < 0.4 + 0.05  # at most one step past the target
     assert len(set(chosen.values())) > 1  # uneven: the point of allocating
     assert all(not c.linear._forward_pre_hooks for c in candidates.values())
+
+
+@pytest.mark.real_model
+def test_on_smollm2_the_block_allocation_costs_the_layer_less_than_uniform_thresholds(smollm):
+    from leanlm.compress import read_calibration_text
+    from leanlm.model.llama import build_model
+    from leanlm.train.forward import decoder_layer
+
+    model = build_model(smollm.config, smollm.state_dict, torch.float32)
+    ids = smollm.tokenizer.encode(read_calibration_text()[:20_000], add_special_tokens=False)
+    calib = torch.tensor(ids[: 4 * 128]).view(4, 128)
+    with torch.no_grad():  # what enters layer 2 of the real model
+        rope = model.rotary_emb(torch.arange(128), torch.float32)
+        hidden = model.model.embed_tokens(calib)
+        for layer in model.model.layers[:2]:
+            hidden = decoder_layer(layer, hidden, rope)
+    layer = model.model.layers[2]
+    candidates = _candidates(layer, hidden, rope)
+    chosen = block_levels(layer, hidden[:2], rope, candidates, LEVELS, target=0.4)
+
+    def layer_error(sparsity: dict) -> float:  # on the other two sequences, which the allocation never ran
+        handles = [
+            c.linear.register_forward_pre_hook(
+                lambda _, a, c=c, t=c.thresholds[LEVELS.index(sparsity[n])]: (a[0].masked_fill(a[0].abs() <= t, 0),)
+            )
+            for n, c in candidates.items()
+        ]
+        try:
+            with torch.no_grad():
+                y = decoder_layer(layer, hidden[2:], rope)
+        finally:
+            for h in handles:
+                h.remove()
+        with torch.no_grad():
+            ref = decoder_layer(layer, hidden[2:], rope)
+        return float((y - ref).pow(2).sum() / (ref - hidden[2:]).pow(2).sum())
+
+    uniform = layer_error(dict.fromkeys(candidates, LEVELS[8]))  # 40% of every linear's inputs
+    assert layer_error(chosen) < 0.5 * uniform  # measured: 0.012 against 0.102

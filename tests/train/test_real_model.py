@@ -112,3 +112,21 @@ def test_the_cosine_term_on_smollm2_pulls_the_students_hidden_states_to_the_teac
         after[weight] = distance(student)
     # 40.0 -> 33.3 with the term, 37.5 without it (Zen 4)
     assert after[10.0] < 0.9 * before and after[10.0] < after[0.0] - 1.0
+
+
+def test_teal_training_steps_lower_a_smollm2_loss_measured_with_its_inputs_sparse(smollm):
+    from leanlm.train.act_sparse import TEALTrainConfig
+
+    full = build_model(smollm.config, {k: v.clone() for k, v in smollm.state_dict.items()}, torch.float32)
+    model = full.first_layers(6)
+    ids = smollm.tokenizer.encode(read_calibration_text()[:60_000], add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, 64, held_out=2)
+    cfg = TrainConfig(tokens=64 * 2 * 1 * 4, seq_len=64, batch_size=2, grad_accum=1, lr=2e-4, warmup_steps=0)
+    dense_loss = Trainer(model, data, cfg, progress=False).held_out_loss()
+    trainer = Trainer(model, data, cfg, TEALTrainConfig(sparsity=0.5), progress=False)
+    before = trainer.held_out_loss()  # the hooks are on: half of every linear's inputs zero
+    assert abs(before - dense_loss) > 0.1  # (6 of 30 layers under the real head: the loss itself means little)
+    result = trainer.run()
+    assert result.held_out[-1][1] < before - 0.1
+    assert result.sparsity == {"input sparsity": 0.5}
+    assert not any(m._forward_pre_hooks for m in model.modules())  # decode's layers come from compress, not hooks
