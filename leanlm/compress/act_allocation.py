@@ -12,36 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanlm.compress.base import GroupInputs
-from leanlm.compress.calibration import MAX_SAMPLE_ROWS
 from leanlm.train.forward import decoder_layer
 
 BLOCK_SEQUENCES = 2  # calibration sequences the layer runs on per trial (each trial is one layer forward)
-
-
-@torch.no_grad()
-def layer_inputs(layer: nn.Module, hidden: torch.Tensor, rope, chunk: int = 8) -> dict[str, GroupInputs]:
-    """What fed each linear group of `layer` (keyed by its first linear) when it runs on hidden [S, T, d]."""
-    rows: dict[str, list[torch.Tensor]] = {g.linears[0]: [] for g in layer.linear_groups}
-    handles = [
-        layer.get_submodule(name).register_forward_pre_hook(
-            lambda _, args, name=name: rows[name].append(args[0].reshape(-1, args[0].shape[-1]).float())
-        )
-        for name in rows
-    ]
-    try:
-        for start in range(0, hidden.shape[0], chunk):
-            decoder_layer(layer, hidden[start : start + chunk], rope)
-    finally:
-        for handle in handles:
-            handle.remove()
-    out = {}
-    for name, parts in rows.items():
-        x = torch.cat(parts)  # [S * T, K]
-        step = max(1, x.shape[0] // MAX_SAMPLE_ROWS)
-        samples = x[::step][:MAX_SAMPLE_ROWS]
-        out[name] = GroupInputs(x.abs().amax(0), x.abs().mean(0), x.pow(2).mean(0), samples, x.shape[0])
-    return out
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanlm.compress.act_allocation import BLOCK_SEQUENCES, Candidate, block_levels, layer_inputs
+from leanlm.compress.act_allocation import BLOCK_SEQUENCES, Candidate, block_levels
 from leanlm.compress.base import NEEDS_LAYER, NEEDS_STATS, GroupInputs, LayerInputs, MethodConfig, register_method
 from leanlm.compress.linear_quantizer import LinearQuantizer, group_linears
 from leanlm.model.sparse.activation import ActSparseLinear
@@ -112,7 +112,7 @@ class ActivationSparsity(LinearQuantizer):
     def __init__(self, config: ActivationSparsityConfig) -> None:
         super().__init__(config)
         if config.allocation == "block":  # the loop then calls fit_layer with the layer's input hidden states
-            self.needs = frozenset({NEEDS_LAYER})
+            self.needs = frozenset({NEEDS_LAYER, NEEDS_STATS})
         self.rotary = None
         self.read: dict[int, list[float]] = {b: [] for b in BATCH_SIZES}  # per batch size, one share per linear
         self.levels: dict[int, float] = {}  # id(linear) -> its sparsity in the layer at hand (greedy)
@@ -141,11 +141,11 @@ class ActivationSparsity(LinearQuantizer):
         self.rotary = model.rotary_emb
 
     def fit_layer(self, layer: nn.Module, prefix: str, inputs: LayerInputs) -> list:
-        """allocation="block": the inputs of every linear group observed here, TEAL's greedy on the layer's
+        """allocation="block": on the group inputs the loop observed, TEAL's greedy on the layer's
         output (on its first BLOCK_SEQUENCES sequences), then the thresholds at the chosen levels."""
         hidden = inputs.hidden  # [S, T, d]
         rope = self.rotary(torch.arange(hidden.shape[1], device=hidden.device), hidden.dtype)
-        fed = layer_inputs(layer, hidden, rope)
+        fed = inputs.groups  # the loop observed them (NEEDS_STATS)
         levels = [i * _STEP for i in range(int(0.9 / _STEP) + 1)]
         candidates = {}
         for _, full, m, group in group_linears(layer, prefix, fed):

@@ -45,6 +45,8 @@ class LayerInputs:
 
     hidden: torch.Tensor  # [S, T, hidden]: every calibration sequence entering the layer
     teacher: nn.Module  # a copy of the layer before any method of this recipe edited it
+    # what fed each linear group, keyed by its first linear, when the method also needs NEEDS_STATS; else None
+    groups: dict[str, GroupInputs] | None = None
 
 
 @dataclass(frozen=True)

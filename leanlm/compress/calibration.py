@@ -24,6 +24,7 @@ from leanlm.compress.base import (
     NEEDS_HESSIAN,
     NEEDS_LAYER,
     NEEDS_SEQUENCES,
+    NEEDS_STATS,
     GroupInputs,
     LayerInputs,
     LinearReport,
@@ -280,7 +281,8 @@ def run_layers(
                 reports += method.apply_layer(layer, prefix, None)
                 continue
             if NEEDS_LAYER in method.needs:
-                reports += method.fit_layer(layer, prefix, LayerInputs(hidden, teacher))
+                groups = observe_inputs(layer, runner, hidden, method.needs) if NEEDS_STATS in method.needs else None
+                reports += method.fit_layer(layer, prefix, LayerInputs(hidden, teacher, groups))
                 continue
             # a sequential method sees each group's inputs through the groups it has already compressed
             for groups in [(g,) for g in layer.linear_groups] if method.is_sequential else [layer.linear_groups]:

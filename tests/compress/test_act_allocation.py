@@ -4,15 +4,18 @@ inputs the layer's output does not depend on takes sparsity first; the layer end
 import pytest
 import torch
 
-from leanlm.compress.act_allocation import Candidate, block_levels, layer_inputs
+from leanlm.compress.act_allocation import Candidate, block_levels
 from leanlm.compress.act_sparsity import threshold_for
+from leanlm.compress.base import NEEDS_STATS
+from leanlm.compress.calibration import LayerRunner, observe_inputs
 from leanlm.compress.linear_quantizer import group_linears
 
 LEVELS = [i * 0.05 for i in range(19)]
 
 
-def _candidates(layer, hidden, rope):
-    fed = layer_inputs(layer, hidden, rope)
+def _candidates(model, layer, hidden):
+    """Each linear of `layer` with its thresholds, from what the compression loop observes on hidden [S, T, d]."""
+    fed = observe_inputs(layer, LayerRunner(model, hidden.shape[1], hidden.shape[0]), hidden, frozenset({NEEDS_STATS}))
     out = {}
     for _, full, m, group in group_linears(layer, "layer", fed):
         scale = torch.ones(m.in_features)
@@ -24,14 +27,14 @@ def _layer_and_inputs(tiny_model, calib):
     model = tiny_model()
     hidden = model.model.embed_tokens(calib).detach()  # [S, T, d]: what enters layer 0
     rope = model.rotary_emb(torch.arange(calib.shape[1]), hidden.dtype)
-    return model.model.layers[0], hidden, rope
+    return model, model.model.layers[0], hidden, rope
 
 
 def test_a_linear_the_output_ignores_takes_its_sparsity_first(tiny_model, calib):
-    layer, hidden, rope = _layer_and_inputs(tiny_model, calib)
+    model, layer, hidden, rope = _layer_and_inputs(tiny_model, calib)
     with torch.no_grad():
         layer.mlp.down_proj.weight.zero_()  # the MLP adds nothing: its inputs' sparsity costs nothing
-    candidates = _candidates(layer, hidden, rope)
+    candidates = _candidates(model, layer, hidden)
     chosen = block_levels(layer, hidden, rope, candidates, LEVELS, target=0.3)
     # every MLP input is free (gate/up feed only down_proj, whose output is zero), and the MLP holds enough bytes
     # for the target: the attention, whose inputs do matter, keeps all of them
@@ -40,8 +43,8 @@ def test_a_linear_the_output_ignores_takes_its_sparsity_first(tiny_model, calib)
 
 
 def test_the_layer_ends_at_its_bytes_weighted_target_and_its_hooks_are_gone(tiny_model, calib):
-    layer, hidden, rope = _layer_and_inputs(tiny_model, calib)
-    candidates = _candidates(layer, hidden, rope)
+    model, layer, hidden, rope = _layer_and_inputs(tiny_model, calib)
+    candidates = _candidates(model, layer, hidden)
     chosen = block_levels(layer, hidden, rope, candidates, LEVELS, target=0.4)
     sizes = {n: c.linear.weight.numel() for n, c in candidates.items()}
     reached = sum(chosen[n] * sizes[n] for n in sizes) / sum(sizes.values())
@@ -65,7 +68,7 @@ def test_on_smollm2_the_block_allocation_costs_the_layer_less_than_uniform_thres
         for layer in model.model.layers[:2]:
             hidden = decoder_layer(layer, hidden, rope)
     layer = model.model.layers[2]
-    candidates = _candidates(layer, hidden, rope)
+    candidates = _candidates(model, layer, hidden)
     chosen = block_levels(layer, hidden[:2], rope, candidates, LEVELS, target=0.4)
 
     def layer_error(sparsity: dict) -> float:  # on the other two sequences, which the allocation never ran
