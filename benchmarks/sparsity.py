@@ -32,6 +32,14 @@ CONFIGS: dict[str, dict] = {
     "60% Wanda": dict(method="wanda", sparsity=0.6),
     "60% SparseGPT": dict(method="sparsegpt", sparsity=0.6),
     "70% SparseGPT": dict(method="sparsegpt", sparsity=0.7),
+    # OWL: the same sparsity spread over the layers by their outlier ratios
+    "50% Wanda OWL": dict(method="wanda", sparsity=0.5, profile="owl"),
+    "50% SparseGPT OWL": dict(method="sparsegpt", sparsity=0.5, profile="owl"),
+    "60% Wanda OWL": dict(method="wanda", sparsity=0.6, profile="owl"),
+    "60% SparseGPT OWL": dict(method="sparsegpt", sparsity=0.6, profile="owl"),
+    "70% Wanda": dict(method="wanda", sparsity=0.7),
+    "70% Wanda OWL": dict(method="wanda", sparsity=0.7, profile="owl"),
+    "70% SparseGPT OWL": dict(method="sparsegpt", sparsity=0.7, profile="owl"),
 }
 
 SPARSITY = Study(

@@ -9,6 +9,7 @@ import argparse
 from leanlm.compress.act_sparsity import ALLOCATIONS, ActivationSparsityConfig
 from leanlm.compress.base import MethodConfig
 from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
+from leanlm.compress.owl import PROFILES
 from leanlm.compress.permute import PermuteConfig
 from leanlm.compress.sparsegpt import SparseGPTConfig
 from leanlm.compress.wanda import WandaConfig
@@ -27,8 +28,14 @@ def build_prune_recipe(
     joint: bool = False,
     permute: bool = False,
     allocation: str | None = None,
+    profile: str = "uniform",
+    owl_lambda: float | None = None,
 ) -> list[MethodConfig]:
     """The recipe behind `leanlm prune`; validates every option before anything loads."""
+    if owl_lambda is not None and profile != "owl":
+        raise ValueError("--owl-lambda sets how far OWL moves each layer's sparsity: add --profile owl")
+    if profile != "uniform" and method == "teal":
+        raise ValueError("--profile spreads weight sparsity over layers; teal takes --allocation instead")
     if allocation is not None and method != "teal":
         raise ValueError(f"--allocation spreads teal's activation sparsity over a layer; {method} does not take it")
     if method == "teal":
@@ -47,11 +54,15 @@ def build_prune_recipe(
             raise ValueError("--permute reorders channels for an N:M pattern: add --pattern, e.g. 2:4")
         # the order is searched on the score the pruner ranks by (Wanda's stands in for SparseGPT's saliency)
         score = "magnitude" if method == "magnitude" else "wanda"
-        rest = build_prune_recipe(method, sparsity, pattern, scope, then_quantize, bits, group_size, joint)
+        rest = build_prune_recipe(
+            method, sparsity, pattern, scope, then_quantize, bits, group_size, joint, profile=profile
+        )
         return [PermuteConfig(pattern=pattern, score=score), *rest]
     from leanlm.cli.quantize import build_recipe
 
-    target = dict(sparsity=sparsity, pattern=pattern)
+    target = dict(sparsity=sparsity, pattern=pattern, profile=profile)
+    if owl_lambda is not None:
+        target["owl_lambda"] = owl_lambda
     if joint:
         if method != "sparsegpt":
             raise ValueError("--joint is SparseGPT's prune + quantize in one sweep: use it with --method sparsegpt")
@@ -109,6 +120,16 @@ def add_parser(sub) -> None:
         help="teal: the same share for every linear (uniform, the default), or spread over a layer's linears by "
         "their own output error (greedy) or the layer's (block: TEAL's)",
     )
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="uniform",
+        help="unstructured --sparsity: the same in every layer, or OWL's (layers with more outlier weights "
+        "pruned less; the model's sparsity unchanged)",
+    )
+    p.add_argument(
+        "--owl-lambda", type=float, default=None, help="OWL: the layer sparsities span 2 x this (default 0.08)"
+    )
     p.add_argument("--bits", type=int, default=None, help="weight bits of the quantization step (default 4)")
     p.add_argument("--group-size", type=int, default=None, help="columns per scale (default 64); 0 = per channel")
     add_calibration_args(p, "Wanda, SparseGPT")
@@ -137,6 +158,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         args.joint,
         args.permute,
         args.allocation,
+        args.profile,
+        args.owl_lambda,
     )
     if args.format == "compressed-tensors" and (args.method == "teal" or args.then_quantize or args.joint):
         raise ValueError("--format compressed-tensors writes pruned float weights: drop --then-quantize/--joint")

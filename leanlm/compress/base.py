@@ -21,6 +21,9 @@ NEEDS_SEQUENCES = "sequences"
 # The calibration hidden states entering each decoder layer, and that layer as it was before the recipe's methods
 # edited it (LKD distils the quantized layer against it); the loop calls fit_layer instead of apply_layer.
 NEEDS_LAYER = "layer"
+# Before the loop, one pass of the uncompressed model over the calibration data, calling plan_layer with every
+# layer's NEEDS_STATS inputs (OWL sets each layer's sparsity from all layers' outlier ratios before pruning any).
+NEEDS_PLAN = "plan"
 
 
 @dataclass
@@ -102,6 +105,10 @@ class Method(ABC):
     def begin(self, model: nn.Module) -> None:  # noqa: B027 (a hook most methods leave empty)
         """Called once before the layer loop, with the whole model (global magnitude pruning sets its
         threshold over every layer here); most methods need nothing."""
+
+    def plan_layer(self, prefix: str, layer: nn.Module, inputs: dict[str, GroupInputs]) -> None:  # noqa: B027
+        """For methods that need NEEDS_PLAN: called for every decoder layer, in order, before the loop compresses
+        any, with what fed each of its linear groups in the uncompressed model."""
 
     @abstractmethod
     def apply_layer(self, layer: nn.Module, prefix: str, inputs: dict[str, GroupInputs] | None) -> list[LinearReport]:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from leanlm.compress.base import (
     NEEDS_HESSIAN,
     NEEDS_LAYER,
+    NEEDS_PLAN,
     NEEDS_SEQUENCES,
     NEEDS_STATS,
     GroupInputs,
@@ -252,6 +253,18 @@ def observe_head(model: nn.Module, hidden: torch.Tensor, with_hessian: bool) -> 
 
 
 @torch.no_grad()
+def plan_pass(
+    layers: nn.ModuleList, planners: list[Method], runner: LayerRunner, hidden: torch.Tensor, progress: bool
+) -> None:
+    """Run the uncompressed layers over the calibration hidden states [S, T, d] once, handing every planner
+    each layer's group inputs (NEEDS_STATS) before any layer is compressed."""
+    for idx, layer in enumerate(tqdm(layers, desc="planning layers", unit="layer", disable=not progress)):
+        inputs = observe_inputs(layer, runner, hidden, frozenset({NEEDS_STATS}))
+        for method in planners:
+            method.plan_layer(f"model.layers.{idx}", layer, inputs)
+        hidden = runner(layer, hidden)
+
+
 def run_layers(
     model: nn.Module, methods: list[Method], samples: torch.Tensor | None, batch: int = 8, progress: bool = True
 ) -> list[LinearReport]:
@@ -272,6 +285,9 @@ def run_layers(
         hidden = model.model.embed_tokens(samples.to(device))  # [S, T, d]
         runner = LayerRunner(model, samples.shape[1], batch)
     layers = model.model.layers
+    planners = [m for m in methods if NEEDS_PLAN in m.needs]
+    if planners and hidden is not None:
+        plan_pass(layers, planners, runner, hidden, progress)
     keeps_teacher = any(NEEDS_LAYER in m.needs for m in methods)
     for idx, layer in enumerate(tqdm(layers, desc="compressing layers", unit="layer", disable=not progress)):
         prefix = f"model.layers.{idx}"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import MethodConfig, register_method
+from leanlm.compress.owl import LayerProfile
 from leanlm.compress.pruner import Pruner
 from leanlm.compress.sparsity import SparsityScheme, scheme_mask
 
@@ -16,7 +17,7 @@ SCOPES = ("row", "layer", "global")
 
 
 @dataclass(frozen=True)
-class MagnitudeConfig(MethodConfig, SparsityScheme):
+class MagnitudeConfig(MethodConfig, SparsityScheme, LayerProfile):
     # Where the unstructured fraction holds: each output row, each linear, or the model as a whole (then
     # linears with larger weights keep more of them). N:M patterns hold per group of m whatever the scope.
     scope: str = "layer"
@@ -29,6 +30,9 @@ class MagnitudeConfig(MethodConfig, SparsityScheme):
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
         if self.scope == "global" and self.pattern is not None:
             raise ValueError("an N:M pattern is local to each group of m weights; use scope='layer' with it")
+        if self.scope == "global" and self.profile != "uniform":
+            raise ValueError("a global threshold sets every layer's sparsity itself; use scope='layer' with OWL")
+        self.check_profile(self.sparsity, self.pattern)
 
 
 def global_threshold(weights: list[torch.Tensor], sparsity: float) -> float:
@@ -51,8 +55,8 @@ class Magnitude(Pruner):
         ]
         self.threshold = global_threshold(weights, self.config.sparsity)
 
-    def prune_linear(self, name, linear, inputs):
+    def prune_linear(self, name, linear, inputs, scheme):
         w = linear.weight.detach().float()
         if self.threshold is not None:
             return w.masked_fill(w.abs() <= self.threshold, 0.0)
-        return w.masked_fill(scheme_mask(w.abs(), self.config, per_row=self.config.scope == "row"), 0.0)
+        return w.masked_fill(scheme_mask(w.abs(), scheme, per_row=self.config.scope == "row"), 0.0)

@@ -16,9 +16,10 @@ from abc import abstractmethod
 import torch
 from torch import nn
 
-from leanlm.compress.base import GroupInputs, LinearReport, Method
+from leanlm.compress.base import NEEDS_PLAN, GroupInputs, LinearReport, Method, MethodConfig
 from leanlm.compress.int_scheme import linear_report
 from leanlm.compress.linear_quantizer import group_linears
+from leanlm.compress.owl import LayerPlan
 from leanlm.compress.smoothing import set_tensor
 from leanlm.compress.sparsity import satisfies_nm
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
@@ -37,18 +38,34 @@ def pruned_mask(linear: nn.Module) -> torch.Tensor | None:
 
 
 class Pruner(Method):
-    @abstractmethod
-    def prune_linear(self, name: str, linear: nn.Linear, inputs: GroupInputs | None) -> torch.Tensor:
-        """The new float32 weight [N, K] of `linear` (full name `name`), zeros where pruned; a method may also
-        update the kept weights (SparseGPT)."""
+    """A config with an OWL profile (owl.LayerProfile) is pruned layer by layer at the sparsity its plan gives
+    the layer: the methods read their target from the `scheme` they are handed, never from self.config."""
 
-    def _prune(self, parent: nn.Module, name: str, full: str, inputs: GroupInputs | None) -> list[LinearReport]:
+    def __init__(self, config: MethodConfig) -> None:
+        super().__init__(config)
+        self.plan = LayerPlan(config) if getattr(config, "profile", "uniform") == "owl" else None
+        if self.plan is not None:
+            self.needs = type(self).needs | {NEEDS_PLAN}
+
+    def plan_layer(self, prefix, layer, inputs):
+        if self.plan is not None:
+            self.plan.observe(prefix, layer, inputs)
+
+    def summary(self) -> dict:
+        return self.plan.summary() if self.plan is not None else {}
+
+    @abstractmethod
+    def prune_linear(self, name: str, linear: nn.Linear, inputs: GroupInputs | None, scheme) -> torch.Tensor:
+        """The new float32 weight [N, K] of `linear` (full name `name`), zeros where pruned to `scheme` (the
+        config, or its copy with this layer's sparsity); a method may also update the kept weights (SparseGPT)."""
+
+    def _prune(self, parent: nn.Module, name: str, full: str, inputs: GroupInputs | None, scheme) -> list[LinearReport]:
         linear = parent.get_submodule(name)
         if self.config.ignores(full) or not isinstance(linear, nn.Linear):
             return []
         self.config.check_shape(linear.in_features)
         before = linear.weight.detach().float().clone()
-        weight = self.prune_linear(full, linear, inputs)
+        weight = self.prune_linear(full, linear, inputs, scheme)
         earlier = pruned_mask(linear)
         if earlier is not None:  # a second pruning step keeps what the first one removed removed
             weight = weight.masked_fill(earlier, 0.0)
@@ -59,13 +76,14 @@ class Pruner(Method):
         return [dataclasses.replace(report, format="float")]
 
     def apply_layer(self, layer, prefix, inputs):
+        scheme = self.config if self.plan is None else self.plan.scheme(prefix)
         reports = []
         for name, full, _, fed in group_linears(layer, prefix, inputs):
-            reports += self._prune(layer, name, full, fed)
+            reports += self._prune(layer, name, full, fed, scheme)
         return reports
 
     def apply_head(self, model, inputs):
-        return self._prune(model, "lm_head", "lm_head", inputs)
+        return self._prune(model, "lm_head", "lm_head", inputs, self.config)
 
 
 def sparse_format(weight: torch.Tensor) -> type[QuantLinear] | None:

@@ -19,12 +19,13 @@ from leanlm.compress.gptq import GPTQConfig, gptq_quantize
 from leanlm.compress.hessian import Select, inverse_cholesky_upper, obs_sweep, prepare_hessian
 from leanlm.compress.int_scheme import build_module
 from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.compress.owl import LayerProfile
 from leanlm.compress.pruner import Pruner, pruned_mask
 from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask
 
 
 @dataclass(frozen=True)
-class SparseGPTConfig(MethodConfig, SparsityScheme):
+class SparseGPTConfig(MethodConfig, SparsityScheme, LayerProfile):
     block_size: int = 128  # columns per lazy update, and per unstructured mask choice
     damp_percent: float = 0.01  # of the mean Hessian diagonal
     bits: int | None = None  # joint prune + quantize to this many bits (GPTQ's grid), or None: prune only
@@ -35,6 +36,7 @@ class SparseGPTConfig(MethodConfig, SparsityScheme):
 
     def __post_init__(self) -> None:
         SparsityScheme.__post_init__(self)
+        self.check_profile(self.sparsity, self.pattern)
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.nm is not None and self.block_size % self.nm[1]:
@@ -85,12 +87,15 @@ def sparsegpt_prune(
 
 
 class _JointQuantizer(LinearQuantizer):
-    """SparseGPT with bits: each linear becomes the quantized runtime module of the joint sweep."""
+    """SparseGPT with bits: each linear becomes the quantized runtime module of the joint sweep, pruned to
+    `scheme` (set per layer by SparseGPT)."""
+
+    scheme: SparsityScheme
 
     def quantize_linear(self, linear, inputs):
         cfg = self.config.quantization()
         result = gptq_quantize(
-            linear.weight.float(), inputs.hessian, cfg, pruned_mask(linear), sparsegpt_select(self.config)
+            linear.weight.float(), inputs.hessian, cfg, pruned_mask(linear), sparsegpt_select(self.scheme)
         )
         return build_module(result.codes, result.qparams, cfg, linear.bias)
 
@@ -103,12 +108,13 @@ class SparseGPT(Pruner):
         super().__init__(config)
         self.joint = _JointQuantizer(config) if config.bits is not None else None
 
-    def prune_linear(self, name, linear, inputs):
-        return sparsegpt_prune(linear.weight.float(), inputs.hessian, self.config, pruned_mask(linear))
+    def prune_linear(self, name, linear, inputs, scheme):
+        return sparsegpt_prune(linear.weight.float(), inputs.hessian, scheme, pruned_mask(linear))
 
-    def _prune(self, parent, name, full, inputs):
+    def _prune(self, parent, name, full, inputs, scheme):
         if self.joint is None:
-            return super()._prune(parent, name, full, inputs)
+            return super()._prune(parent, name, full, inputs, scheme)
         if isinstance(module := parent.get_submodule(name), torch.nn.Linear):
             self.config.check_shape(module.in_features)
+        self.joint.scheme = scheme
         return self.joint._replace(parent, name, full, inputs)

@@ -7,25 +7,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leanlm.compress.base import NEEDS_STATS, MethodConfig, register_method
+from leanlm.compress.owl import LayerProfile
 from leanlm.compress.pruner import Pruner
 from leanlm.compress.sparsity import SparsityScheme, scheme_mask
 
 
 @dataclass(frozen=True)
-class WandaConfig(MethodConfig, SparsityScheme):
+class WandaConfig(MethodConfig, SparsityScheme, LayerProfile):
     per_row: bool = True  # compare scores within each output row (the paper's choice), else the whole layer
 
     name = "wanda"
 
     def __post_init__(self) -> None:
         SparsityScheme.__post_init__(self)
+        self.check_profile(self.sparsity, self.pattern)
 
 
 @register_method(WandaConfig)
 class Wanda(Pruner):
     needs = frozenset({NEEDS_STATS})
 
-    def prune_linear(self, name, linear, inputs):
+    def prune_linear(self, name, linear, inputs, scheme):
         w = linear.weight.detach().float()  # [N, K]
         scores = w.abs() * inputs.mean_sq.sqrt()  # sqrt(mean x_j^2) = ||X_j|| / sqrt(n): same order per row
-        return w.masked_fill(scheme_mask(scores, self.config, per_row=self.config.per_row), 0.0)
+        return w.masked_fill(scheme_mask(scores, scheme, per_row=self.config.per_row), 0.0)

@@ -58,6 +58,9 @@ def test_prune_recipes():
         (["--method", "magnitude", "--sparsity", "1.5"], "fraction"),
         (["--method", "magnitude", "--pattern", "2:4", "--scope", "global"], "local to each group"),
         (["--method", "wanda", "--calib", "/no/such/file"], "does not exist"),
+        (["--method", "wanda", "--pattern", "2:4", "--profile", "owl"], "pattern 2:4 fixes it"),
+        (["--method", "sparsegpt", "--owl-lambda", "0.05"], "add --profile owl"),
+        (["--method", "magnitude", "--profile", "owl", "--scope", "global"], "use scope='layer' with OWL"),
     ],
 )
 def test_prune_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
@@ -87,3 +90,19 @@ def test_prune_command_writes_a_checkpoint_that_loads(tmp_path, capsys, tiny_mod
 
     down = load_model(str(out), progress=False).model.layers[0].mlp.down_proj
     assert isinstance(down, Sparse24Linear) and satisfies_nm(down.dequantized_weight(), 2, 4)
+
+
+def test_prune_command_spreads_sparsity_over_layers_with_owl(tmp_path, capsys, tokenizer):
+    import torch
+
+    from leanlm.compress import save_checkpoint
+    from leanlm.model.llama import build_model
+    from tests.conftest import tiny_config, tiny_state_dict
+
+    source, out = tmp_path / "dense", tmp_path / "pruned"
+    cfg = tiny_config(tokenizer.vocab_size)  # calibration text tokenized by the tiny tokenizer: ids below its vocab
+    save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), source, tokenizer)
+    argv = ["prune", "--model", str(source), "--method", "wanda", "--sparsity", "0.5", "--profile", "owl"]
+    assert main([*argv, "--owl-lambda", "0.05", "--num-samples", "4", "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "wanda: OWL layer sparsity min 45.00%, OWL layer sparsity max 55.00%" in printed  # two layers: +- lambda
