@@ -146,6 +146,22 @@ def test_pruning_methods_rank_as_in_their_papers_on_real_weights(smollm, calib_i
         assert kls["sparsegpt"] < kls["wanda"] < kls["magnitude"], (pattern, kls)
 
 
+def test_owl_prunes_the_smollm_layer_with_the_most_outliers_least(smollm, calib_ids):
+    """SmolLM2's layer 0 holds about 3x the outlier share of layers 1-3 (1.5% against 0.5-0.6% of its Wanda
+    scores above 5x their mean): OWL prunes it least, and the 4 layers together at the target."""
+    from leanlm.compress import WandaConfig
+
+    model = _first_layers(smollm, 4)
+    report = compress(model, WandaConfig(sparsity=0.5, profile="owl", pack=False), calib_ids, progress=False)
+    zeros = []
+    for layer in model.model.layers:
+        weights = [m.weight for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        zeros.append(sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights))
+    assert zeros[0] == min(zeros) < 0.45 < 0.5 < min(zeros[1:]), zeros
+    assert sum(zeros) / 4 == pytest.approx(0.5, abs=0.002)
+    assert report.details["wanda"]["OWL layer sparsity min"] == pytest.approx(zeros[0], abs=0.002)
+
+
 def test_24_pruned_smollm_decodes_on_the_sparse_kernel_like_its_dense_copy(smollm, tmp_path):
     """SmolLM2 magnitude-pruned to 2:4, saved once as float weights with zeros and once packed (Sparse24Linear):
     greedy decode through the engine (batch 1, the native loop) gives the same tokens and logprobs, since the
