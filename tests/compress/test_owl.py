@@ -127,3 +127,19 @@ def test_uniform_profile_prunes_every_layer_alike(calib):
     model = _three_layers_with_outliers_in_the_middle()
     compress(model, WandaConfig(sparsity=0.5, pack=False), calib, progress=False)
     assert _layer_zeros(model) == pytest.approx([0.5, 0.5, 0.5], abs=0.005)
+
+
+def test_sparsegpt_joint_quantization_follows_the_owl_plan(calib, monkeypatch):
+    """The joint sweep chooses each layer's mask at the layer's planned fraction (quantization then rounds more
+    weights to 0, so the zeros alone cannot tell)."""
+    from leanlm.compress import sparsegpt
+
+    chosen, select = [], sparsegpt.sparsegpt_select
+    monkeypatch.setattr(sparsegpt, "sparsegpt_select", lambda scheme: chosen.append(scheme.sparsity) or select(scheme))
+    model = _three_layers_with_outliers_in_the_middle()
+    report = compress(model, SparseGPTConfig(sparsity=0.5, profile="owl", bits=4), calib, progress=False)
+    per_layer = [sorted(set(chosen[i : i + 7])) for i in range(0, 21, 7)]  # 7 linears a layer, in order
+    assert len(chosen) == 21 and all(len(s) == 1 for s in per_layer)
+    planned = [s[0] for s in per_layer]
+    assert planned[1] == min(planned) == pytest.approx(report.details["sparsegpt"]["OWL layer sparsity min"])
+    assert sum(planned) / 3 == pytest.approx(0.5)
