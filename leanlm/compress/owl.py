@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import GroupInputs
+from leanlm.compress.sparsity import wanda_scores
 
 PROFILES = ("uniform", "owl")
 
@@ -51,10 +52,10 @@ def layer_scores(layer: nn.Module, inputs: dict[str, GroupInputs], ignores) -> t
     flattened into one float32 vector."""
     scores = []
     for group in layer.linear_groups:
-        norm = inputs[group.linears[0]].mean_sq.sqrt()  # [K]
+        mean_sq = inputs[group.linears[0]].mean_sq  # [K]
         for name in group.linears:
             if not ignores(name):
-                scores.append((layer.get_submodule(name).weight.detach().abs().float() * norm).flatten())
+                scores.append(wanda_scores(layer.get_submodule(name).weight, mean_sq).flatten())
     return torch.cat(scores) if scores else torch.zeros(0)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, Method, MethodConfig, register_method
 from leanlm.compress.smoothing import set_tensor
-from leanlm.compress.sparsity import parse_pattern
+from leanlm.compress.sparsity import parse_pattern, wanda_scores
 
 SCORES = ("magnitude", "wanda")
 _MAX_HIDDEN_ROWS = 8192  # score rows the residual-stream search samples (it spans every layer's matrices)
@@ -238,10 +238,9 @@ class Permute(Method):
         fold_hidden(model, perm)
 
     def _scores(self, linear: nn.Module, inputs: GroupInputs | None) -> torch.Tensor:
-        w = linear.weight.detach().abs().float()
         if self.config.score == "wanda" and inputs is not None:
-            w = w * inputs.mean_sq.sqrt()
-        return w
+            return wanda_scores(linear.weight, inputs.mean_sq)
+        return linear.weight.detach().abs().float()
 
     def apply_layer(self, layer, prefix, inputs):
         mlp, attn = layer.mlp, layer.self_attn

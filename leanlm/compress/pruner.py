@@ -43,7 +43,7 @@ class Pruner(Method):
 
     def __init__(self, config: MethodConfig) -> None:
         super().__init__(config)
-        self.plan = LayerPlan(config) if getattr(config, "profile", "uniform") == "owl" else None
+        self.plan = LayerPlan(config) if config.profile == "owl" else None
         if self.plan is not None:
             self.needs = type(self).needs | {NEEDS_PLAN}
 

@@ -87,6 +87,12 @@ def nm_mask(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return mask.view(rows, k)
 
 
+def wanda_scores(weight: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
+    """Wanda's |W_ij| * ||X_j|| for weight [N, K] and the mean square of each input channel [K] -> float32 [N, K]
+    (sqrt(mean x_j^2) = ||X_j|| / sqrt(n): the same order within a row, and across linears fed the same tokens)."""
+    return weight.detach().abs().float() * mean_sq.sqrt()
+
+
 def scheme_mask(scores: torch.Tensor, scheme: SparsityScheme, per_row: bool) -> torch.Tensor:
     """The scheme's mask for one weight's scores [N, K]: its N:M pattern, else its unstructured fraction."""
     if scheme.nm is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from leanlm.compress.base import NEEDS_STATS, MethodConfig, register_method
 from leanlm.compress.owl import LayerProfile
 from leanlm.compress.pruner import Pruner
-from leanlm.compress.sparsity import SparsityScheme, scheme_mask
+from leanlm.compress.sparsity import SparsityScheme, scheme_mask, wanda_scores
 
 
 @dataclass(frozen=True)
@@ -29,5 +29,5 @@ class Wanda(Pruner):
 
     def prune_linear(self, name, linear, inputs, scheme):
         w = linear.weight.detach().float()  # [N, K]
-        scores = w.abs() * inputs.mean_sq.sqrt()  # sqrt(mean x_j^2) = ||X_j|| / sqrt(n): same order per row
+        scores = wanda_scores(w, inputs.mean_sq)
         return w.masked_fill(scheme_mask(scores, scheme, per_row=self.config.per_row), 0.0)
