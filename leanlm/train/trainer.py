@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,7 +265,15 @@ class Trainer:
     def _resume(self) -> int:
         if self.state_path is None or not self.state_path.is_file():
             return 0
-        state = torch.load(self.state_path, weights_only=False)
+        # weights_only: a state holds tensors and plain data only, and unpickling anything else would run code
+        # planted in the run directory before the identity check below could refuse it.
+        try:
+            state = torch.load(self.state_path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{self.state_path} is not a training state LeanLM wrote (it holds objects other than tensors and "
+                f"plain data, which are not loaded); delete it or use another --out"
+            ) from e
         saved = {k: state.get(k) for k in self._identity()}
         if saved != self._identity():
             raise ValueError(

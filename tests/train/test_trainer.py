@@ -82,3 +82,21 @@ def test_fake_quantized_grids_learn_at_their_own_rate(tiny_model, windows):
     up = model.model.layers[0].mlp.up_proj
     assert rates[id(up.scale)] == rates[id(up.offset)] == pytest.approx(GRID_LR_SCALE * rates[id(up.weight)])
     assert rates[id(up.weight)] == pytest.approx(trainer.config.lr_at(3)) and rates[id(up.weight)] > 0
+
+
+class _Payload:
+    """Unpickling this writes a file: a planted state must never get that far."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_state_is_refused_without_running_its_code(tiny_model, windows, tmp_path):
+    state, marker = tmp_path / "state.pt", tmp_path / "payload-ran"
+    torch.save({"config": _Payload(marker)}, state)
+    with pytest.raises(ValueError, match="not a training state LeanLM wrote"):
+        train(tiny_model(), windows, config(tokens=SEQ_LEN * 8 * 2), None, state, progress=False)
+    assert not marker.exists()
