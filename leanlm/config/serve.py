@@ -63,6 +63,18 @@ class ServeConfig:
         },
     )
 
+    forwarded_allow_ips: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "comma-separated proxy addresses whose X-Forwarded-For header names the client (for the "
+            "per-client limit); empty: every client is its TCP peer and the header is ignored"
+        },
+    )
+
+    @property
+    def trusted_proxy_ips(self) -> tuple[str, ...]:
+        return tuple(ip.strip() for ip in self.forwarded_allow_ips.split(",") if ip.strip())
+
     @property
     def allowed_host_names(self) -> tuple[str, ...]:
         return tuple(name.strip() for name in self.allowed_hosts.split(",") if name.strip())

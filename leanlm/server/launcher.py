@@ -35,15 +35,24 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
         enable_docs=config.enable_docs,
         default_max_tokens=config.default_max_tokens,
     )
-    uv_config = uvicorn.Config(
+    return uvicorn.Server(uvicorn_config(app, config)), engine
+
+
+def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
+    """uvicorn's settings for `app`. X-Forwarded-For is read only from the proxies the config names: uvicorn
+    trusts it from loopback by default, which would let any local client pick the address the per-client
+    limit counts against."""
+    proxies = config.trusted_proxy_ips
+    return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s,
         access_log=False,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=list(proxies) if proxies else None,
     )
-    return uvicorn.Server(uv_config), engine
 
 
 def check_port_free(host: str, port: int) -> None:

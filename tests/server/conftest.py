@@ -9,9 +9,11 @@ import time
 import pytest
 import uvicorn
 
+from leanlm.config.serve import ServeConfig
 from leanlm.engine.async_engine import AsyncLLMEngine
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.server.api import build_app
+from leanlm.server.launcher import uvicorn_config
 
 MODEL = DEFAULT_MODEL
 
@@ -19,11 +21,10 @@ MODEL = DEFAULT_MODEL
 class LiveServer:
     """`with LiveServer(app) as server:` serves `app` on 127.0.0.1 at an ephemeral port until the block ends."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **serve_options) -> None:
         self.app = app
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
-        )
+        config = ServeConfig(host="127.0.0.1", port=0, log_level="warning", shutdown_timeout_s=5, **serve_options)
+        self.server = uvicorn.Server(uvicorn_config(app, config))  # the settings `leanlm serve` runs with
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -52,11 +53,14 @@ class LiveServer:
 def serve_engine(
     llm_engine, api_key: str | None = None, max_queue: int = 256, max_body_bytes: int = 1 << 20, **app_options
 ):
-    """A LiveServer over `llm_engine`; app_options go to build_app (metrics_key, allowed_hosts, ...)."""
+    """A LiveServer over `llm_engine`; app_options go to build_app (metrics_key, allowed_hosts, ...), except
+    forwarded_allow_ips, which goes to uvicorn's settings as `leanlm serve --forwarded-allow-ips` does."""
     async_engine = AsyncLLMEngine(
         llm_engine, max_queue=max_queue, max_seqs_per_client=app_options.pop("max_seqs_per_client", None)
     )
-    return LiveServer(build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes, **app_options))
+    serve_options = {"forwarded_allow_ips": app_options.pop("forwarded_allow_ips", "")}
+    app = build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes, **app_options)
+    return LiveServer(app, **serve_options)
 
 
 @pytest.fixture(scope="session")

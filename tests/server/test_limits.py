@@ -218,3 +218,25 @@ def test_one_client_holds_at_most_its_share_and_chat_has_a_default_max_tokens(ti
         assert status == 200 and out["usage"]["completion_tokens"] == 8, out
         status, _, out = _request(server.url, "/v1/chat/completions", chat | {"max_tokens": 12})
         assert status == 200 and out["usage"]["completion_tokens"] == 12
+
+
+def test_a_client_cannot_escape_its_share_by_naming_another_address(tiny_engine_factory):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    spoofed = {"X-Forwarded-For": "10.9.9.1"}
+
+    async def scenario(url: str) -> tuple[int, int]:
+        async with aiohttp.ClientSession() as session:
+            held = await session.post(url + "/v1/completions", json=body | {"n": 4})  # all of 127.0.0.1's share
+            assert held.status == 200
+            async with session.post(url + "/v1/completions", json=body | {"n": 1}, headers=spoofed) as resp:
+                status = resp.status
+            held.close()
+            return status
+
+    engine = tiny_engine_factory(delay_s=0.01, max_num_seqs=4)
+    with serve_engine(engine, max_queue=12, max_seqs_per_client=4) as server:
+        assert asyncio.run(scenario(server.url)) == 429  # the header is not the client's to choose
+    # Behind a proxy the operator names, the header is the client: the proxy's other clients are not throttled.
+    engine = tiny_engine_factory(delay_s=0.01, max_num_seqs=4)
+    with serve_engine(engine, max_queue=12, max_seqs_per_client=4, forwarded_allow_ips="127.0.0.1") as server:
+        assert asyncio.run(scenario(server.url)) == 200
