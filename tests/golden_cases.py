@@ -3,9 +3,11 @@
 `python -m tests.golden_cases [CASE ...]` records tests/golden_outputs.json, every case or the named ones (run it
 on a tree whose outputs are known good);
 tests/test_golden_outputs.py replays every case. Greedy cases store each token's margin (top-1 minus top-2
-logprob). On the machine that recorded them (same CPU model, ISA flags and torch) every token must match; on
-another machine a greedy comparison stops at the first near tie, since other kernels' rounding may break a tie
-the other way. Sampled and beam cases run in float32, whose differences across CPUs are far below their gaps.
+logprob). On the machine and tree that recorded them (same CPU model, ISA flags, torch, and leanlm's sources)
+every token must match; elsewhere a greedy comparison stops at the first near tie, since other kernels' rounding,
+or a later commit's, may break a tie the other way. (The sources are in the key because a commit that changed
+prompt attention's summation order, 95d8124, moved the bf16 cases' ties on the recording CPU while every other
+CPU, comparing up to the ties, still passed. The thread count is not: 1 and 2 threads give the same tokens.) Sampled and beam cases run in float32, whose differences across CPUs are far below their gaps.
 """
 
 from __future__ import annotations
@@ -94,8 +96,20 @@ def run_case(case: Case) -> list[dict]:
     return records
 
 
+def code_fingerprint(root: Path | None = None) -> str:
+    """A digest of leanlm's Python and C sources (or those under `root`): any change to them may change the
+    numerics."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parent.parent / "leanlm"
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h") and p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def machine_key() -> str:
-    """What decides the numerics: the CPU model, the ISA flags the kernels dispatch on, and torch."""
+    """What decides the numerics: the CPU model, the ISA flags the kernels dispatch on, torch, and the code."""
     import torch
 
     from leanlm.kernels import cpu_decode
@@ -112,7 +126,7 @@ def machine_key() -> str:
     isa = ",".join(sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx512", "avx2", "amx", "fma"))))
     family = f"family {fields.get('cpu family')} model {fields.get('model')} stepping {fields.get('stepping')}"
     kernels = "native kernels" if cpu_decode.is_available() else "PyTorch only"
-    return f"{cpu_model_name()} | {family} | {isa} | torch {torch.__version__} | {kernels}"
+    return f"{cpu_model_name()} | {family} | {isa} | torch {torch.__version__} | {kernels} | code {code_fingerprint()}"
 
 
 def agreeing_prefix(expected: dict, actual: list[int], tie_margin: float) -> tuple[int, int | None]:
