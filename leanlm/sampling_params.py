@@ -8,6 +8,17 @@ from dataclasses import dataclass
 
 # Temperatures below this sample greedily (dividing logits by ~0 would overflow); vLLM uses the same cut.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# The repetition penalty divides positive logits and multiplies negative ones in float32: far from 1 it makes a
+# seen token's logit overflow to inf or vanish to 0 (1e-300 rounds to a zero penalty: the same token forever).
+# HF and vLLM users set 1.0-2.0; [1/100, 100] keeps every logit finite and every row distinct.
+MAX_REPETITION_PENALTY = 100.0
+# Beam search scores a hypothesis cum_logprob / length ** length_penalty: past this magnitude the power overflows
+# a double on long outputs (HF's typical values are 0.6-2).
+MAX_LENGTH_PENALTY = 10.0
+# Seeds are what torch.Generator.manual_seed takes: 64-bit integers, signed or unsigned.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: anything smaller rounds toward 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+            # The sampler holds these as float32: a finite double beyond its range becomes inf or 0 there.
+            if value != 0 and not _FLOAT32_TINY <= abs(value) <= _FLOAT32_MAX:
+                raise ValueError(f"{name} must be 0 or have a magnitude in [1.2e-38, 3.4e38] (float32), got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
@@ -72,12 +86,22 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 disables it; > 1 discourages repeats), got {self.repetition_penalty}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}; "
+                f"lower min_tokens or raise max_tokens"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for token_id, bias in self.logit_bias:

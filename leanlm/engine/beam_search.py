@@ -16,7 +16,6 @@ the end of a round until its siblings catch up (a preempted sibling recomputes f
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from tqdm.auto import tqdm
 
 from leanlm.engine.engine import LLMEngine
 from leanlm.engine.request import Request, RequestStatus
-from leanlm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from leanlm.sampling_params import GREEDY_TEMPERATURE_EPS, MAX_LENGTH_PENALTY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,11 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not abs(penalty) <= MAX_LENGTH_PENALTY:
             raise ValueError(
-                f"length_penalty must be a finite number (1.0 scores the average logprob), got {self.length_penalty!r}"
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (1.0 scores the "
+                f"average logprob), got {penalty!r}"
             )
         if not isinstance(self.early_stopping, bool):
             raise ValueError(f"early_stopping must be True or False, got {self.early_stopping!r}")

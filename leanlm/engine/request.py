@@ -83,7 +83,9 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(sampling_params.seed + seed_offset)
+            # Modulo 2**64: torch seeds are uint64 (a negative seed is its two's complement), and seed + i must
+            # not overflow at the top of the range.
+            self.generator.manual_seed((sampling_params.seed + seed_offset) % 2**64)
         # Timing, filled by the engine (time.monotonic()).
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

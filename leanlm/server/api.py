@@ -24,6 +24,7 @@ from leanlm.server.metrics import ServerMetrics
 from leanlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    InvalidParameterError,
     LimitExceededError,
     UnsupportedParameterError,
 )
@@ -65,7 +66,7 @@ def _map_exception(exc: BaseException) -> JSONResponse:
         return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, ContextLengthError):
         return error_response(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
-    if isinstance(exc, (UnsupportedParameterError, LimitExceededError)):
+    if isinstance(exc, (UnsupportedParameterError, LimitExceededError, InvalidParameterError)):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
         return error_response(

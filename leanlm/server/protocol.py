@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from leanlm.sampling_params import SamplingParams
+from leanlm.sampling_params import MAX_LENGTH_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MIN_SEED, SamplingParams
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
@@ -35,6 +35,14 @@ LogitBias = Annotated[float, Field(ge=-100, le=100)]
 class LimitExceededError(ValueError):
     """A request larger than this server can ever admit (400, not 429: retrying cannot help); `param` names the
     field to shrink."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidParameterError(ValueError):
+    """A request whose fields contradict each other (400); `param` names the field to change."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -66,8 +74,9 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP)
-    seed: int | None = None
+    # The count limit belongs to the list form: on the union it would cap a single stop string's characters.
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, LogitBias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
@@ -77,7 +86,7 @@ class _SamplingFields(_Strict):
     # Extensions.
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
@@ -88,7 +97,20 @@ class _SamplingFields(_Strict):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams, generating at most `max_tokens` (the request's, or the server's default
+        when it names none). min_tokens above it is refused, as vLLM does, rather than quietly lowered."""
+        if self.min_tokens > max_tokens:
+            requested = self.requested_max_tokens()
+            limit = "max_tokens" if requested == max_tokens else "the tokens this request may generate"
+            raise InvalidParameterError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= {limit} ({max_tokens}); lower min_tokens"
+                + (" or raise max_tokens" if requested == max_tokens else " or send a max_tokens >= min_tokens"),
+            )
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         try:
             logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
@@ -107,7 +129,7 @@ class _SamplingFields(_Strict):
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -132,7 +154,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     # Extensions (vLLM's names): beam search with best_of (else n) beams, the n best hypotheses returned.
     use_beam_search: bool = False
-    length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
+    # hypothesis score = cumulative logprob / length ** length_penalty
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool = False  # stop once beam-width hypotheses ended
 
     @field_validator("prompt")

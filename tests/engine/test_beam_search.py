@@ -296,7 +296,7 @@ def test_an_interrupted_run_frees_every_block(tokenizer, tiny, monkeypatch):
         ({"beam_width": 2, "max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"beam_width": 2, "temperature": 0.7}, "temperature must be 0"),
         ({"beam_width": 2, "early_stopping": "never"}, "early_stopping must be True or False"),
-        ({"beam_width": 2, "length_penalty": float("nan")}, "length_penalty must be a finite number"),
+        ({"beam_width": 2, "length_penalty": float("nan")}, "length_penalty must be a number in"),
     ],
 )
 def test_bad_params_are_refused(kwargs, message):
@@ -315,3 +315,10 @@ def test_bad_search_setups_are_refused(tokenizer, tiny):
     with pytest.raises(ValueError, match="empty"):
         search.run([[]])
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("penalty", [10.5, -11, 1e308, float("nan"), True])
+def test_a_length_penalty_whose_power_overflows_is_refused(penalty):
+    """len ** 1e308 overflows a double (a 500 from the server before this check)."""
+    with pytest.raises(ValueError, match=r"length_penalty must be a number in \[-10, 10\]"):
+        BeamSearchParams(beam_width=2, length_penalty=penalty)

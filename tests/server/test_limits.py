@@ -240,3 +240,52 @@ def test_a_client_cannot_escape_its_share_by_naming_another_address(tiny_engine_
     engine = tiny_engine_factory(delay_s=0.01, max_num_seqs=4)
     with serve_engine(engine, max_queue=12, max_seqs_per_client=4, forwarded_allow_ips="127.0.0.1") as server:
         assert asyncio.run(scenario(server.url)) == 200
+
+
+def test_finite_numbers_that_overflow_are_a_400_not_a_500_or_a_loop(tiny_engine_factory):
+    beam = {"use_beam_search": True, "best_of": 2, "n": 2, "temperature": 0}
+    refused = [
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # was 200: a zero penalty, one token for ever
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),  # was inf
+        ({"seed": 2**64}, "seed"),  # was a 500 (Overflow when unpacking long long)
+        ({"seed": -(2**63) - 1}, "seed"),
+        (beam | {"length_penalty": 1e308}, "length_penalty"),  # was a 500
+    ]
+    with serve_engine(tiny_engine_factory()) as server:
+        for fields, param in refused:
+            status, _, body = _request(server.url, "/v1/completions", BASE | fields)
+            _assert_error(status, body, 400, param)
+        # The ends of the ranges run: the top seed with n=2 (completion i draws from seed + i, modulo 2**64).
+        for fields in (
+            {"seed": 2**64 - 1, "n": 2, "temperature": 1.0},
+            {"seed": -(2**63)},
+            {"repetition_penalty": 100},
+        ):
+            status, _, body = _request(server.url, "/v1/completions", BASE | fields)
+            assert status == 200, body
+        assert _engine_is_idle(server.engine)
+
+
+def test_one_stop_string_has_the_same_limit_as_a_stop_list_item(tiny_engine_factory):
+    stop = "<|im_end|>\n<|im_start|>"  # 23 characters: a single string was capped at 16 (the list's count limit)
+    with serve_engine(tiny_engine_factory()) as server:
+        for form in (stop, [stop]):
+            status, _, body = _request(server.url, "/v1/completions", BASE | {"stop": form})
+            assert status == 200, body
+        _assert_error(*_request(server.url, "/v1/completions", BASE | {"stop": "x" * 257})[::2], 400, "stop")
+        _assert_error(*_request(server.url, "/v1/completions", BASE | {"stop": ["x"] * 17})[::2], 400, "stop")
+
+
+def test_min_tokens_above_max_tokens_is_a_400_as_in_sampling_params(tiny_engine_factory):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with serve_engine(tiny_engine_factory(), default_max_tokens=8) as server:
+        status, _, body = _request(server.url, "/v1/completions", BASE | {"max_tokens": 4, "min_tokens": 5})
+        _assert_error(status, body, 400, "min_tokens")
+        assert "raise max_tokens" in body["error"]["message"]
+        status, _, body = _request(server.url, "/v1/chat/completions", chat | {"min_tokens": 9})  # default 8
+        _assert_error(status, body, 400, "min_tokens")
+        assert "send a max_tokens >= min_tokens" in body["error"]["message"]
+        chat_ok = chat | {"min_tokens": 9, "max_tokens": 9, "ignore_eos": False}
+        status, _, body = _request(server.url, "/v1/chat/completions", chat_ok)
+        assert status == 200 and body["usage"]["completion_tokens"] == 9, body
+        assert _engine_is_idle(server.engine)
