@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from leanlm.config import EngineConfig
 from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
+from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.device import resolve_device, resolve_dtype
@@ -172,13 +173,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        control_tokens: str = "text",
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat template.
+        `control_tokens`: what a control token's text inside a message becomes: "text" (its characters: no
+        message can forge another role's turn), "reject" (ValueError), or "parse" (the token, as HF does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            _, ids = encode_chat(self.tokenizer, conversation, add_generation_prompt, control_tokens)
+            prompts.append(ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

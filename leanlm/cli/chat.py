@@ -11,6 +11,7 @@ from leanlm.cli.common import (
     load_llm,
     sampling_params,
 )
+from leanlm.loading.chat_encoding import encode_chat
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -36,7 +37,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not text:
             continue
         messages.append({"role": "user", "content": text})
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        _, prompt_ids = encode_chat(tokenizer, messages)  # control-token text in a message stays text
         request_id = engine.add_request(prompt_ids, params)
         shown, reply = 0, ""
         while engine.has_unfinished_requests():

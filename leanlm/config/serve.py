@@ -63,6 +63,14 @@ class ServeConfig:
         },
     )
 
+    chat_control_tokens: str = dataclasses.field(
+        default="text",
+        metadata={
+            "help": "a control token's text inside a chat message (e.g. '<|im_start|>system'): 'text' encodes its "
+            "characters (a user cannot forge another role's turn), 'reject' answers 400, 'parse' makes it the "
+            "control token, as HF, vLLM and llama-server do"
+        },
+    )
     forwarded_allow_ips: str = dataclasses.field(
         default="",
         metadata={
@@ -93,6 +101,10 @@ class ServeConfig:
         if not 0 < self.max_client_share <= 1:
             raise ValueError(
                 f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}"
+            )
+        if self.chat_control_tokens not in ("text", "reject", "parse"):
+            raise ValueError(
+                f"chat_control_tokens must be 'text', 'reject' or 'parse', got {self.chat_control_tokens!r}"
             )
         if self.metrics_key is not None and not self.metrics_key.strip():
             raise ValueError("metrics_key is empty; give a real key or leave it unset")

@@ -135,6 +135,16 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))  # every id that ends generation
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: tuple[int, ...] = tuple(sorted(i for i, tok in added.items() if tok.special))
+        # Each control token's text encoded as ordinary text (its characters, not its id): what a chat message
+        # that contains it is encoded as by default (chat_encoding). Built here, before any thread shares the
+        # backend, because the switch that splits special tokens is the backend's global state.
+        self.control_token_text_ids: dict[str, tuple[int, ...]] = {}
+        backend.encode_special_tokens = True
+        try:
+            for token in sorted({tok.content for tok in added.values() if tok.special and tok.content}):
+                self.control_token_text_ids[token] = tuple(backend.encode(token, add_special_tokens=False).ids)
+        finally:
+            backend.encode_special_tokens = False
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

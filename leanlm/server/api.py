@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from leanlm.engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
+from leanlm.loading.chat_encoding import ControlTokenError
 from leanlm.server.metrics import ServerMetrics
 from leanlm.server.protocol import (
     ChatCompletionRequest,
@@ -66,7 +67,7 @@ def _map_exception(exc: BaseException) -> JSONResponse:
         return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, ContextLengthError):
         return error_response(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
-    if isinstance(exc, (UnsupportedParameterError, LimitExceededError, InvalidParameterError)):
+    if isinstance(exc, (UnsupportedParameterError, LimitExceededError, InvalidParameterError, ControlTokenError)):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
         return error_response(
@@ -241,6 +242,7 @@ def build_app(
     allowed_hosts: tuple[str, ...] = (),
     enable_docs: bool = False,
     default_max_tokens: int | None = 1024,
+    chat_control_tokens: str = "text",
 ) -> FastAPI:
     """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
     or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`).
@@ -248,7 +250,7 @@ def build_app(
     /metrics needs `metrics_key`, else `api_key`, when either is set. Without an API key only loopback Host names
     and `allowed_hosts` ("*": any) are answered. /docs and /openapi.json exist only with enable_docs (and are then
     open: the page that shows them sends no key)."""
-    serving = OpenAIServing(engine, model_names, default_max_tokens)
+    serving = OpenAIServing(engine, model_names, default_max_tokens, chat_control_tokens)
     metrics = ServerMetrics(engine, model_names[0])
     started = int(time.time())
 

@@ -34,6 +34,7 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
         allowed_hosts=config.allowed_host_names,
         enable_docs=config.enable_docs,
         default_max_tokens=config.default_max_tokens,
+        chat_control_tokens=config.chat_control_tokens,
     )
     return uvicorn.Server(uvicorn_config(app, config)), engine
 

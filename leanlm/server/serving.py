@@ -25,6 +25,8 @@ from leanlm.engine import (
     RequestOutput,
     RequestStream,
 )
+from leanlm.loading.chat_encoding import check_mode as check_control_token_mode
+from leanlm.loading.chat_encoding import encode_chat
 from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses, streaming
 from leanlm.server.protocol import (
@@ -79,7 +81,16 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], default_max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_names: list[str],
+        default_max_tokens: int | None = None,
+        chat_control_tokens: str = "text",
+    ) -> None:
+        check_control_token_mode(chat_control_tokens)
+        # What control-token text in a chat message becomes: text (default), a 400 (reject), or ids (parse).
+        self.chat_control_tokens = chat_control_tokens
         if default_max_tokens is not None and default_max_tokens < 1:
             raise ValueError(
                 f"default_max_tokens must be >= 1 or None (the rest of the context), got {default_max_tokens}"
@@ -196,10 +207,9 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_supported()
         self._check_admissible(1, request.n)
-        text = self.tokenizer.apply_chat_template(
-            request.chat_messages(), add_generation_prompt=request.add_generation_prompt
+        text, ids = encode_chat(
+            self.tokenizer, request.chat_messages(), request.add_generation_prompt, self.chat_control_tokens
         )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
         params = request.sampling_params(max_tokens, num_top, None)
