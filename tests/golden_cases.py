@@ -7,7 +7,8 @@ logprob). On the machine and tree that recorded them (same CPU model, ISA flags,
 every token must match; elsewhere a greedy comparison stops at the first near tie, since other kernels' rounding,
 or a later commit's, may break a tie the other way. (The sources are in the key because a commit that changed
 prompt attention's summation order, 95d8124, moved the bf16 cases' ties on the recording CPU while every other
-CPU, comparing up to the ties, still passed. The thread count is not: 1 and 2 threads give the same tokens.) Sampled and beam cases run in float32, whose differences across CPUs are far below their gaps.
+CPU, comparing up to the ties, still passed. The thread count is not: 1 and 2 threads give the same tokens.)
+Sampled and beam cases run in float32, whose differences across CPUs are far below their gaps.
 """
 
 from __future__ import annotations
