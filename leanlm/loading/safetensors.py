@@ -7,6 +7,7 @@ files becomes a ModelLoadError that names the file and says what to do.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -156,7 +157,10 @@ def load_hf_dir(
 def save_hf_dir(
     path: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], max_shard_bytes: int = 2 << 30
 ) -> None:
-    """Write `config.json` + safetensors shards (+ index when more than one) that `load_hf_dir` reads back."""
+    """Write `config.json` + safetensors shards (+ index when more than one) that `load_hf_dir` reads back.
+
+    The weight files of a model saved there before are removed once the new ones are written: the reader takes
+    an index over a single file, so an old index would silently load the old weights."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
@@ -171,6 +175,7 @@ def save_hf_dir(
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
+        _remove_stale_weights(path, {SINGLE_FILE})
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
@@ -178,3 +183,15 @@ def save_hf_dir(
         save_file(shard, str(path / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
     (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    _remove_stale_weights(path, {INDEX_FILE, *weight_map.values()})
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _remove_stale_weights(path: Path, written: set[str]) -> None:
+    """Delete the index and weight files of the HF layout in `path` that this save did not write."""
+    for entry in path.iterdir():
+        name = entry.name
+        if name not in written and (name == INDEX_FILE or _WEIGHT_FILE.fullmatch(name)) and entry.is_file():
+            entry.unlink()

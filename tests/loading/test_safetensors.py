@@ -202,3 +202,24 @@ def test_absurd_context_length_is_refused_before_any_allocation(hf_dir):
         r"the 1048576 positions",
     ):
         load_hf_dir(hf_dir, progress=False)
+
+
+@pytest.mark.parametrize(
+    "first_shard_bytes,second_shard_bytes", [(20_000, 1 << 30), (1 << 30, 20_000), (20_000, 30_000)]
+)
+def test_saving_over_an_older_model_loads_the_new_weights(tmp_path, first_shard_bytes, second_shard_bytes):
+    """The reader takes the index first: an old sharded save's index used to win over a new single file."""
+    config = tiny_config("qwen2", tied=False, vocab_size=64)
+    save_hf_dir(tmp_path, config, random_state_dict(config, seed=1), max_shard_bytes=first_shard_bytes)
+    (tmp_path / "notes.txt").write_text("kept")
+    new = random_state_dict(config, seed=2)
+    save_hf_dir(tmp_path, config, new, max_shard_bytes=second_shard_bytes)
+    _, loaded = load_hf_dir(tmp_path, dtype=None)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in new.items())
+    weights = sorted(p.name for p in tmp_path.glob("model*"))
+    if second_shard_bytes > 1 << 20:
+        assert weights == ["model.safetensors"]
+    else:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert weights == sorted({"model.safetensors.index.json", *index["weight_map"].values()})
+    assert (tmp_path / "notes.txt").read_text() == "kept"  # only the model's own files are replaced
