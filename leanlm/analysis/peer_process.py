@@ -20,6 +20,7 @@ from pathlib import Path
 
 from leanlm.analysis.host import CpuSample
 from leanlm.analysis.peers import PEERS_DIR
+from leanlm.path_trust import untrusted_reason
 
 WORKERS_DIR = Path(__file__).resolve().parent / "peer_workers"
 
@@ -42,9 +43,18 @@ class PeerSpec:
         return self.venv / "bin" / "python"
 
     def is_installed(self) -> bool:
-        return self.python.is_file() and os.access(self.python, os.X_OK)
+        """Set up, and in an environment no other user could have changed (path_trust): its python and
+        packages run as us."""
+        return self.python.is_file() and os.access(self.python, os.X_OK) and self.untrusted_reason() is None
+
+    def untrusted_reason(self) -> str | None:
+        """Why the environment cannot be trusted (its directory, interpreter or packages), or None."""
+        places = [self.venv, self.python, *sorted(self.venv.glob("lib/python*/site-packages"))]
+        return next((reason for place in places if (reason := untrusted_reason(place))), None)
 
     def missing_message(self) -> str:
+        if self.python.is_file() and (reason := self.untrusted_reason()):
+            return f"refusing the {self.name} environment {self.venv}: {reason}"
         return f"{self.name} is not set up ({self.python} is missing); run `{self.setup_command}`"
 
 

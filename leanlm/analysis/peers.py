@@ -33,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from leanlm.path_trust import untrusted_reason
+
 PEERS_DIR = Path(__file__).resolve().parents[3] / "peers"  # beside the checkout: never inside the repository
 BUILT_LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server"
 
@@ -42,8 +44,11 @@ class PeerUnavailable(RuntimeError):
 
 
 def find_llama_server() -> Path | None:
-    """The llama-server we built under PEERS_DIR, else one on PATH, else None."""
+    """The llama-server we built under PEERS_DIR, else one on PATH, else None. PeerUnavailable when the built
+    one is there but another user could have replaced it (path_trust): running it would run their code."""
     if BUILT_LLAMA_SERVER.is_file() and os.access(BUILT_LLAMA_SERVER, os.X_OK):
+        if reason := untrusted_reason(BUILT_LLAMA_SERVER):
+            raise PeerUnavailable(f"refusing to run {BUILT_LLAMA_SERVER}: {reason}")
         return BUILT_LLAMA_SERVER
     found = shutil.which("llama-server")
     return Path(found) if found else None

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from leanlm.path_trust import untrusted_reason
+
 logger = logging.getLogger(__name__)
 
 # Explicit ISA flags (not -march=native): a cached library must need only what cpu_supports_bf16() checks.
@@ -140,15 +142,19 @@ def check_trusted(st: os.stat_result, what: Path, writable_ok: bool = False) -> 
 def load_library(path: Path) -> ctypes.CDLL:
     """dlopen a cached library after checking who may have written it.
 
-    First the directory: ours, and from here on writable by us alone (an old cache made under a 002 umask is
-    tightened), so no one else can swap the file between the check and the load. Then the file itself: ours,
-    a regular file (not a symlink), writable by us alone.
+    First the directory: ours, every directory above it ours or root's and writable by no one else, and from
+    here on writable by us alone (an old cache made under a 002 umask is tightened), so no one else can swap
+    the file between the check and the load. Then the file itself: ours, a regular file (not a symlink),
+    writable by us alone.
     """
     directory = path.parent
     st = os.stat(directory)
     check_trusted(st, directory, writable_ok=True)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         os.chmod(directory, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+    # Above it too: whoever may write a parent can rename the cache directory and put their own in its place.
+    if reason := untrusted_reason(directory.parent):
+        raise RuntimeError(f"refusing the kernel cache {directory}: {reason} (or point LEANLM_CACHE elsewhere)")
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise RuntimeError(f"refusing {path}: not a regular file (a symlink?)")

@@ -150,3 +150,15 @@ def test_cpu_of_the_workers_descendants_counts_as_its_own(fake_peer_spec):
     for rep in run.repetitions:
         own_cpu_s = rep.cpu.own_share * rep.cpu.seconds * ncpu
         assert own_cpu_s >= 0.25, rep.cpu
+
+
+@pytest.mark.parametrize("place", ["venv", "site-packages"])
+def test_an_environment_others_may_write_is_not_run(fake_peer_spec, place):
+    """bench --compare runs the peers' python from beside the checkout: only if no other user could change it."""
+    site = fake_peer_spec.venv / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (fake_peer_spec.venv if place == "venv" else site).chmod(0o777)
+    assert not fake_peer_spec.is_installed()
+    assert "writable by other users" in fake_peer_spec.missing_message()
+    with pytest.raises(PeerWorkerError, match="refusing the fake environment"):
+        run_peer(fake_peer_spec, request("ok"))

@@ -65,3 +65,18 @@ def test_real_llama_server_streams_exactly_the_requested_tokens(smollm_path):
         assert record.num_prompt_tokens >= 4 and record.text
         assert 1 <= len(record.chunk_s) <= 8 and record.ttft_s > 0
     assert result.total_output_tokens == 32
+
+
+def test_a_built_llama_server_others_may_write_is_not_run(tmp_path, monkeypatch):
+    from leanlm.analysis import peers
+
+    binary = tmp_path / "llama.cpp" / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(peers, "BUILT_LLAMA_SERVER", binary)
+    tmp_path.chmod(0o700)
+    assert find_llama_server() == binary
+    (tmp_path / "llama.cpp").chmod(0o777)  # another user could put their own binary there
+    with pytest.raises(PeerUnavailable, match="refusing to run .*writable by other users"):
+        find_llama_server()

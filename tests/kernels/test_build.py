@@ -88,6 +88,16 @@ def test_a_symlinked_library_is_refused(seven, tmp_path):
 
 
 @needs_compiler
+@pytest.mark.parametrize("level", [1, 2])  # the cache root (LEANLM_CACHE), or the directory above it
+def test_a_kernel_cache_below_a_directory_others_may_write_is_refused(seven, level):
+    _, path = seven
+    parent = path.parents[level]
+    parent.chmod(0o777)  # another user could rename the cache away and put their own library in its place
+    with pytest.raises(RuntimeError, match=f"refusing the kernel cache .*{parent}.* writable by other users"):
+        build.load_library(path)
+
+
+@needs_compiler
 def test_an_old_group_writable_cache_directory_is_tightened(seven):
     _, path = seven
     path.parent.chmod(0o775)
