@@ -1,11 +1,12 @@
 """LeanLM: run, compress and explain transformer language models."""
 
 from leanlm.config import EngineConfig, ModelConfig
-from leanlm.sampling_params import SamplingParams
+from leanlm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "RequestOutputKind",
     "BeamSearchParams",
     "EngineConfig",
     "ModelConfig",

@@ -15,7 +15,7 @@ from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.device import resolve_device, resolve_dtype
 from leanlm.model.llama import build_model
-from leanlm.sampling_params import SamplingParams
+from leanlm.sampling_params import RequestOutputKind, SamplingParams
 from leanlm.selection import (
     Extractor,
     Ranking,
@@ -114,8 +114,11 @@ class LLM:
         tokenized = [engine.tokenize_prompt(p) for p in prompt_list]
         for (_, token_ids), params in zip(tokenized, params_list):
             engine.validate(token_ids, params)
+        # Only the final outputs are returned: no request copies its text, ids and logprobs at every step (vLLM's
+        # LLM does the same).
+        final_only = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list]
         ids = [
-            engine.add_request(token_ids, sp, prompt_text=text) for (text, token_ids), sp in zip(tokenized, params_list)
+            engine.add_request(token_ids, sp, prompt_text=text) for (text, token_ids), sp in zip(tokenized, final_only)
         ]
         return self._run(ids, use_tqdm)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +20,14 @@ MAX_LENGTH_PENALTY = 10.0
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: anything smaller rounds toward 0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far: each output copies the whole text, ids and logprobs
+    DELTA = "delta"  # only what is new since the previous output (a stream's cost per step is its increment)
+    FINAL_ONLY = "final_only"  # no output until the request finishes, then the whole result
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class SamplingParams:
     # OpenAI logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling; a
     # mapping is accepted and stored sorted (a tuple keeps the dataclass hashable).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each streamed output holds
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +117,8 @@ class SamplingParams:
         for token_id, bias in self.logit_bias:
             if token_id < 0 or not -100 <= bias <= 100:  # NaN fails the range check too
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.full_prompt_logprobs and self.prompt_logprobs is None:
             raise ValueError("full_prompt_logprobs needs prompt_logprobs set too (0 is enough)")
         for name in ("logprobs", "prompt_logprobs"):

@@ -3,11 +3,13 @@ public per-request results (vLLM-shaped `RequestOutput` / `CompletionOutput`).""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from leanlm.engine.request import Request
+from leanlm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -110,3 +112,28 @@ class RequestOutput:
     # With full_prompt_logprobs, once finished: [P-1, V] float32 on CPU; row j-1 is the log-softmax that
     # scores prompt token j (the distribution behind prompt_logprobs[j]).
     prompt_logprobs_full: torch.Tensor | None = None
+    # CUMULATIVE: outputs hold everything so far. DELTA: only what is new since the request's previous output
+    # (text, token_ids and logprobs of each completion; prompt_logprobs in the first output only).
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive DELTA outputs of one request as one DELTA output (what a reader that fell behind gets);
+    O(their size). A single output is returned as it is."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    completions = []
+    for parts in zip(*(o.outputs for o in outputs), strict=True):  # one tuple per completion index
+        end = parts[-1]
+        logprobs = None if end.logprobs is None else [lp for c in parts for lp in c.logprobs or ()]
+        completions.append(
+            dataclasses.replace(
+                end,
+                text="".join(c.text for c in parts),
+                token_ids=[t for c in parts for t in c.token_ids],
+                logprobs=logprobs,
+            )
+        )
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return dataclasses.replace(last, outputs=completions, prompt_logprobs=prompt_logprobs)

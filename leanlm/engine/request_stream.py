@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.outputs import RequestOutput, merge_deltas
+from leanlm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from leanlm.engine.async_engine import AsyncLLMEngine
 
 
 class RequestStream:
-    """One request's outputs as an async iterator of cumulative RequestOutputs (the last has finished=True).
-    Closing it early (or calling abort) cancels the request in the engine and frees its KV blocks.
+    """One request's outputs as an async iterator of RequestOutputs (the last has finished=True), of the kind
+    its SamplingParams.output_kind asks for. Closing it early (or calling abort) cancels the request in the
+    engine and frees its KV blocks.
 
-    Outputs are cumulative (each holds all the text so far), so a newer one makes an unread older one redundant:
-    a queued non-final output is replaced by the next, and at most one non-final output and one final item wait
-    here. A client that stops reading therefore costs O(text) memory, not a full copy per step (O(T^2)), and a
-    slow reader gets bigger deltas instead of a backlog. Consumers must diff against what they last sent (the SSE
-    layer keeps a cursor per choice), never assume one output per token.
+    A reader that falls behind gets one output for everything it missed, never a backlog of copies: a newer
+    CUMULATIVE output replaces an unread one (it holds everything the older did), and unread DELTA outputs are
+    merged when read (each holds only its increment, so what waits is O(unread text)). Consumers must not assume
+    one output per token.
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, num_seqs: int, client: str | None = None) -> None:
@@ -29,27 +31,36 @@ class RequestStream:
         self.num_seqs = num_seqs  # sequences it holds in the engine (its n)
         self.client = client  # who asked (an API key or address), for the per-client limit; None: not counted
         self._engine = engine
-        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()  # <= 2 items
+        # Delivered, unread: a run of DELTA outputs, or at most one non-final CUMULATIVE output, then the final one.
+        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()  # set while _pending is not empty
         self.finished = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         last = self._pending[-1] if self._pending else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+        is_cumulative = isinstance(item, RequestOutput) and item.kind != RequestOutputKind.DELTA
+        if is_cumulative and isinstance(last, RequestOutput) and not last.finished:
             self._pending[-1] = item  # the newer output holds everything the older one did
         else:
             self._pending.append(item)
         self._ready.set()
 
     async def _get(self) -> RequestOutput | BaseException:
+        """The next item; a run of unread DELTA outputs comes as one."""
         while not self._pending:
             self._ready.clear()
             await self._ready.wait()
-        return self._pending.popleft()
+        first = self._pending.popleft()
+        if not isinstance(first, RequestOutput) or first.kind != RequestOutputKind.DELTA or first.finished:
+            return first
+        run = [first]
+        while self._pending and isinstance(self._pending[0], RequestOutput) and not run[-1].finished:
+            run.append(self._pending.popleft())
+        return merge_deltas(run)
 
     @property
     def num_pending(self) -> int:
-        """Items delivered and not yet read (at most 2)."""
+        """Items delivered and not yet read."""
         return len(self._pending)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -66,12 +77,14 @@ class RequestStream:
                 self.abort()
 
     async def result(self) -> RequestOutput:
-        """Wait for the final output."""
-        final = None
+        """Wait for the final output: the whole result, for DELTA outputs too (merged once, at the end)."""
+        outputs: list[RequestOutput] = []
         async for output in self:
-            final = output
-        assert final is not None and final.finished
-        return final
+            if output.kind != RequestOutputKind.DELTA:
+                outputs.clear()  # a cumulative output holds all the earlier ones
+            outputs.append(output)
+        assert outputs and outputs[-1].finished
+        return dataclasses.replace(merge_deltas(outputs), kind=RequestOutputKind.CUMULATIVE)
 
     def abort(self) -> None:
         self._engine.abort(self.request_id)

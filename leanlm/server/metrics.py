@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from leanlm.engine import AsyncLLMEngine, RequestOutput
+from leanlm.sampling_params import RequestOutputKind
 
 # Seconds; the same spirit as vLLM's buckets, from sub-millisecond decode steps to minute-long requests.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -77,6 +78,8 @@ class ServerMetrics:
         completion when n > 1); token counts cover every completion."""
         progress = self._progress.setdefault(output.request_id, _Progress())
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if output.kind == RequestOutputKind.DELTA:
+            num_tokens += progress.num_tokens
         metrics = output.metrics
         if num_tokens > progress.num_tokens and metrics is not None and metrics.last_token_time is not None:
             if progress.num_tokens == 0 and metrics.time_to_first_token is not None:

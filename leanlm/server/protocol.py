@@ -11,7 +11,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from leanlm.sampling_params import MAX_LENGTH_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MIN_SEED, SamplingParams
+from leanlm.sampling_params import (
+    MAX_LENGTH_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MIN_SEED,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
@@ -138,6 +145,9 @@ class _SamplingFields(_Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=logit_bias,
+            # Increments: a stream sends them as they come, and a whole response is merged from them once, so a
+            # long or slowly read request costs O(its text), not a copy of everything so far per step.
+            output_kind=RequestOutputKind.DELTA,
         )
 
 

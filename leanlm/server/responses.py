@@ -69,10 +69,12 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[dict[i
     return {"content": content}
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    """Prompt tokens counted once per prompt (not per completion), completion tokens over all choices."""
+def usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> dict:
+    """Prompt tokens counted once per prompt (not per completion), completion tokens over all choices (those of
+    the outputs, which must then be whole results, unless the caller counted them)."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outputs if o.metrics is not None)
     return {
         "prompt_tokens": prompt_tokens,

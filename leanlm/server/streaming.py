@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from leanlm.engine import CompletionOutput, EngineStoppedError, RequestFailedError, RequestOutput, RequestStream
+from leanlm.sampling_params import RequestOutputKind
 from leanlm.server import responses
 from leanlm.server.protocol import UnsupportedParameterError
 
@@ -35,7 +36,9 @@ async def sse_events(job: Job, texts: responses.TokenTexts) -> AsyncIterator[str
         if job.include_usage:
             chunk = responses.envelope(job.request_id, obj, job.model, job.created)
             chunk["choices"] = []
-            chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)])
+            # The outputs are deltas: the completion tokens are what the cursors counted.
+            num_completion_tokens = sum(cursor.num_tokens for cursor in cursors.values())
+            chunk["usage"] = responses.usage([finals[i] for i in sorted(finals)], num_completion_tokens)
             yield _sse(chunk)
     except (RequestFailedError, UnsupportedParameterError, EngineStoppedError) as exc:
         yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
@@ -67,16 +70,21 @@ def _delta_choices(
                 choices.append(_echo_chunk(job, texts, prompt_idx, output, index))
         if cursor.finished:
             continue
-        new_text = c.text[cursor.num_chars :]
-        new_ids = c.token_ids[cursor.num_tokens :]
+        if output.kind == RequestOutputKind.DELTA:  # what the server asks for: each output is its increment
+            new_text, new_ids, new_logprobs = c.text, c.token_ids, c.logprobs or []
+        else:
+            new_text, new_ids = c.text[cursor.num_chars :], c.token_ids[cursor.num_tokens :]
+            new_logprobs = c.logprobs[cursor.num_tokens :] if c.logprobs else []
+        cursor.num_chars += len(new_text)
+        cursor.num_tokens += len(new_ids)
         reason = responses.finish_reason(c)
         if not new_text and reason is None and (job.num_top_logprobs is None or not new_ids):
             continue  # tokens whose text is still held back (a partial character or a stop prefix)
-        choice = _delta(job, texts, index, new_text, new_ids, c.logprobs[cursor.num_tokens :] if c.logprobs else [])
+        choice = _delta(job, texts, index, new_text, new_ids, new_logprobs)
         choice["finish_reason"] = reason
         if reason is not None:
             choice["stop_reason"] = c.stop_reason
-        cursor.num_chars, cursor.num_tokens, cursor.finished = len(c.text), len(c.token_ids), c.finished
+        cursor.finished = c.finished
         choices.append(choice)
     return choices
 

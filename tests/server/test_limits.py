@@ -123,8 +123,8 @@ def test_non_finite_numbers_are_refused_in_every_float_field(tiny_engine_factory
 
 
 def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
-    """Streams coalesce unread outputs; the SSE deltas (cursors over cumulative text) must still add up to the
-    whole text, for several prompts (the merged path) with n > 1, logprobs and a stop string."""
+    """Streams coalesce unread outputs; the SSE deltas must still add up to the whole text, for several prompts
+    (the merged path) with n > 1, logprobs and a stop string."""
     from leanlm.engine.async_engine import AsyncLLMEngine
     from leanlm.server.protocol import CompletionRequest
     from leanlm.server.serving import OpenAIServing
@@ -148,7 +148,9 @@ def test_a_slow_reader_gets_every_piece_of_text_exactly_once(make_tiny_engine):
             await asyncio.sleep(0.01)
             if engine.num_requests_in_flight == 0:
                 break
-        assert all(stream.num_pending <= 2 for stream in job.streams)
+        # What waits for the reader holds each token once (increments, not a copy of everything per step).
+        waiting = [o for stream in job.streams for o in stream._pending]
+        assert sum(len(c.token_ids) for o in waiting for c in o.outputs) <= 2 * 2 * 40
         events = [json.loads(e[6:]) async for e in serving.sse_stream(job) if e != "data: [DONE]\n\n"]
         serving.close()
         return whole, events
@@ -289,3 +291,18 @@ def test_min_tokens_above_max_tokens_is_a_400_as_in_sampling_params(tiny_engine_
         status, _, body = _request(server.url, "/v1/chat/completions", chat_ok)
         assert status == 200 and body["usage"]["completion_tokens"] == 9, body
         assert _engine_is_idle(server.engine)
+
+
+def test_a_stream_hands_out_each_token_once_not_everything_so_far_per_step(tiny_engine_factory):
+    """Every output used to copy each child's whole token ids, logprobs and text: O(T^2) for a long stream."""
+    engine = tiny_engine_factory()
+    body = BASE | {"max_tokens": 64, "n": 2, "ignore_eos": True, "logprobs": 1, "stream": True}
+    with serve_engine(engine) as server:
+        delivered = []
+        server.engine.output_listeners.append(delivered.append)
+        status, _, events = _request(server.url, "/v1/completions", body)
+        assert status == 200
+    outputs = [o for o in delivered if o.outputs]
+    assert len(outputs) > 10  # a stream of many outputs
+    assert sum(len(c.token_ids) for o in outputs for c in o.outputs) == 2 * 64
+    assert sum(len(c.logprobs) for o in outputs for c in o.outputs) == 2 * 64
