@@ -118,6 +118,28 @@ class ModelConfig:
         if self.exit_adapter_rank < 0 or (self.exit_adapter_rank and not layers):
             raise ValueError(f"exit_adapter_rank must be >= 0 and needs exit_layers, got {self.exit_adapter_rank}")
 
+    def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The shape the HF tensor `hf_name` (`model.layers.3.mlp.down_proj.weight`, ...) has in this model: [out,
+        in] for a linear's weight, [out] for its bias, [hidden] for a norm. Every checkpoint format is checked
+        against it before any kernel sees a tensor."""
+        q_rows = self.num_attention_heads * self.head_dim
+        kv_rows = self.num_key_value_heads * self.head_dim
+        hidden, inter = self.hidden_size, self.intermediate_size
+        shapes = {
+            "q_proj": (q_rows, hidden),
+            "k_proj": (kv_rows, hidden),
+            "v_proj": (kv_rows, hidden),
+            "o_proj": (hidden, q_rows),
+            "gate_proj": (inter, hidden),
+            "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter),
+            "embed_tokens": (self.vocab_size, hidden),
+            "lm_head": (self.vocab_size, hidden),
+        }
+        module, kind = hf_name.rsplit(".", 2)[-2:]
+        shape = shapes.get(module, (hidden,))  # the rest are norms: [hidden]
+        return shape[:1] if kind == "bias" else shape
+
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads

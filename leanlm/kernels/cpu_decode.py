@@ -110,6 +110,10 @@ class NativeLayer:
     post_norm: torch.Tensor
     linears: tuple[NativeLinear, ...]  # q, k, v, o, gate, up, down
 
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """(out_features, in_features) of each linear, in LINEAR_ORDER."""
+        return tuple((s.out_features, s.in_features) for s in self.linears)
+
     def is_supported(self) -> bool:
         """bf16 contiguous CPU norms and linears the kernels take."""
         norms = (self.input_norm, self.post_norm)
@@ -133,6 +137,31 @@ def kv_is_supported(
 
 
 LINEAR_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _check_shapes(layers: list[NativeLayer], hidden: int, q_rows: int, kv_rows: int) -> int:
+    """The intermediate size every layer shares; ValueError when any linear's shape is not what the model's
+    dimensions give it (the C loop splits its scratch by these dimensions and would write past a buffer)."""
+    if not layers:
+        raise ValueError("the native decode loop needs at least one layer")
+    intermediate = layers[0].linears[4].out_features
+    expected = (
+        (q_rows, hidden),
+        (kv_rows, hidden),
+        (kv_rows, hidden),
+        (hidden, q_rows),
+        (intermediate, hidden),
+        (intermediate, hidden),
+        (hidden, intermediate),
+    )
+    for i, layer in enumerate(layers):
+        for name, got, want in zip(LINEAR_ORDER, layer.shapes(), expected):
+            if got != want:
+                raise ValueError(
+                    f"layer {i} {name} is {got[0]} x {got[1]} (out x in), but the model's dimensions give "
+                    f"{want[0]} x {want[1]}; the native decode loop cannot run it"
+                )
+    return intermediate
 
 
 def is_available() -> bool:
@@ -172,7 +201,7 @@ class DecodeLayers:
         # caller (model/native_decode.py) calls the loop only while the bound caches are the forward's own.
         self._has_kv = False
         hidden = final_norm.shape[0]
-        intermediate = layers[0].linears[4].out_features
+        intermediate = _check_shapes(layers, hidden, num_heads * head_dim, num_kv_heads * head_dim)
         self._layers = (_Layer * len(layers))()
         for dst, layer in zip(self._layers, layers):
             dst.input_norm, dst.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
@@ -210,8 +239,10 @@ class DecodeLayers:
             head_dim**-0.5,
         )
         self.hidden = hidden
-        widest_input = max(hidden, num_heads * head_dim, intermediate)  # room for a permuted input
-        self._per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * intermediate
+        # Sized from the largest linear of any layer (not layer 0's): the C loop writes out_features rows of each.
+        widest_output = max(n for layer in layers for n, _ in layer.shapes())
+        widest_input = max(k for layer in layers for _, k in layer.shapes())  # room for a permuted input
+        self._per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * widest_output
         self._per_row += widest_input
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=_BF16)  # grown for larger batches
         packed = all(linear.packed is not None for layer in layers for linear in layer.linears)

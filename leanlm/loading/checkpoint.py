@@ -21,6 +21,7 @@ from leanlm.loading.inspect import inspect
 from leanlm.loading.quantized import gptq_layers, quantized_layers, read_gptq_config, read_quantization_config
 from leanlm.loading.registry import resolve_model
 from leanlm.loading.safetensors import load_hf_dir
+from leanlm.loading.shapes import check_checkpoint_shapes
 from leanlm.loading.tokenizer import Tokenizer
 
 
@@ -55,6 +56,7 @@ def load_checkpoint(
     if "lm_head" in quantized:  # the tied head runs on its own copy of the embedding's codes
         config = dataclasses.replace(config, tie_word_embeddings=False)
     meta = gguf_tokenizer_metadata(reader)
+    check_checkpoint_shapes(config, state_dict, quantized, source.path)
     return Checkpoint(config, state_dict, Tokenizer.from_gguf_metadata(meta), source.path, quantized)
 
 
@@ -82,6 +84,7 @@ def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Check
             quantized = {}
     except (ValueError, KeyError, TypeError) as e:  # TypeError: a metadata value of the wrong kind
         raise ModelLoadError(f"quantized checkpoint {path} is inconsistent ({e}); re-quantize or re-download it") from e
+    check_checkpoint_shapes(config, state_dict, quantized, path)
     if is_quantized:  # the float tensors (norms, embedding, unquantized linears) in the requested dtype
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     return Checkpoint(config, state_dict, Tokenizer.from_dir(path), path, quantized)

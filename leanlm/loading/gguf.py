@@ -260,27 +260,6 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...]:
-    """The [out, in] (or [n]) shape the HF tensor `hf_name` has in a model with `config`."""
-    q_rows = config.num_attention_heads * config.head_dim
-    kv_rows = config.num_key_value_heads * config.head_dim
-    hidden, inter = config.hidden_size, config.intermediate_size
-    shapes = {
-        "q_proj": (q_rows, hidden),
-        "k_proj": (kv_rows, hidden),
-        "v_proj": (kv_rows, hidden),
-        "o_proj": (hidden, q_rows),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-        "embed_tokens": (config.vocab_size, hidden),
-        "lm_head": (config.vocab_size, hidden),
-    }
-    module, kind = hf_name.rsplit(".", 2)[-2:]
-    shape = shapes.get(module, (hidden,))  # the rest are norms: [hidden]
-    return shape[:1] if kind == "bias" else shape
-
-
 def gguf_state_dict(
     reader: GGUFFile,
     config: ModelConfig,
@@ -299,7 +278,7 @@ def gguf_state_dict(
         name = hf_tensor_name(tensor.name)
         stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
-        expected = expected_shape(name, config)
+        expected = config.tensor_shape(name)
         if stored != expected:
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "

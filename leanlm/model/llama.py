@@ -210,6 +210,19 @@ class LlamaForCausalLM(nn.Module):
         return span.eval()
 
 
+def _check_replacement(model: nn.Module, name: str, layer: nn.Module) -> None:
+    """A runtime layer may stand in for a linear only with the linear's (out, in) features: the kernels size
+    their buffers from the model's dimensions (loading/shapes.py checks checkpoints before this)."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"quantized layer {name} names no module of this model") from None
+    want = (linear.out_features, linear.in_features)
+    got = (getattr(layer, "out_features", None), getattr(layer, "in_features", None))
+    if got != want:
+        raise ValueError(f"quantized layer {name} has (out, in) features {got}, but the model's {name} is {want}")
+
+
 def build_model(
     config: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -227,6 +240,7 @@ def build_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend)
     for name, layer in (quantized or {}).items():
+        _check_replacement(model, name, layer)
         model.set_submodule(name, layer.to(device).set_compute_dtype(dtype))
     weights = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
     if config.tie_word_embeddings:

@@ -8,6 +8,7 @@ compression, weights edited in place. The KV cache comes with each forward; the 
 
 from __future__ import annotations
 
+import logging
 import operator
 import weakref
 from collections.abc import Iterable
@@ -18,6 +19,8 @@ from torch import nn
 from leanlm.kernels import cpu_decode, paged_attention
 from leanlm.model.context import ForwardContext
 from leanlm.model.paged_kv import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 
 class ModuleSnapshot:
@@ -94,16 +97,20 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
         if not spec.is_supported():
             return None
         native.append(spec)
-    return cpu_decode.DecodeLayers(
-        native,
-        norm,
-        rotary.cos,
-        rotary.sin,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.rms_norm_eps,
-    )
+    try:
+        return cpu_decode.DecodeLayers(
+            native,
+            norm,
+            rotary.cos,
+            rotary.sin,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+        )
+    except ValueError as e:  # a layer the loop cannot size (the loaders refuse such checkpoints first)
+        logger.warning("native decode loop off: %s", e)
+        return None
 
 
 def _native_linear(module: nn.Module, packed: bool) -> cpu_decode.NativeLinear | None:

@@ -1,0 +1,54 @@
+"""Every tensor and runtime layer of a checkpoint against the shape its model config gives its HF name, before
+the network is built or any kernel reads a tensor (issue 34: a quantized layer consistent with its own metadata
+but not with the config made the native decode loop write past its buffers)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from leanlm.config import ModelConfig
+from leanlm.loading.errors import ModelLoadError
+
+# The HF names of a decoder's tensors: the config decides each one's shape (ModelConfig.tensor_shape).
+_LAYER_MODULES = "self_attn.(?:q|k|v|o)_proj|mlp.(?:gate|up|down)_proj|input_layernorm|post_attention_layernorm"
+_MODEL_TENSOR = re.compile(rf"(?:model\.layers\.(\d+)\.(?:{_LAYER_MODULES})|model\.embed_tokens|model\.norm|lm_head)")
+
+
+def check_checkpoint_shapes(
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], layers: dict[str, nn.Module], source: object
+) -> None:
+    """ModelLoadError naming the first tensor or layer whose shape (or layer index) the config does not give.
+    Tensors of no decoder module (an exit head, say) are left to the network's own name check."""
+    for name, tensor in state_dict.items():
+        module, _, kind = name.rpartition(".")
+        if kind in ("weight", "bias") and _is_decoder_module(module, config, source):
+            _check(source, name, tuple(tensor.shape), config.tensor_shape(name), "has shape")
+    for name, layer in layers.items():
+        _is_decoder_module(name, config, source, required=True)
+        features = (getattr(layer, "out_features", None), getattr(layer, "in_features", None))
+        _check(source, name, features, config.tensor_shape(name + ".weight"), "is a layer of (out, in) features")
+
+
+def _is_decoder_module(module: str, config: ModelConfig, source: object, required: bool = False) -> bool:
+    match = _MODEL_TENSOR.fullmatch(module)
+    if match is None:
+        if required:
+            raise ModelLoadError(f"{source}: quantized layer {module} is not a linear of this model; re-export it")
+        return False
+    if match.group(1) is not None and int(match.group(1)) >= config.num_hidden_layers:
+        raise ModelLoadError(
+            f"{source}: {module} is in layer {match.group(1)}, but the config has {config.num_hidden_layers} "
+            f"layers; the checkpoint does not match its config: re-export or re-download it"
+        )
+    return True
+
+
+def _check(source: object, name: str, got: tuple, want: tuple[int, ...], what: str) -> None:
+    if got != want:
+        raise ModelLoadError(
+            f"{source}: {name} {what} {list(got)}, but the model config gives {list(want)}; the checkpoint does not "
+            f"match its config (a wrong or edited file): re-quantize, re-export or re-download it"
+        )
