@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from leanlm.config import EngineConfig
 from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
 from leanlm.loading.chat_encoding import encode_chat
-from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.loading.checkpoint import Checkpoint, load_checkpoint
+from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.device import resolve_device, resolve_dtype
 from leanlm.model.llama import build_model
@@ -44,9 +45,19 @@ def load_model(
     device = resolve_device(device)
     checkpoint = load_checkpoint(model, progress=progress)
     dtype = resolve_dtype(dtype, device, checkpoint.config)
-    net = build_model(checkpoint.config, checkpoint.state_dict, dtype, device, quantized=checkpoint.quantized)
+    net = _build(checkpoint, dtype, device)
     net.tokenizer = checkpoint.tokenizer
     return net
+
+
+def _build(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
+    """The network of a loaded checkpoint; a checkpoint the network cannot take is a ModelLoadError."""
+    try:
+        return build_model(
+            checkpoint.config, checkpoint.state_dict, dtype, device, attention_backend, quantized=checkpoint.quantized
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"{checkpoint.source}: {e}; re-export or re-download the model") from e
 
 
 class LLM:
@@ -74,27 +85,13 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        net = build_model(
-            checkpoint.config,
-            checkpoint.state_dict,
-            self.dtype,
-            self.device,
-            attention_backend,
-            quantized=checkpoint.quantized,
-        )
+        net = _build(checkpoint, self.dtype, self.device, attention_backend)
         del checkpoint
         draft = None
         spec = self.engine_config.speculative_config
         if spec is not None and spec.method == "draft":
             draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress, gguf_codes=not dequantize_gguf)
-            draft = build_model(
-                draft_checkpoint.config,
-                draft_checkpoint.state_dict,
-                self.dtype,
-                self.device,
-                attention_backend,
-                quantized=draft_checkpoint.quantized,
-            )
+            draft = _build(draft_checkpoint, self.dtype, self.device, attention_backend)
         self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft)
 
     def get_tokenizer(self):

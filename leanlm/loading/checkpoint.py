@@ -75,13 +75,15 @@ def _load_hf_checkpoint(path: Path, dtype: torch.dtype, progress: bool) -> Check
     config, state_dict = load_hf_dir(path, dtype=None if is_quantized else dtype, progress=progress)
     try:
         if meta is not None:
-            quantized = quantized_layers(meta, state_dict)
+            quantized = quantized_layers(meta, state_dict, config, path)
         elif gptq is not None:
-            quantized = gptq_layers(gptq, state_dict)
+            quantized = gptq_layers(gptq, state_dict, config, path)
         elif sparse is not None:
-            quantized = compressed_tensors_layers(sparse, state_dict)
+            quantized = compressed_tensors_layers(sparse, state_dict, config, path)
         else:
             quantized = {}
+    except ModelLoadError:
+        raise
     except (ValueError, KeyError, TypeError) as e:  # TypeError: a metadata value of the wrong kind
         raise ModelLoadError(f"quantized checkpoint {path} is inconsistent ({e}); re-quantize or re-download it") from e
     check_checkpoint_shapes(config, state_dict, quantized, path)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanlm.config import ModelConfig
+from leanlm.loading.shapes import check_declared_layer
 from leanlm.model.sparse.bitmask_layout import from_bitmask_layer_tensors, from_bitmask_tensors, from_sparse24_tensors
 
 SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask")
@@ -40,14 +42,22 @@ def read_compressed_tensors_config(path: Path) -> dict[str, Any] | None:
     return sparsity
 
 
-def compressed_tensors_layers(sparsity: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+def compressed_tensors_layers(
+    sparsity: dict[str, Any], state_dict: dict[str, torch.Tensor], config: ModelConfig, source: object = ""
+) -> dict[str, nn.Module]:
     """Sparse layers by module name (their tensors, bias included, removed from `state_dict`); unstructured weights
-    that stay dense are put back into `state_dict` as `name.weight`."""
+    that stay dense are put back into `state_dict` as `name.weight`. Each weight's stored `shape` must be what
+    `config` gives its name: a ModelLoadError before anything of that size is built."""
     layers = {}
     for name in [k.removesuffix(".compressed") for k in state_dict if k.endswith(".compressed")]:
         prefix = name + "."
         suffixes = ("compressed", "bitmask", "shape", "row_offsets")
         tensors = {s: state_dict.pop(prefix + s) for s in suffixes if prefix + s in state_dict}
+        declared = tensors.get("shape")
+        if declared is not None:  # its absence is reported by the layout's own check below
+            if declared.dtype.is_floating_point or declared.dtype.is_complex or declared.numel() != 2:
+                raise ValueError(f"layer {name}: compressed-tensors shape {declared.tolist()} is not two integers")
+            check_declared_layer(config, name, tuple(int(v) for v in declared.reshape(-1)), source)
         try:
             if sparsity["format"] == "sparse-24-bitmask":
                 layers[name] = from_sparse24_tensors(tensors, state_dict.pop(prefix + "bias", None))

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanlm.config import ModelConfig
+from leanlm.loading.shapes import check_declared_layer
 from leanlm.model.quantized.gptq_layout import BITS, CODES_PER_INT32, from_gptq_tensors
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, QuantLinear
 from leanlm.model.sparse import semi_structured  # noqa: F401  (registers "sparse24", "act_sparse", "sparse_bitmask")
@@ -35,8 +37,11 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
     return meta
 
 
-def quantized_layers(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, QuantLinear]:
-    """Build each quantized layer named in `meta` from its tensors, removing them from `state_dict`."""
+def quantized_layers(
+    meta: dict[str, Any], state_dict: dict[str, torch.Tensor], config: ModelConfig, source: object = ""
+) -> dict[str, QuantLinear]:
+    """Build each quantized layer named in `meta` from its tensors, removing them from `state_dict`; a layer whose
+    declared features are not what `config` gives its name is a ModelLoadError before any tensor is read."""
     layers = {}
     if not isinstance(meta.get("layers"), dict):
         raise ValueError(f"{QUANT_CONFIG_FILE} has no 'layers' object")
@@ -47,6 +52,7 @@ def quantized_layers(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) 
                 f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
                 f"(known: {', '.join(QUANT_LINEAR_FORMATS)})"
             )
+        check_declared_layer(config, name, (layer_meta.get("out_features"), layer_meta.get("in_features")), source)
         prefix = name + "."
         tensors = {k[len(prefix) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
         # Shapes, group sizes and index ranges are checked against the metadata here, before any kernel runs.
@@ -78,13 +84,28 @@ def read_gptq_config(path: Path) -> dict[str, Any] | None:
     return block
 
 
-def gptq_layers(block: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-    """Every GPTQ layer of a state dict as our runtime layer, removing its tensors from `state_dict`."""
-    group_size = block["group_size"]
+def gptq_layers(
+    block: dict[str, Any], state_dict: dict[str, torch.Tensor], config: ModelConfig, source: object = ""
+) -> dict[str, nn.Module]:
+    """Every GPTQ layer of a state dict as our runtime layer, removing its tensors from `state_dict`. Its qweight
+    [K / 8, N] must hold the (N, K) `config` gives its name (a ModelLoadError before it is unpacked)."""
+    group_size = block.get("group_size")
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"GPTQ group_size {group_size!r} must be an integer (-1: one group per row)")
     layers = {}
     for name in [k.removesuffix(".qweight") for k in state_dict if k.endswith(".qweight")]:
         prefix = name + "."
         tensors = {k[len(prefix) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
-        in_features = tensors["qweight"].shape[0] * CODES_PER_INT32
-        layers[name] = from_gptq_tensors(tensors, group_size if group_size > 0 else in_features)
+        qweight = tensors["qweight"]
+        if qweight.dim() != 2:
+            raise ValueError(f"layer {name}: GPTQ qweight has shape {list(qweight.shape)}; expected [K / 8, N]")
+        in_features = qweight.shape[0] * CODES_PER_INT32
+        check_declared_layer(config, name, (qweight.shape[1], in_features), source)
+        missing = [t for t in ("qzeros", "scales") if t not in tensors]
+        if missing:
+            raise ValueError(f"layer {name}: the GPTQ layer lacks tensors {missing}")
+        try:
+            layers[name] = from_gptq_tensors(tensors, group_size if group_size > 0 else in_features)
+        except ValueError as e:
+            raise ValueError(f"layer {name}: {e}") from e
     return layers

@@ -140,6 +140,13 @@ def load_hf_dir(
         state_dict.update(_read_shard(shard, dtype))
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # the same tensor as the embedding; the model ties it
+    # Before anything walks the config's layers (a config claiming 2**31 layers made the name check below spin).
+    num_layers = 1 + max((int(m.group(1)) for n in state_dict if (m := _LAYER_INDEX.match(n))), default=-1)
+    if config.num_hidden_layers > num_layers:
+        raise ModelLoadError(
+            f"{path / 'config.json'} says {config.num_hidden_layers} layers, but the tensors hold {num_layers}; "
+            "the checkpoint is incomplete or for another model"
+        )
     modules = {name.rsplit(".", 1)[0] for name in state_dict}
     missing = [
         n
@@ -186,6 +193,7 @@ def save_hf_dir(
     _remove_stale_weights(path, {INDEX_FILE, *weight_map.values()})
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 

@@ -24,12 +24,32 @@ def check_checkpoint_shapes(
     Tensors of no decoder module (an exit head, say) are left to the network's own name check."""
     for name, tensor in state_dict.items():
         module, _, kind = name.rpartition(".")
-        if kind in ("weight", "bias") and _is_decoder_module(module, config, source):
-            _check(source, name, tuple(tensor.shape), config.tensor_shape(name), "has shape")
+        if not _is_decoder_module(module, config, source):
+            continue
+        if kind not in ("weight", "bias"):
+            raise ModelLoadError(
+                f"{source}: {name} belongs to no layer the checkpoint describes (a quantized layer's tensor without "
+                f"the rest of its layer, or metadata that does not name it); re-quantize or re-download it"
+            )
+        _check(source, name, tuple(tensor.shape), config.tensor_shape(name), "has shape")
     for name, layer in layers.items():
         _is_decoder_module(name, config, source, required=True)
         features = (getattr(layer, "out_features", None), getattr(layer, "in_features", None))
         _check(source, name, features, config.tensor_shape(name + ".weight"), "is a layer of (out, in) features")
+        # One inf or NaN scale poisons every logit downstream; a few KiB per layer to read.
+        for tensor_name, tensor in layer.named_buffers():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ModelLoadError(
+                    f"{source}: {name}.{tensor_name} holds infinite or NaN values; the file is corrupt: re-quantize "
+                    f"or re-download it"
+                )
+
+
+def check_declared_layer(config: ModelConfig, name: str, features: tuple, source: object) -> None:
+    """Before a quantized layer is built from its tensors: the (out, in) features its metadata or packed tensors
+    declare against the config, so that nothing of another size is unpacked or allocated."""
+    _is_decoder_module(name, config, source, required=True)
+    _check(source, name, features, config.tensor_shape(name + ".weight"), "declares (out, in) features")
 
 
 def _is_decoder_module(module: str, config: ModelConfig, source: object, required: bool = False) -> bool:

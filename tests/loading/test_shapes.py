@@ -48,7 +48,7 @@ def _model_with_a_wide_layer(tokenizer, dtype=torch.float32):
     return model
 
 
-WIDE_MLP = r"model.layers.1.mlp.(gate|up|down)_proj is a layer of \(out, in\) features \[\d+, \d+\], but the"
+WIDE_MLP = r"model.layers.1.mlp.(gate|up|down)_proj (is a layer of|declares) \(out, in\) features \[\d+, \d+\]"
 
 
 @pytest.mark.parametrize("fmt", ["leanlm int8", "leanlm int4", "gptq", "compressed-tensors 2:4"])
@@ -131,3 +131,61 @@ def test_the_native_loop_refuses_a_layer_it_cannot_size_and_sizes_from_the_wides
     heads = 2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
     widest = max(cfg.hidden_size, cfg.intermediate_size)
     assert loop._per_row == cfg.hidden_size + heads + 2 * widest + widest
+
+
+def _saved(tokenizer, tmp_path, fmt):
+    cfg = _config(tokenizer)
+    model = build_model(cfg, tiny_state_dict(cfg, seed=2), torch.float32)
+    calib = torch.randint(0, tokenizer.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    if fmt == "gptq":
+        compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
+        save_gptq_checkpoint(model, tmp_path, tokenizer)
+    elif fmt == "int8":
+        compress(model, [RTNConfig(bits=8)], progress=False)
+        save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+    else:
+        compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
+        save_compressed_tensors_checkpoint(model, tmp_path, tokenizer)
+    return tmp_path
+
+
+def _edit_tensor(path, name, edit):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "model.safetensors"))
+    state[name] = edit(state[name]).contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "fmt,name,edit,match",
+    [  # found by the fuzzer (tests/loading/quantized_fuzz.py): each crashed, hung or ran to non-finite logits
+        ("gptq", "model.layers.0.mlp.up_proj.qweight", lambda t: t.reshape(-1)[0], r"qweight has shape \[\]"),
+        ("gptq", "model.layers.0.mlp.up_proj.qweight", lambda t: t[:, :0], "declares .* features"),
+        ("gptq", "model.layers.0.mlp.up_proj.scales", lambda t: t.fill_(float("inf")), "infinite or NaN"),
+        ("sparse24", "model.layers.0.mlp.up_proj.shape", lambda t: t.fill_(2**40), "declares .* features"),
+    ],
+)
+def test_corrupt_quantized_tensors_are_refused_before_they_are_used(tokenizer, tmp_path, fmt, name, edit, match):
+    path = _saved(tokenizer, tmp_path, fmt)
+    _edit_tensor(path, name, edit)
+    with pytest.raises(ModelLoadError, match=match):
+        load_checkpoint(path, progress=False)
+
+
+def test_metadata_cannot_stand_in_for_a_tensor(tokenizer, tmp_path):
+    path = _saved(tokenizer, tmp_path, "int8")
+    meta = json.loads((path / "quantization_config.json").read_text())
+    meta["layers"]["model.layers.0.mlp.up_proj"]["bias"] = [1, 2, 3]
+    (path / "quantization_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelLoadError, match=r"metadata names \['bias'\], which are tensors"):
+        load_checkpoint(path, progress=False)
+
+
+def test_a_config_claiming_more_layers_than_the_tensors_hold_is_refused_at_once(tokenizer, tmp_path):
+    path = _saved(tokenizer, tmp_path, "gptq")
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = 2**31  # walked layer by layer, this hung the loader
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="says 2147483648 layers, but the tensors hold 2"):
+        load_checkpoint(path, progress=False)

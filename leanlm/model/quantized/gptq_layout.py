@@ -67,9 +67,16 @@ def to_gptq_tensors(layer: IntGroupWeightOnlyLinear) -> dict[str, torch.Tensor]:
 def from_gptq_tensors(tensors: dict[str, torch.Tensor], group_size: int) -> IntGroupWeightOnlyLinear:
     """Our runtime layer from one GPTQ layer's tensors (any g_idx whose groups each hold group_size columns)."""
     qweight, scales = tensors["qweight"], tensors["scales"].float()
-    if qweight.dim() != 2 or qweight.dtype != torch.int32 or not isinstance(group_size, int) or group_size < 1:
+    if (
+        qweight.dim() != 2
+        or qweight.dtype != torch.int32
+        or 0 in qweight.shape
+        or isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size < 1
+    ):
         raise ValueError(
-            f"GPTQ qweight must be an int32 matrix and group_size a positive integer, got "
+            f"GPTQ qweight must be a non-empty int32 matrix and group_size a positive integer, got "
             f"{qweight.dtype} {list(qweight.shape)} and group_size={group_size!r}"
         )
     codes = unpack_int32_rows(qweight).t()  # [N, K]

@@ -99,6 +99,9 @@ class QuantLinear(nn.Module, ABC):
     def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantLinear:
         """Rebuild from saved metadata and tensors (names from `tensor_names`, plus optional 'bias')."""
         kwargs = {k: v for k, v in meta.items() if k not in ("format", "in_features", "out_features")}
+        tensor_keys = sorted(set(kwargs) & {*cls.tensor_names, "bias", "perm"})
+        if tensor_keys:  # a tensor argument given as a JSON value would reach the layer's tensor checks
+            raise ValueError(f"{cls.format} layer metadata names {tensor_keys}, which are tensors, not settings")
         missing = [n for n in cls.tensor_names if n not in tensors]
         if missing:
             raise ValueError(f"{cls.format} layer is missing tensors {missing}")

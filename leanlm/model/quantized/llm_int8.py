@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -45,7 +46,11 @@ class LLMInt8Linear(QuantLinear):
         check_numel(self.format, "scales", scales, n)
         outlier_idx = check_indices(self.format, "outlier_idx", outlier_idx, k, permutation=False)
         check_shape(self.format, "outlier_weight", outlier_weight, n, outlier_idx.numel())
-        self.threshold = threshold
+        # A threshold of another type, or not a positive finite number, would leave every column outlier-free or
+        # an outlier: refused like any other inconsistent metadata (a fuzzed `[]` gave non-finite logits).
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+            raise ValueError(f"{self.format} threshold must be a positive finite number, got {threshold!r}")
+        self.threshold = float(threshold)
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K], outlier columns 0
         self.register_buffer("scales", scales.reshape(-1).float().contiguous())  # [N]
         self.register_buffer("outlier_idx", outlier_idx)  # [O]
