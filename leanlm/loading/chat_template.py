@@ -25,9 +25,15 @@ from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from leanlm.loading import template_limits
-from leanlm.loading.template_limits import MAX_RENDER_CHARS, ChatTemplateError, limits
+from leanlm.loading.template_limits import MAX_RENDER_CHARS, ChatTemplateError, ChatTemplateTooLongError, limits
 
-__all__ = ["MAX_RENDER_CHARS", "RENDER_TIMEOUT_S", "ChatTemplateError", "render_chat_template"]
+__all__ = [
+    "MAX_RENDER_CHARS",
+    "RENDER_TIMEOUT_S",
+    "ChatTemplateError",
+    "ChatTemplateTooLongError",
+    "render_chat_template",
+]
 
 RENDER_TIMEOUT_S = 2.0  # real templates render in milliseconds
 
@@ -130,7 +136,7 @@ def render_chat_template(
         for piece in template.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
             num_chars += len(piece)
             if num_chars > max_chars:
-                raise ChatTemplateError(f"the model's chat template rendered more than {max_chars} characters")
+                raise ChatTemplateTooLongError(f"the model's chat template rendered more than {max_chars} characters")
             pieces.append(piece)
         return "".join(pieces)
     except ChatTemplateError:

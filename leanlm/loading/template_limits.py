@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from jinja2.sandbox import safe_range
 from jinja2.utils import Namespace
 
 MAX_RENDER_CHARS = 8 << 20  # a rendered prompt this long is far beyond any context (about 2M tokens)
@@ -22,6 +23,10 @@ MAX_RENDER_CHARS = 8 << 20  # a rendered prompt this long is far beyond any cont
 
 class ChatTemplateError(ValueError):
     """The template itself raised (via `raise_exception`), could not be parsed, or passed a render limit."""
+
+
+class ChatTemplateTooLongError(ChatTemplateError):
+    """The rendered prompt itself passed the limit (the messages are too long for it)."""
 
 
 class _Limits(threading.local):
@@ -150,7 +155,7 @@ def finalize(value: Any) -> Any:
 def check_method_call(func: Any, args: tuple, kwargs: dict) -> tuple:
     """Before a method call such as 'x'.center(n) or ', '.join(items); returns the (possibly materialized) args."""
     limit = limits.max_chars
-    for value in (*args, *kwargs.values()):
+    for value in () if func is safe_range else (*args, *kwargs.values()):  # the sandbox's range: 100k at most
         if isinstance(value, int) and value > limit:
             raise ChatTemplateError(f"the chat template passes {value} to a function (limit {limit}); fix the template")
     # The string of a bound str method; str.format is wrapped by the sandbox, which keeps it as __wrapped__.

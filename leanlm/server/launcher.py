@@ -34,6 +34,8 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
         allowed_hosts=config.allowed_host_names,
         enable_docs=config.enable_docs,
         default_max_tokens=config.default_max_tokens,
+        max_prompt_chars=config.max_prompt_chars,
+        max_pending_prepares=config.max_pending_prepares,
     )
     uv_config = uvicorn.Config(
         app,
