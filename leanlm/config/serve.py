@@ -55,6 +55,17 @@ class ServeConfig:
         default=1024,
         metadata={"help": "tokens a chat request generates when it names no max_tokens (capped by the context)"},
     )
+    max_prompt_chars: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "longest text prompt (or chat messages) tokenized; longer ones get 400 before tokenizing (default: "
+            "the context length x the longest vocabulary entry, past which a prompt cannot fit the context)"
+        },
+    )
+    max_pending_prepares: int = dataclasses.field(
+        default=64,
+        metadata={"help": "requests waiting to be parsed and tokenized; beyond it 429 with Retry-After"},
+    )
     max_client_share: float = dataclasses.field(
         default=0.5,
         metadata={
@@ -98,6 +109,10 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1 or unset (derived), got {self.max_prompt_chars}")
+        if self.max_pending_prepares < 1:
+            raise ValueError(f"max_pending_prepares must be >= 1, got {self.max_pending_prepares}")
         if not 0 < self.max_client_share <= 1:
             raise ValueError(
                 f"max_client_share must be in (0, 1] (1: no per-client limit), got {self.max_client_share}"

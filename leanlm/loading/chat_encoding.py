@@ -12,6 +12,7 @@ import re
 import secrets
 from typing import Any
 
+from leanlm.loading.chat_template import MAX_RENDER_CHARS
 from leanlm.loading.tokenizer import Tokenizer
 
 # How control-token text in chat messages is encoded (see the module docstring).
@@ -30,11 +31,16 @@ def check_mode(mode: str) -> None:
 
 
 def encode_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, mode: str = "text"
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    mode: str = "text",
+    max_chars: int = MAX_RENDER_CHARS,
 ) -> tuple[str, list[int]]:
-    """(the rendered prompt, its token ids) for `messages` through the model's chat template."""
+    """(the rendered prompt, its token ids) for `messages` through the model's chat template, rendered to at most
+    `max_chars` characters (ChatTemplateError beyond)."""
     check_mode(mode)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, max_chars=max_chars)
     pattern = _control_pattern(tokenizer)
     found = [] if pattern is None or mode == "parse" else _control_tokens_in(messages, pattern)
     if not found:  # the common case: nothing to tell apart, one encode as before
@@ -51,7 +57,8 @@ def encode_chat(
     tokens = sorted(tokenizer.control_token_text_ids, key=len, reverse=True)
     marker = {token: f"\ue000{nonce}:{k}\ue001" for k, token in enumerate(tokens)}
     masked = [_masked(message, pattern, marker) for message in messages]
-    marked = tokenizer.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
+    # Each marker is a few times longer than the token it stands for: the marked render gets that much room.
+    marked = tokenizer.apply_chat_template(masked, add_generation_prompt=add_generation_prompt, max_chars=3 * max_chars)
     ids: list[int] = []
     for k, piece in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)):
         if k % 2:  # a captured marker index

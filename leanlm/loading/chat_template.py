@@ -13,69 +13,67 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import sys
-import threading
 import time
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import loopcontrols
+from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-MAX_RENDER_CHARS = 8 << 20  # a rendered prompt this long is far beyond any context (about 2M tokens)
+from leanlm.loading import template_limits
+from leanlm.loading.template_limits import MAX_RENDER_CHARS, ChatTemplateError, ChatTemplateTooLongError, limits
+
+__all__ = [
+    "MAX_RENDER_CHARS",
+    "RENDER_TIMEOUT_S",
+    "ChatTemplateError",
+    "ChatTemplateTooLongError",
+    "render_chat_template",
+]
+
 RENDER_TIMEOUT_S = 2.0  # real templates render in milliseconds
 
 
-class ChatTemplateError(ValueError):
-    """The template itself raised (via `raise_exception`), could not be parsed, or passed a render limit."""
+class _LimitedCodeGenerator(CodeGenerator):
+    """Jinja's compiler, but `a ~ b` calls the environment (jinja joins it inline, where nothing can check it)."""
 
-
-class _Limits(threading.local):
-    """The current render's limit on value and output sizes (per thread: renders run in a thread pool)."""
-
-    max_chars: int = MAX_RENDER_CHARS
-
-
-_limits = _Limits()
-_WIDE_FORMAT = re.compile(r"%[-+ #0]*(\d+)")  # the width of a %-format: '%1000000000s' pads to a gigabyte
+    def visit_Concat(self, node: Concat, frame: Frame) -> None:
+        self.write("environment.concat_values((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
 
 
 class _LimitedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, plus size checks on the operations that build large values in one C call."""
+    """The sandbox, plus size checks (template_limits.py) before every operation that can build a large value
+    in one C call: the binary operators, `~`, block bodies, printed values, filters and method calls."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    code_generator_class = _LimitedCodeGenerator
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(finalize=template_limits.finalize, **options)
+        self.filters = {name: template_limits.guard_filter(name, f) for name, f in self.filters.items()}
+        self.globals.pop("lipsum", None)  # lipsum(n) writes n paragraphs; no chat template needs it
+
+    def concat(self, pieces) -> str:  # jinja's `concat = "".join`, for block bodies, macros and call blocks
+        return template_limits.concat_output(pieces)
+
+    def concat_values(self, values) -> str:
+        return template_limits.concat_values(values)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-        limit = _limits.max_chars
-        if operator == "*":
-            seq, count = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > limit:
-                raise ChatTemplateError(f"the chat template builds a value over the {limit}-character limit")
-        elif operator == "**":
-            if (
-                isinstance(left, int)
-                and isinstance(right, int)
-                and abs(left) > 1
-                and right * abs(left).bit_length() > 4 * limit
-            ):
-                raise ChatTemplateError("the chat template computes a number too large to render")
-        elif operator == "%" and isinstance(left, str):
-            if any(int(width) > limit for width in _WIDE_FORMAT.findall(left)):
-                raise ChatTemplateError(f"the chat template pads a value over the {limit}-character limit")
+        template_limits.check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's signature)
-        # 'x'.ljust(10**9), 'x'.center(...), '{:>1000000000}'.format(...): no argument may ask for more.
-        limit = _limits.max_chars
-        # The string of a bound str.ljust, or of str.format (which the sandbox wraps, keeping it as __wrapped__).
-        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
-        for value in (owner, *args, *kwargs.values()):
-            if isinstance(value, int) and value > limit:
-                raise ChatTemplateError(f"the chat template passes {value} to a function (limit {limit})")
-            if isinstance(value, str) and any(int(w) > limit for w in re.findall(rf"\d{{{len(str(limit))},}}", value)):
-                raise ChatTemplateError(f"the chat template passes a format wider than the {limit}-character limit")
+        # 'x'.ljust(10**9), '{:>1000000000}'.format(...), ', '.join(...): checked from the arguments first.
+        args = template_limits.check_method_call(__obj, args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
 
@@ -101,7 +99,7 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _compile(source: str):
     env = _LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = template_limits.guard_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
@@ -130,15 +128,15 @@ def render_chat_template(
             raise ChatTemplateError(f"the model's chat template took longer than {timeout_s} s to render")
         return check_time
 
-    previous_trace, previous_limit = sys.gettrace(), _limits.max_chars
-    _limits.max_chars = max_chars
+    previous = sys.gettrace(), limits.max_chars, limits.is_rendering
+    limits.max_chars, limits.is_rendering = max_chars, True
     sys.settrace(check_time)  # this thread only
     try:
         pieces, num_chars = [], 0
         for piece in template.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
             num_chars += len(piece)
             if num_chars > max_chars:
-                raise ChatTemplateError(f"the model's chat template rendered more than {max_chars} characters")
+                raise ChatTemplateTooLongError(f"the model's chat template rendered more than {max_chars} characters")
             pieces.append(piece)
         return "".join(pieces)
     except ChatTemplateError:
@@ -148,5 +146,5 @@ def render_chat_template(
     except (MemoryError, OverflowError, RecursionError) as e:
         raise ChatTemplateError(f"the model's chat template failed to render: {type(e).__name__}") from e
     finally:
-        sys.settrace(previous_trace)
-        _limits.max_chars = previous_limit
+        sys.settrace(previous[0])
+        limits.max_chars, limits.is_rendering = previous[1:]

@@ -6,6 +6,7 @@ Also `IncrementalDetokenizer`, which streams text token by token with the prefix
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from leanlm.loading.chat_template import render_chat_template
+from leanlm.loading.chat_template import MAX_RENDER_CHARS, render_chat_template
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import END_OF_TURN_TOKENS, GGUFTokenizerMetadata
 
@@ -208,6 +209,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters (a byte-level BPE's: in bytes). Each token covers at most this
+        many characters of text, so a text longer than n x this has more than n tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -222,15 +229,18 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        max_chars: int = MAX_RENDER_CHARS,
         **variables: Any,
     ) -> str | list[int]:
-        """Render the chat prompt (like HF); `tokenize=True` returns ids without extra special tokens."""
+        """Render the chat prompt (like HF); `tokenize=True` returns ids without extra special tokens. A render
+        longer than max_chars raises ChatTemplateError."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead of chat messages")
         text = render_chat_template(
             self.chat_template,
             messages,
             add_generation_prompt,
+            max_chars=max_chars,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **variables,

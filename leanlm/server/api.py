@@ -223,8 +223,23 @@ def is_loopback(name: str) -> bool:
         return False
 
 
+class _Hangup:
+    """What a client's hang-up stops: its request's preparation while that runs, then its engine requests."""
+
+    def __init__(self, accepting: asyncio.Future) -> None:
+        self.accepting = accepting  # parsing and tokenizing, in the prepare threads
+        self.job: Job | None = None  # set once the engine requests are queued
+        self.happened = False
+
+    def __call__(self) -> None:
+        self.happened = True
+        self.accepting.cancel()
+        if self.job is not None:
+            self.job.abort()
+
+
 async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
-    """Wait for the client to go away, then call on_disconnect (which aborts the engine requests)."""
+    """Wait for the client to go away, then call on_disconnect (which cancels or aborts its work)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -242,6 +257,8 @@ def build_app(
     allowed_hosts: tuple[str, ...] = (),
     enable_docs: bool = False,
     default_max_tokens: int | None = 1024,
+    max_prompt_chars: int | None = None,
+    max_pending_prepares: int = 64,
     chat_control_tokens: str = "text",
 ) -> FastAPI:
     """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
@@ -250,7 +267,14 @@ def build_app(
     /metrics needs `metrics_key`, else `api_key`, when either is set. Without an API key only loopback Host names
     and `allowed_hosts` ("*": any) are answered. /docs and /openapi.json exist only with enable_docs (and are then
     open: the page that shows them sends no key)."""
-    serving = OpenAIServing(engine, model_names, default_max_tokens, chat_control_tokens)
+    serving = OpenAIServing(
+        engine,
+        model_names,
+        default_max_tokens,
+        max_prompt_chars=max_prompt_chars,
+        max_pending_prepares=max_pending_prepares,
+        chat_control_tokens=chat_control_tokens,
+    )
     metrics = ServerMetrics(engine, model_names[0])
     started = int(time.time())
 
@@ -303,17 +327,32 @@ def build_app(
         request: Request, schema: type[BaseModel], start: Callable[[BaseModel, str | None], Awaitable[Job]]
     ) -> Response:
         raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
-        try:
+
+        async def accept() -> tuple[BaseModel, Job]:
             body = await serving.off_loop(schema.model_validate_json, raw)
             # The per-client limit counts by address: with one shared API key, the key names no one client.
-            job = await start(body, request.client.host if request.client else None)
+            return body, await start(body, request.client.host if request.client else None)
+
+        # One watcher for the whole request: a hang-up while it is queued for (or in) preparation cancels that
+        # work; after it has started, it aborts the engine requests (freeing their KV blocks).
+        accepting = asyncio.ensure_future(accept())
+        hangup = _Hangup(accepting)
+        watcher = asyncio.ensure_future(_watch_disconnect(request, hangup))
+        try:
+            body, job = await accepting
+        except asyncio.CancelledError:
+            watcher.cancel()
+            if hangup.happened:  # nobody to answer
+                return Response(status_code=499)
+            raise
         except Exception as exc:  # everything here is the client's input or the server's capacity
+            watcher.cancel()
             return _map_exception(exc)
+        hangup.job = job
         if body.stream:
             return StreamingResponse(
-                _streamed(request, job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                _streamed(job, watcher), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        watcher = asyncio.ensure_future(_watch_disconnect(request, job.abort))
         try:
             return JSONResponse(await serving.full_response(job))
         except Exception as exc:
@@ -322,8 +361,7 @@ def build_app(
         finally:
             watcher.cancel()
 
-    async def _streamed(request: Request, job: Job):
-        watcher = asyncio.ensure_future(_watch_disconnect(request, job.abort))
+    async def _streamed(job: Job, watcher: asyncio.Future):
         try:
             async for event in serving.sse_stream(job):
                 yield event

@@ -2,7 +2,9 @@
 their outputs into whole responses or server-sent-event streams. Knows nothing of HTTP.
 
 Parsing, tokenizing and rendering chat templates take time proportional to what a client sends; they run in a
-small thread pool, so the event loop keeps streaming to everyone else meanwhile. Only queueing the prepared
+small thread pool, so the event loop keeps streaming to everyone else meanwhile (the `tokenizers` encode releases
+the GIL). A text prompt longer than `max_prompt_chars` is refused before it is tokenized, the queue of work for
+that pool is bounded, and work still queued is dropped when its client hangs up. Only queueing the prepared
 request (`_start`) touches the event loop's state.
 """
 
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,11 +25,13 @@ from leanlm.engine import (
     AsyncLLMEngine,
     BeamSearchParams,
     CompletionOutput,
+    QueueFullError,
     RequestOutput,
     RequestStream,
 )
 from leanlm.loading.chat_encoding import check_mode as check_control_token_mode
 from leanlm.loading.chat_encoding import encode_chat
+from leanlm.loading.chat_template import ChatTemplateTooLongError
 from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses, streaming
 from leanlm.server.protocol import (
@@ -86,6 +91,8 @@ class OpenAIServing:
         engine: AsyncLLMEngine,
         model_names: list[str],
         default_max_tokens: int | None = None,
+        max_prompt_chars: int | None = None,
+        max_pending_prepares: int = 64,
         chat_control_tokens: str = "text",
     ) -> None:
         check_control_token_mode(chat_control_tokens)
@@ -95,6 +102,10 @@ class OpenAIServing:
             raise ValueError(
                 f"default_max_tokens must be >= 1 or None (the rest of the context), got {default_max_tokens}"
             )
+        if max_prompt_chars is not None and max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1 or None (derived), got {max_prompt_chars}")
+        if max_pending_prepares < 1:
+            raise ValueError(f"max_pending_prepares must be >= 1, got {max_pending_prepares}")
         self.engine = engine
         # Tokens generated when a request names no max_tokens (chat; completions default to 16 as OpenAI's):
         # the whole remaining context would let every client hold its KV blocks for the longest possible time.
@@ -104,11 +115,45 @@ class OpenAIServing:
         self.tokenizer = self.llm_engine.tokenizer
         self.max_model_len = self.llm_engine.max_model_len
         self.texts = responses.TokenTexts(self.tokenizer)
+        # A text longer than the context times the longest token has more tokens than the context holds: refused
+        # before tokenizing (which takes time and, for megabytes, gigabytes of memory).
+        self.max_prompt_chars = max_prompt_chars or self.max_model_len * self.tokenizer.max_token_chars
+        self.max_pending_prepares = max_pending_prepares  # calls queued or running in the prepare threads
+        self._num_pending = 0
+        self._pending_lock = threading.Lock()  # the count drops in whichever thread finishes or cancels the work
         self._executor = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="leanlm-prepare")
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run fn(*args) in the prepare threads (for work whose cost the client chooses)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run fn(*args) in the prepare threads (for work whose cost the client chooses). At most
+        max_pending_prepares calls wait or run at once (beyond: QueueFullError, a 429); cancelling the awaiting task
+        (its client hung up) drops the call if it has not started."""
+        with self._pending_lock:
+            if self._num_pending >= self.max_pending_prepares:
+                raise QueueFullError(
+                    f"the server is busy preparing {self._num_pending} requests (limit {self.max_pending_prepares}); "
+                    f"retry later",
+                    retry_after_s=1,
+                )
+            self._num_pending += 1
+        future = self._executor.submit(fn, *args)
+        future.add_done_callback(self._prepare_done)
+        return await asyncio.wrap_future(future)  # cancelling this cancels a call still queued
+
+    def _prepare_done(self, future: Future) -> None:
+        with self._pending_lock:
+            self._num_pending -= 1
+
+    @property
+    def num_pending_prepares(self) -> int:
+        return self._num_pending
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise ContextLengthError(
+                f"the prompt has {num_chars} characters, more than the {self.max_prompt_chars} this server tokenizes "
+                f"(this model's maximum context length is {self.max_model_len} tokens); shorten the prompt",
+                param,
+            )
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -142,6 +187,9 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_supported()
         self._check_admissible(len(request.prompts()), request.num_samples)
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                self._check_prompt_chars(len(prompt), "prompt")
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
         if request.use_beam_search:
             return self._prepare_beam_search(request, prompts)
@@ -207,9 +255,21 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_supported()
         self._check_admissible(1, request.n)
-        text, ids = encode_chat(
-            self.tokenizer, request.chat_messages(), request.add_generation_prompt, self.chat_control_tokens
-        )
+        messages = request.chat_messages()
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            text, ids = encode_chat(
+                self.tokenizer,
+                messages,
+                request.add_generation_prompt,
+                self.chat_control_tokens,
+                max_chars=self.max_prompt_chars,
+            )
+        except ChatTemplateTooLongError as e:
+            raise ContextLengthError(
+                f"{e}, more than this model's context of {self.max_model_len} tokens can hold; shorten the messages",
+                "messages",
+            ) from e
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
         params = request.sampling_params(max_tokens, num_top, None)
