@@ -3,7 +3,7 @@ checkpoint per format (LeanLM int8 / grouped int4 with an act-order permutation 
 compressed-tensors 2:4 and bitmask), then mutates seeded copies of them (tensor shapes, dtypes and index values,
 layer metadata, the config and its quantization block), loads each with `LLM` and generates a few tokens. Every
 case must end either refused (ModelLoadError) or run with finite logprobs; anything else (another exception, a
-hang past the per-case alarm) is a finding. One JSON line per case goes to stdout; the test
+hang past the per-case alarm) is a finding. One JSON line per case goes to stdout, then the process's peak RSS; the test
 (test_quantized_fuzz.py) runs this in a child process, so a crash is a finding too, not the end of pytest.
 """
 
@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import random
+import resource
 import shutil
 import signal
 import sys
@@ -226,6 +227,7 @@ def main(seed: int, num_cases: int) -> None:
             mutations = mutate(rng, path)
             print(json.dumps({"base": name, "mutations": mutations, "outcome": outcome(path)}), flush=True)
             shutil.rmtree(path)
+    print(json.dumps({"max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), flush=True)
 
 
 if __name__ == "__main__":
