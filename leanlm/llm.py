@@ -15,7 +15,7 @@ from leanlm.loading.checkpoint import Checkpoint, load_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.device import resolve_device, resolve_dtype
-from leanlm.model.llama import build_model
+from leanlm.model.llama import CheckpointMismatchError, build_model
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
 from leanlm.selection import (
     Extractor,
@@ -56,7 +56,7 @@ def _build(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, att
         return build_model(
             checkpoint.config, checkpoint.state_dict, dtype, device, attention_backend, quantized=checkpoint.quantized
         )
-    except ValueError as e:
+    except CheckpointMismatchError as e:  # not a bad argument (an unknown attention backend stays a ValueError)
         raise ModelLoadError(f"{checkpoint.source}: {e}; re-export or re-download the model") from e
 
 

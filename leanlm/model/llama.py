@@ -210,17 +210,23 @@ class LlamaForCausalLM(nn.Module):
         return span.eval()
 
 
+class CheckpointMismatchError(ValueError):
+    """The weights or runtime layers given to build_model do not fit the network its config describes."""
+
+
 def _check_replacement(model: nn.Module, name: str, layer: nn.Module) -> None:
     """A runtime layer may stand in for a linear only with the linear's (out, in) features: the kernels size
     their buffers from the model's dimensions (loading/shapes.py checks checkpoints before this)."""
     try:
         linear = model.get_submodule(name)
     except AttributeError:
-        raise ValueError(f"quantized layer {name} names no module of this model") from None
+        raise CheckpointMismatchError(f"quantized layer {name} names no module of this model") from None
     want = (linear.out_features, linear.in_features)
     got = (getattr(layer, "out_features", None), getattr(layer, "in_features", None))
     if got != want:
-        raise ValueError(f"quantized layer {name} has (out, in) features {got}, but the model's {name} is {want}")
+        raise CheckpointMismatchError(
+            f"quantized layer {name} has (out, in) features {got}, but the model's {name} is {want}"
+        )
 
 
 def build_model(
@@ -245,13 +251,15 @@ def build_model(
     weights = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
     if config.tie_word_embeddings:
         if "lm_head.weight" in weights:
-            raise ValueError("tied-embedding model has an lm_head.weight tensor; set tie_word_embeddings=False")
+            raise CheckpointMismatchError(
+                "tied-embedding model has an lm_head.weight tensor; set tie_word_embeddings=False"
+            )
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     prefixes = tuple(name + "." for name in quantized or {})
     expected = {k for k in model.state_dict() if not k.startswith(prefixes)}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"checkpoint does not match the {config.architecture} architecture: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
