@@ -113,9 +113,10 @@ class LLM:
             engine.validate(token_ids, params)
         # Only the final outputs are returned: no request copies its text, ids and logprobs at every step (vLLM's
         # LLM does the same).
-        final_only = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list]
+        final_only = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list}
         ids = [
-            engine.add_request(token_ids, sp, prompt_text=text) for (text, token_ids), sp in zip(tokenized, final_only)
+            engine.add_request(token_ids, final_only[id(sp)], prompt_text=text)
+            for (text, token_ids), sp in zip(tokenized, params_list)
         ]
         return self._run(ids, use_tqdm)
 

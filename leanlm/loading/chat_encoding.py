@@ -41,7 +41,7 @@ def encode_chat(
     `max_chars` characters (ChatTemplateError beyond)."""
     check_mode(mode)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, max_chars=max_chars)
-    pattern = _control_pattern(tokenizer)
+    pattern = tokenizer.control_token_pattern
     found = [] if pattern is None or mode == "parse" else _control_tokens_in(messages, pattern)
     if not found:  # the common case: nothing to tell apart, one encode as before
         return text, tokenizer.encode(text, add_special_tokens=False)
@@ -54,7 +54,7 @@ def encode_chat(
     # Render again with each control token in a message replaced by a marker no template emits; the marked
     # prompt is encoded piece by piece: the template's text as usual, each marker as the token's plain text.
     nonce = secrets.token_hex(8)
-    tokens = sorted(tokenizer.control_token_text_ids, key=len, reverse=True)
+    tokens = list(tokenizer.control_token_text_ids)
     marker = {token: f"\ue000{nonce}:{k}\ue001" for k, token in enumerate(tokens)}
     masked = [_masked(message, pattern, marker) for message in messages]
     # Each marker is a few times longer than the token it stands for: the marked render gets that much room.
@@ -66,11 +66,6 @@ def encode_chat(
         elif piece:
             ids.extend(tokenizer.encode(piece, add_special_tokens=False))
     return text, ids
-
-
-def _control_pattern(tokenizer: Tokenizer) -> re.Pattern | None:
-    tokens = sorted(tokenizer.control_token_text_ids, key=len, reverse=True)  # longest first: no prefix wins
-    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
 
 def _control_tokens_in(messages: list[dict[str, Any]], pattern: re.Pattern) -> list[tuple[int, str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -139,13 +140,17 @@ class Tokenizer:
         # Each control token's text encoded as ordinary text (its characters, not its id): what a chat message
         # that contains it is encoded as by default (chat_encoding). Built here, before any thread shares the
         # backend, because the switch that splits special tokens is the backend's global state.
+        # Longest first, and so is the pattern that finds them: no token's prefix matches in its place.
         self.control_token_text_ids: dict[str, tuple[int, ...]] = {}
         backend.encode_special_tokens = True
         try:
-            for token in sorted({tok.content for tok in added.values() if tok.special and tok.content}):
+            controls = {tok.content for tok in added.values() if tok.special and tok.content}
+            for token in sorted(controls, key=lambda t: (-len(t), t)):
                 self.control_token_text_ids[token] = tuple(backend.encode(token, add_special_tokens=False).ids)
         finally:
             backend.encode_special_tokens = False
+        tokens = self.control_token_text_ids
+        self.control_token_pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
