@@ -124,6 +124,12 @@ def _chat(content: str) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
 
 
+async def _post_chat(session: aiohttp.ClientSession, url: str, content: str) -> tuple[int, str | None, dict]:
+    """(status, Retry-After, body) of a one-message chat request."""
+    async with session.post(url + "/v1/chat/completions", json=_chat(content)) as resp:
+        return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+
 def test_a_client_that_hangs_up_has_its_queued_preparation_dropped(tiny_engine_factory):
     engine = tiny_engine_factory()
     release, started = threading.Event(), []
@@ -131,20 +137,15 @@ def test_a_client_that_hangs_up_has_its_queued_preparation_dropped(tiny_engine_f
 
     async def scenario(url: str):
         async with aiohttp.ClientSession() as session:
-
-            async def post(content: str):
-                async with session.post(url + "/v1/chat/completions", json=_chat(content)) as resp:
-                    return resp.status
-
-            busy = [asyncio.ensure_future(post(f"busy{i}")) for i in range(2)]  # both prepare threads blocked
+            busy = [asyncio.ensure_future(_post_chat(session, url, f"busy{i}")) for i in range(2)]  # both blocked
             while len(started) < 2:
                 await asyncio.sleep(0.02)
-            queued = asyncio.ensure_future(post("hung-up"))
+            queued = asyncio.ensure_future(_post_chat(session, url, "hung-up"))
             await asyncio.sleep(0.3)  # queued behind them now
             queued.cancel()  # the client hangs up
             await asyncio.sleep(0.3)
             release.set()
-            statuses = await asyncio.gather(*busy)
+            statuses = [status for status, _, _ in await asyncio.gather(*busy)]
             await asyncio.sleep(0.3)
             return statuses
 
@@ -163,15 +164,10 @@ def test_the_preparation_queue_is_bounded(tiny_engine_factory):
 
     async def scenario(url: str):
         async with aiohttp.ClientSession() as session:
-
-            async def post(content: str):
-                async with session.post(url + "/v1/chat/completions", json=_chat(content)) as resp:
-                    return resp.status, resp.headers.get("Retry-After"), await resp.json()
-
-            busy = [asyncio.ensure_future(post(f"busy{i}")) for i in range(2)]
+            busy = [asyncio.ensure_future(_post_chat(session, url, f"busy{i}")) for i in range(2)]
             while len(started) < 2:
                 await asyncio.sleep(0.02)
-            refused = await post("one too many")
+            refused = await _post_chat(session, url, "one too many")
             release.set()
             return refused, await asyncio.gather(*busy)
 
