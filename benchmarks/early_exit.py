@@ -85,7 +85,7 @@ def decode_rows(net, tokenizer, settings: list[Setting], reps: int, threshold: f
         s.name: LLMEngine(
             net,
             tokenizer,
-            EngineConfig(
+            EngineConfig.from_options(
                 enable_prefix_caching=False,
                 kv_cache_memory_bytes=512 << 20,
                 early_exit=s.early_exit,

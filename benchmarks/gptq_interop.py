@@ -22,9 +22,9 @@ import torch
 from leanlm.analysis.eval import read_text
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
-from leanlm.cli.quantize import build_recipe
 from leanlm.compress import calibration_samples, compress, read_calibration_text
 from leanlm.compress.gptq_format import save_gptq_checkpoint
+from leanlm.compress.named_recipes import build_recipe
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM, load_model
 from leanlm.sampling_params import SamplingParams

@@ -26,9 +26,10 @@ from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_t
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.sparsity import linear_sparsity, overall
-from leanlm.cli.quantize import build_recipe, directory_bytes, model_bytes
 from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
 from leanlm.compress.base import MethodConfig, build_method
+from leanlm.compress.jobs import directory_bytes, model_bytes
+from leanlm.compress.named_recipes import build_recipe
 from leanlm.data import wikitext2_test_path
 from leanlm.llm import LLM
 from leanlm.loading.checkpoint import load_checkpoint

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from quantization import Study, main  # benchmarks/
 
-from leanlm.cli.prune import build_prune_recipe
+from leanlm.compress.named_recipes import build_prune_recipe
 
 # name -> options of build_prune_recipe (the `leanlm prune` flags)
 CONFIGS: dict[str, dict] = {

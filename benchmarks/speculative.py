@@ -161,7 +161,7 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
         name: LLMEngine(
             net,
             tokenizer,
-            EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20, **options),
+            EngineConfig.from_options(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20, **options),
             torch.device("cpu"),
             torch.bfloat16,
             drafts.get(options.get("speculative")),
@@ -358,7 +358,7 @@ def batch_rows(reps: int, threshold: float) -> list[BatchRow]:
         name: LLMEngine(
             net,
             tokenizer,
-            EngineConfig(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20, **options),
+            EngineConfig.from_options(enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20, **options),
             torch.device("cpu"),
             torch.bfloat16,
         )

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leanlm.config import EngineConfig
+from leanlm.config.engine import option_names as engine_option_names
 from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.checkpoint import Checkpoint, load_checkpoint
@@ -30,8 +31,6 @@ from leanlm.selection import (
 
 Prompt = str | list[int]
 Message = dict[str, str]
-
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def load_model(
@@ -76,10 +75,12 @@ class LLM:
         """`dequantize_gguf`: run a GGUF file's 4-bit linears on float weights dequantized at load, as before
         they ran on their codes (the base for re-quantization experiments; in bf16, about 3.5x the memory of
         4-bit codes)."""
-        unknown = set(engine_options) - _ENGINE_FIELDS
+        unknown = set(engine_options) - engine_option_names()
         if unknown:
-            raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(_ENGINE_FIELDS)}")
-        self.engine_config = EngineConfig(**engine_options)
+            raise TypeError(
+                f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(engine_option_names())}"
+            )
+        self.engine_config = EngineConfig.from_options(**engine_options)
         self.device = resolve_device(device)
         checkpoint = load_checkpoint(model, progress=progress, gguf_codes=not dequantize_gguf)
         self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
@@ -88,7 +89,7 @@ class LLM:
         net = _build(checkpoint, self.dtype, self.device, attention_backend)
         del checkpoint
         draft = None
-        spec = self.engine_config.speculative_config
+        spec = self.engine_config.speculative
         if spec is not None and spec.method == "draft":
             draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress, gguf_codes=not dequantize_gguf)
             draft = _build(draft_checkpoint, self.dtype, self.device, attention_backend)

@@ -124,7 +124,7 @@ def make_tiny_engine(tokenizer):
     def make(seed: int = 0, dtype: torch.dtype = torch.float64, **engine_options) -> LLMEngine:
         config = tiny_config(tokenizer.vocab_size)
         model = build_model(config, tiny_state_dict(config, seed), dtype)
-        return LLMEngine(model, tokenizer, EngineConfig(**engine_options), torch.device("cpu"), dtype)
+        return LLMEngine(model, tokenizer, EngineConfig.from_options(**engine_options), torch.device("cpu"), dtype)
 
     return make
 

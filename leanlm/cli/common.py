@@ -7,7 +7,8 @@ import dataclasses
 import types
 import typing
 
-from leanlm.config import EngineConfig
+from leanlm.config import DecodingOptions, EngineConfig
+from leanlm.config.engine import option_names
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
@@ -36,7 +37,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tupl
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    """The engine flags as EngineConfig.from_options (and LLM) take them."""
+    return {name: getattr(args, name) for name in sorted(option_names())}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +52,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run a GGUF file's Q4_0/Q4_1/Q4_K linears on float weights dequantized at load, not on their codes",
     )
-    add_dataclass_args(parser, EngineConfig)
+    # EngineConfig's typed speculative / early_exit are spelled by DecodingOptions' flags of the same names
+    add_dataclass_args(parser, EngineConfig, exclude=tuple(f.name for f in dataclasses.fields(DecodingOptions)))
+    add_dataclass_args(parser, DecodingOptions)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

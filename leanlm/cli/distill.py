@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from pathlib import Path
 
-from leanlm.cli.train import STATE_FILE, add_run_args, format_result
+from leanlm.cli.train import add_run_args, train_config
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -58,88 +57,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_distill)
 
 
-def build_student(teacher, student: str | None, layers: list[int] | None, depth: int | None, device, qat=False):
-    """The student the flags name (see the module's docstring); with qat, a quantized checkpoint with its layers
-    swapped for trainable fake-quantized stand-ins."""
-    from leanlm.train.model import load_trainable
-    from leanlm.train.qat import attach_fake_quant
-    from leanlm.train.student import keep_layers, spread_layers
-
-    if qat and student is None:
-        raise ValueError("--qat trains a quantized student: pass it with --student DIR (leanlm quantize's output)")
-    if student is not None:
-        model, _ = load_trainable(student, device, keep_quantized=qat)
-        if qat:
-            attach_fake_quant(model)
-        if model.config.vocab_size != teacher.config.vocab_size:
-            raise ValueError(
-                f"the student's vocabulary has {model.config.vocab_size} tokens, the teacher's "
-                f"{teacher.config.vocab_size}: distillation needs the same tokenizer"
-            )
-        return model
-    count = teacher.config.num_hidden_layers
-    return keep_layers(teacher, layers or spread_layers(count, depth or max(count // 2, 1)))
-
-
 def cmd_distill(args: argparse.Namespace) -> int:
-    from leanlm.compress.calibration import read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.train.data import TokenWindows
-    from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
-    from leanlm.train.model import load_trainable
-    from leanlm.train.qat import detach_fake_quant
-    from leanlm.train.trainer import TrainConfig, Trainer
+    from leanlm.train import DistillJob, run_distill
+    from leanlm.train.distill import DistillConfig
 
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    distill = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
     layers = parse_layers(args.keep_layers)
-    if args.data is not None and not Path(args.data).is_file():
-        raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
-    teacher, tokenizer = load_trainable(args.teacher, args.device)
-    student = build_student(teacher, args.student, layers, args.student_layers, args.device, args.qat)
-    ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
-    data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
-    out = Path(args.out)
-    if distill.cosine_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
-        raise ValueError(
-            f"--cosine-weight compares hidden states of one width: the teacher's are {teacher.config.hidden_size} "
-            f"wide, the student's {student.config.hidden_size}; drop it for this student"
-        )
-    objective = None  # no teacher term: hard labels only, the control a distilled student is measured against
-    if distill.needs_teacher:
-        began = time.perf_counter()
-        cache = prepare_teacher(
-            teacher, args.teacher, data, config, distill, args.teacher_cache or out / "teacher_cache"
-        )
-        print(f"teacher cache {cache.directory} ready in {time.perf_counter() - began:.0f} s")
-        objective = DistillObjective(distill, cache)
-    del teacher
-    state = out / STATE_FILE
-    if state.is_file():
-        print(f"resuming from {state}")
-    trainer = Trainer(student, data, config, None, state, objective=objective)
-    before = trainer.held_out_loss() if not state.is_file() else None
-    result = trainer.run()
-    if args.qat:
-        detach_fake_quant(student)
-    start = time.perf_counter()
-    save_checkpoint(student, out, tokenizer)
-    if not args.keep_state:
-        state.unlink(missing_ok=True)
-    kind = "quantization-aware distillation" if args.qat else "distillation"
-    recipe = f"{kind} ({student.config.num_hidden_layers} layers, {describe(distill)})"
-    print(format_result(result, args.teacher, out, recipe, before, time.perf_counter() - start))
+    job = DistillJob(
+        out=Path(args.out),
+        teacher=args.teacher,
+        student=args.student,
+        keep_layers=None if layers is None else tuple(layers),
+        num_student_layers=args.student_layers,
+        qat=args.qat,
+        distill=DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)}),
+        train=train_config(args),
+        teacher_cache=None if args.teacher_cache is None else Path(args.teacher_cache),
+        data=args.data,
+        held_out=args.held_out,
+        keep_state=args.keep_state,
+        device=args.device,
+    )
+    print(run_distill(job).summary)
     return 0
-
-
-def describe(config) -> str:
-    if not config.needs_teacher:
-        return "hard labels only"
-    parts = []
-    if config.kd_weight > 0:
-        parts.append(
-            f"{config.divergence} KL on the top {config.top_k} at T={config.temperature:g}, weight {config.kd_weight:g}"
-        )
-    if config.cosine_weight > 0:
-        parts.append(f"hidden-state cosine, weight {config.cosine_weight:g}")
-    return "; ".join(parts)

@@ -6,85 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from leanlm.compress.act_sparsity import ALLOCATIONS, ActivationSparsityConfig
-from leanlm.compress.base import MethodConfig
-from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
+from leanlm.compress.act_sparsity import ALLOCATIONS
+from leanlm.compress.magnitude import SCOPES
+from leanlm.compress.named_recipes import PRUNE_METHODS as METHODS
+from leanlm.compress.named_recipes import build_prune_recipe
 from leanlm.compress.owl import PROFILES
-from leanlm.compress.permute import PermuteConfig
-from leanlm.compress.sparsegpt import SparseGPTConfig
-from leanlm.compress.wanda import WandaConfig
-
-METHODS = ("magnitude", "wanda", "sparsegpt", "teal")
-
-
-def build_prune_recipe(
-    method: str,
-    sparsity: float | None = None,
-    pattern: str | None = None,
-    scope: str = "layer",
-    then_quantize: str | None = None,
-    bits: int | None = None,
-    group_size: int | None = None,
-    joint: bool = False,
-    permute: bool = False,
-    allocation: str | None = None,
-    profile: str = "uniform",
-    owl_lambda: float | None = None,
-) -> list[MethodConfig]:
-    """The recipe behind `leanlm prune`; validates every option before anything loads."""
-    if owl_lambda is not None and profile != "owl":
-        raise ValueError("--owl-lambda sets how far OWL moves each layer's sparsity: add --profile owl")
-    if profile != "uniform" and method == "teal":
-        raise ValueError("--profile spreads weight sparsity over layers; teal takes --allocation instead")
-    if allocation is not None and method != "teal":
-        raise ValueError(f"--allocation spreads teal's activation sparsity over a layer; {method} does not take it")
-    if method == "teal":
-        given = {"--pattern": pattern, "--then-quantize": then_quantize, "--bits": bits, "--group-size": group_size}
-        given.update({"--joint": joint or None, "--permute": permute or None})
-        if scope != "layer" or any(v is not None for v in given.values()):
-            flags = [k for k, v in given.items() if v is not None] + (["--scope"] if scope != "layer" else [])
-            raise ValueError(
-                f"teal zeroes a fraction of each linear's inputs (--sparsity); {', '.join(flags)} do not apply"
-            )
-        return [
-            ActivationSparsityConfig(sparsity=0.4 if sparsity is None else sparsity, allocation=allocation or "uniform")
-        ]
-    if permute:
-        if pattern is None:
-            raise ValueError("--permute reorders channels for an N:M pattern: add --pattern, e.g. 2:4")
-        # the order is searched on the score the pruner ranks by (Wanda's stands in for SparseGPT's saliency)
-        score = "magnitude" if method == "magnitude" else "wanda"
-        rest = build_prune_recipe(
-            method, sparsity, pattern, scope, then_quantize, bits, group_size, joint, profile=profile
-        )
-        return [PermuteConfig(pattern=pattern, score=score), *rest]
-    from leanlm.cli.quantize import build_recipe
-
-    target = dict(sparsity=sparsity, pattern=pattern, profile=profile)
-    if owl_lambda is not None:
-        target["owl_lambda"] = owl_lambda
-    if joint:
-        if method != "sparsegpt":
-            raise ValueError("--joint is SparseGPT's prune + quantize in one sweep: use it with --method sparsegpt")
-        if then_quantize is not None:
-            raise ValueError("--joint quantizes inside SparseGPT's sweep; drop --then-quantize")
-        group = 64 if group_size is None else (group_size or None)
-        return [SparseGPTConfig(**target, bits=bits or 4, group_size=group)]
-    if method == "magnitude":
-        prune = MagnitudeConfig(**target, scope=scope)
-    elif method == "wanda":
-        prune = WandaConfig(**target)
-    elif method == "sparsegpt":
-        prune = SparseGPTConfig(**target)
-    else:
-        raise ValueError(f"unknown pruning method {method!r}; use one of {', '.join(METHODS)}")
-    if scope != "layer" and method != "magnitude":
-        raise ValueError(f"--scope applies to magnitude pruning; {method} compares weights within each row")
-    if then_quantize is None:
-        if bits is not None or group_size is not None:
-            raise ValueError("--bits/--group-size need --then-quantize METHOD (or --joint with sparsegpt)")
-        return [prune]
-    return [prune, *build_recipe(then_quantize, bits, group_size)]
 
 
 def add_parser(sub) -> None:
@@ -144,8 +70,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from leanlm.cli.quantize import run_recipe
-    from leanlm.compress.base import build_method
+    from leanlm.cli.quantize import run_job
 
     recipe = build_prune_recipe(
         args.method,
@@ -161,7 +86,4 @@ def cmd_prune(args: argparse.Namespace) -> int:
         args.profile,
         args.owl_lambda,
     )
-    if args.format == "compressed-tensors" and (args.method == "teal" or args.then_quantize or args.joint):
-        raise ValueError("--format compressed-tensors writes pruned float weights: drop --then-quantize/--joint")
-    needs_calibration = any(build_method(cfg).needs for cfg in recipe)
-    return run_recipe(args, recipe, needs_calibration, args.format)
+    return run_job(args, recipe, args.format)

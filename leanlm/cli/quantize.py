@@ -1,77 +1,13 @@
-"""`leanlm quantize`: load a model in float32, build the method's recipe, calibrate, compress, save, and
-print a summary (size before and after, per-layer error)."""
+"""`leanlm quantize`: build the method's recipe from the flags and run it as a CompressJob (load in float32,
+calibrate, compress, save), printing its summary (size before and after, per-layer error)."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
-import torch
-
-from leanlm.compress.awq import AWQConfig
-from leanlm.compress.base import CompressionReport, MethodConfig
-from leanlm.compress.fp8 import FP8Config
-from leanlm.compress.gptq import GPTQConfig
-from leanlm.compress.llm_int8 import LLMInt8Config
-from leanlm.compress.rtn import RTNConfig
-from leanlm.compress.smoothquant import SmoothQuantConfig
-
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "llm_int8", "fp8", "zeroquant")
-NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant", "llm_int8")
-
-
-def build_recipe(
-    method: str,
-    bits: int | None = None,
-    group_size: int | None = None,
-    act_bits: int | None = None,
-    alpha: float = 0.5,
-    threshold: float = 6.0,
-    act_order: bool = True,
-    symmetric: bool | None = None,
-    quantize_lm_head: bool = False,
-    true_sequential: bool = False,
-    static_groups: bool = False,
-) -> list[MethodConfig]:
-    """The recipe behind each CLI method. group_size None = the method's default (64 below 8 bits, per
-    channel at 8), 0 = per channel."""
-    ignore = () if quantize_lm_head else ("lm_head",)
-    if method in ("smoothquant", "zeroquant"):
-        bits = bits or 8
-    bits = bits or (8 if method in ("llm_int8", "fp8") else 4)
-    if group_size is None:
-        group_size = None if bits == 8 and method != "zeroquant" else 64
-    elif group_size == 0:
-        group_size = None
-    scheme = dict(bits=bits, group_size=group_size, symmetric=symmetric, act_bits=act_bits, ignore=ignore)
-    if method == "rtn":
-        return [RTNConfig(**scheme)]
-    if method == "gptq":
-        return [GPTQConfig(**scheme, act_order=act_order, true_sequential=true_sequential, static_groups=static_groups)]
-    if method == "awq":
-        return [AWQConfig(**scheme), RTNConfig(**scheme)]
-    if method == "smoothquant":
-        return [SmoothQuantConfig(alpha=alpha, ignore=ignore), RTNConfig(**{**scheme, "act_bits": 8})]
-    if method == "zeroquant":
-        return [RTNConfig(**{**scheme, "act_bits": 8})]
-    if method == "llm_int8":
-        return [LLMInt8Config(threshold=threshold, ignore=ignore)]
-    if method == "fp8":
-        return [FP8Config(ignore=ignore)]
-    raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-
-
-def check_output_format(fmt: str, recipe: list[MethodConfig]) -> None:
-    """The GPTQ layout holds symmetric 4-bit weight-only codes: refuse anything else before the (long) run."""
-    if fmt != "gptq":
-        return
-    last = recipe[-1]
-    if not isinstance(last, (RTNConfig, GPTQConfig)) or last.bits != 4 or last.act_bits is not None:
-        raise ValueError("--format gptq writes 4-bit weight-only layers: use --method gptq|rtn|awq --bits 4")
-    if not last.symmetric:
-        raise ValueError("--format gptq needs symmetric weights (the layout stores zero - 1): add --symmetric")
+from leanlm.compress.named_recipes import QUANTIZE_METHODS as METHODS
+from leanlm.compress.named_recipes import build_recipe
 
 
 def add_parser(sub) -> None:
@@ -119,7 +55,7 @@ def add_parser(sub) -> None:
 
 
 def add_calibration_args(p, users: str) -> None:
-    """--calib, --num-samples, --seq-len, --seed: the calibration text and its windows (`run_recipe`)."""
+    """--calib, --num-samples, --seq-len, --seed: the calibration text and its windows (CompressJob's)."""
     p.add_argument("--calib", default=None, help="calibration text (default: gensim's Wikipedia articles)")
     p.add_argument("--num-samples", type=int, default=64, help=f"calibration windows ({users})")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
@@ -144,98 +80,25 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         args.quantize_lm_head,
         args.true_sequential,
         args.static_groups,
-    )  # validates before loading
-    check_output_format(args.format, recipe)
-    return run_recipe(args, recipe, args.method in NEEDS_CALIBRATION, args.format)
-
-
-def run_recipe(args: argparse.Namespace, recipe: list[MethodConfig], needs_calibration: bool, fmt: str) -> int:
-    """Load args.model in float32, calibrate on args.calib (when the recipe needs data or --calib is given),
-    compress, save to args.out in `fmt`, print the summary (`leanlm quantize` and `leanlm prune`)."""
-    from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
-    from leanlm.compress.gptq_format import save_gptq_checkpoint
-    from leanlm.compress.recipe import compress
-    from leanlm.loading.checkpoint import load_checkpoint
-    from leanlm.model.device import resolve_device
-    from leanlm.model.llama import build_model
-
-    if args.calib is not None and not Path(args.calib).is_file():
-        raise ValueError(f"calibration file {args.calib} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
-    device = resolve_device(args.device or None)
-    ckpt = load_checkpoint(args.model)
-    model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
-    samples = None
-    if needs_calibration or args.calib:
-        text = read_calibration_text(args.calib)
-        ids = ckpt.tokenizer.encode(text, add_special_tokens=False)
-        samples = calibration_samples(ids, args.num_samples, args.seq_len, args.seed)
-    bytes_before = model_bytes(model, torch.bfloat16)
-    report = compress(model, recipe, samples)
-    start = time.perf_counter()
-    savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
-    save = savers.get(fmt, save_checkpoint)
-    out = save(model, args.out, ckpt.tokenizer)
-    print(
-        format_summary(
-            report, args.model, args.out, fmt, bytes_before, directory_bytes(out), time.perf_counter() - start
-        )
     )
+    return run_job(args, recipe, args.format)
+
+
+def run_job(args: argparse.Namespace, recipe, fmt: str) -> int:
+    """The CompressJob of the shared flags (checked before anything loads), run, its summary printed
+    (`leanlm quantize` and `leanlm prune`)."""
+    from leanlm.compress.jobs import CompressJob, run_compress
+
+    job = CompressJob(
+        out=Path(args.out),
+        recipe=tuple(recipe),
+        model=args.model,
+        format=fmt,
+        calib=args.calib,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        device=args.device,
+    )
+    print(run_compress(job).summary)
     return 0
-
-
-def model_bytes(model: torch.nn.Module, float_dtype: torch.dtype) -> int:
-    """Bytes of the model's tensors with float parameters counted in `float_dtype` (the tied head once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers(recurse=True)):
-        if t.data_ptr() in seen or t.device.type == "meta":
-            continue
-        seen.add(t.data_ptr())
-        size = (
-            torch.empty(0, dtype=float_dtype).element_size()
-            if t.is_floating_point() and t.element_size() > 1
-            else t.element_size()
-        )
-        total += t.numel() * size
-    return total
-
-
-def directory_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-
-
-def format_summary(
-    report: CompressionReport, model: str, out: str, fmt: str, bytes_before: int, bytes_after: int, save_s: float
-) -> str:
-    lines = [
-        f"{model} -> {out} ({fmt} format): {' + '.join(report.methods)}",
-        f"weights: {bytes_before / 2**20:.1f} MiB (bfloat16) -> {bytes_after / 2**20:.1f} MiB on disk "
-        f"({bytes_before / max(bytes_after, 1):.2f}x smaller); compressed in {report.seconds:.1f} s, "
-        f"saved in {save_s:.1f} s",
-    ]
-    for method, details in report.details.items():
-        lines.append(f"{method}: " + ", ".join(f"{k} {v:.2%}" for k, v in details.items()))
-    if not report.linears:
-        return "\n".join(lines)
-    by_kind: dict[str, list] = {}
-    final = {r.name: r for r in report.linears}.values()  # each linear as the recipe's last step left it
-    for r in final:
-        by_kind.setdefault(r.name.rsplit(".", 1)[-1], []).append(r)
-    sparse = any(r.sparsity > 0.01 for r in report.linears)  # a pruning step ran (natural zeros are rarer)
-    lines.append(
-        f"{'linear':<12} {'count':>5} {'format':<26} {'weight SQNR dB':>14} {'output rel. error (mean / max)':>30}"
-        + (f" {'zeros':>7}" if sparse else "")
-    )
-    for kind, rs in by_kind.items():
-        errs = [r.rel_error for r in rs if r.rel_error is not None]
-        err = f"{statistics.mean(errs):.2e} / {max(errs):.2e}" if errs else "n/a (no calibration data)"
-        lines.append(
-            f"{kind:<12} {len(rs):>5} {rs[0].format:<26} "
-            f"{statistics.mean(r.weight_sqnr_db for r in rs):>14.1f} {err:>30}"
-            + (f" {statistics.mean(r.sparsity for r in rs):>7.1%}" if sparse else "")
-        )
-    worst = max((r for r in final if r.rel_error is not None), key=lambda r: r.rel_error, default=None)
-    if worst is not None:
-        lines.append(f"largest output error: {worst.name} ({worst.rel_error:.2e})")
-    return "\n".join(lines)

@@ -13,39 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from pathlib import Path
 
-RECIPES = ("finetune", "masked", "gmp", "rewind", "sr-ste", "top-kast", "teal")
-STATE_FILE = "train_state.pt"
-
-
-def build_sparsity(
-    recipe: str,
-    sparsity: float | None = None,
-    pattern: str | None = None,
-    decay: float | None = None,
-    backward_sparsity: float | None = None,
-    rounds: int | None = None,
-):
-    """The training-time sparsity config behind --recipe (None for plain fine-tuning); validates the flags."""
-    from leanlm.train.recipes import TRAINING_CONFIGS
-
-    extras = {"decay": decay, "backward_sparsity": backward_sparsity, "rounds": rounds}
-    if recipe == "finetune":
-        given = [k for k, v in {"sparsity": sparsity, "pattern": pattern, **extras}.items() if v is not None]
-        if given:
-            raise ValueError(f"--recipe finetune trains dense weights; {', '.join(given)} need a sparsity recipe")
-        return None
-    if recipe not in TRAINING_CONFIGS:
-        raise ValueError(f"unknown recipe {recipe!r}; use one of {', '.join(RECIPES)}")
-    cls = TRAINING_CONFIGS[recipe]
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key, value in extras.items():
-        if value is not None and key not in names:
-            raise ValueError(f"--{key.replace('_', '-')} does not apply to --recipe {recipe}")
-    options = {k: v for k, v in extras.items() if v is not None}
-    return cls(sparsity=sparsity, pattern=pattern, **options)
+from leanlm.train.job import RECIPES, STATE_FILE
 
 
 def add_parser(sub) -> None:
@@ -100,72 +70,40 @@ def add_run_args(p) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.compress.gqa import GQAConfig
-    from leanlm.compress.pruner import pack_semi_structured
-    from leanlm.compress.recipe import compress
-    from leanlm.compress.rtn import RTNConfig
-    from leanlm.train.act_sparse import TEALTrainConfig
-    from leanlm.train.data import TokenWindows
-    from leanlm.train.model import load_trainable
-    from leanlm.train.qat import attach_fake_quant, detach_fake_quant
-    from leanlm.train.trainer import TrainConfig, Trainer
+    from leanlm.train import run
 
-    sparsity = build_sparsity(
-        args.recipe, args.sparsity, args.pattern, args.decay, args.backward_sparsity, args.rounds
-    )  # validates before loading
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    gqa = None if args.kv_heads is None else GQAConfig(num_key_value_heads=args.kv_heads, init=args.kv_init)
-    qat = None if args.qat_bits is None else RTNConfig(bits=args.qat_bits, group_size=args.qat_group_size or None)
-    if args.qat and qat is not None:
-        raise ValueError(
-            "--qat trains the checkpoint's quantized layers, --qat-bits quantizes with RTN first: pick one"
-        )
-    if (qat is not None or args.qat) and sparsity is not None:
-        raise ValueError(f"QAT trains a quantized model: it does not combine with --recipe {args.recipe}")
-    if args.data is not None and not Path(args.data).is_file():
-        raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
-    exits = build_exits_config(args)
-    if exits is not None and (sparsity is not None or qat is not None or args.qat or gqa is not None):
-        raise ValueError("--exits trains heads on a frozen model: it does not combine with a recipe, QAT or GQA")
-    model, tokenizer = load_trainable(args.model, args.device, keep_quantized=args.qat)
-    if gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
-        compress(model, [gqa], progress=False)
-    if qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
-        compress(model, [qat], progress=False)
-    if qat is not None or args.qat:
-        attach_fake_quant(model)
-    ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
-    data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
-    out = Path(args.out)
-    state = out / STATE_FILE
-    if state.is_file():
-        print(f"resuming from {state}")
-    if exits is not None:
-        return _train_exits(model, tokenizer, data, config, exits, state, args)
-    trainer = Trainer(model, data, config, sparsity, state)
-    before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
-    result = trainer.run()
-    if qat is not None or args.qat:
-        detach_fake_quant(model)
-    if isinstance(sparsity, TEALTrainConfig):  # decode's fixed thresholds, calibrated on the trained weights
-        compress(model, [sparsity.runtime_config()], calibration_samples(ids, 64, 256, seed=0), progress=False)
-    elif sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
-        pack_semi_structured(model, [])
-    start = time.perf_counter()
-    save_checkpoint(model, out, tokenizer)
-    if not args.keep_state:
-        state.unlink(missing_ok=True)
-    recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
-    if qat is not None:
-        recipe = f"quantization-aware training (W{qat.bits}" + (f" g{qat.group_size})" if qat.group_size else ")")
-    if args.qat:
-        recipe = "quantization-aware training of the checkpoint's quantized layers"
-    if gqa is not None:
-        recipe += f", {gqa.num_key_value_heads} K/V heads ({gqa.init} init)"
-    print(format_result(result, args.model, out, recipe, before, time.perf_counter() - start))
+    job = build_train_job(args)  # checks every flag before anything loads
+    print(run(job).summary)
     return 0
+
+
+def build_train_job(args: argparse.Namespace):
+    """The TrainJob the flags describe."""
+    from leanlm.compress.gqa import GQAConfig
+    from leanlm.compress.rtn import RTNConfig
+    from leanlm.train import TrainJob, build_sparsity
+
+    sparsity = build_sparsity(args.recipe, args.sparsity, args.pattern, args.decay, args.backward_sparsity, args.rounds)
+    return TrainJob(
+        out=Path(args.out),
+        model=args.model,
+        train=train_config(args),
+        sparsity=sparsity,
+        gqa=None if args.kv_heads is None else GQAConfig(num_key_value_heads=args.kv_heads, init=args.kv_init),
+        qat=None if args.qat_bits is None else RTNConfig(bits=args.qat_bits, group_size=args.qat_group_size or None),
+        train_quantized=args.qat,
+        exits=build_exits_config(args),
+        data=args.data,
+        held_out=args.held_out,
+        keep_state=args.keep_state,
+        device=args.device,
+    )
+
+
+def train_config(args: argparse.Namespace):
+    from leanlm.train.trainer import TrainConfig
+
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
 def build_exits_config(args: argparse.Namespace):
@@ -179,64 +117,3 @@ def build_exits_config(args: argparse.Namespace):
     except ValueError:
         raise ValueError(f"--exits takes layer counts separated by commas, e.g. 8,16,24; got {args.exits!r}") from None
     return ExitHeadsConfig(layers, args.exit_temperature, args.exit_ce_weight, args.exit_adapter_rank)
-
-
-def _train_exits(model, tokenizer, data, config, exits, state: Path, args: argparse.Namespace) -> int:
-    """Exit heads on the frozen model: held-out KL and agreement with the final layer before and after, a 95%
-    threshold per exit and confidence measure, and the model saved with its exits."""
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.train.exits import (
-        CONFIDENCE_MEASURES,
-        ExitObjective,
-        attach_exits,
-        calibrate_threshold,
-        exit_statistics,
-    )
-    from leanlm.train.trainer import Trainer
-
-    attach_exits(model, exits)
-    trainer = Trainer(model, data, config, None, state, objective=ExitObjective(exits))
-    before = None if state.is_file() else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
-    result = trainer.run()
-    after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)
-    save_checkpoint(model, Path(args.out), tokenizer)
-    if not args.keep_state:
-        state.unlink(missing_ok=True)
-    resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
-    lines = [
-        f"{args.model} -> {args.out}: exits after layers {', '.join(map(str, exits.layers))}, {result.steps} steps, "
-        f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:.0f} tokens/s){resumed}",
-        f"held-out ({data.held_out.numel():,} tokens), against the final layer:",
-    ]
-    for k, s in after.items():
-        was = f"KL {before[k].mean_kl:.3f} -> " if before else "KL "
-        agree = f"top-1 {before[k].agreement:.3f} -> " if before else "top-1 "
-        lines.append(f"  exit {k}: {was}{s.mean_kl:.3f}, {agree}{s.agreement:.3f}")
-    lines.append("thresholds for 95% agreement with the full model (share of tokens that would exit there):")
-    for k, s in after.items():
-        cells = []
-        for measure in CONFIDENCE_MEASURES:
-            c = calibrate_threshold(s, measure, 0.95)
-            cells.append(
-                f"{measure} " + ("none" if c.threshold is None else f">= {c.threshold:.3f}: {c.exit_fraction:.1%}")
-            )
-        lines.append(f"  exit {k}: " + "; ".join(cells))
-    lines.append(f"draft with them: leanlm generate --model {args.out} --speculative self:{exits.layers[-1]}")
-    print("\n".join(lines))
-    return 0
-
-
-def format_result(result, model: str, out: Path, recipe: str, held_out_before: float | None, save_s: float) -> str:
-    """What a training command prints when it is done; `recipe` names what the run learned."""
-    resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
-    lines = [
-        f"{model} -> {out}: {recipe}, {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
-        f"({result.tokens_per_second:.0f} tokens/s){resumed}"
-    ]
-    if result.held_out:
-        first = f"{held_out_before:.4f} -> " if held_out_before is not None else ""
-        lines.append(f"held-out loss: {first}{result.held_out[-1][1]:.4f} (step {result.held_out[-1][0]})")
-    if result.sparsity:
-        lines += [f"{key} of the trained linears: {value:.1%}" for key, value in result.sparsity.items()]
-    lines.append(f"saved in {save_s:.1f} s; evaluate with: leanlm eval ppl --model {out}")
-    return "\n".join(lines)

@@ -1,6 +1,7 @@
 """EngineConfig (the engine's knobs), SpeculativeConfig (how speculative decoding drafts and verifies) and
 EarlyExitConfig (where CALM's per-token early exit may leave the network): frozen dataclasses, validated on
-construction; each EngineConfig field is a CLI flag."""
+construction. Each EngineConfig field but the two typed ones is a CLI flag; DecodingOptions holds the flags that
+spell those two, and EngineConfig.from_options parses them."""
 
 from __future__ import annotations
 
@@ -45,42 +46,21 @@ class EngineConfig:
             "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales",
         },
     )
-    speculative: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
-            "self:K (the target's first K layers); default: off, one token a step"
-        },
-    )
-    num_speculative_tokens: int = dataclasses.field(
-        default=4, metadata={"help": "most draft tokens verified per request and step"}
-    )
-    speculative_max_batch_size: int = dataclasses.field(
-        default=8, metadata={"help": "steps sampling more requests than this do not speculate"}
-    )
-    early_exit: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "CALM early exit at decode: K:THRESHOLD[,K:THRESHOLD...], a token leaves after K layers when its "
-            "confidence there reaches THRESHOLD (leanlm train --exits prints calibrated ones); default: off"
-        },
-    )
-    early_exit_measure: str = dataclasses.field(
-        default="softmax",
-        metadata={
-            "choices": EXIT_MEASURES,
-            "help": "CALM's confidence: the exit's top probability | its top-2 gap | the cosine of the hidden state "
-            "before and after layer K",
-        },
-    )
+    # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
+    speculative: SpeculativeConfig | None = None
+    # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
+    early_exit: EarlyExitConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative is not None:
-            _ = self.speculative_config  # parses and validates the proposer name
-        if self.early_exit is not None:
-            _ = self.early_exit_config
-            if self.speculative is not None:
-                raise ValueError("early_exit and speculative decoding do not combine: choose one")
+        for name, cls in (("speculative", SpeculativeConfig), ("early_exit", EarlyExitConfig)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(
+                    f"EngineConfig.{name} takes {cls.__name__} | None, got {value!r}: build one, or pass the CLI "
+                    f"spelling to EngineConfig.from_options({name}=...) or LLM({name}=...)"
+                )
+        if self.early_exit is not None and self.speculative is not None:
+            raise ValueError("early_exit and speculative decoding do not combine: choose one")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -99,20 +79,85 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
-    @property
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        """From the flat spelling of the CLI flags and LLM's keyword arguments: EngineConfig's own fields, with
+        speculative decoding and early exit as DecodingOptions spells them (speculative='ngram',
+        num_speculative_tokens=6, early_exit='24:0.9', ...), parsed here once. A SpeculativeConfig or
+        EarlyExitConfig given as is is taken as is (its numbers then live in it, not in the flat options)."""
+        unknown = set(options) - option_names()
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {sorted(unknown)}; they are {sorted(option_names())}")
+        spelled = {f.name for f in dataclasses.fields(DecodingOptions)}
+        decoding = DecodingOptions(**{k: v for k, v in options.items() if k in spelled})
+        own = {k: v for k, v in options.items() if k not in spelled}
+        return cls(**own, speculative=decoding.speculative_config(), early_exit=decoding.early_exit_config())
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """How the CLI flags and LLM's keyword arguments spell EngineConfig.speculative and .early_exit: a string
+    and the numbers that go with it. Each field is a CLI flag; EngineConfig.from_options parses them, the only
+    place that does."""
+
+    speculative: str | SpeculativeConfig | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
+            "self:K (the target's first K layers); default: off, one token a step"
+        },
+    )
+    num_speculative_tokens: int = dataclasses.field(
+        default=4, metadata={"help": "most draft tokens verified per request and step"}
+    )
+    speculative_max_batch_size: int = dataclasses.field(
+        default=8, metadata={"help": "steps sampling more requests than this do not speculate"}
+    )
+    early_exit: str | EarlyExitConfig | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "CALM early exit at decode: K:THRESHOLD[,K:THRESHOLD...], a token leaves after K layers when its "
+            "confidence there reaches THRESHOLD (leanlm train --exits prints calibrated ones); default: off"
+        },
+    )
+    early_exit_measure: str = dataclasses.field(
+        default="softmax",
+        metadata={
+            "choices": EXIT_MEASURES,
+            "help": "CALM's confidence: the exit's top probability | its top-2 gap | the cosine of the hidden state "
+            "before and after layer K",
+        },
+    )
+
     def speculative_config(self) -> SpeculativeConfig | None:
+        if isinstance(self.speculative, SpeculativeConfig):
+            given = (self.num_speculative_tokens, self.speculative_max_batch_size)
+            if given != (_DEFAULTS.num_speculative_tokens, _DEFAULTS.speculative_max_batch_size):
+                raise ValueError(
+                    "with a SpeculativeConfig, set num_speculative_tokens and max_batch_size in it, not beside it"
+                )
+            return self.speculative
         if self.speculative is None:
             return None
-        return dataclasses.replace(
-            SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens),
-            max_batch_size=self.speculative_max_batch_size,
-        )
+        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens, self.speculative_max_batch_size)
 
-    @property
     def early_exit_config(self) -> EarlyExitConfig | None:
+        if isinstance(self.early_exit, EarlyExitConfig):
+            if self.early_exit_measure != _DEFAULTS.early_exit_measure:
+                raise ValueError("with an EarlyExitConfig, set its measure in it, not beside it")
+            return self.early_exit
         if self.early_exit is None:
             return None
         return EarlyExitConfig.parse(self.early_exit, self.early_exit_measure)
+
+
+_DEFAULTS = DecodingOptions()
+
+
+def option_names() -> set[str]:
+    """The keyword arguments EngineConfig.from_options (and so LLM) takes."""
+    typed = {f.name for f in dataclasses.fields(EngineConfig)}
+    return typed | {f.name for f in dataclasses.fields(DecodingOptions)}
 
 
 @dataclass(frozen=True)
@@ -201,17 +246,18 @@ class SpeculativeConfig:
         return self.method in ("draft", "self")
 
     @classmethod
-    def parse(cls, spec: str, num_speculative_tokens: int = 4) -> SpeculativeConfig:
+    def parse(cls, spec: str, num_speculative_tokens: int = 4, max_batch_size: int = 8) -> SpeculativeConfig:
         """From the CLI form: 'ngram', 'lookahead', 'draft:MODEL' or 'self:K'."""
+        counts = {"num_speculative_tokens": num_speculative_tokens, "max_batch_size": max_batch_size}
         method, _, arg = spec.strip().partition(":")
         if method == "draft":
             if not arg:
                 raise ValueError("--speculative draft needs a model: draft:MODEL (a name, GGUF file or directory)")
-            return cls(method, draft_model=arg, num_speculative_tokens=num_speculative_tokens)
+            return cls(method, draft_model=arg, **counts)
         if method == "self":
             if not arg.isdigit():
                 raise ValueError(f"--speculative self needs a layer count: self:K, got {spec!r}")
-            return cls(method, num_draft_layers=int(arg), num_speculative_tokens=num_speculative_tokens)
+            return cls(method, num_draft_layers=int(arg), **counts)
         if arg:
             raise ValueError(f"speculative method {method!r} takes no argument, got {spec!r}")
-        return cls(method, num_speculative_tokens=num_speculative_tokens)
+        return cls(method, **counts)

@@ -112,13 +112,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
-        exits = engine_config.early_exit_config
+        exits = engine_config.early_exit
         self.early_exit = EarlyExit(model, exits) if exits is not None else None  # CALM, decode steps only
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
     ) -> SpecDecoder | None:
-        spec = engine_config.speculative_config
+        spec = engine_config.speculative
         if spec is None:
             return None
         proposer = model_proposer(spec, self.model, self.kv_cache, draft_model) if spec.uses_model else None

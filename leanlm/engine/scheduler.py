@@ -49,7 +49,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_checker = stop_checker
-        spec = engine_config.speculative_config
+        spec = engine_config.speculative
         # Model drafts write KV for up to k tokens past a request's last one: reserve those slots with each step.
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_model else 0
         self.requests: dict[str, Request] = {}  # unfinished requests by id

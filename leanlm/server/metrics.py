@@ -1,4 +1,4 @@
-"""ServerMetrics: the /metrics page in the Prometheus text exposition format (version 0.0.4).
+"""ServerMetrics: the /metrics page, rendered by prometheus_client from a registry of this app's own.
 
 Gauges and the engine's own counters are read from the engine thread's latest snapshot at scrape time;
 token counters and latency histograms are fed, on the event loop, by every output the engine delivers.
@@ -7,8 +7,12 @@ Names follow vLLM's (`vllm:x` -> `leanlm_x`), so its dashboards port by a rename
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from leanlm.engine import AsyncLLMEngine, RequestOutput
 from leanlm.sampling_params import RequestOutputKind
@@ -21,35 +25,6 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclass
-class Histogram:
-    name: str
-    help: str
-    buckets: tuple[float, ...]
-    counts: list[int] = field(init=False)  # per bucket, not cumulative
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-
-    def observe(self, value: float) -> None:
-        idx = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
-        self.counts[idx] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, math.inf), self.counts):
-            cumulative += count
-            label = "+Inf" if bound == math.inf else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{label}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.total!r}", f"{self.name}_count {self.count}"]
-        return lines
-
-
-@dataclass
 class _Progress:
     """What the metrics have already seen of one request."""
 
@@ -57,19 +32,35 @@ class _Progress:
     last_token_time: float | None = None
 
 
-class ServerMetrics:
+class ServerMetrics(Collector):
+    """One per app: it owns a CollectorRegistry (several servers share a test process, so never the global one),
+    holds the histograms and token counts, and is itself the collector of everything read at scrape time."""
+
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.registry = CollectorRegistry()
         self.ttft = Histogram(
-            "leanlm_time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS
+            "leanlm_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=None,
         )
         self.itl = Histogram(
-            "leanlm_inter_token_latency_seconds", "Time between successive tokens of a request.", ITL_BUCKETS
+            "leanlm_inter_token_latency_seconds",
+            "Time between successive tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=None,
         )
-        self.e2e = Histogram("leanlm_e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self.e2e = Histogram(
+            "leanlm_e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=E2E_BUCKETS,
+            registry=None,
+        )
+        self.registry.register(self)
         self._progress: dict[str, _Progress] = {}
         engine.output_listeners.append(self.observe)
 
@@ -95,80 +86,56 @@ class ServerMetrics:
             if metrics is not None and metrics.finished_time is not None:
                 self.e2e.observe(metrics.finished_time - metrics.arrival_time)
 
-    def render(self) -> str:
-        snap = self.engine.snapshot
+    def collect(self) -> Iterator[Metric]:
+        """Every family of the page, at scrape time (the registry's Collector protocol)."""
+        snap = self.engine.snapshot  # one snapshot per scrape, so the numbers agree with each other
         stats = snap.scheduler
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-            lines.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-        model = f'model_name="{self.model_name}"'
-        metric(
-            "leanlm_num_requests_running",
-            "gauge",
-            "Sequences in the running batch.",
-            [(f"{{{model}}}", stats.num_running)],
+        model = [self.model_name]
+        for name, help_text, value in (
+            ("leanlm_num_requests_running", "Sequences in the running batch.", stats.num_running),
+            ("leanlm_num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
+            (
+                "leanlm_num_requests_in_flight",
+                "HTTP-level requests accepted and not yet finished.",
+                self.engine.num_requests_in_flight,
+            ),
+            (
+                "leanlm_kv_cache_usage_perc",
+                "Fraction of KV-cache blocks held by requests (1 = full).",
+                stats.kv_cache_usage,
+            ),
+            ("leanlm_kv_cache_free_blocks", "KV-cache blocks no request holds.", snap.num_free_kv_blocks),
+            ("leanlm_kv_cache_total_blocks", "KV-cache blocks in the pool.", snap.num_kv_blocks),
+            (
+                "leanlm_prefix_cache_hit_rate",
+                "Prompt tokens served by the prefix cache / looked up.",
+                stats.prefix_cache_hit_rate,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge
+        finished = CounterMetricFamily(
+            "leanlm_request_success", "Finished sequences by finish reason.", labels=["model_name", "finished_reason"]
         )
-        metric(
-            "leanlm_num_requests_waiting",
-            "gauge",
-            "Sequences waiting to be scheduled.",
-            [(f"{{{model}}}", stats.num_waiting)],
-        )
-        metric(
-            "leanlm_num_requests_in_flight",
-            "gauge",
-            "HTTP-level requests accepted and not yet finished.",
-            [(f"{{{model}}}", self.engine.num_requests_in_flight)],
-        )
-        metric(
-            "leanlm_kv_cache_usage_perc",
-            "gauge",
-            "Fraction of KV-cache blocks held by requests (1 = full).",
-            [(f"{{{model}}}", stats.kv_cache_usage)],
-        )
-        metric(
-            "leanlm_kv_cache_free_blocks",
-            "gauge",
-            "KV-cache blocks no request holds.",
-            [(f"{{{model}}}", snap.num_free_kv_blocks)],
-        )
-        metric(
-            "leanlm_kv_cache_total_blocks",
-            "gauge",
-            "KV-cache blocks in the pool.",
-            [(f"{{{model}}}", snap.num_kv_blocks)],
-        )
-        metric(
-            "leanlm_prefix_cache_hit_rate",
-            "gauge",
-            "Prompt tokens served by the prefix cache / looked up.",
-            [(f"{{{model}}}", stats.prefix_cache_hit_rate)],
-        )
-        metric(
-            "leanlm_num_preemptions_total",
-            "counter",
-            "Requests preempted (KV dropped, to be recomputed).",
-            [(f"{{{model}}}", stats.num_preemptions)],
-        )
-        metric(
-            "leanlm_request_success_total",
-            "counter",
-            "Finished sequences by finish reason.",
-            [(f'{{{model},finished_reason="{r}"}}', stats.num_finished.get(r, 0)) for r in FINISH_REASONS],
-        )
-        metric(
-            "leanlm_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of requests that produced a token.",
-            [(f"{{{model}}}", self.prompt_tokens)],
-        )
-        metric(
-            "leanlm_generation_tokens_total", "counter", "Generated tokens.", [(f"{{{model}}}", self.generation_tokens)]
-        )
-        metric("leanlm_engine_steps_total", "counter", "Engine steps run.", [(f"{{{model}}}", snap.num_steps)])
+        for reason in FINISH_REASONS:
+            finished.add_metric([self.model_name, reason], stats.num_finished.get(reason, 0))
+        yield finished
+        for name, help_text, value in (
+            ("leanlm_num_preemptions", "Requests preempted (KV dropped, to be recomputed).", stats.num_preemptions),
+            ("leanlm_prompt_tokens", "Prompt tokens of requests that produced a token.", self.prompt_tokens),
+            ("leanlm_generation_tokens", "Generated tokens.", self.generation_tokens),
+            ("leanlm_engine_steps", "Engine steps run.", snap.num_steps),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=["model_name"])
+            counter.add_metric(model, value)
+            yield counter
         for histogram in (self.ttft, self.itl, self.e2e):
-            lines.extend(histogram.render())
-        return "\n".join(lines) + "\n"
+            for family in histogram.collect():
+                # The series of the page are the buckets, _sum and _count; _created (when prometheus_client
+                # adds it) would be a new series per histogram that no dashboard of ours reads.
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -4,9 +4,9 @@ allocation across a layer's linears, and the `leanlm prune --method teal` recipe
 import pytest
 import torch
 
-from leanlm.cli.prune import build_prune_recipe
 from leanlm.compress import ActivationSparsityConfig, compress
 from leanlm.compress.act_sparsity import greedy_levels, rows_read, threshold_for
+from leanlm.compress.named_recipes import build_prune_recipe
 from leanlm.kernels import cpu_act_sparse
 from leanlm.model.sparse.activation import ActSparseLinear
 

@@ -3,8 +3,8 @@
 import pytest
 
 from leanlm.cli import main
-from leanlm.cli.quantize import build_recipe
 from leanlm.compress import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig
+from leanlm.compress.named_recipes import build_recipe
 
 
 def test_recipes_behind_the_methods():
@@ -35,8 +35,8 @@ def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
 
 
 def test_prune_recipes():
-    from leanlm.cli.prune import build_prune_recipe
     from leanlm.compress import MagnitudeConfig, SparseGPTConfig, WandaConfig
+    from leanlm.compress.named_recipes import build_prune_recipe
 
     assert build_prune_recipe("magnitude") == [MagnitudeConfig(sparsity=0.5)]
     assert build_prune_recipe("magnitude", scope="global")[0].scope == "global"

@@ -89,7 +89,7 @@ def test_permute_refuses_quantized_layers_and_bad_settings(tiny_model):
 
 
 def test_wanda_permuted_recipe_from_the_cli_builder():
-    from leanlm.cli.prune import build_prune_recipe
+    from leanlm.compress.named_recipes import build_prune_recipe
 
     recipe = build_prune_recipe("wanda", pattern="2:4", permute=True)
     assert recipe == [PermuteConfig(pattern="2:4", score="wanda"), WandaConfig(pattern="2:4")]

@@ -42,7 +42,9 @@ def _model(tokenizer, adapter_rank=0, seed=0):
 
 
 def _generate(model, tokenizer, prompts, max_tokens=12, logprobs=False, **options):
-    engine = LLMEngine(model, tokenizer, EngineConfig(block_size=4, num_kv_blocks=64, **options), "cpu", torch.float64)
+    engine = LLMEngine(
+        model, tokenizer, EngineConfig.from_options(block_size=4, num_kv_blocks=64, **options), "cpu", torch.float64
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0 if logprobs else None)
     ids = [engine.add_request(p, params) for p in prompts]
     final = run_to_completion(engine)
@@ -187,11 +189,11 @@ def test_a_batch_leaves_only_when_every_token_is_confident(tokenizer, monkeypatc
 def test_bad_settings_are_refused(tokenizer):
     for bad in ("24", "a:0.5", "24:x", "24:0.5,16:0.5", "0:0.5"):
         with pytest.raises(ValueError):
-            EngineConfig(early_exit=bad)
+            EngineConfig.from_options(early_exit=bad)
     with pytest.raises(ValueError, match="do not combine"):
-        EngineConfig(early_exit="2:0.5", speculative="ngram")
+        EngineConfig.from_options(early_exit="2:0.5", speculative="ngram")
     with pytest.raises(ValueError):
-        EngineConfig(early_exit="2:0.5", early_exit_measure="entropy")
+        EngineConfig.from_options(early_exit="2:0.5", early_exit_measure="entropy")
     with pytest.raises(ValueError, match="more layers"):
         _generate(_model(tokenizer), tokenizer, PROMPTS[:1], early_exit="4:0.5")
 
@@ -205,7 +207,7 @@ def test_on_the_real_model_native_spans_equal_the_pytorch_path(smollm):
 
     def run(native: bool, **options):
         model.allow_native_decode = native
-        engine = LLMEngine(model, smollm.tokenizer, EngineConfig(**options), "cpu", torch.bfloat16)
+        engine = LLMEngine(model, smollm.tokenizer, EngineConfig.from_options(**options), "cpu", torch.bfloat16)
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in prompts]
         final = run_to_completion(engine)

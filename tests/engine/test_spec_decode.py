@@ -102,7 +102,7 @@ def _draft_engine(tokenizer, noise: float = 0.3, *, adaptive=True, max_batch_siz
     engine = LLMEngine(
         target,
         tokenizer,
-        EngineConfig(speculative="draft:noisy-copy", **options),
+        EngineConfig.from_options(speculative="draft:noisy-copy", **options),
         torch.device("cpu"),
         torch.float64,
         draft,
@@ -256,9 +256,9 @@ def test_large_batches_and_penalized_requests_do_not_speculate():
 
 def test_bad_speculative_settings_are_refused():
     with pytest.raises(ValueError, match="unknown speculative method"):
-        EngineConfig(speculative="magic")
+        EngineConfig.from_options(speculative="magic")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+        EngineConfig.from_options(speculative="ngram", num_speculative_tokens=0)
 
 
 _CODE_PROMPT = (
@@ -319,14 +319,14 @@ def test_real_model_greedy_speculation_is_token_identical(plain_real_output, spe
 
 def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
     with pytest.raises(ValueError, match="draft:MODEL"):
-        EngineConfig(speculative="draft")
+        EngineConfig.from_options(speculative="draft")
     with pytest.raises(ValueError, match="self:K"):
-        EngineConfig(speculative="self:x")
-    assert EngineConfig(speculative="self:3").speculative_config.num_draft_layers == 3
-    assert EngineConfig(speculative="lookahead").speculative_config.method == "lookahead"
+        EngineConfig.from_options(speculative="self:x")
+    assert EngineConfig.from_options(speculative="self:3").speculative.num_draft_layers == 3
+    assert EngineConfig.from_options(speculative="lookahead").speculative.method == "lookahead"
     with pytest.raises(ValueError, match="takes no argument"):
-        EngineConfig(speculative="lookahead:3")
-    assert EngineConfig(speculative="draft:some/dir").speculative_config.draft_model == "some/dir"
+        EngineConfig.from_options(speculative="lookahead:3")
+    assert EngineConfig.from_options(speculative="draft:some/dir").speculative.draft_model == "some/dir"
     with pytest.raises(ValueError, match="first 2 layers"):
         make_tiny_engine(speculative="self:2", num_kv_blocks=16)
     decoder = SpecDecoder(SpeculativeConfig("ngram"))
@@ -335,7 +335,7 @@ def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
 
 
 def test_model_drafts_get_lookahead_slots():
-    config = EngineConfig(block_size=4, num_kv_blocks=16, speculative="self:1", num_speculative_tokens=3)
+    config = EngineConfig.from_options(block_size=4, num_kv_blocks=16, speculative="self:1", num_speculative_tokens=3)
     sched = Scheduler(config, KVCacheManager(BlockPool(16), 4), 1000, eos_token_ids=[0])
     request = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=10))
     sched.add_request(request)

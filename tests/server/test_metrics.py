@@ -1,51 +1,89 @@
-"""/metrics: valid Prometheus text, and counts that follow the requests served."""
+"""/metrics: valid Prometheus text (read back by prometheus_client's own parser), and counts that follow the
+requests served."""
 
 from __future__ import annotations
 
-import re
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL
-from tests.server.test_safety import _request
+from tests.server.conftest import MODEL, serve_engine, wait_until
+from tests.server.test_safety import _request, tiny_engine_factory  # noqa: F401  (a fixture)
 
-SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_]+="[^"]*"(,[a-zA-Z_]+="[^"]*")*\})? (\S+)$')
+# Every family the page must carry, with its type; the samples' names and labels are what dashboards read.
+FAMILIES = {
+    "leanlm_num_requests_running": "gauge",
+    "leanlm_num_requests_waiting": "gauge",
+    "leanlm_num_requests_in_flight": "gauge",
+    "leanlm_kv_cache_usage_perc": "gauge",
+    "leanlm_kv_cache_free_blocks": "gauge",
+    "leanlm_kv_cache_total_blocks": "gauge",
+    "leanlm_prefix_cache_hit_rate": "gauge",
+    "leanlm_num_preemptions": "counter",
+    "leanlm_request_success": "counter",
+    "leanlm_prompt_tokens": "counter",
+    "leanlm_generation_tokens": "counter",
+    "leanlm_engine_steps": "counter",
+    "leanlm_time_to_first_token_seconds": "histogram",
+    "leanlm_inter_token_latency_seconds": "histogram",
+    "leanlm_e2e_request_latency_seconds": "histogram",
+}
 
 
-def _parse(text: str) -> dict[str, float]:
+def _parse(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted label pairs): value}, through prometheus_client's parser of the text format."""
+    families = list(text_string_to_metric_families(text))
+    assert {f.name: f.type for f in families} == FAMILIES
     samples = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            assert line.startswith(("# HELP ", "# TYPE ")), line
-            continue
-        match = SAMPLE.match(line)
-        assert match, f"not a Prometheus sample: {line!r}"
-        samples[match.group(1) + (match.group(2) or "")] = float(match.group(4))
+    for family in families:
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            assert key not in samples, f"the sample {key} is written twice"
+            samples[key] = sample.value
     return samples
 
 
 def _histogram_count(samples: dict, name: str) -> float:
-    buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
-    assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
-    return samples[name + "_count"]
+    buckets = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items() if n == name + "_bucket")
+    counts = [v for _, v in buckets]
+    assert buckets[-1][0] == float("inf") and counts == sorted(counts) and counts[-1] == samples[(name + "_count", ())]
+    return samples[(name + "_count", ())]
 
 
 def test_metrics_follow_requests(real_server):
     url = real_server.url
-    before = _parse(_request(url, "/metrics")[2])
+    status, headers, text = _request(url, "/metrics")
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    before = _parse(text)
     for i in range(3):
         status, _, body = _request(
             url, "/v1/completions", {"model": MODEL, "prompt": f"Count: {i}", "max_tokens": 5, "ignore_eos": True}
         )
         assert status == 200
     after = _parse(_request(url, "/metrics")[2])
-    label = f'{{model_name="{MODEL}"}}'
-    assert after["leanlm_generation_tokens_total" + label] - before["leanlm_generation_tokens_total" + label] == 15
-    assert after["leanlm_prompt_tokens_total" + label] > before["leanlm_prompt_tokens_total" + label]
+    model = (("model_name", MODEL),)
+    for name, kind in FAMILIES.items():  # every gauge and counter is labelled by the served model
+        if kind != "histogram" and name != "leanlm_request_success":
+            assert (name + "_total" if kind == "counter" else name, model) in after, name
+    generated = ("leanlm_generation_tokens_total", model)
+    assert after[generated] - before[generated] == 15
+    assert after[("leanlm_prompt_tokens_total", model)] > before[("leanlm_prompt_tokens_total", model)]
     for name, per_request in (
         ("leanlm_time_to_first_token_seconds", 1),
         ("leanlm_e2e_request_latency_seconds", 1),
         ("leanlm_inter_token_latency_seconds", 4),
     ):
         assert _histogram_count(after, name) - _histogram_count(before, name) == 3 * per_request
-    length = f'{{model_name="{MODEL}",finished_reason="length"}}'
-    assert after["leanlm_request_success_total" + length] - before["leanlm_request_success_total" + length] == 3
-    assert 0 <= after["leanlm_kv_cache_usage_perc" + label] <= 1
+    length = ("leanlm_request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))
+    assert after[length] - before[length] == 3
+    assert 0 <= after[("leanlm_kv_cache_usage_perc", model)] <= 1
+
+
+def test_each_server_counts_its_own_requests(tiny_engine_factory):
+    """Two servers in one process: each has its own registry, so neither sees the other's requests (and starting
+    the second does not collide with the first's metric names)."""
+    with serve_engine(tiny_engine_factory()) as first, serve_engine(tiny_engine_factory()) as second:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+        assert _request(first.url, "/v1/completions", body)[0] == 200
+        generated = ("leanlm_generation_tokens_total", (("model_name", MODEL),))
+        assert wait_until(lambda: _parse(_request(first.url, "/metrics")[2])[generated] == 3)
+        assert _parse(_request(second.url, "/metrics")[2])[generated] == 0

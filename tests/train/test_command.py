@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from leanlm.cli import main
-from leanlm.cli.train import build_sparsity
 from leanlm.compress import MagnitudeConfig, compress, save_checkpoint
 from leanlm.model.llama import build_model
+from leanlm.train import build_sparsity
 from leanlm.train.act_sparse import TEALTrainConfig
 from leanlm.train.sparse import GMPConfig, SRSTEConfig, TopKASTConfig
 from tests.conftest import tiny_config, tiny_state_dict

@@ -160,7 +160,7 @@ def test_a_checkpoint_without_exits_loads_as_before(tmp_path, tokenizer):
 
 
 def _engine(model, tokenizer, **options):
-    return LLMEngine(model, tokenizer, EngineConfig(**options), torch.device("cpu"), torch.float64)
+    return LLMEngine(model, tokenizer, EngineConfig.from_options(**options), torch.device("cpu"), torch.float64)
 
 
 def test_self_speculation_drafts_through_a_trained_exit_with_plain_greedy_output(tokenizer):

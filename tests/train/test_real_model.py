@@ -60,7 +60,9 @@ def test_trained_exit_on_smollm2_lowers_kl_and_drafts_plain_greedy_output(smollm
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
     for spec in (None, "self:24"):
-        engine = LLMEngine(model, smollm.tokenizer, EngineConfig(speculative=spec), torch.device("cpu"), torch.float32)
+        engine = LLMEngine(
+            model, smollm.tokenizer, EngineConfig.from_options(speculative=spec), torch.device("cpu"), torch.float32
+        )
         rid = engine.add_request(prompt, greedy)
         outputs[spec] = run_to_completion(engine)[rid].outputs[0].token_ids
     assert outputs["self:24"] == outputs[None]

@@ -1,0 +1,223 @@
+"""run(TrainJob) and run_distill(DistillJob): the order a training run goes in, in one place.
+
+train: load -> GQA conversion -> RTN -> fake-quant stand-ins -> train (resumable) -> detach -> TEAL threshold
+calibration or 2:4 packing -> save. A resumed run repeats the deterministic steps before the training loop loads
+its state, so the state meets the same modules it was saved from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from leanlm.train.job import DistillJob, TrainJob
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """What a run did: the loop's result and the text a command prints for it."""
+
+    result: object  # leanlm.train.trainer.TrainResult
+    summary: str
+
+
+def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
+    """Carry out one fine-tuning run (see the module docstring); `log` gets the lines a user sees on the way."""
+    from leanlm.compress.calibration import calibration_samples, read_calibration_text
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress.recipe import compress
+    from leanlm.train.act_sparse import TEALTrainConfig
+    from leanlm.train.data import TokenWindows
+    from leanlm.train.model import load_trainable
+    from leanlm.train.qat import attach_fake_quant, detach_fake_quant
+    from leanlm.train.trainer import Trainer
+
+    model, tokenizer = load_trainable(job.model, job.device, keep_quantized=job.train_quantized)
+    if job.gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
+        compress(model, [job.gqa], progress=False)
+    if job.qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
+        compress(model, [job.qat], progress=False)
+    if job.is_qat:
+        attach_fake_quant(model)
+    ids = tokenizer.encode(read_calibration_text(job.data), add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, job.train.seq_len, job.held_out)
+    state = job.state_path
+    resuming = state.is_file()
+    if resuming:
+        log(f"resuming from {state}")
+    if job.exits is not None:
+        return _train_exits(job, model, tokenizer, data, resuming)
+    sparsity = job.sparsity
+    trainer = Trainer(model, data, job.train, sparsity, state)
+    before = trainer.held_out_loss() if trainer.result.steps == 0 and not resuming else None
+    result = trainer.run()
+    if job.is_qat:
+        detach_fake_quant(model)
+    # The post-pass that turns trained weights into runtime modules (the integrator swaps it for Method.finalize).
+    if isinstance(sparsity, TEALTrainConfig):  # decode's fixed thresholds, calibrated on the trained weights
+        compress(model, [sparsity.runtime_config()], calibration_samples(ids, 64, 256, seed=0), progress=False)
+    elif sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
+        pack_semi_structured(model, [])
+    start = time.perf_counter()
+    save_checkpoint(model, job.out, tokenizer)
+    if not job.keep_state:
+        state.unlink(missing_ok=True)
+    summary = format_result(result, job.model, job.out, _describe(job), before, time.perf_counter() - start)
+    return TrainReport(result, summary)
+
+
+def _describe(job: TrainJob) -> str:
+    """What the run learned, in the summary's words."""
+    sparsity = job.sparsity
+    recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
+    if job.qat is not None:
+        qat = job.qat
+        recipe = f"quantization-aware training (W{qat.bits}" + (f" g{qat.group_size})" if qat.group_size else ")")
+    if job.train_quantized:
+        recipe = "quantization-aware training of the checkpoint's quantized layers"
+    if job.gqa is not None:
+        recipe += f", {job.gqa.num_key_value_heads} K/V heads ({job.gqa.init} init)"
+    return recipe
+
+
+def _train_exits(job: TrainJob, model, tokenizer, data, resuming: bool) -> TrainReport:
+    """Exit heads on the frozen model: held-out KL and agreement with the final layer before and after, a 95%
+    threshold per exit and confidence measure, and the model saved with its exits."""
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.train.exits import (
+        CONFIDENCE_MEASURES,
+        ExitObjective,
+        attach_exits,
+        calibrate_threshold,
+        exit_statistics,
+    )
+    from leanlm.train.trainer import Trainer
+
+    exits, config = job.exits, job.train
+    attach_exits(model, exits)
+    trainer = Trainer(model, data, config, None, job.state_path, objective=ExitObjective(exits))
+    before = None if resuming else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
+    result = trainer.run()
+    after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)
+    save_checkpoint(model, job.out, tokenizer)
+    if not job.keep_state:
+        job.state_path.unlink(missing_ok=True)
+    resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
+    lines = [
+        f"{job.model} -> {job.out}: exits after layers {', '.join(map(str, exits.layers))}, {result.steps} steps, "
+        f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:.0f} tokens/s){resumed}",
+        f"held-out ({data.held_out.numel():,} tokens), against the final layer:",
+    ]
+    for k, s in after.items():
+        was = f"KL {before[k].mean_kl:.3f} -> " if before else "KL "
+        agree = f"top-1 {before[k].agreement:.3f} -> " if before else "top-1 "
+        lines.append(f"  exit {k}: {was}{s.mean_kl:.3f}, {agree}{s.agreement:.3f}")
+    lines.append("thresholds for 95% agreement with the full model (share of tokens that would exit there):")
+    for k, s in after.items():
+        cells = []
+        for measure in CONFIDENCE_MEASURES:
+            c = calibrate_threshold(s, measure, 0.95)
+            cells.append(
+                f"{measure} " + ("none" if c.threshold is None else f">= {c.threshold:.3f}: {c.exit_fraction:.1%}")
+            )
+        lines.append(f"  exit {k}: " + "; ".join(cells))
+    lines.append(f"draft with them: leanlm generate --model {job.out} --speculative self:{exits.layers[-1]}")
+    return TrainReport(result, "\n".join(lines))
+
+
+def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainReport:
+    """Carry out one distillation run: teacher, student, the teacher's top-k cache, the loop, save."""
+    from leanlm.compress.calibration import read_calibration_text
+    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.train.data import TokenWindows
+    from leanlm.train.distill import DistillObjective, prepare_teacher
+    from leanlm.train.model import load_trainable
+    from leanlm.train.qat import detach_fake_quant
+    from leanlm.train.trainer import Trainer
+
+    config, distill = job.train, job.distill
+    teacher, tokenizer = load_trainable(job.teacher, job.device)
+    student = build_student(teacher, job)
+    ids = tokenizer.encode(read_calibration_text(job.data), add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, config.seq_len, job.held_out)
+    if distill.cosine_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
+        raise ValueError(
+            f"--cosine-weight compares hidden states of one width: the teacher's are {teacher.config.hidden_size} "
+            f"wide, the student's {student.config.hidden_size}; drop it for this student"
+        )
+    objective = None  # no teacher term: hard labels only, the control a distilled student is measured against
+    if distill.needs_teacher:
+        began = time.perf_counter()
+        cache = prepare_teacher(teacher, job.teacher, data, config, distill, job.cache_dir)
+        log(f"teacher cache {cache.directory} ready in {time.perf_counter() - began:.0f} s")
+        objective = DistillObjective(distill, cache)
+    del teacher
+    state = job.state_path
+    resuming = state.is_file()
+    if resuming:
+        log(f"resuming from {state}")
+    trainer = Trainer(student, data, config, None, state, objective=objective)
+    before = trainer.held_out_loss() if not resuming else None
+    result = trainer.run()
+    if job.qat:
+        detach_fake_quant(student)
+    start = time.perf_counter()
+    save_checkpoint(student, job.out, tokenizer)
+    if not job.keep_state:
+        state.unlink(missing_ok=True)
+    kind = "quantization-aware distillation" if job.qat else "distillation"
+    recipe = f"{kind} ({student.config.num_hidden_layers} layers, {describe_distill(distill)})"
+    return TrainReport(result, format_result(result, job.teacher, job.out, recipe, before, time.perf_counter() - start))
+
+
+def build_student(teacher, job: DistillJob):
+    """The student the job names; with qat, a quantized checkpoint with its layers swapped for trainable
+    fake-quantized stand-ins."""
+    from leanlm.train.model import load_trainable
+    from leanlm.train.qat import attach_fake_quant
+    from leanlm.train.student import keep_layers, spread_layers
+
+    if job.student is not None:
+        model, _ = load_trainable(job.student, job.device, keep_quantized=job.qat)
+        if job.qat:
+            attach_fake_quant(model)
+        if model.config.vocab_size != teacher.config.vocab_size:
+            raise ValueError(
+                f"the student's vocabulary has {model.config.vocab_size} tokens, the teacher's "
+                f"{teacher.config.vocab_size}: distillation needs the same tokenizer"
+            )
+        return model
+    count = teacher.config.num_hidden_layers
+    layers = list(job.keep_layers) if job.keep_layers else None
+    return keep_layers(teacher, layers or spread_layers(count, job.num_student_layers or max(count // 2, 1)))
+
+
+def describe_distill(config) -> str:
+    if not config.needs_teacher:
+        return "hard labels only"
+    parts = []
+    if config.kd_weight > 0:
+        parts.append(
+            f"{config.divergence} KL on the top {config.top_k} at T={config.temperature:g}, weight {config.kd_weight:g}"
+        )
+    if config.cosine_weight > 0:
+        parts.append(f"hidden-state cosine, weight {config.cosine_weight:g}")
+    return "; ".join(parts)
+
+
+def format_result(result, model: str, out, recipe: str, held_out_before: float | None, save_s: float) -> str:
+    """What a training command prints when it is done; `recipe` names what the run learned."""
+    resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
+    lines = [
+        f"{model} -> {out}: {recipe}, {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
+        f"({result.tokens_per_second:.0f} tokens/s){resumed}"
+    ]
+    if result.held_out:
+        first = f"{held_out_before:.4f} -> " if held_out_before is not None else ""
+        lines.append(f"held-out loss: {first}{result.held_out[-1][1]:.4f} (step {result.held_out[-1][0]})")
+    if result.sparsity:
+        lines += [f"{key} of the trained linears: {value:.1%}" for key, value in result.sparsity.items()]
+    lines.append(f"saved in {save_s:.1f} s; evaluate with: leanlm eval ppl --model {out}")
+    return "\n".join(lines)

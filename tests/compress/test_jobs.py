@@ -1,0 +1,40 @@
+"""leanlm.compress.jobs.run_compress(CompressJob) without the CLI: a job runs and saves a checkpoint that loads,
+and an inconsistent job is refused on construction (before any model loads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from leanlm.compress import ActivationSparsityConfig, GPTQConfig, MagnitudeConfig, RTNConfig, save_checkpoint
+from leanlm.compress.jobs import CompressJob, run_compress
+
+
+def test_a_compress_job_runs_without_the_cli(tmp_path, tiny_model, tokenizer):
+    from leanlm.llm import load_model
+    from leanlm.model.sparse.semi_structured import Sparse24Linear
+
+    source = save_checkpoint(tiny_model(), tmp_path / "dense", tokenizer)
+    job = CompressJob(tmp_path / "pruned", [MagnitudeConfig(pattern="2:4")], model=str(source), device="cpu")
+    assert not job.needs_calibration
+    result = run_compress(job)
+    assert result.report.methods == ["magnitude"] and "50.0%" in result.summary
+    assert isinstance(load_model(str(result.out), progress=False).model.layers[0].mlp.down_proj, Sparse24Linear)
+
+
+@pytest.mark.parametrize(
+    "recipe,options,message",
+    [
+        ([], {}, "empty recipe"),
+        ([RTNConfig(bits=4)], {"format": "gguf"}, "unknown checkpoint format"),
+        ([RTNConfig(bits=4)], {"calib": "/no/such/file"}, "does not exist"),
+        ([RTNConfig(bits=8)], {"format": "gptq"}, "4-bit weight-only"),
+        ([GPTQConfig(bits=4)], {"format": "gptq"}, "--symmetric"),
+        ([MagnitudeConfig(), RTNConfig(bits=4)], {"format": "compressed-tensors"}, "pruned float weights"),
+        ([ActivationSparsityConfig()], {"format": "compressed-tensors"}, "pruned float weights"),
+        ([RTNConfig(bits=4)], {"num_samples": 0}, "num_samples >= 1"),
+    ],
+)
+def test_an_inconsistent_compress_job_is_refused(recipe, options, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        CompressJob(tmp_path / "out", recipe, **options)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,52 @@
+"""EngineConfig holds typed speculative / early-exit configs; the CLI flags and LLM's keyword arguments spell them
+as strings, parsed once by EngineConfig.from_options."""
+
+from __future__ import annotations
+
+import pytest
+
+from leanlm.cli.common import engine_options
+from leanlm.cli.main import build_parser
+from leanlm.config import EarlyExitConfig, EngineConfig, SpeculativeConfig
+
+
+def test_the_flags_parse_into_typed_configs():
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--speculative",
+            "self:3",
+            "--num-speculative-tokens",
+            "6",
+            "--speculative-max-batch-size",
+            "2",
+        ]
+    )
+    config = EngineConfig.from_options(**engine_options(args))
+    assert config.speculative == SpeculativeConfig(
+        "self", num_draft_layers=3, num_speculative_tokens=6, max_batch_size=2
+    )
+    assert config.early_exit is None
+    args = build_parser().parse_args(["serve", "--early-exit", "16:0.95,24:0.9", "--early-exit-measure", "gap"])
+    config = EngineConfig.from_options(**engine_options(args))
+    assert config.early_exit == EarlyExitConfig(((16, 0.95), (24, 0.9)), "gap") and config.speculative is None
+    assert EngineConfig.from_options(**engine_options(build_parser().parse_args(["chat"]))) == EngineConfig()
+
+
+def test_typed_configs_pass_through_and_strings_are_refused_by_the_config():
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=2)
+    assert EngineConfig(speculative=spec).speculative is spec
+    assert EngineConfig.from_options(speculative=spec).speculative is spec
+    with pytest.raises(TypeError, match=r"takes SpeculativeConfig.*from_options\(speculative=\.\.\.\)"):
+        EngineConfig(speculative="ngram")
+    with pytest.raises(TypeError, match="takes EarlyExitConfig"):
+        EngineConfig(early_exit="2:0.5")
+    with pytest.raises(ValueError, match="set num_speculative_tokens and max_batch_size in it"):
+        EngineConfig.from_options(speculative=spec, num_speculative_tokens=6)
+    with pytest.raises(ValueError, match="set its measure in it"):
+        EngineConfig.from_options(early_exit=EarlyExitConfig(((2, 0.5),)), early_exit_measure="gap")
+    with pytest.raises(ValueError, match="do not combine"):
+        EngineConfig(speculative=spec, early_exit=EarlyExitConfig(((2, 0.5),)))
+    with pytest.raises(TypeError, match=r"unknown engine option\(s\) \['speculation'\]"):
+        EngineConfig.from_options(speculation="ngram")
