@@ -10,10 +10,11 @@ from torch import nn
 
 from leanlm.config import RopeScaling
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_rows
+from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.packed_cache import PackedCache
 
 
-class Linear(nn.Linear):
+class Linear(KernelDispatch, nn.Linear):
     """nn.Linear (HF weight names) that runs bf16 CPU products on the native kernels.
 
     Batch-1..8 decode reads every weight once per token; torch's bf16 GEMV leaves half the memory bandwidth
@@ -27,20 +28,31 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = PackedCache()  # the weight and bias packed for cpu_gemm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def _kernels_take(self, x: torch.Tensor) -> bool:
+        """bf16 CPU weight and contiguous bf16 rows that autograd need not see (the kernels have no backward)."""
         w = self.weight
-        if (
+        return (
             w.dtype is torch.bfloat16
             and x.dtype is torch.bfloat16
             and w.is_cpu
             and x.is_contiguous()
-            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))  # kernels have no backward
-        ):
-            if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.is_available():
-                return cpu_gemv.linear_bf16(x, w, self.bias)
-            if x.dim() == 2 and cpu_gemm.should_use(x, self.packed_weight()):
-                return cpu_gemm.gemm(x, self.packed.value)
-        return F.linear(x, w, self.bias)
+            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        )
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return self._kernels_take(x) and cpu_gemm.should_use(x, self.packed_weight())
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gemm(x, self.packed.value)
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        return self._kernels_take(x) and x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.is_available()
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemv.linear_bf16(x, self.weight, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
     def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
         """The weight (and bias) packed for cpu_gemm, current with the parameters; None off the kernel's path."""

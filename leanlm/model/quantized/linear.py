@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_qgemv
+from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.numerics import unpack_int4
 
@@ -68,7 +69,7 @@ def check_indices(fmt: str, name: str, t: torch.Tensor, k: int, permutation: boo
     return idx.contiguous()
 
 
-class QuantLinear(nn.Module, ABC):
+class QuantLinear(KernelDispatch, nn.Module, ABC):
     """Base: a linear layer y = x W^T + b whose W is stored quantized in buffers named by `tensor_names`."""
 
     format: ClassVar[str]
@@ -135,6 +136,10 @@ class QuantLinear(nn.Module, ABC):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """y where neither kernel takes the rows (KernelDispatch): the reference path unless a format has better."""
+        return self.reference_forward(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -224,14 +229,22 @@ class Int8WeightOnlyLinear(QuantLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
-            return cpu_gemm.gemm_quant(x, self.packed_weight())
-        gs = self.group_size
-        if cpu_qgemv.should_use_int8(x, self.qweight, gs) and (self.bias is None or self.bias.dtype is x.dtype):
-            return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, gs)
-        if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
-            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, gs), self.bias)
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.qweight, self.bias)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:  # widened a panel at a time into a bf16 GEMM
+        return cpu_gemm.gemm_quant(x, self.packed_weight())
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        bias_ok = self.bias is None or self.bias.dtype is x.dtype
+        return cpu_qgemv.should_use_int8(x, self.qweight, self.group_size) and bias_ok
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, self.group_size)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if _dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
+            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, self.group_size), self.bias)
         return self.reference_forward(x)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
@@ -319,19 +332,28 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.mins, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
-            xp = x if self.perm is None else x.index_select(-1, self.perm)
-            return cpu_gemm.gemm_quant(xp, self.packed_weight())
-        if cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and (
-            self.bias is None or self.bias.dtype is x.dtype
-        ):
-            xp = x if self.perm is None else x.index_select(-1, self.perm)
-            return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
-        if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
-            xp = x if self.perm is None else x.index_select(-1, self.perm)
+    def _permuted(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] in the stored column order (act-order)."""
+        return x if self.perm is None else x.index_select(-1, self.perm)
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.qweight, self.bias)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:  # widened a panel at a time into a bf16 GEMM
+        return cpu_gemm.gemm_quant(self._permuted(x), self.packed_weight())
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        bias_ok = self.bias is None or self.bias.dtype is x.dtype
+        return cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and bias_ok
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        xp = self._permuted(x)
+        return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if _dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
             w = cpu_qgemv.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
-            return F.linear(xp, w, self.bias)
+            return F.linear(self._permuted(x), w, self.bias)
         return self.reference_forward(x)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:

@@ -82,16 +82,25 @@ class Int8DynamicActLinear(QuantLinear):
             return None
         return cpu_decode.NativeLinear(cpu_decode.KIND_W8A8, self.qweight, self.scales, packed=packed_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if (
+    def _kernel_fits(self, x: torch.Tensor) -> bool:
+        return (
             x.dtype is torch.bfloat16
             and x.is_cpu
             and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
-            and cpu_w8a8.rows_fit(x2, self.packed_weight())
-        ):
-            return cpu_w8a8.gemm(x2, self.packed_weight()).reshape(*shape[:-1], self.out_features)
+            and cpu_w8a8.rows_fit(x.reshape(-1, x.shape[-1]), self.packed_weight())
+        )
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_w8a8.gemm(x.reshape(-1, x.shape[-1]), self.packed_weight())  # [T, N]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    # One VNNI kernel, on one packing, at every row count.
+    many_rows_fit = few_rows_fit = _kernel_fits
+    many_rows = few_rows = _kernel
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
         if self.group_size is None:
             y = int8_matmul(xq, xs, self.qweight, self.scales)

@@ -64,12 +64,16 @@ class ActSparseLinear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_t.t().float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        weight_t, scale, bias = self.weight_t, self.column_scale, self.bias
-        if cpu_act_sparse.should_use(x, weight_t, scale, bias) and not (x.requires_grad and torch.is_grad_enabled()):
-            return cpu_act_sparse.linear_act_sparse(x, weight_t, self.threshold_value, scale, bias)
-        bias = None if bias is None else bias.to(x.dtype)
-        return cpu_act_sparse.reference(x, weight_t.to(x.dtype), self.threshold_value, scale, bias)
+    def few_rows_fit(self, x: torch.Tensor) -> bool:  # never many rows: a dense GEMM would not sparsify its input
+        kernel_ok = cpu_act_sparse.should_use(x, self.weight_t, self.column_scale, self.bias)
+        return kernel_ok and not (x.requires_grad and torch.is_grad_enabled())
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return cpu_act_sparse.linear_act_sparse(x, self.weight_t, self.threshold_value, self.column_scale, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return cpu_act_sparse.reference(x, self.weight_t.to(x.dtype), self.threshold_value, self.column_scale, bias)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
         """The native decode loop runs this layer to 8 rows; a loop of more rows (packed) would run a dense

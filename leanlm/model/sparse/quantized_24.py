@@ -71,8 +71,24 @@ def _check_chunks(fmt: str, k: int, group_size: int) -> None:
         )
 
 
+class _QuantizedSparse24(QuantLinear):
+    """What the two share: 9+ rows run cpu_gemm's quantized GEMM over the widened codes, anything no kernel
+    takes runs the dense quantized layer of those codes (`dense_layer`)."""
+
+    codes: torch.Tensor  # and each defines dense_layer()
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.codes, self.bias) and self.packed_weight() is not None
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gemm_quant(x, self.packed.value)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_layer()(x)
+
+
 @register_format
-class Sparse24Int8Linear(QuantLinear):
+class Sparse24Int8Linear(_QuantizedSparse24):
     """W 2:4 sparse with int8 kept weights: `codes` int8 [N, K / 2] (the kept codes in column order), `mask`
     [N, K / 8] as Sparse24Linear's, `scales` float32 [N] (group_size None) or [N, K / group_size]; w = q * scale.
 
@@ -139,15 +155,14 @@ class Sparse24Int8Linear(QuantLinear):
             return None
         return self.packed.get((self.codes, self.mask, self.scales, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
         bias_ok = self.bias is None or self.bias.dtype is x.dtype
-        if packs_rows(x, self.codes, self.bias) and self.packed_weight() is not None:  # 9+ rows
-            return cpu_gemm.gemm_quant(x, self.packed.value)
-        if bias_ok and cpu_sparse.should_use_quant(x, self.codes, 8, self._kernel_group) and not x.requires_grad:
-            return cpu_sparse.linear_sparse24_quant(
-                x, self.codes, self.mask, self.scales, None, self.bias, 8, self._kernel_group
-            )
-        return self.dense_layer()(x)
+        return bias_ok and cpu_sparse.should_use_quant(x, self.codes, 8, self._kernel_group) and not x.requires_grad
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_sparse.linear_sparse24_quant(
+            x, self.codes, self.mask, self.scales, None, self.bias, 8, self._kernel_group
+        )
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
         if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int8 kernel
@@ -167,7 +182,7 @@ class Sparse24Int8Linear(QuantLinear):
 
 
 @register_format
-class Sparse24Int4Linear(QuantLinear):
+class Sparse24Int4Linear(_QuantizedSparse24):
     """W 2:4 sparse with 2-4 bit kept codes: `codes` uint8 [N, K / 4] (pack_chunks' order), `mask` [N, K / 8]
     as Sparse24Linear's, `scales` float32 and `zeros` uint8 [N, K / group_size]; w = q * scale + min with
     min = -(zero * scale), so the grid holds 0 exactly (IntGroupWeightOnlyLinear's numbers, bit for bit).
@@ -253,15 +268,14 @@ class Sparse24Int4Linear(QuantLinear):
             return None
         return self.packed.get((self.codes, self.mask, self.scales, self.zeros, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
         bias_ok = self.bias is None or self.bias.dtype is x.dtype
-        if packs_rows(x, self.codes, self.bias) and self.packed_weight() is not None:  # 9+ rows
-            return cpu_gemm.gemm_quant(x, self.packed.value)
-        if bias_ok and cpu_sparse.should_use_quant(x, self.codes, 4, self.group_size) and not x.requires_grad:
-            return cpu_sparse.linear_sparse24_quant(
-                x, self.codes, self.mask, self.scales, self.zeros, self.bias, 4, self.group_size
-            )
-        return self.dense_layer()(x)
+        return bias_ok and cpu_sparse.should_use_quant(x, self.codes, 4, self.group_size) and not x.requires_grad
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_sparse.linear_sparse24_quant(
+            x, self.codes, self.mask, self.scales, self.zeros, self.bias, 4, self.group_size
+        )
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
         if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int4 kernel

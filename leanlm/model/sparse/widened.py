@@ -63,22 +63,35 @@ class WidenedSparseLinear(QuantLinear):
             return None
         return self.packed.get((self.values, self.mask, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _dtypes_match(self, x: torch.Tensor) -> bool:
+        """Values and bias in x's dtype: the kernels' and the dense copy's case (else the reference path)."""
+        return self.values.dtype is x.dtype and (self.bias is None or self.bias.dtype is x.dtype)
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return self._dtypes_match(x) and packs_rows(x, self.values, self.bias) and self.packed_weight() is not None
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gemm(x, self.packed.value)
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
+        return self._dtypes_match(x) and no_grad and self.kernel_should_use(x)
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._dtypes_match(x):
+            return self.reference_forward(x)
         bias = self.bias
-        if self.values.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
-            no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
-            if packs_rows(x, self.values, bias) and self.packed_weight() is not None:  # 9+ rows
-                return cpu_gemm.gemm(x, self.packed.value)
-            if no_grad and self.kernel_should_use(x):
-                return self.kernel(x, bias)
-            sparse_weight = self.tensor_core_weight(x) if no_grad and x.is_cuda else None
-            if sparse_weight is not None:
-                return F.linear(x, sparse_weight, bias)
-            dense = self.dense_weight()
-            if no_grad and cpu_gemv.should_use(x, dense):
-                return cpu_gemv.linear_bf16(x, dense, bias)  # no sparse kernel: the same numbers from the dense copy
-            return F.linear(x, dense, bias)
-        return self.reference_forward(x)
+        no_grad = not (x.requires_grad and torch.is_grad_enabled())
+        sparse_weight = self.tensor_core_weight(x) if no_grad and x.is_cuda else None
+        if sparse_weight is not None:
+            return F.linear(x, sparse_weight, bias)
+        dense = self.dense_weight()
+        if no_grad and cpu_gemv.should_use(x, dense):
+            return cpu_gemv.linear_bf16(x, dense, bias)  # no sparse kernel: the same numbers from the dense copy
+        return F.linear(x, dense, bias)
 
     def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
         packed_weight = self.packed_weight() if packed else None
