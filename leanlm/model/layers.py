@@ -11,6 +11,8 @@ from torch import nn
 from leanlm.config import RopeScaling
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_rows
 from leanlm.model.linear.dispatch import KernelDispatch
+from leanlm.model.linear.shard import COLUMN, check_axis, part, row_bias
+from leanlm.model.linear.stack import StackedLinear
 from leanlm.model.packed_cache import PackedCache
 
 
@@ -53,6 +55,45 @@ class Linear(KernelDispatch, nn.Linear):
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def metadata(self) -> dict[str, int]:
+        return {"in_features": self.in_features, "out_features": self.out_features}
+
+    @classmethod
+    def from_tensors(cls, meta: dict[str, int], tensors: dict[str, torch.Tensor]) -> Linear:
+        """The layer holding `weight` [N, K] (and `bias` [N]) as given, as QuantLinear.from_tensors does."""
+        weight, bias = tensors["weight"], tensors.get("bias")
+        if tuple(weight.shape) != (meta["out_features"], meta["in_features"]):
+            raise ValueError(f"weight {list(weight.shape)} does not match out/in features of {meta}")
+        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device="meta")
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        return layer
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.detach().float()
+
+    def shard(self, axis: int, rank: int, world: int) -> Linear:
+        """As QuantLinear.shard: rank's slice of the outputs (COLUMN) or of the inputs (ROW; rank 0 keeps the bias)."""
+        check_axis(axis)
+        cut = part(self.weight.shape[axis], axis, rank, world, 1, "bf16 linear")
+        weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()
+        if axis == COLUMN:
+            weight, bias = weight[cut], None if bias is None else bias[cut]
+        else:
+            weight, bias = weight[:, cut], row_bias(bias, rank)
+        shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
+        tensors = {"weight": weight.contiguous()} | ({} if bias is None else {"bias": bias.contiguous()})
+        return Linear.from_tensors(shape, tensors)
+
+    def stack_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.detach()} | ({} if self.bias is None else {"bias": self.bias.detach()})
+
+    @classmethod
+    def stack(cls, layers: list[Linear]) -> StackedLinear:
+        """E experts (one shape) with weight [E, N, K] and bias [E, N] stacked for a grouped GEMM."""
+        return StackedLinear.of(list(layers))
 
     def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
         """The weight (and bias) packed for cpu_gemm, current with the parameters; None off the kernel's path."""

@@ -8,14 +8,9 @@ from typing import Any
 import torch
 
 from leanlm.kernels import cpu_decode, cpu_w8a8
-from leanlm.model.quantized.linear import (
-    QuantLinear,
-    check_group_size,
-    check_numel,
-    matrix_shape,
-    register_format,
-    scaled_int8,
-)
+from leanlm.model.linear.checks import check_group_size, check_numel, matrix_shape
+from leanlm.model.linear.shard import COLUMN, refuse_row_split
+from leanlm.model.quantized.linear import QuantLinear, register_format, scaled_int8
 from leanlm.model.quantized.numerics import quantize_per_token_int8
 
 
@@ -65,6 +60,14 @@ class Int8DynamicActLinear(QuantLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         return scaled_int8(self.qweight, self.scales, self.group_size)
+
+    def shard_unit(self, axis: int) -> int:
+        if axis != COLUMN:
+            raise refuse_row_split(self.format, "each token's activation scale spans all of its inputs")
+        return 1
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        return {"qweight": self.qweight[cut], "scales": self.scales[cut]}
 
     def _pack(self, qweight, scales, bias) -> cpu_w8a8.PackedW8A8:
         return cpu_w8a8.pack(qweight, scales, bias)

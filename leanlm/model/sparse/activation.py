@@ -12,7 +12,9 @@ import math
 import torch
 
 from leanlm.kernels import cpu_act_sparse, cpu_decode
-from leanlm.model.quantized.linear import QuantLinear, check_numel, matrix_shape, register_format
+from leanlm.model.linear.checks import check_numel, matrix_shape
+from leanlm.model.linear.shard import COLUMN
+from leanlm.model.quantized.linear import QuantLinear, register_format
 
 
 @register_format
@@ -63,6 +65,12 @@ class ActSparseLinear(QuantLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_t.t().float()
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        # the score of input k needs only x_k and column_scale[k]: either split keeps each shard's inputs' scores
+        if axis == COLUMN:
+            return {"weight_t": self.weight_t[:, cut], "threshold": self.threshold, "column_scale": self.column_scale}
+        return {"weight_t": self.weight_t[cut], "threshold": self.threshold, "column_scale": self.column_scale[cut]}
 
     def few_rows_fit(self, x: torch.Tensor) -> bool:  # never many rows: a dense GEMM would not sparsify its input
         kernel_ok = cpu_act_sparse.should_use(x, self.weight_t, self.column_scale, self.bias)

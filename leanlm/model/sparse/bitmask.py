@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from leanlm.kernels import cpu_bitmask, cpu_decode
-from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
+from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, scaled
+from leanlm.model.quantized.linear import register_format
 from leanlm.model.sparse.semi_structured import mask_bits
 from leanlm.model.sparse.widened import WidenedSparseLinear
 
@@ -123,6 +125,17 @@ class BitmaskSparseLinear(WidenedSparseLinear):
     def sparsity(self) -> float:
         """The fraction of the weight's entries that are not stored."""
         return 1.0 - self.values.numel() / (self.out_features * self.in_features)
+
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN else 8  # a mask byte holds 8 columns
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        keep = mask_bits(self.mask)  # [N, K]; the set bits meet the values row-major
+        index = torch.full(keep.shape, -1, dtype=torch.int64, device=keep.device)
+        index[keep] = torch.arange(self.values.numel(), device=keep.device)  # each weight's place in values
+        sub, mask = (index[cut], self.mask[cut]) if axis == COLUMN else (index[:, cut], self.mask[:, scaled(cut, 8)])
+        counts = (sub >= 0).sum(1)  # [N'] values per kept row
+        return {"values": self.values[sub[sub >= 0]], "mask": mask, "row_offsets": torch.cumsum(counts, 0) - counts}
 
     def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.values, self.mask, self.row_offsets

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from leanlm.kernels import cpu_decode, cpu_gemm, cpu_sparse
+from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, groups, scaled
 from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.linear import (
     Int8WeightOnlyLinear,
     IntGroupWeightOnlyLinear,
     QuantLinear,
-    check_shape,
-    matrix_shape,
     packs_rows,
     register_format,
 )
@@ -139,6 +139,17 @@ class Sparse24Int8Linear(_QuantizedSparse24):
     def dequantized_weight(self) -> torch.Tensor:
         return self.dense_codes().float() * _per_column(self.scales, self.in_features)
 
+    def shard_unit(self, axis: int) -> int:
+        if axis == COLUMN:
+            return 1
+        return self.group_size or CHUNK  # whole groups (each holds whole chunks), or whole chunks per channel
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            return {"codes": self.codes[cut], "mask": self.mask[cut], "scales": self.scales[cut]}
+        scales = self.scales if self.group_size is None else groups(self.scales, cut, self.group_size)
+        return {"codes": self.codes[:, scaled(cut, 2)], "mask": self.mask[:, scaled(cut, 8)], "scales": scales}
+
     def _dense(self, codes, mask, scales, bias) -> Int8WeightOnlyLinear:
         gs = self.group_size
         return Int8WeightOnlyLinear(self.dense_codes(), scales if gs else scales.view(-1), bias, group_size=gs)
@@ -251,6 +262,17 @@ class Sparse24Int4Linear(_QuantizedSparse24):
         k = self.in_features
         w = self.dense_codes().float() * _per_column(self.scales, k) + _per_column(self.mins(), k)
         return w.masked_fill_(~mask_bits(self.mask), 0.0)  # pruned: zero * scale + min, exactly 0 already
+
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN else self.group_size  # whole groups, and whole chunks (a group holds them)
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        names = ("codes", "mask", "scales", "zeros")
+        if axis == COLUMN:
+            return {name: getattr(self, name)[cut] for name in names}
+        g = self.group_size
+        return {"codes": self.codes[:, scaled(cut, 4)], "mask": self.mask[:, scaled(cut, 8)],
+                "scales": groups(self.scales, cut, g), "zeros": groups(self.zeros, cut, g)}  # fmt: skip
 
     def _dense(self, codes, mask, scales, zeros, bias) -> IntGroupWeightOnlyLinear:
         packed = pack_int4(self.dense_codes())

@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 
 from leanlm.kernels import cpu_decode, cpu_sparse
+from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, scaled
 from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
+from leanlm.model.quantized.linear import register_format
 from leanlm.model.sparse import tensor_cores
 from leanlm.model.sparse.widened import WidenedSparseLinear
 
@@ -110,6 +112,14 @@ class Sparse24Linear(WidenedSparseLinear):
         """The layer for a 2:4 sparse weight [N, K] (values stored in `dtype`); ValueError if it is not 2:4."""
         values, mask = compress_24(weight, dtype)
         return cls(values, mask, None if bias is None else bias.detach().to(dtype))
+
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN else 8  # a mask byte holds two groups of 4 columns
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            return {"values": self.values[cut], "mask": self.mask[cut]}
+        return {"values": self.values[:, scaled(cut, 2)], "mask": self.mask[:, scaled(cut, 8)]}
 
     def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.values, self.mask
