@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_rows
+from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_rows
+from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.linear.shard import COLUMN, check_axis, part, row_bias
 from leanlm.model.linear.stack import StackedLinear
@@ -101,11 +102,12 @@ class Linear(KernelDispatch, nn.Linear):
             return None
         return self.packed.get((self.weight, self.bias), cpu_gemm.pack)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
-        """This layer as the native decode loop reads it (checked there with is_supported()); with `packed`,
-        with its packed weight too (None off the kernel's path), for loops of more than 8 rows."""
-        packed_weight = self.packed_weight() if packed else None
-        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.weight, bias=self.bias, packed=packed_weight)
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        """This layer as the native decode loop runs it (None where its kernels cannot); with `packed`, with its
+        packed GEMM too, for loops of more than 8 rows."""
+        many = cpu_gemm.native_call(self.packed_weight(), self.out_features, self.in_features) if packed else None
+        few = cpu_gemv.native_call(self.weight, self.bias)
+        return describe(self.out_features, self.in_features, few, many, packed)
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_gemm, cpu_qgemv
+from leanlm.kernels.native_linear import NativeCall, NativeLinear, describe
 from leanlm.model.linear.checks import check_group_size, check_indices, check_numel, check_shape, matrix_shape
 from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.linear.shard import COLUMN, check_axis, groups, part, refuse_row_split, row_bias, scaled
@@ -86,10 +87,14 @@ class QuantLinear(KernelDispatch, nn.Module, ABC):
         """Bytes of the stored weight representation (codes + scales), bias excluded."""
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        """This layer in a format of the native decode loop, or None (that loop then is not used); with
-        `packed`, with the packed weight its own products use from 9 rows on (see packed_weight)."""
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        """This layer as the native decode loop runs it (its kernels' calls), or None (that loop then is not used);
+        with `packed`, with the packed GEMM its own products use from 9 rows on (see packed_weight)."""
         return None
+
+    def many_rows_call(self, packed: bool) -> NativeCall | None:
+        """The loop's many-row call: the packed GEMM on packed_weight(), when `packed`."""
+        return cpu_gemm.native_call(self.packed_weight(), self.out_features, self.in_features) if packed else None
 
     def packed_weight(self) -> cpu_gemm.PackedQuant | None:
         """The weight in cpu_gemm's panel order (packed on first use, remade when the tensors change), or None
@@ -255,16 +260,9 @@ class Int8WeightOnlyLinear(QuantLinear):
             return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, self.group_size), self.bias)
         return self.reference_forward(x)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
-        packed_weight = self.packed_weight() if packed else None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_INT8,
-            self.qweight,
-            self.scales,
-            bias=self.bias,
-            group_size=self.group_size or 0,
-            packed=packed_weight,
-        )
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
 @register_format
@@ -379,14 +377,6 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             return F.linear(self._permuted(x), w, self.bias)
         return self.reference_forward(x)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_INT4,
-            self.qweight,
-            self.scales,
-            self.mins,
-            self.bias,
-            self.group_size,
-            self.perm,
-            packed=self.packed_weight() if packed else None,
-        )
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        few = cpu_qgemv.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed, self.perm)

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from leanlm.kernels import cpu_decode, cpu_w8a8
+from leanlm.kernels import cpu_w8a8
+from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.checks import check_group_size, check_numel, matrix_shape
 from leanlm.model.linear.shard import COLUMN, refuse_row_split
 from leanlm.model.quantized.linear import QuantLinear, register_format, scaled_int8
@@ -79,11 +80,9 @@ class Int8DynamicActLinear(QuantLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        packed_weight = self.packed_weight()  # the kernel's only layout, whatever the row count
-        if packed_weight is None:
-            return None
-        return cpu_decode.NativeLinear(cpu_decode.KIND_W8A8, self.qweight, self.scales, packed=packed_weight)
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        call = cpu_w8a8.native_call(self.packed_weight(), self.out_features, self.in_features)
+        return describe(self.out_features, self.in_features, call, call, packed)  # one kernel at every row count
 
     def _kernel_fits(self, x: torch.Tensor) -> bool:
         return (

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from leanlm.kernels import cpu_act_sparse, cpu_decode
+from leanlm.kernels import cpu_act_sparse
+from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.checks import check_numel, matrix_shape
 from leanlm.model.linear.shard import COLUMN
 from leanlm.model.quantized.linear import QuantLinear, register_format
@@ -83,18 +84,13 @@ class ActSparseLinear(QuantLinear):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return cpu_act_sparse.reference(x, self.weight_t.to(x.dtype), self.threshold_value, self.column_scale, bias)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
         """The native decode loop runs this layer to 8 rows; a loop of more rows (packed) would run a dense
         GEMM, which does not sparsify, so it is not offered one."""
         if packed or not cpu_act_sparse.is_available():
             return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_ACT_SPARSE,
-            self.weight_t,
-            scales=self.threshold,
-            mins=self.column_scale,
-            bias=self.bias,
-        )
+        few = cpu_act_sparse.native_call(self.weight_t, self.threshold, self.column_scale, self.bias)
+        return describe(self.out_features, self.in_features, few, None, packed)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, threshold={self.threshold_value:.4g}"

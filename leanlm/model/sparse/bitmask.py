@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from leanlm.kernels import cpu_bitmask, cpu_decode
+from leanlm.kernels import cpu_bitmask
+from leanlm.kernels.native_linear import NativeCall
 from leanlm.model.linear.checks import check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, scaled
 from leanlm.model.quantized.linear import register_format
@@ -146,17 +147,10 @@ class BitmaskSparseLinear(WidenedSparseLinear):
     def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_bitmask.linear_bitmask(x, self.values, self.mask, self.row_offsets, bias)
 
-    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
+    def native_sparse(self) -> NativeCall | None:
         if not cpu_bitmask.is_available():
             return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_BITMASK,
-            self.values,
-            bias=self.bias,
-            mask=self.mask,
-            row_offsets=self.row_offsets,
-            packed=packed_weight,
-        )
+        return cpu_bitmask.native_call(self.values, self.mask, self.row_offsets, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sparsity={self.sparsity():.3f}"

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_sparse
+from leanlm.kernels import cpu_gemm, cpu_sparse
+from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.checks import check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups, scaled
 from leanlm.model.packed_cache import PackedCache
@@ -175,21 +176,12 @@ class Sparse24Int8Linear(_QuantizedSparse24):
             x, self.codes, self.mask, self.scales, None, self.bias, 8, self._kernel_group
         )
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
         if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int8 kernel
             return self.dense_layer().native_linear(packed)
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_SPARSE24_INT8,
-            self.codes,
-            self.scales,
-            bias=self.bias,
-            group_size=self._kernel_group,
-            packed=packed_weight,
-            mask=self.mask,
-        )
+        g = self._kernel_group
+        few = cpu_sparse.quant_native_call(self.codes, self.mask, self.scales, None, self.bias, 8, g)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
 @register_format
@@ -299,22 +291,12 @@ class Sparse24Int4Linear(_QuantizedSparse24):
             x, self.codes, self.mask, self.scales, self.zeros, self.bias, 4, self.group_size
         )
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
         if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int4 kernel
             return self.dense_layer().native_linear(packed)
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_SPARSE24_INT4,
-            self.codes,
-            self.scales,
-            bias=self.bias,
-            group_size=self.group_size,
-            packed=packed_weight,
-            mask=self.mask,
-            zeros=self.zeros,
-        )
+        g = self.group_size
+        few = cpu_sparse.quant_native_call(self.codes, self.mask, self.scales, self.zeros, self.bias, 4, g)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
 def to_sparse24_quantized(layer: QuantLinear) -> QuantLinear:
