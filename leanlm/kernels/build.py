@@ -201,6 +201,11 @@ class NativeKernel:
     def is_available(self) -> bool:
         return self.fn() is not None
 
+    def address(self) -> int | None:
+        """The function's address (what a native caller such as the decode loop calls), or None if unavailable."""
+        fn = self.fn()
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
     @property
     def unavailable_reason(self) -> str | None:
         self.fn()

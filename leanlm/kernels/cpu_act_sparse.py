@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -124,3 +125,20 @@ def linear_act_sparse(
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_act_sparse failed (code {rc})")
     return y
+
+
+_CALL = call_entry(_KERNEL.source, "leanlm_linear_act_sparse_call", _KERNEL.cpu_needs)
+
+
+def native_call(
+    weight_t: torch.Tensor, threshold: torch.Tensor, column_scale: torch.Tensor, bias: torch.Tensor | None
+) -> NativeCall | None:
+    """The decode loop's call of this kernel: weight_t bf16 [K, N], threshold float32 [1], column_scale float32
+    [K], bias bf16 [N] or None; None where they do not fit."""
+    if weight_t.dim() != 2 or weight_t.dtype != torch.bfloat16:
+        return None
+    K, N = weight_t.shape
+    ok = threshold.dtype == torch.float32 and threshold.numel() == 1 and bias_fits(bias, N)
+    if not (ok and column_scale.dtype == torch.float32 and tuple(column_scale.shape) == (K,)):
+        return None
+    return NativeCall("act_sparse", _CALL, (weight_t, threshold, column_scale, bias))

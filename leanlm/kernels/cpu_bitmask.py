@@ -16,6 +16,7 @@ import torch
 
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -143,3 +144,18 @@ def linear_bitmask(
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_bitmask failed (code {rc})")
     return y
+
+
+_CALL = call_entry(_KERNEL.source, "leanlm_linear_bitmask_call", _KERNEL.cpu_needs)
+
+
+def native_call(
+    values: torch.Tensor, mask: torch.Tensor, row_offsets: torch.Tensor, bias: torch.Tensor | None
+) -> NativeCall | None:
+    """The decode loop's call of this kernel: values bf16 [nnz], mask uint8 [N, K / 8], row_offsets int64 [N] (the
+    layer checked that they agree), bias bf16 [N] or None; None where they do not fit."""
+    ok = values.dtype == torch.bfloat16 and values.dim() == 1 and mask.dtype == torch.uint8 and mask.dim() == 2
+    ok = ok and row_offsets.dtype == torch.int64 and tuple(row_offsets.shape) == (mask.shape[0],)
+    if not (ok and bias_fits(bias, mask.shape[0])):
+        return None
+    return NativeCall("bitmask", _CALL, (values, mask, row_offsets, bias))

@@ -2,9 +2,9 @@
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
-linears and attention run on the same kernels as the PyTorch path (cpu_gemv, cpu_qgemv, cpu_sparse to 8 rows,
-cpu_gemm from 9, paged_attention), passed to the C loop as function pointers. A loop whose linears carry their
-packed weights (`NativeLinear.packed`) takes any number of rows; without them, at most MAX_ROWS.
+linears and attention run on the same kernels as the PyTorch path: each linear brings its own as calls
+(`NativeLinear.few_rows` to 8 rows, `many_rows` from 9: native_linear.py), attention is passed as function
+pointers. A loop whose linears all carry a many-row call takes any number of rows; otherwise at most MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -15,31 +15,10 @@ from pathlib import Path
 
 import torch
 
-from leanlm.kernels import (
-    cpu_act_sparse,
-    cpu_bitmask,
-    cpu_gemm,
-    cpu_gemv,
-    cpu_qgemv,
-    cpu_sparse,
-    cpu_w8a8,
-    paged_attention,
-)
+from leanlm.kernels import cpu_gemm, paged_attention
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
-from leanlm.kernels.native_linear import (  # noqa: F401  (re-exported: the layers describe themselves through these)
-    KIND_ACT_SPARSE,
-    KIND_BF16,
-    KIND_BITMASK,
-    KIND_INT4,
-    KIND_INT8,
-    KIND_SPARSE24,
-    KIND_SPARSE24_INT4,
-    KIND_SPARSE24_INT8,
-    KIND_W8A8,
-    NativeLinear,
-    _Linear,
-)
+from leanlm.kernels.native_linear import NativeLinear, _Linear
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -82,19 +61,8 @@ class _Model(ctypes.Structure):
         ("sin", _P),
         ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _P),
-        ("linear_bf16", _P),
-        ("linear_int8", _P),
-        ("linear_int4", _P),
         ("attention", _P),
         ("attention_int8", _P),
-        ("gemm_bf16", _P),
-        ("gemm_quant", _P),
-        ("gemm_w8a8", _P),
-        ("linear_sparse24", _P),
-        ("linear_act_sparse", _P),
-        ("linear_sparse24_int8", _P),
-        ("linear_sparse24_int4", _P),
-        ("linear_bitmask", _P),
         ("min_gemm_rows", _I64),
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
@@ -165,25 +133,14 @@ def _check_shapes(layers: list[NativeLayer], hidden: int, q_rows: int, kv_rows: 
 
 
 def is_available() -> bool:
-    """The loop and every kernel it calls are built and loaded."""
-    return (
-        _KERNEL.is_available()
-        and cpu_gemv.is_available()
-        and cpu_qgemv.is_available()
-        and cpu_gemm.is_available()
-        and cpu_gemm.quant_is_available()
-        and paged_attention.is_available()
-    )
-
-
-def _fn_address(kernel: NativeKernel) -> int:
-    return ctypes.cast(kernel.fn(), ctypes.c_void_p).value
+    """The loop and the attention it calls are built and loaded (each linear's calls say whether theirs are)."""
+    return _KERNEL.is_available() and paged_attention.is_available()
 
 
 class DecodeLayers:
     """The native decode loop over one model's weights. `bind_kv` points it at a KV cache; __call__ runs every
     layer and the final norm. It takes up to `max_rows` tokens a call: MAX_ROWS, or any number when every
-    linear carries its packed weight."""
+    linear carries a many-row call."""
 
     def __init__(
         self,
@@ -220,19 +177,7 @@ class DecodeLayers:
             sin.data_ptr(),
             self._layers,
             final_norm.data_ptr(),
-            _fn_address(cpu_gemv._KERNEL),
-            _fn_address(cpu_qgemv._INT8_KERNEL),
-            _fn_address(cpu_qgemv._INT4_KERNEL),
-            _fn_address(paged_attention._KERNEL),
-            _fn_address(paged_attention._KERNEL_INT8),
-            _fn_address(cpu_gemm._KERNEL),
-            _fn_address(cpu_gemm._QUANT_KERNEL),
-            _fn_address(cpu_w8a8._KERNEL) if cpu_w8a8.is_available() else None,
-            _fn_address(cpu_sparse._KERNEL) if cpu_sparse.is_available() else None,
-            _fn_address(cpu_act_sparse._KERNEL) if cpu_act_sparse.is_available() else None,
-            _fn_address(cpu_sparse._INT8_KERNEL) if cpu_sparse.quant_is_available() else None,
-            _fn_address(cpu_sparse._INT4_KERNEL) if cpu_sparse.quant_is_available() else None,
-            _fn_address(cpu_bitmask._KERNEL) if cpu_bitmask.is_available() else None,
+            *paged_attention.native_entries(),
             cpu_gemm.MIN_ROWS,
             MIN_PARALLEL_BYTES,
             eps,
@@ -245,7 +190,7 @@ class DecodeLayers:
         self._per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * widest_output
         self._per_row += widest_input
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=_BF16)  # grown for larger batches
-        packed = all(linear.packed is not None for layer in layers for linear in layer.linears)
+        packed = all(linear.many_rows is not None for layer in layers for linear in layer.linears)
         self.max_rows: int | None = None if packed else MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.native_linear import NativeCall, call_entry
 
 _SOURCE = Path(__file__).with_name("gemm_bf16.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -249,3 +250,23 @@ def measure_dot_peak(threads: int | None = None, seconds: float = 0.2) -> float:
         flop = fn(iters, threads, 1.0)
         best = max(best, flop / (time.perf_counter() - t))
     return best / 1e9
+
+
+_BF16_CALL = call_entry(_SOURCE, "leanlm_gemm_bf16_call")
+_QUANT_CALL = call_entry(_SOURCE, "leanlm_gemm_quant_call")
+
+
+def native_call(packed: PackedBF16 | PackedQuant | None, out_features: int, in_features: int) -> NativeCall | None:
+    """The decode loop's many-row call on a packed weight of this [N, K] with an even K (the loop passes its rows
+    unpadded); None where there is none or it does not fit. Tensors: bf16 panels and bias, or code panels, scales,
+    mins and bias with ints (group size, bits)."""
+    if packed is None or (packed.out_features, packed.in_features, packed.padded_in_features) != (
+        out_features,
+        in_features,
+        in_features,
+    ):
+        return None
+    if isinstance(packed, PackedBF16):
+        return NativeCall("gemm_bf16", _BF16_CALL, (packed.data, packed.bias), owner=packed)
+    tensors = (packed.codes, packed.scales, packed.mins, packed.bias)
+    return NativeCall("gemm_quant", _QUANT_CALL, tensors, (packed.group_size, packed.bits), owner=packed)

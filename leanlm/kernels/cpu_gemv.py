@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
 
 _KERNEL = NativeKernel(
     source=Path(__file__).with_name("gemv_bf16.c"),
@@ -112,3 +113,14 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rc != 0:
         raise RuntimeError(f"leanlm_linear_bf16 failed (code {rc})")
     return y
+
+
+_CALL = call_entry(Path(__file__).with_name("gemv_bf16.c"), "leanlm_linear_bf16_call")
+
+
+def native_call(weight: torch.Tensor, bias: torch.Tensor | None) -> NativeCall | None:
+    """The decode loop's call of this GEMV on weight bf16 [N, K] and bias bf16 [N] (or None); None where the
+    tensors are not what the kernel reads."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not bias_fits(bias, weight.shape[0]):
+        return None
+    return NativeCall("bf16", _CALL, (weight, bias))

@@ -16,6 +16,7 @@ import torch
 
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
 
 _SOURCE = Path(__file__).with_name("gemv_quant.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -315,3 +316,37 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
         torch.get_num_threads(),
     )
     return out
+
+
+_INT8_CALL = call_entry(_SOURCE, "leanlm_linear_int8_call")
+_INT4_CALL = call_entry(_SOURCE, "leanlm_linear_int4_call")
+
+
+def int8_native_call(
+    qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int | None
+) -> NativeCall | None:
+    """The decode loop's call of the int8 GEMV: codes int8 [N, K], scales float32 [N] (group_size None) or
+    [N, K / group_size], bias bf16 [N] or None; None where the tensors are not what it reads."""
+    if qweight.dim() != 2 or qweight.dtype != _I8 or not int8_group_ok(group_size, qweight.shape[1]):
+        return None
+    N, K = qweight.shape
+    shape = (N,) if group_size is None else (N, K // group_size)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != shape or not bias_fits(bias, N):
+        return None
+    return NativeCall("int8", _INT8_CALL, (qweight, scales, bias), (group_size or K,))
+
+
+def int4_native_call(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None, group_size: int
+) -> NativeCall | None:
+    """The decode loop's call of the 2-4 bit GEMV: codes uint8 [N, K / 2], scales and mins float32
+    [N, K / group_size] (group_size a multiple of 32), bias bf16 [N] or None; None where they do not fit."""
+    if qweight.dim() != 2 or qweight.dtype != _U8:
+        return None
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    if not (isinstance(group_size, int) and group_size > 0 and group_size % 32 == 0 and K % group_size == 0):
+        return None
+    side_ok = all(t.dtype == torch.float32 and tuple(t.shape) == (N, K // group_size) for t in (scales, mins))
+    if not (side_ok and bias_fits(bias, N)):
+        return None
+    return NativeCall("int4", _INT4_CALL, (qweight, scales, mins, bias), (group_size,))

@@ -15,6 +15,7 @@ import torch
 
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -252,3 +253,49 @@ def linear_sparse24_quant(
     if rc != 0:
         raise RuntimeError(f"{kernel.symbol} failed (code {rc})")
     return y
+
+
+_CALL = call_entry(_KERNEL.source, "leanlm_linear_sparse24_call", _KERNEL.cpu_needs)
+_INT8_CALL = call_entry(_QUANT_SOURCE, "leanlm_linear_sparse24_int8_call", _INT8_KERNEL.cpu_needs)
+_INT4_CALL = call_entry(_QUANT_SOURCE, "leanlm_linear_sparse24_int4_call", _INT4_KERNEL.cpu_needs)
+
+
+def _mask_fits(mask: torch.Tensor | None, n: int, k: int) -> bool:
+    return mask is not None and mask.dtype == _U8 and tuple(mask.shape) == (n, k // 8)
+
+
+def native_call(values: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> NativeCall | None:
+    """The decode loop's call of the 2:4 GEMV: values bf16 [N, K / 2], mask uint8 [N, K / 8], bias bf16 [N] or
+    None; None where they do not fit."""
+    if values.dim() != 2 or values.dtype != _BF16:
+        return None
+    N, K = values.shape[0], 2 * values.shape[1]
+    if not (_mask_fits(mask, N, K) and bias_fits(bias, N)):
+        return None
+    return NativeCall("sparse24", _CALL, (values, mask, bias))
+
+
+def quant_native_call(
+    codes: torch.Tensor,
+    mask: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> NativeCall | None:
+    """The decode loop's call of the quantized 2:4 GEMV: int8 codes [N, K / 2] (bits 8, zeros None) or 4-bit codes
+    uint8 [N, K / 4] with zeros uint8 [N, K / group_size]; mask, scales float32 [N, K / group_size] (group_size K:
+    one per row), bias bf16 [N] or None; None where they do not fit."""
+    int4 = bits == 4
+    if codes.dim() != 2 or codes.dtype != (_U8 if int4 else _I8) or (zeros is None) == int4:
+        return None
+    N, K = codes.shape[0], codes.shape[1] * (4 if int4 else 2)
+    if not (quant_group_ok(group_size, K) and _mask_fits(mask, N, K) and bias_fits(bias, N)):
+        return None
+    side = [(scales, torch.float32)] + ([(zeros, _U8)] if int4 else [])
+    if not all(t.dtype == dtype and tuple(t.shape) == (N, K // group_size) for t, dtype in side):
+        return None
+    if int4:
+        return NativeCall("sparse24_int4", _INT4_CALL, (codes, mask, scales, zeros, bias), (group_size,))
+    return NativeCall("sparse24_int8", _INT8_CALL, (codes, mask, scales, bias), (group_size,))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.native_linear import NativeCall, call_entry
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -108,3 +109,14 @@ def gemm(x: torch.Tensor, packed: PackedW8A8) -> torch.Tensor:
     if rc != 0:
         raise RuntimeError(f"leanlm_gemm_w8a8 failed (code {rc})")
     return y
+
+
+_CALL = call_entry(_KERNEL.source, "leanlm_gemm_w8a8_call", _KERNEL.cpu_needs)
+
+
+def native_call(packed: PackedW8A8 | None, out_features: int, in_features: int) -> NativeCall | None:
+    """The decode loop's call of this kernel (at every row count) on a packed weight of this [N, K]: tensors the
+    panels, their scales and the float32 bias; None where there is none or it does not fit."""
+    if packed is None or (packed.out_features, packed.in_features) != (out_features, in_features):
+        return None
+    return NativeCall("w8a8", _CALL, (packed.data, packed.scales, packed.bias), owner=packed)

@@ -11,8 +11,8 @@
  * the same kernels, and that path runs few-row RMSNorm and SiLU-and-multiply on the exported functions
  * below (torch's own reductions and exp sum and round in another order).
  *
- * Up to 8 tokens the linears run on the GEMV kernels (cpu_gemv, cpu_qgemv, cpu_sparse, cpu_act_sparse); from 9 on, on the packed GEMM
- * (cpu_gemm), as the PyTorch path's layers choose. The element-wise work is 16-lane AVX512 and, for many
+ * Each linear brings its own kernels as calls (linear_call.h): its few-row GEMV below min_gemm_rows rows, its
+ * packed GEMM from there on, as the PyTorch path's layers choose; this loop knows no weight format. The element-wise work is 16-lane AVX512 and, for many
  * rows, split by rows over OpenMP threads: each row's result is the same whatever the batch or thread count. */
 
 #include <float.h>
@@ -24,75 +24,23 @@
 
 #include "bf16.h"
 #include "exp512.h"
+#include "linear_call.h"
 
-enum {
-    KIND_BF16 = 0,
-    KIND_INT8 = 1,
-    KIND_INT4 = 2,
-    KIND_W8A8 = 3,
-    KIND_SPARSE24 = 4,
-    KIND_ACT_SPARSE = 5,
-    KIND_BITMASK = 6,
-    KIND_SPARSE24_INT8 = 7,
-    KIND_SPARSE24_INT4 = 8
-};
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
 
-typedef int (*linear_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
-                              int64_t, int, int64_t);
-typedef int (*linear_int8_fn)(const uint16_t *, const int8_t *, const float *, const uint16_t *, uint16_t *, int64_t,
-                              int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*linear_int4_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const uint16_t *,
-                              uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*linear_sparse24_fn)(const uint16_t *, const uint16_t *, const uint8_t *, const uint16_t *, uint16_t *,
-                                  int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*linear_act_sparse_fn)(const uint16_t *, const uint16_t *, double, const float *, const uint16_t *,
-                                    uint16_t *, int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*linear_sparse24_int8_fn)(const uint16_t *, const int8_t *, const uint8_t *, const float *,
-                                       const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*linear_sparse24_int4_fn)(const uint16_t *, const uint8_t *, const uint8_t *, const float *,
-                                       const uint8_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
-                                       int64_t, int, int64_t);
-typedef int (*linear_bitmask_fn)(const uint16_t *, const uint16_t *, const uint8_t *, const int64_t *,
-                                 const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int, int64_t);
-typedef int (*gemm_bf16_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
-                            int);
-typedef int (*gemm_quant_fn)(const uint16_t *, const uint8_t *, const float *, const float *, const float *,
-                             uint16_t *, int64_t, int64_t, int64_t, int64_t, int, int);
-typedef int (*gemm_w8a8_fn)(const uint16_t *, const uint8_t *, const float *, const float *, uint16_t *, int64_t,
-                            int64_t, int64_t, int);
 typedef int (*attention_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, const int64_t *,
                             uint16_t *, int, int, int, int, int, int, int64_t, float, int);
 typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t *, const float *, const float *,
                                  const int64_t *, const int64_t *, uint16_t *, int, int, int, int, int, int, int64_t,
                                  float, int);
 
-/* One linear layer y = x W^T + b in one of the kernels' formats. Every field is 8 bytes (no padding), so
- * the ctypes mirror in cpu_decode.py lays it out identically. */
+/* One linear layer y = x W^T + b: its kernels as calls (linear_call.h), each reading the layer's own tensors.
+ * Every field is 8 bytes (no padding), so the ctypes mirror in native_linear.py lays it out identically. */
 typedef struct {
-    int64_t kind;           /* KIND_* */
-    /* bf16 [N, K], int8 [N, K], packed 4-bit codes uint8 [N, K / 2], 2:4 values bf16 [N, K / 2], bitmask
-     * values bf16 [nnz] (the nonzeros row-major), or for KIND_ACT_SPARSE the bf16 weight transposed [K, N] */
-    const void *weight;
-    /* int8: [N] (group_size 0) or [N, K / group_size]; int4: [N, K / group_size]; KIND_ACT_SPARSE: [1], the
-     * input threshold (inputs of magnitude <= it are zero, their weight rows not read) */
-    const float *scales;
-    const float *mins;      /* int4: [N, K / group_size]; KIND_ACT_SPARSE: the inputs' score scales [K]; else NULL */
-    const uint16_t *bias;   /* bf16 [N] or NULL */
-    const int64_t *perm;    /* int4 only, or NULL: columns stored in this input order [K] (GPTQ act-order) */
-    int64_t out_features, in_features, group_size;
-    /* The weight in cpu_gemm's panel layout, for 9+ rows (NULL: this linear takes at most 8): bf16 panels
-     * (packed_bits 0) or int4 / int8 code panels with their panel-ordered scales and mins. KIND_W8A8: always
-     * set, cpu_w8a8's panels with padded scales (packed_scales) and float32 bias, used at every row count. */
-    const void *packed;
-    const float *packed_scales, *packed_mins;
-    const float *packed_bias; /* float32 [panels * 32] or NULL */
-    int64_t packed_bits, packed_group;
-    /* KIND_SPARSE24(_INT8, _INT4): the 2:4 bitmask [N, K / 8] (2 bits per nibble); KIND_BITMASK: a bit per
-     * weight [N, K / 8] (bit i of byte b: column 8b + i holds a value); NULL otherwise */
-    const uint8_t *mask;
-    const uint8_t *zeros; /* KIND_SPARSE24_INT4: the zero codes [N, K / group_size]; NULL otherwise */
-    const int64_t *row_offsets; /* KIND_BITMASK: where each row's values start [N]; NULL otherwise */
+    int64_t out_features, in_features;
+    const int64_t *perm;           /* NULL, or the input is gathered as x[:, perm] first [K] (GPTQ act-order) */
+    leanlm_linear_call few_rows;   /* fewer than min_gemm_rows rows */
+    leanlm_linear_call many_rows;  /* min_gemm_rows rows and more; fn NULL where the loop takes at most 8 */
 } decode_linear;
 
 typedef struct {
@@ -107,19 +55,8 @@ typedef struct {
     const float *cos, *sin; /* fp32 [rope_positions, D / 2] rotary tables */
     const decode_layer *layers;
     const uint16_t *final_norm;
-    linear_bf16_fn linear_bf16;
-    linear_int8_fn linear_int8;
-    linear_int4_fn linear_int4;
     attention_fn attention;
     attention_int8_fn attention_int8;
-    gemm_bf16_fn gemm_bf16;
-    gemm_quant_fn gemm_quant;
-    gemm_w8a8_fn gemm_w8a8; /* NULL where the CPU lacks AVX512-VNNI (no layer is then KIND_W8A8) */
-    linear_sparse24_fn linear_sparse24; /* NULL where the CPU lacks AVX512-VBMI2 (no layer is then KIND_SPARSE24) */
-    linear_act_sparse_fn linear_act_sparse; /* NULL where that kernel is not loaded (no layer is then KIND_ACT_SPARSE) */
-    linear_sparse24_int8_fn linear_sparse24_int8; /* NULL without VBMI2, as linear_sparse24 */
-    linear_sparse24_int4_fn linear_sparse24_int4;
-    linear_bitmask_fn linear_bitmask; /* NULL where the CPU lacks AVX512-VBMI2 (no layer is then KIND_BITMASK) */
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
@@ -134,53 +71,9 @@ static int run_linear(const decode_model *m, const decode_linear *l, const uint1
             for (int64_t j = 0; j < K; j++) permuted[t * K + j] = x[t * K + l->perm[j]];
         x = permuted;
     }
-    if (l->kind == KIND_W8A8) {
-        if (l->packed == NULL || m->gemm_w8a8 == NULL) return -11;
-        return m->gemm_w8a8(x, (const uint8_t *)l->packed, l->packed_scales, l->packed_bias, y, M, l->out_features,
-                            l->in_features, threads);
-    }
-    if (M >= m->min_gemm_rows) {
-        if (l->packed == NULL) return -11;
-        if (l->packed_bits == 0)
-            return m->gemm_bf16(x, (const uint16_t *)l->packed, l->packed_bias, y, M, l->out_features,
-                                l->in_features, threads);
-        return m->gemm_quant(x, (const uint8_t *)l->packed, l->packed_scales, l->packed_mins, l->packed_bias, y, M,
-                             l->out_features, l->in_features, l->packed_group, (int)l->packed_bits, threads);
-    }
-    switch (l->kind) {
-    case KIND_BF16:
-        return m->linear_bf16(x, (const uint16_t *)l->weight, l->bias, y, M, l->out_features, l->in_features, threads,
-                              m->min_parallel_bytes);
-    case KIND_INT8:
-        return m->linear_int8(x, (const int8_t *)l->weight, l->scales, l->bias, y, M, l->out_features, l->in_features,
-                              l->group_size > 0 ? l->group_size : l->in_features, threads, m->min_parallel_bytes);
-    case KIND_INT4:
-        return m->linear_int4(x, (const uint8_t *)l->weight, l->scales, l->mins, l->bias, y, M, l->out_features,
-                              l->in_features, l->group_size, threads, m->min_parallel_bytes);
-    case KIND_SPARSE24:
-        if (m->linear_sparse24 == NULL || l->mask == NULL) return -11;
-        return m->linear_sparse24(x, (const uint16_t *)l->weight, l->mask, l->bias, y, M, l->out_features,
-                                  l->in_features, threads, m->min_parallel_bytes);
-    case KIND_ACT_SPARSE:
-        if (m->linear_act_sparse == NULL || l->scales == NULL) return -11;
-        return m->linear_act_sparse(x, (const uint16_t *)l->weight, (double)l->scales[0], l->mins, l->bias, y, M,
-                                    l->out_features, l->in_features, threads, m->min_parallel_bytes);
-    case KIND_SPARSE24_INT8:
-        if (m->linear_sparse24_int8 == NULL || l->mask == NULL) return -11;
-        return m->linear_sparse24_int8(x, (const int8_t *)l->weight, l->mask, l->scales, l->bias, y, M,
-                                       l->out_features, l->in_features, l->group_size, threads, m->min_parallel_bytes);
-    case KIND_SPARSE24_INT4:
-        if (m->linear_sparse24_int4 == NULL || l->mask == NULL || l->zeros == NULL) return -11;
-        return m->linear_sparse24_int4(x, (const uint8_t *)l->weight, l->mask, l->scales, l->zeros, l->bias, y, M,
-                                       l->out_features, l->in_features, l->group_size, threads,
-                                       m->min_parallel_bytes);
-    case KIND_BITMASK:
-        if (m->linear_bitmask == NULL || l->mask == NULL || l->row_offsets == NULL) return -11;
-        return m->linear_bitmask(x, (const uint16_t *)l->weight, l->mask, l->row_offsets, l->bias, y, M,
-                                 l->out_features, l->in_features, threads, m->min_parallel_bytes);
-    default:
-        return -10;
-    }
+    const leanlm_linear_call *call = M >= m->min_gemm_rows ? &l->many_rows : &l->few_rows;
+    if (call->fn == NULL) return -11;
+    return call->fn(call, x, y, M, l->out_features, l->in_features, threads, m->min_parallel_bytes);
 }
 
 /* ---------------------------------------------------------------- 16-lane helpers (AVX512F; exact)

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "linear_call.h"
 
 #define NR 32
 #define MR_MAX 12
@@ -210,4 +211,21 @@ double leanlm_bf16_dot_peak(int64_t iters, int num_threads, float seed) {
         total += (double)_mm512_reduce_add_ps(s) * 0.0 + (double)iters * 24.0 * 64.0;
     }
     return total;
+}
+
+/* The decode loop's entries (linear_call.h); the GEMMs split their own work (min_parallel_bytes unused). bf16:
+ * tensors packed panels, float32 bias or NULL. quant: code panels, scales, mins (NULL for 8 bits), float32 bias;
+ * ints the group size and the bits. */
+int leanlm_gemm_bf16_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                          int64_t K, int threads, int64_t min_parallel_bytes) {
+    (void)min_parallel_bytes;
+    return leanlm_gemm_bf16(x, (const uint16_t *)c->tensors[0], (const float *)c->tensors[1], y, M, N, K, threads);
+}
+
+int leanlm_gemm_quant_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                           int64_t K, int threads, int64_t min_parallel_bytes) {
+    (void)min_parallel_bytes;
+    return leanlm_gemm_quant(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
+                             (const float *)c->tensors[2], (const float *)c->tensors[3], y, M, N, K, c->ints[0],
+                             (int)c->ints[1], threads);
 }

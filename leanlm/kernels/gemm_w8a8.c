@@ -26,6 +26,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "linear_call.h"
 
 #define NR 32
 #define MR_MAX 12
@@ -165,4 +166,13 @@ int leanlm_gemm_w8a8(const uint16_t *x, const uint8_t *packed, const float *scal
     }
     free(buffer);
     return 0;
+}
+
+/* The decode loop's entry (linear_call.h), at every row count: tensors the packed codes, their padded scales,
+ * float32 bias or NULL. */
+int leanlm_gemm_w8a8_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                          int64_t K, int threads, int64_t min_parallel_bytes) {
+    (void)min_parallel_bytes;
+    return leanlm_gemm_w8a8(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
+                            (const float *)c->tensors[2], y, M, N, K, threads);
 }

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "linear_call.h"
 
 #define MAX_ROWS 8
 #define MAX_THREADS 64
@@ -230,4 +231,13 @@ int leanlm_linear_act_sparse(const uint16_t *x, const uint16_t *wt, double thres
             }
     }
     return 0;
+}
+
+/* The decode loop's entry (linear_call.h): tensors weight_t bf16 [K, N], threshold float32 [1], column scales
+ * float32 [K], bias bf16 [N] or NULL. */
+int leanlm_linear_act_sparse_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                                  int64_t K, int threads, int64_t min_parallel_bytes) {
+    const double threshold = (double)((const float *)c->tensors[1])[0];
+    return leanlm_linear_act_sparse(x, (const uint16_t *)c->tensors[0], threshold, (const float *)c->tensors[2],
+                                    (const uint16_t *)c->tensors[3], y, M, N, K, threads, min_parallel_bytes);
 }

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "linear_call.h"
 
 #define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
@@ -600,4 +601,20 @@ void leanlm_dequantize_int4(const uint8_t *w, const float *scales, const float *
             }
         }
     }
+}
+
+/* The decode loop's entries (linear_call.h). int8: tensors codes int8 [N, K], scales float32, bias bf16 or NULL;
+ * ints[0] the group size (K: one per channel). int4: codes uint8 [N, K / 2], scales and mins float32
+ * [N, K / group], bias; ints[0] the group size. */
+int leanlm_linear_int8_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                            int64_t K, int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_int8(x, (const int8_t *)c->tensors[0], (const float *)c->tensors[1],
+                              (const uint16_t *)c->tensors[2], y, M, N, K, c->ints[0], threads, min_parallel_bytes);
+}
+
+int leanlm_linear_int4_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                            int64_t K, int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_int4(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
+                              (const float *)c->tensors[2], (const uint16_t *)c->tensors[3], y, M, N, K, c->ints[0],
+                              threads, min_parallel_bytes);
 }

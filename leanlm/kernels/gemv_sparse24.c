@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "linear_call.h"
 
 #define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
@@ -175,4 +176,11 @@ int leanlm_linear_sparse24(const uint16_t *x, const uint16_t *values, const uint
         }
     }
     return 0;
+}
+
+/* The decode loop's entry (linear_call.h): tensors values bf16 [N, K / 2], mask uint8 [N, K / 8], bias or NULL. */
+int leanlm_linear_sparse24_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                                int64_t K, int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_sparse24(x, (const uint16_t *)c->tensors[0], (const uint8_t *)c->tensors[1],
+                                  (const uint16_t *)c->tensors[2], y, M, N, K, threads, min_parallel_bytes);
 }

@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "linear_call.h"
 
 #define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
@@ -245,4 +246,21 @@ int leanlm_linear_sparse24_int4(const uint16_t *x, const uint8_t *codes, const u
                                 const uint8_t *zeros, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                                 int64_t K, int64_t gs, int num_threads, int64_t min_parallel_bytes) {
     return run(x, codes, mask, scales, zeros, bias, y, M, N, K, gs, num_threads, min_parallel_bytes, 4);
+}
+
+/* The decode loop's entries (linear_call.h). int8: tensors codes int8 [N, K / 2], mask, scales, bias; int4:
+ * codes uint8 [N, K / 4], mask, scales, zeros, bias; ints[0] the group size (K: one per channel). */
+int leanlm_linear_sparse24_int8_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M,
+                                     int64_t N, int64_t K, int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_sparse24_int8(x, (const int8_t *)c->tensors[0], (const uint8_t *)c->tensors[1],
+                                       (const float *)c->tensors[2], (const uint16_t *)c->tensors[3], y, M, N, K,
+                                       c->ints[0], threads, min_parallel_bytes);
+}
+
+int leanlm_linear_sparse24_int4_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M,
+                                     int64_t N, int64_t K, int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_sparse24_int4(x, (const uint8_t *)c->tensors[0], (const uint8_t *)c->tensors[1],
+                                       (const float *)c->tensors[2], (const uint8_t *)c->tensors[3],
+                                       (const uint16_t *)c->tensors[4], y, M, N, K, c->ints[0], threads,
+                                       min_parallel_bytes);
 }

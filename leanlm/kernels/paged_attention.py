@@ -33,6 +33,11 @@ def is_available() -> bool:
     return _KERNEL.is_available()
 
 
+def native_entries() -> tuple[int | None, int | None]:
+    """Addresses of the bf16-cache and int8-cache kernels, for a native caller (the decode loop); None if unloaded."""
+    return _KERNEL.address(), _KERNEL_INT8.address()
+
+
 def supports_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Head shapes the kernels handle: a head dim that is a multiple of 32 up to 256, at most MAX_GROUP query
     heads per KV head."""

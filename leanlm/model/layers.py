@@ -9,11 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv, cpu_rows
+from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_rows
+from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.dispatch import KernelDispatch
+from leanlm.model.linear.shard import COLUMN, check_axis, part, row_bias
+from leanlm.model.linear.stack import StackedLinear
 from leanlm.model.packed_cache import PackedCache
 
 
-class Linear(nn.Linear):
+class Linear(KernelDispatch, nn.Linear):
     """nn.Linear (HF weight names) that runs bf16 CPU products on the native kernels.
 
     Batch-1..8 decode reads every weight once per token; torch's bf16 GEMV leaves half the memory bandwidth
@@ -27,20 +31,70 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = PackedCache()  # the weight and bias packed for cpu_gemm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def _kernels_take(self, x: torch.Tensor) -> bool:
+        """bf16 CPU weight and contiguous bf16 rows that autograd need not see (the kernels have no backward)."""
         w = self.weight
-        if (
+        return (
             w.dtype is torch.bfloat16
             and x.dtype is torch.bfloat16
             and w.is_cpu
             and x.is_contiguous()
-            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))  # kernels have no backward
-        ):
-            if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.is_available():
-                return cpu_gemv.linear_bf16(x, w, self.bias)
-            if x.dim() == 2 and cpu_gemm.should_use(x, self.packed_weight()):
-                return cpu_gemm.gemm(x, self.packed.value)
-        return F.linear(x, w, self.bias)
+            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        )
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return self._kernels_take(x) and cpu_gemm.should_use(x, self.packed_weight())
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gemm(x, self.packed.value)
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        return self._kernels_take(x) and x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.is_available()
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemv.linear_bf16(x, self.weight, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def metadata(self) -> dict[str, int]:
+        return {"in_features": self.in_features, "out_features": self.out_features}
+
+    @classmethod
+    def from_tensors(cls, meta: dict[str, int], tensors: dict[str, torch.Tensor]) -> Linear:
+        """The layer holding `weight` [N, K] (and `bias` [N]) as given, as QuantLinear.from_tensors does."""
+        weight, bias = tensors["weight"], tensors.get("bias")
+        if tuple(weight.shape) != (meta["out_features"], meta["in_features"]):
+            raise ValueError(f"weight {list(weight.shape)} does not match out/in features of {meta}")
+        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device="meta")
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        return layer
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.detach().float()
+
+    def shard(self, axis: int, rank: int, world: int) -> Linear:
+        """As QuantLinear.shard: rank's slice of the outputs (COLUMN) or of the inputs (ROW; rank 0 keeps the bias)."""
+        check_axis(axis)
+        cut = part(self.weight.shape[axis], axis, rank, world, 1, "bf16 linear")
+        weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()
+        if axis == COLUMN:
+            weight, bias = weight[cut], None if bias is None else bias[cut]
+        else:
+            weight, bias = weight[:, cut], row_bias(bias, rank)
+        shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
+        tensors = {"weight": weight.contiguous()} | ({} if bias is None else {"bias": bias.contiguous()})
+        return Linear.from_tensors(shape, tensors)
+
+    def stack_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.detach()} | ({} if self.bias is None else {"bias": self.bias.detach()})
+
+    @classmethod
+    def stack(cls, layers: list[Linear]) -> StackedLinear:
+        """E experts (one shape) with weight [E, N, K] and bias [E, N] stacked for a grouped GEMM."""
+        return StackedLinear.of(list(layers))
 
     def packed_weight(self) -> cpu_gemm.PackedBF16 | None:
         """The weight (and bias) packed for cpu_gemm, current with the parameters; None off the kernel's path."""
@@ -48,11 +102,12 @@ class Linear(nn.Linear):
             return None
         return self.packed.get((self.weight, self.bias), cpu_gemm.pack)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
-        """This layer as the native decode loop reads it (checked there with is_supported()); with `packed`,
-        with its packed weight too (None off the kernel's path), for loops of more than 8 rows."""
-        packed_weight = self.packed_weight() if packed else None
-        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.weight, bias=self.bias, packed=packed_weight)
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        """This layer as the native decode loop runs it (None where its kernels cannot); with `packed`, with its
+        packed GEMM too, for loops of more than 8 rows."""
+        many = cpu_gemm.native_call(self.packed_weight(), self.out_features, self.in_features) if packed else None
+        few = cpu_gemv.native_call(self.weight, self.bias)
+        return describe(self.out_features, self.in_features, few, many, packed)
 
 
 class RMSNorm(nn.Module):

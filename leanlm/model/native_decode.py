@@ -91,7 +91,7 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     for layer in layers:
         modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
         specs = tuple(_native_linear(modules[n], packed) for n in cpu_decode.LINEAR_ORDER)
-        if any(s is None or (packed and s.packed is None) for s in specs):
+        if any(s is None or (packed and s.many_rows is None) for s in specs):
             return None
         spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs)
         if not spec.is_supported():

@@ -193,7 +193,6 @@ def test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers(smollm, ca
     the greedy continuation of a plain fact keeps its answer."""
     from leanlm import LLM, SamplingParams
     from leanlm.compress import ActivationSparsityConfig, save_checkpoint
-    from leanlm.kernels import cpu_decode
     from leanlm.model.sparse.activation import ActSparseLinear
 
     model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
@@ -206,9 +205,7 @@ def test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers(smollm, ca
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     loop = served.native_decode_plan().loop
-    assert loop is not None and {lin.kind for layer in loop._keep[0] for lin in layer.linears} == {
-        cpu_decode.KIND_ACT_SPARSE
-    }
+    assert loop is not None and {lin.name for layer in loop._keep[0] for lin in layer.linears} == {"act_sparse"}
 
 
 @pytest.mark.parametrize("kind", ["sparse24_int8", "sparse24_int4", "sparse_bitmask"])
@@ -228,9 +225,9 @@ def test_sparse_formats_on_smollm_decode_on_their_kernels_like_their_dense_copie
         "sparse_bitmask": (MagnitudeConfig(sparsity=0.7),),
     }
     loop_kind = {  # without VBMI2 the layers run their dense copies: dense int8 / int4 codes, a bf16 weight
-        "sparse24_int8": cpu_decode.KIND_SPARSE24_INT8 if cpu_sparse.quant_is_available() else cpu_decode.KIND_INT8,
-        "sparse24_int4": cpu_decode.KIND_SPARSE24_INT4 if cpu_sparse.quant_is_available() else cpu_decode.KIND_INT4,
-        "sparse_bitmask": cpu_decode.KIND_BITMASK if cpu_bitmask.is_available() else cpu_decode.KIND_BF16,
+        "sparse24_int8": "sparse24_int8" if cpu_sparse.quant_is_available() else "int8",
+        "sparse24_int4": "sparse24_int4" if cpu_sparse.quant_is_available() else "int4",
+        "sparse_bitmask": "bitmask" if cpu_bitmask.is_available() else "bf16",
     }[kind]
     prune, *quantize = recipes[kind]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -247,7 +244,7 @@ def test_sparse_formats_on_smollm_decode_on_their_kernels_like_their_dense_copie
         outs[packed] = (out.token_ids, [lp[tok] for lp, tok in zip(out.logprobs, out.token_ids, strict=True)])
         if packed and cpu_decode.is_available():  # the native loop needs AVX512-BF16
             loop = served.native_decode_plan().loop
-            assert loop is not None and {lin.kind for layer in loop._keep[0] for lin in layer.linears} == {loop_kind}
+            assert loop is not None and {lin.name for layer in loop._keep[0] for lin in layer.linears} == {loop_kind}
     (dense_ids, dense_lps), (ids, lps) = outs[False], outs[True]
     assert ids[0] == dense_ids[0] and lps[0] == dense_lps[0]
     if kind == "sparse_bitmask":

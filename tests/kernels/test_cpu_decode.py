@@ -202,20 +202,20 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
     assert native.abs().max() > 0
     assert torch.equal(native, reference)
     if kind.startswith("sparse24"):  # the loop ran the sparse kernel, next to bf16 linears when mixed
-        kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        kinds = {linear.name for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
         expected = {
-            "sparse24": {cpu_decode.KIND_SPARSE24},
-            "sparse24-mixed": {cpu_decode.KIND_SPARSE24, cpu_decode.KIND_BF16},
-            "sparse24-int8": {cpu_decode.KIND_SPARSE24_INT8},
-            "sparse24-int4": {cpu_decode.KIND_SPARSE24_INT4},
+            "sparse24": {"sparse24"},
+            "sparse24-mixed": {"sparse24", "bf16"},
+            "sparse24-int8": {"sparse24_int8"},
+            "sparse24-int4": {"sparse24_int4"},
         }
         assert kinds == expected[kind]
     if kind.startswith("bitmask"):  # the loop ran the bitmask kernel, next to bf16 linears when mixed
-        kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
-        assert kinds == {cpu_decode.KIND_BITMASK} | ({cpu_decode.KIND_BF16} if kind == "bitmask-mixed" else set())
+        kinds = {linear.name for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        assert kinds == {"bitmask"} | ({"bf16"} if kind == "bitmask-mixed" else set())
     if kind == "act-sparse":  # the loop ran the skipping kernel; 9+ rows stay on PyTorch (no dense GEMM for them)
-        kinds = {linear.kind for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
-        assert kinds == {cpu_decode.KIND_ACT_SPARSE} and model.native_decode_plan().batched_loop is None
+        kinds = {linear.name for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        assert kinds == {"act_sparse"} and model.native_decode_plan().batched_loop is None
         return
     # 9+ rows ran on the loop over packed weights (built at the first such step), fewer never built it
     assert (model.native_decode_plan().batched_loop is not None) == (batch > cpu_decode.MAX_ROWS)
@@ -233,7 +233,7 @@ def test_sparse_layers_without_the_sparse_kernel_run_their_dense_copies_in_the_l
     plan = model.native_decode_plan()
     assert plan.loop is not None
     linears = [linear for layer in plan.loop._keep[0] for linear in layer.linears]
-    assert {linear.kind for linear in linears} == {cpu_decode.KIND_BF16}
+    assert {linear.name for linear in linears} == {"bf16"}
     native = _decode(model, native=True, batch=batch)
     assert torch.equal(native, _decode(model, native=False, batch=batch))
     assert expected is None or torch.equal(native, expected)
@@ -251,7 +251,7 @@ def test_quantized_24_layers_without_their_kernels_run_their_dense_codes_in_the_
     model = _model(kind)
     plan = model.native_decode_plan()
     linears = [linear for layer in plan.loop._keep[0] for linear in layer.linears]
-    assert {linear.kind for linear in linears} == {cpu_decode.KIND_INT8 if bits == 8 else cpu_decode.KIND_INT4}
+    assert {linear.name for linear in linears} == {"int8" if bits == 8 else "int4"}
     native = _decode(model, native=True, batch=1)
     assert torch.equal(native, _decode(model, native=False, batch=1))
     if expected is not None:  # different kernels, same weights: equal to bf16 rounding of the hidden states
@@ -268,7 +268,7 @@ def test_bitmask_layers_without_their_kernel_run_their_dense_copies_in_the_loop(
     model = _model("bitmask-mixed")  # a fresh plan: the loop is built without the bitmask kernel
     plan = model.native_decode_plan()
     assert plan.loop is not None
-    assert {linear.kind for layer in plan.loop._keep[0] for linear in layer.linears} == {cpu_decode.KIND_BF16}
+    assert {linear.name for layer in plan.loop._keep[0] for linear in layer.linears} == {"bf16"}
     native = _decode(model, native=True, batch=batch)
     assert torch.equal(native, _decode(model, native=False, batch=batch))
     assert expected is None or torch.equal(native, expected)

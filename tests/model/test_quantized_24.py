@@ -160,7 +160,7 @@ def test_without_vbmi2_the_dense_codes_give_the_dense_layers_numbers(kind, monke
     assert torch.equal(sparse(x), dense(x))
     assert sparse.dense.value is not None  # the dense layer ran
     native = sparse.native_linear()
-    assert native is None or native.kind == dense.native_linear().kind
+    assert native is None or native.name == dense.native_linear().name
 
 
 def test_float32_runs_on_the_dequantized_weight():

@@ -7,12 +7,9 @@ import functools
 
 import torch
 
-from leanlm.model.quantized.linear import (
-    QuantLinear,
-    check_numel,
-    matrix_shape,
-    register_format,
-)
+from leanlm.model.linear.checks import check_numel, matrix_shape
+from leanlm.model.linear.shard import COLUMN, refuse_row_split
+from leanlm.model.quantized.linear import QuantLinear, register_format
 from leanlm.model.quantized.numerics import quantize_fp8
 
 
@@ -55,7 +52,15 @@ class FP8Linear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def shard_unit(self, axis: int) -> int:
+        if axis != COLUMN:
+            raise refuse_row_split(self.format, "each token's activation scale spans all of its inputs")
+        return 1
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight[cut], "weight_scale": self.weight_scale[cut]}
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:  # no native kernel: every row count
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_fp8(x2, self.weight.dtype, per_row=True)  # [T, K], [T, 1]

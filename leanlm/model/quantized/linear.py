@@ -8,6 +8,7 @@ formats have modules of their own: W8A8 int8 (w8a8.py), FP8 (fp8.py), LLM.int8()
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -15,7 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_gemm, cpu_qgemv
+from leanlm.kernels.native_linear import NativeCall, NativeLinear, describe
+from leanlm.model.linear.checks import check_group_size, check_indices, check_numel, check_shape, matrix_shape
+from leanlm.model.linear.dispatch import KernelDispatch
+from leanlm.model.linear.shard import COLUMN, check_axis, groups, part, refuse_row_split, row_bias, scaled
+from leanlm.model.linear.stack import StackedLinear
 from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.numerics import unpack_int4
 
@@ -27,48 +33,7 @@ def register_format(cls: type[QuantLinear]) -> type[QuantLinear]:
     return cls
 
 
-# Saved tensors are untrusted input: the native kernels index codes, scales, mins and perm by the layer's
-# N, K and group size without bounds checks, so every shape and index is checked when a layer is built.
-
-
-def matrix_shape(fmt: str, name: str, t: torch.Tensor) -> tuple[int, int]:
-    if t.dim() != 2 or 0 in t.shape:
-        raise ValueError(f"{fmt} tensor {name} has shape {list(t.shape)}; expected a non-empty matrix")
-    return int(t.shape[0]), int(t.shape[1])
-
-
-def check_shape(fmt: str, name: str, t: torch.Tensor | None, *shape: int) -> None:
-    if t is not None and tuple(t.shape) != shape:
-        raise ValueError(f"{fmt} tensor {name} has shape {list(t.shape)}; expected {list(shape)}")
-
-
-def check_numel(fmt: str, name: str, t: torch.Tensor, n: int) -> None:
-    if t.numel() != n:
-        raise ValueError(f"{fmt} tensor {name} has {t.numel()} values (shape {list(t.shape)}); expected {n}")
-
-
-def check_group_size(fmt: str, group_size, k: int) -> None:
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or k % group_size:
-        raise ValueError(f"{fmt} group_size {group_size!r} must be a positive integer dividing in_features={k}")
-
-
-def check_indices(fmt: str, name: str, t: torch.Tensor, k: int, permutation: bool) -> torch.Tensor:
-    """int64 copy of an index tensor whose values lie in [0, k) without repeats (all of them when a permutation)."""
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype is torch.bool:
-        raise ValueError(f"{fmt} tensor {name} must be a 1-D integer tensor, got {t.dtype} {list(t.shape)}")
-    idx = t.long()
-    if permutation and idx.numel() != k:
-        raise ValueError(f"{fmt} tensor {name} has {idx.numel()} entries; a permutation of in_features needs {k}")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
-        raise ValueError(
-            f"{fmt} tensor {name} holds indices outside [0, {k}) (min {int(idx.min())}, max {int(idx.max())})"
-        )
-    if torch.unique(idx).numel() != idx.numel():
-        raise ValueError(f"{fmt} tensor {name} repeats an index; each input column may appear once")
-    return idx.contiguous()
-
-
-class QuantLinear(nn.Module, ABC):
+class QuantLinear(KernelDispatch, nn.Module, ABC):
     """Base: a linear layer y = x W^T + b whose W is stored quantized in buffers named by `tensor_names`."""
 
     format: ClassVar[str]
@@ -122,10 +87,14 @@ class QuantLinear(nn.Module, ABC):
         """Bytes of the stored weight representation (codes + scales), bias excluded."""
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        """This layer in a format of the native decode loop, or None (that loop then is not used); with
-        `packed`, with the packed weight its own products use from 9 rows on (see packed_weight)."""
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        """This layer as the native decode loop runs it (its kernels' calls), or None (that loop then is not used);
+        with `packed`, with the packed GEMM its own products use from 9 rows on (see packed_weight)."""
         return None
+
+    def many_rows_call(self, packed: bool) -> NativeCall | None:
+        """The loop's many-row call: the packed GEMM on packed_weight(), when `packed`."""
+        return cpu_gemm.native_call(self.packed_weight(), self.out_features, self.in_features) if packed else None
 
     def packed_weight(self) -> cpu_gemm.PackedQuant | None:
         """The weight in cpu_gemm's panel order (packed on first use, remade when the tensors change), or None
@@ -135,6 +104,46 @@ class QuantLinear(nn.Module, ABC):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """y where neither kernel takes the rows (KernelDispatch): the reference path unless a format has better."""
+        return self.reference_forward(x)
+
+    def shard_unit(self, axis: int) -> int:
+        """Features along `axis` (shard.COLUMN or ROW) that must stay in one shard (a quant group, a 2:4 group,
+        codes sharing a byte); raises shard.refuse_row_split where the format cannot split that way at all."""
+        return 1
+
+    @abstractmethod
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        """This layer's saved tensors (bias aside) for the features `cut` along `axis`, whole units of shard_unit."""
+
+    def shard(self, axis: int, rank: int, world: int) -> QuantLinear:
+        """Rank `rank` of `world` equal shards along `axis`: COLUMN keeps a slice of the outputs (the shards' outputs
+        concatenated are this layer's), ROW a slice of the inputs (their outputs summed are; rank 0 keeps the bias).
+        ValueError when the format's units would be cut or it cannot split that way."""
+        check_axis(axis)
+        size = self.out_features if axis == COLUMN else self.in_features
+        cut = part(size, axis, rank, world, self.shard_unit(axis), self.format)
+        tensors = self.shard_tensors(axis, cut)
+        bias = row_bias(self.bias, rank) if axis != COLUMN or self.bias is None else self.bias[cut]
+        if bias is not None:
+            tensors["bias"] = bias
+        features = {"out_features": cut.stop - cut.start} if axis == COLUMN else {"in_features": cut.stop - cut.start}
+        tensors = {name: t.contiguous() for name, t in tensors.items()}
+        return type(self).from_tensors({**self.metadata(), **features}, tensors)
+
+    def stack_tensors(self) -> dict[str, torch.Tensor]:
+        """What stack() stacks: the saved tensors by their from_tensors names, bias (and perm) where present."""
+        names = (*self.tensor_names, "bias", "perm")
+        return {n: t for n in names if (t := getattr(self, n, None)) is not None}
+
+    @classmethod
+    def stack(cls, layers: list[QuantLinear]) -> StackedLinear:
+        """E experts of this format (one shape, one set of settings) stacked [E, ...] for a grouped GEMM."""
+        if not all(isinstance(layer, cls) for layer in layers):
+            raise ValueError(f"{cls.__name__}.stack takes {cls.__name__} layers only")
+        return StackedLinear.of(list(layers))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -215,6 +224,15 @@ class Int8WeightOnlyLinear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return scaled_int8(self.qweight, self.scales, self.group_size)
 
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN or self.group_size is None else self.group_size
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            return {"qweight": self.qweight[cut], "scales": self.scales[cut]}
+        scales = self.scales if self.group_size is None else groups(self.scales, cut, self.group_size)
+        return {"qweight": self.qweight[:, cut], "scales": scales}
+
     def _pack(self, qweight, scales, bias) -> cpu_gemm.PackedQuant:
         group = qweight.shape[1] if self.group_size is None else self.group_size
         return cpu_gemm.pack_quant(qweight, scales.reshape(qweight.shape[0], -1), None, group, 8, bias)
@@ -224,26 +242,27 @@ class Int8WeightOnlyLinear(QuantLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
-            return cpu_gemm.gemm_quant(x, self.packed_weight())
-        gs = self.group_size
-        if cpu_qgemv.should_use_int8(x, self.qweight, gs) and (self.bias is None or self.bias.dtype is x.dtype):
-            return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, gs)
-        if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
-            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, gs), self.bias)
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.qweight, self.bias)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:  # widened a panel at a time into a bf16 GEMM
+        return cpu_gemm.gemm_quant(x, self.packed_weight())
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        bias_ok = self.bias is None or self.bias.dtype is x.dtype
+        return cpu_qgemv.should_use_int8(x, self.qweight, self.group_size) and bias_ok
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, self.group_size)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if _dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
+            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, self.group_size), self.bias)
         return self.reference_forward(x)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
-        packed_weight = self.packed_weight() if packed else None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_INT8,
-            self.qweight,
-            self.scales,
-            bias=self.bias,
-            group_size=self.group_size or 0,
-            packed=packed_weight,
-        )
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
 @register_format
@@ -311,6 +330,21 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             w = torch.empty_like(w).index_copy_(1, self.perm, w)  # stored column j is input column perm[j]
         return w
 
+    def shard_unit(self, axis: int) -> int:
+        if axis == COLUMN:
+            return 1
+        if self.perm is not None:
+            raise refuse_row_split(self.format, "its act-order permutation (perm) mixes input columns of every shard")
+        return math.lcm(self.group_size, 2)  # whole groups, and two codes share a byte
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            tensors = {"qweight": self.qweight[cut], "scales": self.scales[cut], "mins": self.mins[cut]}
+            return tensors if self.perm is None else {**tensors, "perm": self.perm}
+        g = self.group_size
+        return {"qweight": self.qweight[:, scaled(cut, 2)], "scales": groups(self.scales, cut, g),
+                "mins": groups(self.mins, cut, g)}  # fmt: skip
+
     def _pack(self, qweight, scales, mins, bias) -> cpu_gemm.PackedQuant:
         return cpu_gemm.pack_quant(unpack_int4(qweight), scales, mins, self.group_size, 4, bias)
 
@@ -319,29 +353,30 @@ class IntGroupWeightOnlyLinear(QuantLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.mins, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if packs_rows(x, self.qweight, self.bias):  # batched: widened a panel at a time into a bf16 GEMM
-            xp = x if self.perm is None else x.index_select(-1, self.perm)
-            return cpu_gemm.gemm_quant(xp, self.packed_weight())
-        if cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and (
-            self.bias is None or self.bias.dtype is x.dtype
-        ):
-            xp = x if self.perm is None else x.index_select(-1, self.perm)
-            return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
-        if _dequantizes_natively(x, self.qweight, self.bias):  # many rows: one bf16 weight, one GEMM
-            xp = x if self.perm is None else x.index_select(-1, self.perm)
+    def _permuted(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] in the stored column order (act-order)."""
+        return x if self.perm is None else x.index_select(-1, self.perm)
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.qweight, self.bias)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:  # widened a panel at a time into a bf16 GEMM
+        return cpu_gemm.gemm_quant(self._permuted(x), self.packed_weight())
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        bias_ok = self.bias is None or self.bias.dtype is x.dtype
+        return cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and bias_ok
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        xp = self._permuted(x)
+        return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if _dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
             w = cpu_qgemv.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
-            return F.linear(xp, w, self.bias)
+            return F.linear(self._permuted(x), w, self.bias)
         return self.reference_forward(x)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear:
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_INT4,
-            self.qweight,
-            self.scales,
-            self.mins,
-            self.bias,
-            self.group_size,
-            self.perm,
-            packed=self.packed_weight() if packed else None,
-        )
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        few = cpu_qgemv.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed, self.perm)

@@ -7,14 +7,9 @@ from typing import Any
 
 import torch
 
-from leanlm.model.quantized.linear import (
-    QuantLinear,
-    check_indices,
-    check_numel,
-    check_shape,
-    matrix_shape,
-    register_format,
-)
+from leanlm.model.linear.checks import check_indices, check_numel, check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, refuse_row_split
+from leanlm.model.quantized.linear import QuantLinear, register_format
 from leanlm.model.quantized.numerics import quantize_per_token_int8
 from leanlm.model.quantized.w8a8 import int8_matmul
 
@@ -67,7 +62,16 @@ class LLMInt8Linear(QuantLinear):
         w[:, self.outlier_idx] = self.outlier_weight.float()
         return w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def shard_unit(self, axis: int) -> int:
+        if axis != COLUMN:
+            raise refuse_row_split(self.format, "each token's activation scale spans all of its inputs")
+        return 1
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        return {"qweight": self.qweight[cut], "scales": self.scales[cut], "outlier_idx": self.outlier_idx,
+                "outlier_weight": self.outlier_weight[cut]}  # fmt: skip
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:  # no native kernel: every row count
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         dynamic = (x2.abs() > self.threshold).any(dim=0) & ~self.is_static_outlier  # [K] new outlier columns

@@ -7,15 +7,11 @@ from typing import Any
 
 import torch
 
-from leanlm.kernels import cpu_decode, cpu_w8a8
-from leanlm.model.quantized.linear import (
-    QuantLinear,
-    check_group_size,
-    check_numel,
-    matrix_shape,
-    register_format,
-    scaled_int8,
-)
+from leanlm.kernels import cpu_w8a8
+from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.checks import check_group_size, check_numel, matrix_shape
+from leanlm.model.linear.shard import COLUMN, refuse_row_split
+from leanlm.model.quantized.linear import QuantLinear, register_format, scaled_int8
 from leanlm.model.quantized.numerics import quantize_per_token_int8
 
 
@@ -66,6 +62,14 @@ class Int8DynamicActLinear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return scaled_int8(self.qweight, self.scales, self.group_size)
 
+    def shard_unit(self, axis: int) -> int:
+        if axis != COLUMN:
+            raise refuse_row_split(self.format, "each token's activation scale spans all of its inputs")
+        return 1
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        return {"qweight": self.qweight[cut], "scales": self.scales[cut]}
+
     def _pack(self, qweight, scales, bias) -> cpu_w8a8.PackedW8A8:
         return cpu_w8a8.pack(qweight, scales, bias)
 
@@ -76,22 +80,29 @@ class Int8DynamicActLinear(QuantLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        packed_weight = self.packed_weight()  # the kernel's only layout, whatever the row count
-        if packed_weight is None:
-            return None
-        return cpu_decode.NativeLinear(cpu_decode.KIND_W8A8, self.qweight, self.scales, packed=packed_weight)
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        call = cpu_w8a8.native_call(self.packed_weight(), self.out_features, self.in_features)
+        return describe(self.out_features, self.in_features, call, call, packed)  # one kernel at every row count
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if (
+    def _kernel_fits(self, x: torch.Tensor) -> bool:
+        return (
             x.dtype is torch.bfloat16
             and x.is_cpu
             and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
-            and cpu_w8a8.rows_fit(x2, self.packed_weight())
-        ):
-            return cpu_w8a8.gemm(x2, self.packed_weight()).reshape(*shape[:-1], self.out_features)
+            and cpu_w8a8.rows_fit(x.reshape(-1, x.shape[-1]), self.packed_weight())
+        )
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_w8a8.gemm(x.reshape(-1, x.shape[-1]), self.packed_weight())  # [T, N]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    # One VNNI kernel, on one packing, at every row count.
+    many_rows_fit = few_rows_fit = _kernel_fits
+    many_rows = few_rows = _kernel
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_per_token_int8(x2)  # [T, K] int8, [T, 1]
         if self.group_size is None:
             y = int8_matmul(xq, xs, self.qweight, self.scales)

@@ -11,8 +11,11 @@ import math
 
 import torch
 
-from leanlm.kernels import cpu_act_sparse, cpu_decode
-from leanlm.model.quantized.linear import QuantLinear, check_numel, matrix_shape, register_format
+from leanlm.kernels import cpu_act_sparse
+from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.checks import check_numel, matrix_shape
+from leanlm.model.linear.shard import COLUMN
+from leanlm.model.quantized.linear import QuantLinear, register_format
 
 
 @register_format
@@ -64,25 +67,30 @@ class ActSparseLinear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_t.t().float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        weight_t, scale, bias = self.weight_t, self.column_scale, self.bias
-        if cpu_act_sparse.should_use(x, weight_t, scale, bias) and not (x.requires_grad and torch.is_grad_enabled()):
-            return cpu_act_sparse.linear_act_sparse(x, weight_t, self.threshold_value, scale, bias)
-        bias = None if bias is None else bias.to(x.dtype)
-        return cpu_act_sparse.reference(x, weight_t.to(x.dtype), self.threshold_value, scale, bias)
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        # the score of input k needs only x_k and column_scale[k]: either split keeps each shard's inputs' scores
+        if axis == COLUMN:
+            return {"weight_t": self.weight_t[:, cut], "threshold": self.threshold, "column_scale": self.column_scale}
+        return {"weight_t": self.weight_t[cut], "threshold": self.threshold, "column_scale": self.column_scale[cut]}
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+    def few_rows_fit(self, x: torch.Tensor) -> bool:  # never many rows: a dense GEMM would not sparsify its input
+        kernel_ok = cpu_act_sparse.should_use(x, self.weight_t, self.column_scale, self.bias)
+        return kernel_ok and not (x.requires_grad and torch.is_grad_enabled())
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return cpu_act_sparse.linear_act_sparse(x, self.weight_t, self.threshold_value, self.column_scale, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return cpu_act_sparse.reference(x, self.weight_t.to(x.dtype), self.threshold_value, self.column_scale, bias)
+
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
         """The native decode loop runs this layer to 8 rows; a loop of more rows (packed) would run a dense
         GEMM, which does not sparsify, so it is not offered one."""
         if packed or not cpu_act_sparse.is_available():
             return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_ACT_SPARSE,
-            self.weight_t,
-            scales=self.threshold,
-            mins=self.column_scale,
-            bias=self.bias,
-        )
+        few = cpu_act_sparse.native_call(self.weight_t, self.threshold, self.column_scale, self.bias)
+        return describe(self.out_features, self.in_features, few, None, packed)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, threshold={self.threshold_value:.4g}"

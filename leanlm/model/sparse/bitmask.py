@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from leanlm.kernels import cpu_bitmask, cpu_decode
-from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
+from leanlm.kernels import cpu_bitmask
+from leanlm.kernels.native_linear import NativeCall
+from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, scaled
+from leanlm.model.quantized.linear import register_format
 from leanlm.model.sparse.semi_structured import mask_bits
 from leanlm.model.sparse.widened import WidenedSparseLinear
 
@@ -124,6 +127,17 @@ class BitmaskSparseLinear(WidenedSparseLinear):
         """The fraction of the weight's entries that are not stored."""
         return 1.0 - self.values.numel() / (self.out_features * self.in_features)
 
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN else 8  # a mask byte holds 8 columns
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        keep = mask_bits(self.mask)  # [N, K]; the set bits meet the values row-major
+        index = torch.full(keep.shape, -1, dtype=torch.int64, device=keep.device)
+        index[keep] = torch.arange(self.values.numel(), device=keep.device)  # each weight's place in values
+        sub, mask = (index[cut], self.mask[cut]) if axis == COLUMN else (index[:, cut], self.mask[:, scaled(cut, 8)])
+        counts = (sub >= 0).sum(1)  # [N'] values per kept row
+        return {"values": self.values[sub[sub >= 0]], "mask": mask, "row_offsets": torch.cumsum(counts, 0) - counts}
+
     def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.values, self.mask, self.row_offsets
 
@@ -133,17 +147,10 @@ class BitmaskSparseLinear(WidenedSparseLinear):
     def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_bitmask.linear_bitmask(x, self.values, self.mask, self.row_offsets, bias)
 
-    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
+    def native_sparse(self) -> NativeCall | None:
         if not cpu_bitmask.is_available():
             return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_BITMASK,
-            self.values,
-            bias=self.bias,
-            mask=self.mask,
-            row_offsets=self.row_offsets,
-            packed=packed_weight,
-        )
+        return cpu_bitmask.native_call(self.values, self.mask, self.row_offsets, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sparsity={self.sparsity():.3f}"

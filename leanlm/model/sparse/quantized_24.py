@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_sparse
+from leanlm.kernels import cpu_gemm, cpu_sparse
+from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, groups, scaled
 from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.linear import (
     Int8WeightOnlyLinear,
     IntGroupWeightOnlyLinear,
     QuantLinear,
-    check_shape,
-    matrix_shape,
     packs_rows,
     register_format,
 )
@@ -71,8 +72,24 @@ def _check_chunks(fmt: str, k: int, group_size: int) -> None:
         )
 
 
+class _QuantizedSparse24(QuantLinear):
+    """What the two share: 9+ rows run cpu_gemm's quantized GEMM over the widened codes, anything no kernel
+    takes runs the dense quantized layer of those codes (`dense_layer`)."""
+
+    codes: torch.Tensor  # and each defines dense_layer()
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.codes, self.bias) and self.packed_weight() is not None
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gemm_quant(x, self.packed.value)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_layer()(x)
+
+
 @register_format
-class Sparse24Int8Linear(QuantLinear):
+class Sparse24Int8Linear(_QuantizedSparse24):
     """W 2:4 sparse with int8 kept weights: `codes` int8 [N, K / 2] (the kept codes in column order), `mask`
     [N, K / 8] as Sparse24Linear's, `scales` float32 [N] (group_size None) or [N, K / group_size]; w = q * scale.
 
@@ -123,6 +140,17 @@ class Sparse24Int8Linear(QuantLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.dense_codes().float() * _per_column(self.scales, self.in_features)
 
+    def shard_unit(self, axis: int) -> int:
+        if axis == COLUMN:
+            return 1
+        return self.group_size or CHUNK  # whole groups (each holds whole chunks), or whole chunks per channel
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            return {"codes": self.codes[cut], "mask": self.mask[cut], "scales": self.scales[cut]}
+        scales = self.scales if self.group_size is None else groups(self.scales, cut, self.group_size)
+        return {"codes": self.codes[:, scaled(cut, 2)], "mask": self.mask[:, scaled(cut, 8)], "scales": scales}
+
     def _dense(self, codes, mask, scales, bias) -> Int8WeightOnlyLinear:
         gs = self.group_size
         return Int8WeightOnlyLinear(self.dense_codes(), scales if gs else scales.view(-1), bias, group_size=gs)
@@ -139,35 +167,25 @@ class Sparse24Int8Linear(QuantLinear):
             return None
         return self.packed.get((self.codes, self.mask, self.scales, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
         bias_ok = self.bias is None or self.bias.dtype is x.dtype
-        if packs_rows(x, self.codes, self.bias) and self.packed_weight() is not None:  # 9+ rows
-            return cpu_gemm.gemm_quant(x, self.packed.value)
-        if bias_ok and cpu_sparse.should_use_quant(x, self.codes, 8, self._kernel_group) and not x.requires_grad:
-            return cpu_sparse.linear_sparse24_quant(
-                x, self.codes, self.mask, self.scales, None, self.bias, 8, self._kernel_group
-            )
-        return self.dense_layer()(x)
+        return bias_ok and cpu_sparse.should_use_quant(x, self.codes, 8, self._kernel_group) and not x.requires_grad
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_sparse.linear_sparse24_quant(
+            x, self.codes, self.mask, self.scales, None, self.bias, 8, self._kernel_group
+        )
+
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
         if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int8 kernel
             return self.dense_layer().native_linear(packed)
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_SPARSE24_INT8,
-            self.codes,
-            self.scales,
-            bias=self.bias,
-            group_size=self._kernel_group,
-            packed=packed_weight,
-            mask=self.mask,
-        )
+        g = self._kernel_group
+        few = cpu_sparse.quant_native_call(self.codes, self.mask, self.scales, None, self.bias, 8, g)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
 @register_format
-class Sparse24Int4Linear(QuantLinear):
+class Sparse24Int4Linear(_QuantizedSparse24):
     """W 2:4 sparse with 2-4 bit kept codes: `codes` uint8 [N, K / 4] (pack_chunks' order), `mask` [N, K / 8]
     as Sparse24Linear's, `scales` float32 and `zeros` uint8 [N, K / group_size]; w = q * scale + min with
     min = -(zero * scale), so the grid holds 0 exactly (IntGroupWeightOnlyLinear's numbers, bit for bit).
@@ -237,6 +255,17 @@ class Sparse24Int4Linear(QuantLinear):
         w = self.dense_codes().float() * _per_column(self.scales, k) + _per_column(self.mins(), k)
         return w.masked_fill_(~mask_bits(self.mask), 0.0)  # pruned: zero * scale + min, exactly 0 already
 
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN else self.group_size  # whole groups, and whole chunks (a group holds them)
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        names = ("codes", "mask", "scales", "zeros")
+        if axis == COLUMN:
+            return {name: getattr(self, name)[cut] for name in names}
+        g = self.group_size
+        return {"codes": self.codes[:, scaled(cut, 4)], "mask": self.mask[:, scaled(cut, 8)],
+                "scales": groups(self.scales, cut, g), "zeros": groups(self.zeros, cut, g)}  # fmt: skip
+
     def _dense(self, codes, mask, scales, zeros, bias) -> IntGroupWeightOnlyLinear:
         packed = pack_int4(self.dense_codes())
         return IntGroupWeightOnlyLinear(packed, scales, self.mins(), bias, bits=self.bits, group_size=self.group_size)
@@ -253,32 +282,21 @@ class Sparse24Int4Linear(QuantLinear):
             return None
         return self.packed.get((self.codes, self.mask, self.scales, self.zeros, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
         bias_ok = self.bias is None or self.bias.dtype is x.dtype
-        if packs_rows(x, self.codes, self.bias) and self.packed_weight() is not None:  # 9+ rows
-            return cpu_gemm.gemm_quant(x, self.packed.value)
-        if bias_ok and cpu_sparse.should_use_quant(x, self.codes, 4, self.group_size) and not x.requires_grad:
-            return cpu_sparse.linear_sparse24_quant(
-                x, self.codes, self.mask, self.scales, self.zeros, self.bias, 4, self.group_size
-            )
-        return self.dense_layer()(x)
+        return bias_ok and cpu_sparse.should_use_quant(x, self.codes, 4, self.group_size) and not x.requires_grad
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_sparse.linear_sparse24_quant(
+            x, self.codes, self.mask, self.scales, self.zeros, self.bias, 4, self.group_size
+        )
+
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
         if not cpu_sparse.quant_is_available():  # the loop runs the dense codes on the int4 kernel
             return self.dense_layer().native_linear(packed)
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        return cpu_decode.NativeLinear(
-            cpu_decode.KIND_SPARSE24_INT4,
-            self.codes,
-            self.scales,
-            bias=self.bias,
-            group_size=self.group_size,
-            packed=packed_weight,
-            mask=self.mask,
-            zeros=self.zeros,
-        )
+        g = self.group_size
+        few = cpu_sparse.quant_native_call(self.codes, self.mask, self.scales, self.zeros, self.bias, 4, g)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
 def to_sparse24_quantized(layer: QuantLinear) -> QuantLinear:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from leanlm.kernels import cpu_decode, cpu_sparse
+from leanlm.kernels import cpu_sparse
+from leanlm.kernels.native_linear import NativeCall
+from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, scaled
 from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import check_shape, matrix_shape, register_format
+from leanlm.model.quantized.linear import register_format
 from leanlm.model.sparse import tensor_cores
 from leanlm.model.sparse.widened import WidenedSparseLinear
 
@@ -111,6 +114,14 @@ class Sparse24Linear(WidenedSparseLinear):
         values, mask = compress_24(weight, dtype)
         return cls(values, mask, None if bias is None else bias.detach().to(dtype))
 
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN else 8  # a mask byte holds two groups of 4 columns
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            return {"values": self.values[cut], "mask": self.mask[cut]}
+        return {"values": self.values[:, scaled(cut, 2)], "mask": self.mask[:, scaled(cut, 8)]}
+
     def sparse_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.values, self.mask
 
@@ -125,11 +136,8 @@ class Sparse24Linear(WidenedSparseLinear):
             return None
         return self.semi_structured.get((self.values, self.mask), lambda v, m: tensor_cores.compress(widen_24(v, m)))
 
-    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
-        if not cpu_sparse.is_available():
-            return None
-        kind = cpu_decode.KIND_SPARSE24
-        return cpu_decode.NativeLinear(kind, self.values, bias=self.bias, mask=self.mask, packed=packed_weight)
+    def native_sparse(self) -> NativeCall | None:
+        return cpu_sparse.native_call(self.values, self.mask, self.bias) if cpu_sparse.is_available() else None
 
 
 def to_sparse24(linear: torch.nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Sparse24Linear:

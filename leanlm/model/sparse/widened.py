@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_decode, cpu_gemm, cpu_gemv
+from leanlm.kernels import cpu_gemm, cpu_gemv
+from leanlm.kernels.native_linear import NativeCall, NativeLinear, describe
 from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.linear import QuantLinear, packs_rows
 
@@ -39,8 +40,8 @@ class WidenedSparseLinear(QuantLinear):
         """y from the sparse kernel."""
 
     @abstractmethod
-    def native_sparse(self, packed_weight) -> cpu_decode.NativeLinear | None:
-        """This layer in its sparse kind of the decode loop, or None where that kernel is not loaded."""
+    def native_sparse(self) -> NativeCall | None:
+        """The decode loop's few-row call of the sparse kernel, or None where that kernel is not loaded."""
 
     def tensor_core_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The weight as the GPU's sparse tensor cores take it, for these CUDA rows; None where they should not
@@ -63,32 +64,40 @@ class WidenedSparseLinear(QuantLinear):
             return None
         return self.packed.get((self.values, self.mask, self.bias), self._pack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
-        if self.values.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
-            no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
-            if packs_rows(x, self.values, bias) and self.packed_weight() is not None:  # 9+ rows
-                return cpu_gemm.gemm(x, self.packed.value)
-            if no_grad and self.kernel_should_use(x):
-                return self.kernel(x, bias)
-            sparse_weight = self.tensor_core_weight(x) if no_grad and x.is_cuda else None
-            if sparse_weight is not None:
-                return F.linear(x, sparse_weight, bias)
-            dense = self.dense_weight()
-            if no_grad and cpu_gemv.should_use(x, dense):
-                return cpu_gemv.linear_bf16(x, dense, bias)  # no sparse kernel: the same numbers from the dense copy
-            return F.linear(x, dense, bias)
-        return self.reference_forward(x)
+    def _dtypes_match(self, x: torch.Tensor) -> bool:
+        """Values and bias in x's dtype: the kernels' and the dense copy's case (else the reference path)."""
+        return self.values.dtype is x.dtype and (self.bias is None or self.bias.dtype is x.dtype)
 
-    def native_linear(self, packed: bool = False) -> cpu_decode.NativeLinear | None:
-        packed_weight = self.packed_weight() if packed else None
-        if packed and packed_weight is None:
-            return None
-        native = self.native_sparse(packed_weight)
-        if native is not None:
-            return native
-        # Without the sparse kernel the loop runs the dense copy on the bf16 one (same numbers, dense bytes).
-        return cpu_decode.NativeLinear(cpu_decode.KIND_BF16, self.dense_weight(), bias=self.bias, packed=packed_weight)
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return self._dtypes_match(x) and packs_rows(x, self.values, self.bias) and self.packed_weight() is not None
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gemm(x, self.packed.value)
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        no_grad = not (x.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
+        return self._dtypes_match(x) and no_grad and self.kernel_should_use(x)
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.bias)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._dtypes_match(x):
+            return self.reference_forward(x)
+        bias = self.bias
+        no_grad = not (x.requires_grad and torch.is_grad_enabled())
+        sparse_weight = self.tensor_core_weight(x) if no_grad and x.is_cuda else None
+        if sparse_weight is not None:
+            return F.linear(x, sparse_weight, bias)
+        dense = self.dense_weight()
+        if no_grad and cpu_gemv.should_use(x, dense):
+            return cpu_gemv.linear_bf16(x, dense, bias)  # no sparse kernel: the same numbers from the dense copy
+        return F.linear(x, dense, bias)
+
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        # Without the sparse kernel the loop runs the dense copy on the bf16 GEMV (same numbers, dense bytes).
+        few = self.native_sparse() or cpu_gemv.native_call(self.dense_weight(), self.bias)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, dtype={self.values.dtype}"
