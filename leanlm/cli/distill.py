@@ -59,31 +59,31 @@ def add_parser(sub) -> None:
 
 
 def build_student(teacher, student: str | None, layers: list[int] | None, depth: int | None, device, qat=False):
-    """The student the flags name (see the module's docstring); with qat, a quantized checkpoint with its layers
-    swapped for trainable fake-quantized stand-ins."""
+    """The student Checkpoint the flags name from the `teacher` Checkpoint (see the module's docstring); with qat, a
+    quantized checkpoint with its layers swapped for trainable fake-quantized stand-ins."""
     from leanlm.train.model import load_trainable
     from leanlm.train.qat import attach_fake_quant
-    from leanlm.train.student import keep_layers, spread_layers
+    from leanlm.train.student import spread_layers, student_of
 
     if qat and student is None:
         raise ValueError("--qat trains a quantized student: pass it with --student DIR (leanlm quantize's output)")
     if student is not None:
-        model, _ = load_trainable(student, device, keep_quantized=qat)
+        ckpt = load_trainable(student, device, keep_quantized=qat)
         if qat:
-            attach_fake_quant(model)
-        if model.config.vocab_size != teacher.config.vocab_size:
+            attach_fake_quant(ckpt.model)
+        if ckpt.config.vocab_size != teacher.config.vocab_size:
             raise ValueError(
-                f"the student's vocabulary has {model.config.vocab_size} tokens, the teacher's "
+                f"the student's vocabulary has {ckpt.config.vocab_size} tokens, the teacher's "
                 f"{teacher.config.vocab_size}: distillation needs the same tokenizer"
             )
-        return model
+        return ckpt
     count = teacher.config.num_hidden_layers
-    return keep_layers(teacher, layers or spread_layers(count, depth or max(count // 2, 1)))
+    return student_of(teacher, layers or spread_layers(count, depth or max(count // 2, 1)))
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from leanlm.compress.calibration import read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.formats.native import save_checkpoint
     from leanlm.train.data import TokenWindows
     from leanlm.train.distill import DistillConfig, DistillObjective, prepare_teacher
     from leanlm.train.model import load_trainable
@@ -95,8 +95,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
     layers = parse_layers(args.keep_layers)
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"training text {args.data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
-    teacher, tokenizer = load_trainable(args.teacher, args.device)
-    student = build_student(teacher, args.student, layers, args.student_layers, args.device, args.qat)
+    teacher_ckpt = load_trainable(args.teacher, args.device)
+    teacher, tokenizer = teacher_ckpt.model, teacher_ckpt.tokenizer
+    student_ckpt = build_student(teacher_ckpt, args.student, layers, args.student_layers, args.device, args.qat)
+    del teacher_ckpt  # the teacher's weights go with `del teacher` below
+    student = student_ckpt.model
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, args.held_out)
     out = Path(args.out)
@@ -123,7 +126,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.qat:
         detach_fake_quant(student)
     start = time.perf_counter()
-    save_checkpoint(student, out, tokenizer)
+    trained = student_ckpt.with_recipe([trainer.recipe_step()])
+    save_checkpoint(dataclasses.replace(trained, tokenizer=tokenizer), out)  # the teacher's: the data's tokenizer
     if not args.keep_state:
         state.unlink(missing_ok=True)
     kind = "quantization-aware distillation" if args.qat else "distillation"

@@ -153,19 +153,18 @@ def run_recipe(args: argparse.Namespace, recipe: list[MethodConfig], needs_calib
     """Load args.model in float32, calibrate on args.calib (when the recipe needs data or --calib is given),
     compress, save to args.out in `fmt`, print the summary (`leanlm quantize` and `leanlm prune`)."""
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
-    from leanlm.compress.gptq_format import save_gptq_checkpoint
     from leanlm.compress.recipe import compress
-    from leanlm.loading.checkpoint import load_checkpoint
-    from leanlm.model.device import resolve_device
-    from leanlm.model.llama import build_model
+    from leanlm.formats import (
+        load_checkpoint,
+        save_checkpoint,
+        save_compressed_tensors_checkpoint,
+        save_gptq_checkpoint,
+    )
 
     if args.calib is not None and not Path(args.calib).is_file():
         raise ValueError(f"calibration file {args.calib} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
-    device = resolve_device(args.device or None)
-    ckpt = load_checkpoint(args.model)
-    model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
+    ckpt = load_checkpoint(args.model, "float32", args.device or None)
+    model = ckpt.model
     samples = None
     if needs_calibration or args.calib:
         text = read_calibration_text(args.calib)
@@ -176,7 +175,7 @@ def run_recipe(args: argparse.Namespace, recipe: list[MethodConfig], needs_calib
     start = time.perf_counter()
     savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
     save = savers.get(fmt, save_checkpoint)
-    out = save(model, args.out, ckpt.tokenizer)
+    out = save(ckpt.with_recipe(report.recipe), args.out)
     print(
         format_summary(
             report, args.model, args.out, fmt, bytes_before, directory_bytes(out), time.perf_counter() - start

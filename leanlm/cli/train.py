@@ -101,11 +101,11 @@ def add_run_args(p) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
     from leanlm.compress.gqa import GQAConfig
     from leanlm.compress.pruner import pack_semi_structured
     from leanlm.compress.recipe import compress
     from leanlm.compress.rtn import RTNConfig
+    from leanlm.formats.native import save_checkpoint
     from leanlm.train.act_sparse import TEALTrainConfig
     from leanlm.train.data import TokenWindows
     from leanlm.train.model import load_trainable
@@ -129,11 +129,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     exits = build_exits_config(args)
     if exits is not None and (sparsity is not None or qat is not None or args.qat or gqa is not None):
         raise ValueError("--exits trains heads on a frozen model: it does not combine with a recipe, QAT or GQA")
-    model, tokenizer = load_trainable(args.model, args.device, keep_quantized=args.qat)
+    ckpt = load_trainable(args.model, args.device, keep_quantized=args.qat)
+    model, tokenizer = ckpt.model, ckpt.tokenizer
     if gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
-        compress(model, [gqa], progress=False)
+        ckpt = ckpt.with_recipe(compress(model, [gqa], progress=False).recipe)
     if qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
-        compress(model, [qat], progress=False)
+        ckpt = ckpt.with_recipe(compress(model, [qat], progress=False).recipe)
     if qat is not None or args.qat:
         attach_fake_quant(model)
     ids = tokenizer.encode(read_calibration_text(args.data), add_special_tokens=False)
@@ -143,18 +144,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     if state.is_file():
         print(f"resuming from {state}")
     if exits is not None:
-        return _train_exits(model, tokenizer, data, config, exits, state, args)
+        return _train_exits(ckpt, data, config, exits, state, args)
     trainer = Trainer(model, data, config, sparsity, state)
     before = trainer.held_out_loss() if trainer.result.steps == 0 and not state.is_file() else None
     result = trainer.run()
+    ckpt = ckpt.with_recipe([trainer.recipe_step()])
     if qat is not None or args.qat:
         detach_fake_quant(model)
     if isinstance(sparsity, TEALTrainConfig):  # decode's fixed thresholds, calibrated on the trained weights
-        compress(model, [sparsity.runtime_config()], calibration_samples(ids, 64, 256, seed=0), progress=False)
+        calibration = calibration_samples(ids, 64, 256, seed=0)
+        ckpt = ckpt.with_recipe(compress(model, [sparsity.runtime_config()], calibration, progress=False).recipe)
     elif sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
         pack_semi_structured(model, [])
     start = time.perf_counter()
-    save_checkpoint(model, out, tokenizer)
+    save_checkpoint(ckpt, out)
     if not args.keep_state:
         state.unlink(missing_ok=True)
     recipe = "fine-tuning" if sparsity is None else f"{sparsity.name} ({sparsity.sparsity_label})"
@@ -181,10 +184,10 @@ def build_exits_config(args: argparse.Namespace):
     return ExitHeadsConfig(layers, args.exit_temperature, args.exit_ce_weight, args.exit_adapter_rank)
 
 
-def _train_exits(model, tokenizer, data, config, exits, state: Path, args: argparse.Namespace) -> int:
+def _train_exits(ckpt, data, config, exits, state: Path, args: argparse.Namespace) -> int:
     """Exit heads on the frozen model: held-out KL and agreement with the final layer before and after, a 95%
     threshold per exit and confidence measure, and the model saved with its exits."""
-    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.formats.native import save_checkpoint
     from leanlm.train.exits import (
         CONFIDENCE_MEASURES,
         ExitObjective,
@@ -194,12 +197,13 @@ def _train_exits(model, tokenizer, data, config, exits, state: Path, args: argpa
     )
     from leanlm.train.trainer import Trainer
 
+    model = ckpt.model
     attach_exits(model, exits)
     trainer = Trainer(model, data, config, None, state, objective=ExitObjective(exits))
     before = None if state.is_file() else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
     result = trainer.run()
     after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)
-    save_checkpoint(model, Path(args.out), tokenizer)
+    save_checkpoint(ckpt.with_recipe([trainer.recipe_step()]), Path(args.out))
     if not args.keep_state:
         state.unlink(missing_ok=True)
     resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""

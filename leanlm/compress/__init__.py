@@ -5,10 +5,8 @@ from leanlm.compress.act_sparsity import ActivationSparsityConfig
 from leanlm.compress.awq import AWQConfig
 from leanlm.compress.base import CompressionReport, LinearReport
 from leanlm.compress.calibration import calibration_samples, read_calibration_text
-from leanlm.compress.checkpoint import save_checkpoint
 from leanlm.compress.fp8 import FP8Config
 from leanlm.compress.gptq import GPTQConfig
-from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.compress.gqa import GQAConfig
 from leanlm.compress.lkd import LKDConfig
 from leanlm.compress.llm_int8 import LLMInt8Config
@@ -22,8 +20,6 @@ from leanlm.compress.wanda import WandaConfig
 
 __all__ = [
     "compress",
-    "save_checkpoint",
-    "save_gptq_checkpoint",
     "calibration_samples",
     "read_calibration_text",
     "RTNConfig",

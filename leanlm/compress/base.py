@@ -73,6 +73,9 @@ class CompressionReport:
     linears: list[LinearReport] = field(default_factory=list)
     seconds: float = 0.0
     details: dict[str, dict] = field(default_factory=dict)  # method name -> what its summary() said
+    # the run's steps, {"method": name, **config fields}, in recipe order: a saved Checkpoint records them
+    # (`checkpoint.with_recipe(report.recipe)`)
+    recipe: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,9 @@ from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOn
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear, is_sparse_enough
 from leanlm.model.sparse.quantized_24 import to_sparse24_quantized
 from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.sparsity_mask import MASK_ATTR, pruned_mask
 
 logger = logging.getLogger(__name__)
-
-MASK_ATTR = "sparsity_mask"
-
-
-def pruned_mask(linear: nn.Module) -> torch.Tensor | None:
-    """[N, K] bool, True where an earlier pruning step zeroed the weight; None when it was not pruned."""
-    return getattr(linear, MASK_ATTR, None)
 
 
 class Pruner(Method):

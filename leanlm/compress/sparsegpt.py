@@ -20,8 +20,9 @@ from leanlm.compress.hessian import Select, inverse_cholesky_upper, obs_sweep, p
 from leanlm.compress.int_scheme import build_module
 from leanlm.compress.linear_quantizer import LinearQuantizer
 from leanlm.compress.owl import LayerProfile
-from leanlm.compress.pruner import Pruner, pruned_mask
+from leanlm.compress.pruner import Pruner
 from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask
+from leanlm.model.sparsity_mask import pruned_mask
 
 
 @dataclass(frozen=True)

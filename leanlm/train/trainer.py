@@ -190,7 +190,6 @@ class Trainer:
         if self.sparse is not None:
             self.result.sparsity = self.sparse.finish()
         self.model.eval().requires_grad_(False)
-        self._record_recipe()
         return self.result
 
     def _step(self, step: int) -> float:
@@ -287,13 +286,14 @@ class Trainer:
         self.result.resumed_from = self.result.steps
         return self.result.steps
 
-    def _record_recipe(self) -> None:
+    def recipe_step(self) -> dict:
+        """This run as a recipe step (what a saved Checkpoint records: `checkpoint.with_recipe([step])`)."""
         step = {"method": "train", **dataclasses.asdict(self.config)}
         if self.sparsity_config is not None:
             step["sparsity"] = {"method": self.sparsity_config.name, **dataclasses.asdict(self.sparsity_config)}
         if self.objective is not None:
             step["objective"] = self.objective.identity()
-        self.model.compression_recipe = [*getattr(self.model, "compression_recipe", []), step]
+        return step
 
 
 def train(

@@ -7,12 +7,13 @@ import torch
 from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, SparseGPTConfig, WandaConfig, compress
 from leanlm.compress.gptq import gptq_quantize, layer_error
 from leanlm.compress.magnitude import global_threshold
-from leanlm.compress.pruner import pack_semi_structured, pruned_mask
+from leanlm.compress.pruner import pack_semi_structured
 from leanlm.compress.sparsegpt import sparsegpt_prune
 from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask, parse_pattern, satisfies_nm
 from leanlm.model.quantized.linear import QuantLinear
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.sparsity_mask import pruned_mask
 from tests.compress.conftest import dense_logits
 
 

@@ -7,9 +7,11 @@ import shutil
 import pytest
 import torch
 
-from leanlm.compress import RTNConfig, compress, save_checkpoint, save_gptq_checkpoint
+from leanlm.compress import RTNConfig, compress
+from leanlm.formats import save_checkpoint, save_gptq_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.inspect import ModelFormat, inspect
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.inspect import ModelFormat, inspect
 from leanlm.model.llama import build_model
 from tests.conftest import tiny_config, tiny_state_dict
 
@@ -24,16 +26,16 @@ def test_each_kind_is_told_by_its_contents(tiny_gguf, tmp_path):
     renamed = tmp_path / "model.bin"  # the GGUF magic decides, not the name
     shutil.copy(gguf, renamed)
     assert inspect(renamed).format is ModelFormat.GGUF and not inspect(renamed).is_directory
-    save_checkpoint(_model(), tmp_path / "float", dtype=torch.float32)
+    save_checkpoint(Checkpoint(_model(), None), tmp_path / "float", dtype=torch.float32)
     assert inspect(tmp_path / "float").format is ModelFormat.LEANLM_CHECKPOINT  # no layer quantized, still ours
     shutil.copytree(tmp_path / "float", tmp_path / "hf")
     (tmp_path / "hf" / "quantization_config.json").unlink()  # config.json + safetensors: a plain HF directory
     assert inspect(tmp_path / "hf").format is ModelFormat.HF_DIR
     quantized = _model()
     compress(quantized, RTNConfig(bits=4, group_size=32), progress=False)
-    save_checkpoint(quantized, tmp_path / "rtn")
+    save_checkpoint(Checkpoint(quantized, None), tmp_path / "rtn")
     assert inspect(tmp_path / "rtn").format is ModelFormat.LEANLM_CHECKPOINT
-    save_gptq_checkpoint(quantized, tmp_path / "gptq")
+    save_gptq_checkpoint(Checkpoint(quantized, None), tmp_path / "gptq")
     source = inspect(tmp_path / "gptq")
     assert source.format is ModelFormat.GPTQ and source.is_directory and source.path == tmp_path / "gptq"
 
