@@ -69,6 +69,11 @@ def test_formats_sit_between_the_model_and_its_users():
     assert not _importers(below, ("leanlm.formats",)), "the runtime layers never import a checkpoint format"
 
 
+def test_compress_never_imports_train():
+    """train/ builds on compress (its configs subclass MethodConfig), never the reverse."""
+    assert not _importers(("compress",), ("leanlm.train",))
+
+
 def test_no_module_passes_the_size_where_it_should_be_split():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
     assert not {name: n for name, n in sizes.items() if n > MAX_LINES}

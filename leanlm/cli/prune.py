@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from leanlm.compress.act_sparsity import ALLOCATIONS, ActivationSparsityConfig
+from leanlm.compress.activation.act_sparsity import ALLOCATIONS, ActivationSparsityConfig
 from leanlm.compress.base import MethodConfig
-from leanlm.compress.magnitude import SCOPES, MagnitudeConfig
-from leanlm.compress.owl import PROFILES
-from leanlm.compress.permute import PermuteConfig
-from leanlm.compress.sparsegpt import SparseGPTConfig
-from leanlm.compress.wanda import WandaConfig
+from leanlm.compress.prune.magnitude import SCOPES, MagnitudeConfig
+from leanlm.compress.prune.owl import PROFILES
+from leanlm.compress.prune.permute import PermuteConfig
+from leanlm.compress.prune.sparsegpt import SparseGPTConfig
+from leanlm.compress.prune.wanda import WandaConfig
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "teal")
 

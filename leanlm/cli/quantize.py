@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from leanlm.compress.awq import AWQConfig
 from leanlm.compress.base import CompressionReport, MethodConfig
-from leanlm.compress.fp8 import FP8Config
-from leanlm.compress.gptq import GPTQConfig
-from leanlm.compress.llm_int8 import LLMInt8Config
-from leanlm.compress.rtn import RTNConfig
-from leanlm.compress.smoothquant import SmoothQuantConfig
+from leanlm.compress.quantize.fp8 import FP8Config
+from leanlm.compress.quantize.gptq import GPTQConfig
+from leanlm.compress.quantize.llm_int8 import LLMInt8Config
+from leanlm.compress.quantize.rtn import RTNConfig
+from leanlm.compress.transform.awq import AWQConfig
+from leanlm.compress.transform.smoothquant import SmoothQuantConfig
 
 METHODS = ("rtn", "gptq", "awq", "smoothquant", "llm_int8", "fp8", "zeroquant")
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant", "llm_int8")

@@ -101,10 +101,10 @@ def add_run_args(p) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.gqa import GQAConfig
-    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress.prune.pruner import pack_semi_structured
+    from leanlm.compress.quantize.rtn import RTNConfig
     from leanlm.compress.recipe import compress
-    from leanlm.compress.rtn import RTNConfig
+    from leanlm.compress.transform.gqa import GQAConfig
     from leanlm.formats.native import save_checkpoint
     from leanlm.train.act_sparse import TEALTrainConfig
     from leanlm.train.data import TokenWindows

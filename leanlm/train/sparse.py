@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from leanlm.compress.base import MethodConfig
-from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask
+from leanlm.compress.prune.sparsity import SparsityScheme, lowest_mask, nm_mask
 from leanlm.model.sparsity_mask import MASK_ATTR
 
 

@@ -23,8 +23,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.compress.base import MethodConfig
+from leanlm.model.forward import causal_lm_loss
 from leanlm.train.data import TokenWindows
-from leanlm.train.forward import causal_lm_loss
 from leanlm.train.recipes import build_sparse_training
 from leanlm.train.sparse import SparseTraining
 

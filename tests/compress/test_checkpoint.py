@@ -79,8 +79,8 @@ def test_gptq_layout_matches_the_reference_dequantization(act_order):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 128, generator=gen)
     w = torch.randn(64, 128, generator=gen) / 10
-    from leanlm.compress.gptq import gptq_quantize
-    from leanlm.compress.int_scheme import build_module
+    from leanlm.compress.quantize.gptq import gptq_quantize
+    from leanlm.compress.quantize.int_scheme import build_module
 
     cfg = GPTQConfig(bits=4, group_size=32, symmetric=True, act_order=act_order)
     res = gptq_quantize(w, 2 * x.t() @ x / 512, cfg)

@@ -85,7 +85,7 @@ def test_prune_command_writes_a_checkpoint_that_loads(tmp_path, capsys, tiny_mod
     assert main([*argv, "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "zeros" in printed and "50.0%" in printed
-    from leanlm.compress.sparsity import satisfies_nm
+    from leanlm.compress.prune.sparsity import satisfies_nm
     from leanlm.llm import load_model
     from leanlm.model.sparse.semi_structured import Sparse24Linear
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leanlm.compress import GQAConfig, RTNConfig, compress
-from leanlm.compress.gqa import group_heads
+from leanlm.compress.transform.gqa import group_heads
 from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model

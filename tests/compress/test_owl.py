@@ -9,7 +9,7 @@ import torch
 from leanlm.cli.prune import build_prune_recipe
 from leanlm.compress import MagnitudeConfig, SparseGPTConfig, WandaConfig, compress
 from leanlm.compress.base import build_method
-from leanlm.compress.owl import outlier_ratio, owl_sparsities
+from leanlm.compress.prune.owl import outlier_ratio, owl_sparsities
 from leanlm.model.llama import build_model
 from tests.compress.conftest import VOCAB
 from tests.conftest import tiny_config, tiny_state_dict

@@ -169,7 +169,7 @@ def test_24_pruned_smollm_decodes_on_the_sparse_kernel_like_its_dense_copy(smoll
     2:4 kernel computes exactly the bf16 GEMV of the widened weight."""
     from leanlm import LLM, SamplingParams
     from leanlm.compress import MagnitudeConfig
-    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress.prune.pruner import pack_semi_structured
     from leanlm.formats import save_checkpoint
     from leanlm.model.sparse.semi_structured import Sparse24Linear
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from leanlm.cli import main
 from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
+from leanlm.model.forward import hidden_states, logits
 from leanlm.model.llama import build_model
 from leanlm.train.distill import (
     DistillConfig,
@@ -19,7 +20,6 @@ from leanlm.train.distill import (
     prepare_teacher,
     rows_read,
 )
-from leanlm.train.forward import hidden_states, logits
 from leanlm.train.student import keep_layers, student_of
 from leanlm.train.teacher_cache import TeacherCache, TeacherTargets, top_k_distribution
 from leanlm.train.trainer import TrainConfig, Trainer

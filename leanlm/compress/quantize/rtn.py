@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import MethodConfig, register_method
-from leanlm.compress.int_scheme import IntScheme, build_module
-from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.compress.quantize.int_scheme import IntScheme, build_module
+from leanlm.compress.quantize.linear_quantizer import LinearQuantizer
 from leanlm.model.quantized.numerics import compute_qparams, quantize
 
 

@@ -11,9 +11,9 @@ import torch
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_STATS, MethodConfig, register_method
 from leanlm.compress.hessian import Select, inverse_cholesky_upper, obs_sweep, prepare_hessian
-from leanlm.compress.int_scheme import IntScheme, build_module
-from leanlm.compress.linear_quantizer import LinearQuantizer
-from leanlm.compress.sparsity import satisfies_nm
+from leanlm.compress.prune.sparsity import satisfies_nm
+from leanlm.compress.quantize.int_scheme import IntScheme, build_module
+from leanlm.compress.quantize.linear_quantizer import LinearQuantizer
 from leanlm.model.quantized.numerics import QParams, QuantSpec, compute_qparams, quantize, shrink_qparams
 from leanlm.model.sparsity_mask import pruned_mask
 

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_PLAN, GroupInputs, LinearReport, Method, MethodConfig
-from leanlm.compress.int_scheme import linear_report
-from leanlm.compress.linear_quantizer import group_linears
-from leanlm.compress.owl import LayerPlan
-from leanlm.compress.smoothing import set_tensor
-from leanlm.compress.sparsity import satisfies_nm
+from leanlm.compress.prune.owl import LayerPlan
+from leanlm.compress.prune.sparsity import satisfies_nm
+from leanlm.compress.quantize.int_scheme import linear_report
+from leanlm.compress.quantize.linear_quantizer import group_linears
+from leanlm.compress.transform.smoothing import set_tensor
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear, is_sparse_enough
 from leanlm.model.sparse.quantized_24 import to_sparse24_quantized
@@ -40,6 +40,14 @@ class Pruner(Method):
         self.plan = LayerPlan(config) if config.profile == "owl" else None
         if self.plan is not None:
             self.needs = type(self).needs | {NEEDS_PLAN}
+
+    def finalize(self, model: nn.Module, reports: list[LinearReport]) -> list[LinearReport]:
+        """2:4 and unstructured prunes pack (the latter only where sparse enough: sparse_format), after whatever
+        quantizer followed in the recipe (2:4 int8 / int4 layers become their 2:4 formats); other N:M patterns have
+        no kernel and stay float. Packing twice changes nothing, so two pruners in one recipe are fine."""
+        if not (self.config.pack and self.config.pattern in ("2:4", None)):
+            return reports
+        return pack_quantized_24(model, pack_semi_structured(model, reports))
 
     def plan_layer(self, prefix, layer, inputs):
         if self.plan is not None:

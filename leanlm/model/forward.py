@@ -1,4 +1,5 @@
-"""The differentiable forward the trainer runs: whole sequences [B, T], causal attention, no KV cache.
+"""The differentiable forward over whole sequences [B, T], causal attention, no KV cache: what the trainer runs, and
+what compression's LKD and TEAL allocation run a decoder layer with (so it lives with the model, below both).
 
 The engine's forward (leanlm.model.llama) reads and writes a paged KV cache inside a forward context and runs
 native kernels with no backward; training needs neither. This forward calls the same modules (so the same

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, Method, MethodConfig, register_method
-from leanlm.compress.smoothing import fold_scales, foldable_groups, weight_absmax
+from leanlm.compress.transform.smoothing import fold_scales, foldable_groups, weight_absmax
 
 
 @dataclass(frozen=True)

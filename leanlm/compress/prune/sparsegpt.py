@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import NEEDS_HESSIAN, NEEDS_STATS, MethodConfig, register_method
-from leanlm.compress.gptq import GPTQConfig, gptq_quantize
 from leanlm.compress.hessian import Select, inverse_cholesky_upper, obs_sweep, prepare_hessian
-from leanlm.compress.int_scheme import build_module
-from leanlm.compress.linear_quantizer import LinearQuantizer
-from leanlm.compress.owl import LayerProfile
-from leanlm.compress.pruner import Pruner
-from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask
+from leanlm.compress.prune.owl import LayerProfile
+from leanlm.compress.prune.pruner import Pruner
+from leanlm.compress.prune.sparsity import SparsityScheme, lowest_mask, nm_mask
+from leanlm.compress.quantize.gptq import GPTQConfig, gptq_quantize
+from leanlm.compress.quantize.int_scheme import build_module
+from leanlm.compress.quantize.linear_quantizer import LinearQuantizer
 from leanlm.model.sparsity_mask import pruned_mask
 
 

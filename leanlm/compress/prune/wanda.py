@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leanlm.compress.base import NEEDS_STATS, MethodConfig, register_method
-from leanlm.compress.owl import LayerProfile
-from leanlm.compress.pruner import Pruner
-from leanlm.compress.sparsity import SparsityScheme, scheme_mask, wanda_scores
+from leanlm.compress.prune.owl import LayerProfile
+from leanlm.compress.prune.pruner import Pruner
+from leanlm.compress.prune.sparsity import SparsityScheme, scheme_mask, wanda_scores
 
 
 @dataclass(frozen=True)

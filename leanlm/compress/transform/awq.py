@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_SEQUENCES, NEEDS_STATS, GroupInputs, Method, MethodConfig, register_method
-from leanlm.compress.int_scheme import IntScheme
-from leanlm.compress.smoothing import fold_scales, foldable_groups, set_tensor
+from leanlm.compress.quantize.int_scheme import IntScheme
+from leanlm.compress.transform.smoothing import fold_scales, foldable_groups, set_tensor
 from leanlm.model.quantized.numerics import fake_quantize
 
 CLIP_SKIP = ("q_proj", "k_proj")  # attention-score inputs: clipping them hurts (as in the AWQ reference)

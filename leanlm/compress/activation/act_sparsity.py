@@ -8,7 +8,7 @@ thresholds come from the calibration inputs the layer loop observes (with earlie
 output error): starting from dense, it raises, one step at a time, the sparsity of the linear whose output
 error grows least per weight byte it stops reading, until the layer's bytes-weighted sparsity is `sparsity`.
 `allocation="block"` is TEAL's own greedy: the same steps, chosen on the error of the whole layer's output
-(leanlm.compress.act_allocation). The summary reports the batch-size effect: at batch B a weight row may be
+(leanlm.compress.activation.act_allocation). The summary reports the batch-size effect: at batch B a weight row may be
 skipped only when all B rows' inputs are zero there, so the share of rows read grows with B (measured on the
 calibration rows, B at a time).
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanlm.compress.act_allocation import BLOCK_SEQUENCES, Candidate, block_levels
+from leanlm.compress.activation.act_allocation import BLOCK_SEQUENCES, Candidate, block_levels
 from leanlm.compress.base import NEEDS_LAYER, NEEDS_STATS, GroupInputs, LayerInputs, MethodConfig, register_method
-from leanlm.compress.linear_quantizer import LinearQuantizer, group_linears
+from leanlm.compress.quantize.linear_quantizer import LinearQuantizer, group_linears
 from leanlm.model.sparse.activation import ActSparseLinear
 
 BATCH_SIZES = (1, 2, 4, 8, 16)

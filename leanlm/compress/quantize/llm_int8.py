@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, MethodConfig, register_method
-from leanlm.compress.linear_quantizer import LinearQuantizer
+from leanlm.compress.quantize.linear_quantizer import LinearQuantizer
 from leanlm.model.quantized.llm_int8 import LLMInt8Linear
 
 

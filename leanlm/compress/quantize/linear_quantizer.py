@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport, Method
-from leanlm.compress.int_scheme import linear_report
+from leanlm.compress.quantize.int_scheme import linear_report
 from leanlm.model.quantized.linear import QuantLinear
 
 

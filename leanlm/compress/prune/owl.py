@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import GroupInputs
-from leanlm.compress.sparsity import wanda_scores
+from leanlm.compress.prune.sparsity import wanda_scores
 
 PROFILES = ("uniform", "owl")
 

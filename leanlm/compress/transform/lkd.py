@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_LAYER, LayerInputs, Method, MethodConfig, register_method
+from leanlm.model.forward import decoder_layer
 from leanlm.model.quantized.fake_quant import GRID_LR_SCALE, attach_fake_quant, detach_fake_quant
-from leanlm.train.forward import decoder_layer
 
 
 @dataclass(frozen=True)

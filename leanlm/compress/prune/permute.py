@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, Method, MethodConfig, register_method
-from leanlm.compress.smoothing import set_tensor
-from leanlm.compress.sparsity import parse_pattern, wanda_scores
+from leanlm.compress.prune.sparsity import parse_pattern, wanda_scores
+from leanlm.compress.transform.smoothing import set_tensor
 
 SCORES = ("magnitude", "wanda")
 _MAX_HIDDEN_ROWS = 8192  # score rows the residual-stream search samples (it spans every layer's matrices)

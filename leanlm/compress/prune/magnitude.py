@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import MethodConfig, register_method
-from leanlm.compress.owl import LayerProfile
-from leanlm.compress.pruner import Pruner
-from leanlm.compress.sparsity import SparsityScheme, scheme_mask
+from leanlm.compress.prune.owl import LayerProfile
+from leanlm.compress.prune.pruner import Pruner
+from leanlm.compress.prune.sparsity import SparsityScheme, scheme_mask
 
 SCOPES = ("row", "layer", "global")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanlm.train.forward import decoder_layer
+from leanlm.model.forward import decoder_layer
 
 BLOCK_SEQUENCES = 2  # calibration sequences the layer runs on per trial (each trial is one layer forward)
 
