@@ -132,7 +132,7 @@ def test_uniform_profile_prunes_every_layer_alike(calib):
 def test_sparsegpt_joint_quantization_follows_the_owl_plan(calib, monkeypatch):
     """The joint sweep chooses each layer's mask at the layer's planned fraction (quantization then rounds more
     weights to 0, so the zeros alone cannot tell)."""
-    from leanlm.compress import sparsegpt
+    from leanlm.compress.prune import sparsegpt
 
     chosen, select = [], sparsegpt.sparsegpt_select
     monkeypatch.setattr(sparsegpt, "sparsegpt_select", lambda scheme: chosen.append(scheme.sparsity) or select(scheme))
