@@ -1,5 +1,6 @@
-"""Compression: one API for every method (torchao style), quantization and pruning, run through one
-layer-by-layer loop."""
+"""Compression: one API for every method (torchao style), run through one layer-by-layer loop (calibration.py).
+Methods by kind: quantize/, prune/, activation/, transform/; compress() returns a report whose `recipe` a saved
+Checkpoint records (leanlm.formats writes it)."""
 
 from leanlm.compress.activation.act_sparsity import ActivationSparsityConfig
 from leanlm.compress.base import CompressionReport, LinearReport
