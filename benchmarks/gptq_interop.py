@@ -23,10 +23,10 @@ from leanlm.analysis.eval import read_text
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import calibration_samples, compress, read_calibration_text
-from leanlm.compress.gptq_format import save_gptq_checkpoint
 from leanlm.compress.named_recipes import build_recipe
 from leanlm.data import wikitext2_test_path
-from leanlm.llm import LLM, load_model
+from leanlm.formats import load_checkpoint, save_gptq_checkpoint
+from leanlm.llm import LLM
 from leanlm.sampling_params import SamplingParams
 
 WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
@@ -54,15 +54,15 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     out = Path(args.out)
-    model = load_model(args.model, progress=False)
-    tok = model.tokenizer
+    ckpt = load_checkpoint(args.model, progress=False)
+    model, tok = ckpt.model, ckpt.tokenizer
     samples = calibration_samples(
         tok.encode(read_calibration_text(), add_special_tokens=False), args.num_samples, args.calib_seq_len
     )
     recipe = build_recipe("gptq", bits=4, group_size=64, symmetric=True, act_order=True)
     compress(model, recipe, samples, progress=False)
-    save_gptq_checkpoint(model, out, tok)
-    del model
+    save_gptq_checkpoint(ckpt, out)
+    del model, ckpt
 
     ours = LLM(str(out), dtype="bfloat16", progress=False)
     hf = AutoModelForCausalLM.from_pretrained(str(out), device_map="cpu", dtype=torch.bfloat16).eval()

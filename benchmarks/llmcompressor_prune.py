@@ -19,18 +19,23 @@ import argparse
 import time
 from pathlib import Path
 
+from leanlm.formats.checkpoint import Checkpoint
+
 
 def export(model: str, out: Path, num_samples: int, seq_len: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from leanlm.compress import calibration_samples, read_calibration_text, save_checkpoint
-    from leanlm.loading.checkpoint import load_checkpoint
+    from leanlm.compress import calibration_samples, read_calibration_text
+    from leanlm.formats import save_checkpoint
+    from leanlm.formats.stored import read_checkpoint
     from leanlm.model.llama import build_model
 
-    ckpt = load_checkpoint(model, progress=False)
+    ckpt = read_checkpoint(model, progress=False)
     dense = build_model(ckpt.config, ckpt.state_dict, torch.float32)
-    save_checkpoint(dense, out, ckpt.tokenizer)  # config and tokenizer; the weights are rewritten in float32
+    save_checkpoint(
+        Checkpoint(dense, ckpt.tokenizer), out
+    )  # config and tokenizer; the weights are rewritten in float32
     tied = ckpt.config.tie_word_embeddings
     weights = {k: v.float().contiguous() for k, v in dense.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -26,13 +26,15 @@ from leanlm.analysis.eval import kl_divergence, make_windows, perplexity, read_t
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.sparsity import linear_sparsity, overall
-from leanlm.compress import calibration_samples, compress, read_calibration_text, save_checkpoint
+from leanlm.compress import calibration_samples, compress, read_calibration_text
 from leanlm.compress.base import MethodConfig, build_method
 from leanlm.compress.jobs import directory_bytes, model_bytes
 from leanlm.compress.named_recipes import build_recipe
 from leanlm.data import wikitext2_test_path
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.llm import LLM
-from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.llama import build_model
 
 WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)
@@ -121,7 +123,7 @@ def main(study: Study = QUANTIZATION, description: str = __doc__) -> None:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {list(study.configs)}")
 
-    ckpt = load_checkpoint(args.model, progress=False)
+    ckpt = read_checkpoint(args.model, progress=False)
     ids = ckpt.tokenizer.encode(read_text(args.data), add_special_tokens=False)
     windows = make_windows(ids, args.seq_len, None, max(args.ppl_windows, args.kl_windows))
     ppl_windows, kl_windows = windows[: args.ppl_windows], windows[: args.kl_windows]
@@ -156,7 +158,7 @@ def main(study: Study = QUANTIZATION, description: str = __doc__) -> None:
             zeros = overall(linear_sparsity(model))
             out = results / name.replace(" ", "_").replace("/", "-")
             shutil.rmtree(out, ignore_errors=True)
-            save_checkpoint(model, out, ckpt.tokenizer)
+            save_checkpoint(Checkpoint(model, ckpt.tokenizer), out)
             mib = directory_bytes(out) / 2**20
             recipe = " + ".join(c.name for c in recipe_cfgs)
             del model

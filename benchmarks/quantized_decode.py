@@ -22,11 +22,13 @@ from leanlm.analysis.bench_suite import prompts_from_text
 from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import find_llama_server
-from leanlm.compress import RTNConfig, SmoothQuantConfig, compress, save_checkpoint
+from leanlm.compress import RTNConfig, SmoothQuantConfig, compress
 from leanlm.compress.calibration import calibration_samples, read_calibration_text
 from leanlm.data import wikitext2_test_path
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.llm import LLM
-from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.registry import resolve_model
 from leanlm.model.llama import build_model
 
@@ -45,14 +47,14 @@ CALIBRATED = {"w8a8"}  # recipes that need calibration text (the packaged defaul
 def quantized_dir(model: str, kind: str, root: Path) -> Path:
     out = root / f"{Path(model).name}-{kind}"
     if not (out / "quantization_config.json").is_file():
-        ckpt = load_checkpoint(model, progress=False)
+        ckpt = read_checkpoint(model, progress=False)
         net = build_model(ckpt.config, ckpt.state_dict, torch.float32)
         samples = None
         if kind in CALIBRATED:
             ids = ckpt.tokenizer.encode(read_calibration_text(None), add_special_tokens=False)
             samples = calibration_samples(ids, 64, 256)
         compress(net, RECIPES[kind], samples, progress=False)
-        save_checkpoint(net, out, ckpt.tokenizer)
+        save_checkpoint(Checkpoint(net, ckpt.tokenizer), out)
     return out
 
 

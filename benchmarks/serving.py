@@ -24,7 +24,7 @@ from leanlm.analysis.load_report import LoadResult, format_table
 from leanlm.analysis.markdown import replace_section
 from leanlm.analysis.peers import LlamaServer, LlamaServerConfig, PeerUnavailable, ServerProcess, leanlm_server
 from leanlm.data import wikitext2_test_path
-from leanlm.loading.checkpoint import load_tokenizer
+from leanlm.formats.stored import load_tokenizer
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
 WIKITEXT = wikitext2_test_path()  # packaged with leanlm (leanlm/data)

@@ -30,12 +30,14 @@ import torch
 from leanlm.analysis.bench import median
 from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
-from leanlm.compress import RTNConfig, compress, save_checkpoint
+from leanlm.compress import RTNConfig, compress
 from leanlm.config import EngineConfig
 from leanlm.data import wikitext2_test_path
 from leanlm.engine import LLMEngine
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.llm import LLM
-from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
@@ -136,17 +138,17 @@ def quantized_copy(model: str, root: Path) -> Path:
     """The model quantized to int4 (group 64, head int8), as a cheaper draft."""
     out = root / f"{Path(model).name}-int4-draft"
     if not (out / "quantization_config.json").is_file():
-        ckpt = load_checkpoint(model, progress=False)
+        ckpt = read_checkpoint(model, progress=False)
         net = build_model(ckpt.config, ckpt.state_dict, torch.float32)
         compress(
             net, [RTNConfig(bits=4, group_size=64), RTNConfig(bits=8, group_size=None, ignore=())], None, progress=False
         )
-        save_checkpoint(net, out, ckpt.tokenizer)
+        save_checkpoint(Checkpoint(net, ckpt.tokenizer), out)
     return out
 
 
 def load_net(model: str):
-    ckpt = load_checkpoint(model, progress=False)
+    ckpt = read_checkpoint(model, progress=False)
     return build_model(ckpt.config, ckpt.state_dict, torch.bfloat16, quantized=ckpt.quantized), ckpt.tokenizer
 
 
@@ -418,7 +420,7 @@ def peak_blocks(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> i
 
 
 def memory_rows() -> list[MemoryRow]:
-    tok = load_checkpoint(SMOL, progress=False).tokenizer
+    tok = read_checkpoint(SMOL, progress=False).tokenizer
     ids = tok.encode(WIKITEXT.read_text()[10_000:40_000], add_special_tokens=False)[:512]
     sample = dict(max_tokens=64, temperature=0.8, ignore_eos=True)
     rows = []

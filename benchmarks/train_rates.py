@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    teacher, tokenizer = load_trainable(args.model, "cpu")
+    teacher_ckpt = load_trainable(args.model, "cpu")
+    teacher, tokenizer = teacher_ckpt.model, teacher_ckpt.tokenizer
     ids = tokenizer.encode(read_calibration_text()[:400_000], add_special_tokens=False)
     data = TokenWindows.from_ids(ids, args.seq_len)
     step_tokens = args.seq_len * args.batch_size * args.grad_accum

@@ -12,6 +12,8 @@ __all__ = [
     "ModelConfig",
     "RequestOutput",
     "CompletionOutput",
+    "Checkpoint",
+    "load_checkpoint",
     "load_model",
     "save_checkpoint",
 ]  # compress() lives in leanlm.compress (the subpackage of that name)
@@ -28,8 +30,8 @@ def __getattr__(name: str):
         from leanlm import engine
 
         return getattr(engine, name)
-    if name == "save_checkpoint":
-        from leanlm.compress.checkpoint import save_checkpoint
+    if name in ("Checkpoint", "load_checkpoint", "save_checkpoint"):
+        from leanlm import formats
 
-        return save_checkpoint
+        return getattr(formats, name)
     raise AttributeError(f"module 'leanlm' has no attribute {name!r}")

@@ -11,12 +11,10 @@ from tqdm.auto import tqdm
 from leanlm.config import EngineConfig
 from leanlm.config.engine import option_names as engine_option_names
 from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
+from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.chat_encoding import encode_chat
-from leanlm.loading.checkpoint import Checkpoint, load_checkpoint
-from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.model.device import resolve_device, resolve_dtype
-from leanlm.model.llama import CheckpointMismatchError, build_model
+from leanlm.model.device import resolve_device
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
 from leanlm.selection import (
     Extractor,
@@ -39,24 +37,9 @@ def load_model(
     device: str | torch.device | None = None,
     progress: bool = True,
 ):
-    """The network of a bundled name, GGUF file or (quantized) HF directory, for compression or inspection:
-    a LlamaForCausalLM whose `tokenizer` attribute holds the model's tokenizer (save_checkpoint writes it)."""
-    device = resolve_device(device)
-    checkpoint = load_checkpoint(model, progress=progress)
-    dtype = resolve_dtype(dtype, device, checkpoint.config)
-    net = _build(checkpoint, dtype, device)
-    net.tokenizer = checkpoint.tokenizer
-    return net
-
-
-def _build(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
-    """The network of a loaded checkpoint; a checkpoint the network cannot take is a ModelLoadError."""
-    try:
-        return build_model(
-            checkpoint.config, checkpoint.state_dict, dtype, device, attention_backend, quantized=checkpoint.quantized
-        )
-    except CheckpointMismatchError as e:  # not a bad argument (an unknown attention backend stays a ValueError)
-        raise ModelLoadError(f"{checkpoint.source}: {e}; re-export or re-download the model") from e
+    """The network of a bundled name, GGUF file or (quantized) HF directory, for compression or inspection: a
+    LlamaForCausalLM. For its tokenizer and recipe too (to save it again), use `load_checkpoint`."""
+    return load_checkpoint(model, dtype, device, progress=progress).model
 
 
 class LLM:
@@ -82,17 +65,17 @@ class LLM:
             )
         self.engine_config = EngineConfig.from_options(**engine_options)
         self.device = resolve_device(device)
-        checkpoint = load_checkpoint(model, progress=progress, gguf_codes=not dequantize_gguf)
-        self.dtype = resolve_dtype(dtype, self.device, checkpoint.config)
+        options = dict(attention_backend=attention_backend, progress=progress, gguf_codes=not dequantize_gguf)
+        checkpoint = load_checkpoint(model, dtype, self.device, **options)
+        self.dtype = checkpoint.model.model.norm.weight.dtype  # what the loader resolved `dtype` to (norms stay float)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        net = _build(checkpoint, self.dtype, self.device, attention_backend)
+        net = checkpoint.model
         del checkpoint
         draft = None
         spec = self.engine_config.speculative
         if spec is not None and spec.method == "draft":
-            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress, gguf_codes=not dequantize_gguf)
-            draft = _build(draft_checkpoint, self.dtype, self.device, attention_backend)
+            draft = load_checkpoint(spec.draft_model, self.dtype, self.device, **options).model
         self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft)
 
     def get_tokenizer(self):

@@ -13,7 +13,7 @@ import torch
 
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine.engine import LLMEngine
-from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 from leanlm.model.llama import build_model
 from tests.tiny_tokenizer import tiny_tokenizer
@@ -58,7 +58,7 @@ def smollm_path():
 @pytest.fixture(scope="session")
 def smollm():
     """The default model through the public entry point, loaded once: a Checkpoint."""
-    return load_checkpoint(DEFAULT_MODEL, progress=False)
+    return read_checkpoint(DEFAULT_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")

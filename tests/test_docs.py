@@ -120,7 +120,9 @@ def _code_name_problem(span: str) -> str | None:
     if len(parts) == 1 and (len(name) < 4 or ("_" not in name.strip("_") and not _is_camel(name))):
         return None  # a plain word or a suffix in backticks (`auto`, `none`, `_s`)
     if parts[0] == "leanlm":
-        module = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in _module_names()), None)
+        module = next(
+            (".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in _module_names()), None
+        )
         if module is None:
             return f"no module {name}"
         rest = parts[len(module.split(".")) :]

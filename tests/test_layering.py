@@ -50,6 +50,30 @@ def test_loading_and_model_do_not_import_compress():
     assert not offenders
 
 
+def _importers(subs: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
+    """Modules under `subs` that import any of the `banned` packages (or their modules)."""
+    return [
+        f"{path.relative_to(PACKAGE)}: {sorted(hit)}"
+        for sub in subs
+        for path in sorted((PACKAGE / sub).rglob("*.py"))
+        if (hit := {m for m in _imports(path) if any(m == b or m.startswith(b + ".") for b in banned)})
+    ]
+
+
+def test_formats_sit_between_the_model_and_its_users():
+    """A checkpoint format reads and writes models: it builds on config, loading and model, and nothing that
+    compresses, trains or serves them reaches into it the other way round (they import leanlm.formats)."""
+    upward = ("leanlm.compress", "leanlm.train", "leanlm.engine", "leanlm.server", "leanlm.cli", "leanlm.llm")
+    assert not _importers(("formats",), upward), "formats/ builds on config, loading and model only"
+    below = ("loading", "model", "kernels", "config")
+    assert not _importers(below, ("leanlm.formats",)), "the runtime layers never import a checkpoint format"
+
+
+def test_compress_never_imports_train():
+    """train/ builds on compress (its configs subclass MethodConfig), never the reverse."""
+    assert not _importers(("compress",), ("leanlm.train",))
+
+
 def test_no_module_passes_the_size_where_it_should_be_split():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
     assert not {name: n for name, n in sizes.items() if n > MAX_LINES}

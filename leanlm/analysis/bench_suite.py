@@ -254,8 +254,8 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     import torch
 
     from leanlm.analysis.bench import HFRunner, LeanLMRunner, LlamaCppRunner
+    from leanlm.formats.inspect import ModelFormat, inspect
     from leanlm.llm import LLM
-    from leanlm.loading.inspect import ModelFormat, inspect
 
     # No prefix caching: repetitions of a batch would otherwise reuse their own prompts' KV.
     llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)

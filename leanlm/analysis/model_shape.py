@@ -152,9 +152,9 @@ def load_shape(name_or_path: str | Path) -> tuple[ModelShape, str]:
     Only metadata is read, never the weights."""
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)], "preset"
+    from leanlm.formats.inspect import inspect
     from leanlm.loading.errors import ModelLoadError
     from leanlm.loading.gguf import gguf_model_config, open_gguf
-    from leanlm.loading.inspect import inspect
     from leanlm.loading.safetensors import read_hf_config
 
     try:

@@ -44,10 +44,9 @@ def openvino_dir(model: str, weights: str) -> Path:
 
 def write_dense_dir(model: str, out: Path) -> None:
     """The model as LeanLM loads it, dequantized, saved as bf16 safetensors plus config and tokenizer."""
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.llm import load_model
+    from leanlm.formats import load_checkpoint, save_checkpoint
 
-    save_checkpoint(load_model(model, dtype="bfloat16", progress=False), out)
+    save_checkpoint(load_checkpoint(model, "bfloat16", progress=False), out)
 
 
 def _build_once(target: Path, marker: str, build) -> Path:

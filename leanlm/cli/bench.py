@@ -24,7 +24,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         run_load_sync,
     )
     from leanlm.analysis.load_report import format_table
-    from leanlm.loading.checkpoint import load_tokenizer
+    from leanlm.formats.stored import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     fields = [f.name for f in dataclasses.fields(LoadConfig) if f.name not in _LOAD_FLAG_EXCLUDE]

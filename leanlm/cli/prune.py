@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from leanlm.compress.act_sparsity import ALLOCATIONS
-from leanlm.compress.magnitude import SCOPES
+from leanlm.compress.activation.act_sparsity import ALLOCATIONS
 from leanlm.compress.named_recipes import PRUNE_METHODS as METHODS
 from leanlm.compress.named_recipes import build_prune_recipe
-from leanlm.compress.owl import PROFILES
+from leanlm.compress.prune.magnitude import SCOPES
+from leanlm.compress.prune.owl import PROFILES
 
 
 def add_parser(sub) -> None:

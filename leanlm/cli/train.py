@@ -79,8 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def build_train_job(args: argparse.Namespace):
     """The TrainJob the flags describe."""
-    from leanlm.compress.gqa import GQAConfig
-    from leanlm.compress.rtn import RTNConfig
+    from leanlm.compress.quantize.rtn import RTNConfig
+    from leanlm.compress.transform.gqa import GQAConfig
     from leanlm.train import TrainJob, build_sparsity
 
     sparsity = build_sparsity(args.recipe, args.sparsity, args.pattern, args.decay, args.backward_sparsity, args.rounds)

@@ -73,6 +73,9 @@ class CompressionReport:
     linears: list[LinearReport] = field(default_factory=list)
     seconds: float = 0.0
     details: dict[str, dict] = field(default_factory=dict)  # method name -> what its summary() said
+    # the run's steps, {"method": name, **config fields}, in recipe order: a saved Checkpoint records them
+    # (`checkpoint.with_recipe(report.recipe)`)
+    recipe: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,12 @@ class Method(ABC):
         others never get it, so by default it is apply_layer without group inputs."""
         return self.apply_layer(layer, prefix, None)
 
+    def finalize(self, model: nn.Module, reports: list[LinearReport]) -> list[LinearReport]:
+        """Called once after the layer loop, in recipe order, with the whole model and every linear's report (the
+        recipe's other methods have compressed every layer by then): pruners pack their sparse linears here. It
+        returns the reports, changed where it changed a linear; most methods leave both alone."""
+        return reports
+
     def summary(self) -> dict:
         """What the method measured beyond its linears' reports (channel permutation: its kept-score gains)."""
         return {}
@@ -142,9 +151,18 @@ def register_method(config_cls: type[MethodConfig]) -> Callable[[type[Method]], 
 
 
 def build_method(config: MethodConfig) -> Method:
-    """The Method registered for this config's type."""
+    """The Method registered for this config's type. A MethodConfig with none is a training method (leanlm.train's
+    sparsity configs share the base, so a trainer can record and validate them like these): refused with where it
+    runs, since it learns its masks over training steps that the one-shot layer loop does not take."""
     cls = _METHODS.get(type(config))
-    if cls is None:
-        known = ", ".join(c.__name__ for c in _METHODS)
-        raise TypeError(f"{type(config).__name__} is not a compression method config; use one of {known}")
-    return cls(config)
+    if cls is not None:
+        return cls(config)
+    known = ", ".join(c.__name__ for c in _METHODS)
+    if isinstance(config, MethodConfig):
+        name = getattr(config, "name", type(config).__name__)
+        raise ValueError(
+            f"{type(config).__name__} ({name!r}) is a training method: it prunes while the model trains, which "
+            f"compress() does not do. Run it with `leanlm train --recipe {name}` (or leanlm.train's Trainer with it "
+            f"as the sparsity); compress() runs {known}"
+        )
+    raise TypeError(f"{type(config).__name__} is not a compression method config; use one of {known}")

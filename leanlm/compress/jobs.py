@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from leanlm.compress.base import CompressionReport, MethodConfig, build_method
-from leanlm.compress.gptq import GPTQConfig
-from leanlm.compress.magnitude import MagnitudeConfig
-from leanlm.compress.permute import PermuteConfig
-from leanlm.compress.rtn import RTNConfig
-from leanlm.compress.sparsegpt import SparseGPTConfig
-from leanlm.compress.wanda import WandaConfig
+from leanlm.compress.prune.magnitude import MagnitudeConfig
+from leanlm.compress.prune.permute import PermuteConfig
+from leanlm.compress.prune.sparsegpt import SparseGPTConfig
+from leanlm.compress.prune.wanda import WandaConfig
+from leanlm.compress.quantize.gptq import GPTQConfig
+from leanlm.compress.quantize.rtn import RTNConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 
 FORMATS = ("leanlm", "gptq", "compressed-tensors")  # checkpoint layouts (leanlm.compress.*_format)
@@ -80,17 +80,16 @@ class CompressResult:
 def run_compress(job: CompressJob) -> CompressResult:
     """Load, calibrate, compress, save and summarize (see the module docstring)."""
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
-    from leanlm.compress.gptq_format import save_gptq_checkpoint
     from leanlm.compress.recipe import compress
-    from leanlm.loading.checkpoint import load_checkpoint
-    from leanlm.model.device import resolve_device
-    from leanlm.model.llama import build_model
+    from leanlm.formats import (
+        load_checkpoint,
+        save_checkpoint,
+        save_compressed_tensors_checkpoint,
+        save_gptq_checkpoint,
+    )
 
-    device = resolve_device(job.device or None)
-    ckpt = load_checkpoint(job.model)
-    model = build_model(ckpt.config, ckpt.state_dict, torch.float32, device)
+    ckpt = load_checkpoint(job.model, "float32", job.device or None)
+    model = ckpt.model
     samples = None
     if job.needs_calibration or job.calib:
         ids = ckpt.tokenizer.encode(read_calibration_text(job.calib), add_special_tokens=False)
@@ -99,7 +98,7 @@ def run_compress(job: CompressJob) -> CompressResult:
     report = compress(model, list(job.recipe), samples)
     start = time.perf_counter()
     savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
-    out = savers.get(job.format, save_checkpoint)(model, job.out, ckpt.tokenizer)
+    out = savers.get(job.format, save_checkpoint)(ckpt.with_recipe(report.recipe), job.out)
     save_s = time.perf_counter() - start
     summary = format_summary(report, job.model, str(job.out), job.format, bytes_before, directory_bytes(out), save_s)
     return CompressResult(report, Path(out), summary)

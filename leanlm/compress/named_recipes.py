@@ -3,18 +3,18 @@ list of MethodConfigs compress() runs out, every option checked before anything 
 
 from __future__ import annotations
 
-from leanlm.compress.act_sparsity import ActivationSparsityConfig
-from leanlm.compress.awq import AWQConfig
+from leanlm.compress.activation.act_sparsity import ActivationSparsityConfig
 from leanlm.compress.base import MethodConfig
-from leanlm.compress.fp8 import FP8Config
-from leanlm.compress.gptq import GPTQConfig
-from leanlm.compress.llm_int8 import LLMInt8Config
-from leanlm.compress.magnitude import MagnitudeConfig
-from leanlm.compress.permute import PermuteConfig
-from leanlm.compress.rtn import RTNConfig
-from leanlm.compress.smoothquant import SmoothQuantConfig
-from leanlm.compress.sparsegpt import SparseGPTConfig
-from leanlm.compress.wanda import WandaConfig
+from leanlm.compress.prune.magnitude import MagnitudeConfig
+from leanlm.compress.prune.permute import PermuteConfig
+from leanlm.compress.prune.sparsegpt import SparseGPTConfig
+from leanlm.compress.prune.wanda import WandaConfig
+from leanlm.compress.quantize.fp8 import FP8Config
+from leanlm.compress.quantize.gptq import GPTQConfig
+from leanlm.compress.quantize.llm_int8 import LLMInt8Config
+from leanlm.compress.quantize.rtn import RTNConfig
+from leanlm.compress.transform.awq import AWQConfig
+from leanlm.compress.transform.smoothquant import SmoothQuantConfig
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt", "teal")
 QUANTIZE_METHODS = ("rtn", "gptq", "awq", "smoothquant", "llm_int8", "fp8", "zeroquant")

@@ -16,8 +16,6 @@ from torch import nn
 
 from leanlm.compress.base import CompressionReport, MethodConfig, build_method
 from leanlm.compress.calibration import run_layers
-from leanlm.compress.pruner import pack_quantized_24, pack_semi_structured
-from leanlm.compress.sparsity import SparsityScheme
 
 
 def compress(
@@ -27,9 +25,9 @@ def compress(
     batch: int = 8,
     progress: bool = True,
 ) -> CompressionReport:
-    """Compress `model` in place. calibration: token ids [num_samples, seq_len] (see calibration_samples),
-    needed by GPTQ, AWQ, SmoothQuant and LLM.int8(); optional for RTN and FP8 (then it only feeds the
-    error report)."""
+    """Compress `model` in place; the report's `recipe` holds the steps a saved Checkpoint records.
+    calibration: token ids [num_samples, seq_len] (see calibration_samples), needed by GPTQ, AWQ, SmoothQuant and
+    LLM.int8(); optional for RTN and FP8 (then it only feeds the error report)."""
     recipe = [recipe] if isinstance(recipe, MethodConfig) else list(recipe)
     if not recipe:
         raise ValueError("the recipe is empty; pass at least one method config, e.g. RTNConfig(bits=8)")
@@ -40,15 +38,11 @@ def compress(
         )
     start = time.perf_counter()
     reports = run_layers(model, methods, calibration, batch=batch, progress=progress)
-    # 2:4 and unstructured prunes pack (the latter only where sparse enough: pruner.sparse_format); other N:M
-    # patterns have no kernel and stay float
-    if any(isinstance(cfg, SparsityScheme) and cfg.pack and cfg.pattern in ("2:4", None) for cfg in recipe):
-        reports = pack_semi_structured(model, reports)
-        reports = pack_quantized_24(model, reports)
-    recorded = list(getattr(model, "compression_recipe", []))
-    model.compression_recipe = recorded + [{"method": cfg.name, **_as_json(cfg)} for cfg in recipe]
+    for method in methods:  # after every layer went through every method: pruners pack here
+        reports = method.finalize(model, reports)
     details = {cfg.name: summary for cfg, m in zip(recipe, methods, strict=True) if (summary := m.summary())}
-    return CompressionReport([cfg.name for cfg in recipe], reports, time.perf_counter() - start, details)
+    steps = [{"method": cfg.name, **_as_json(cfg)} for cfg in recipe]
+    return CompressionReport([cfg.name for cfg in recipe], reports, time.perf_counter() - start, details, steps)
 
 
 def _as_json(cfg: MethodConfig) -> dict:

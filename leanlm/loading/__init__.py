@@ -1,6 +1,5 @@
 """Model loading: bundled-model registry, GGUF and safetensors readers, tokenizer and chat template."""
 
-from leanlm.loading.checkpoint import Checkpoint, load_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import load_gguf
 from leanlm.loading.registry import DEFAULT_MODEL, list_models, pull_model, resolve_model
@@ -8,8 +7,6 @@ from leanlm.loading.safetensors import load_hf_dir, save_hf_dir
 from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
-    "Checkpoint",
-    "load_checkpoint",
     "ModelLoadError",
     "load_gguf",
     "DEFAULT_MODEL",

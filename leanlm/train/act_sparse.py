@@ -1,7 +1,7 @@
 """Training with activation sparsity (`leanlm train --recipe teal`): the model fine-tunes with TEAL's
 sparsification in its forward, so its weights learn to do without the small inputs decode will skip; the
 weights stay dense. At the end `compress` calibrates the fixed thresholds decode uses on the trained weights
-(leanlm.compress.act_sparsity), as `leanlm prune --method teal` does for an untrained model."""
+(leanlm.compress.activation.act_sparsity), as `leanlm prune --method teal` does for an untrained model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.compress.base import MethodConfig
-from leanlm.compress.sparsity import SparsityScheme
+from leanlm.compress.prune.sparsity import SparsityScheme
 from leanlm.train.sparse import SparseTraining, target_linears
 
 
@@ -33,7 +33,7 @@ class TEALTrainConfig(MethodConfig, SparsityScheme):
         return f"{self.sparsity:.0%} of the inputs"
 
     def runtime_config(self):
-        from leanlm.compress.act_sparsity import ActivationSparsityConfig
+        from leanlm.compress.activation.act_sparsity import ActivationSparsityConfig
 
         return ActivationSparsityConfig(sparsity=self.sparsity, ignore=self.ignore)
 

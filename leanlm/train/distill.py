@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leanlm.model.forward import hidden_states
 from leanlm.train.data import TokenWindows
-from leanlm.train.forward import hidden_states
 from leanlm.train.teacher_cache import CHUNK, TeacherCache, TeacherTargets, tail_logprob
 from leanlm.train.trainer import DTYPES, TrainConfig, _opt
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from leanlm.config import EXIT_MEASURES
 from leanlm.model.exit_head import build_exits, saturation, softmax_max, top2_gap
-from leanlm.train.forward import residual_stream
+from leanlm.model.forward import residual_stream
 from leanlm.train.trainer import DTYPES, _opt
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanlm.compress.base import MethodConfig
-from leanlm.compress.gqa import GQAConfig
-from leanlm.compress.rtn import RTNConfig
+from leanlm.compress.quantize.rtn import RTNConfig
+from leanlm.compress.transform.gqa import GQAConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.train.distill import DistillConfig
 from leanlm.train.exits import ExitHeadsConfig

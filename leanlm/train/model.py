@@ -8,25 +8,26 @@ are refused with what to do instead, unless the caller keeps them for quantizati
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
 from pathlib import Path
 
-import torch
-
-from leanlm.loading.checkpoint import load_checkpoint
-from leanlm.loading.quantized import read_quantization_config
-from leanlm.model.device import resolve_device
-from leanlm.model.llama import LlamaForCausalLM, build_model
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.loader import load_checkpoint
+from leanlm.formats.stored import StoredCheckpoint
 from leanlm.model.quantized.fake_quant import TRAINABLE
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 
-def load_trainable(
-    name_or_path: str | Path, device: str | None = None, keep_quantized: bool = False
-) -> tuple[LlamaForCausalLM, object]:
-    """(model in float32 on `device`, its tokenizer); the model carries the recipe its checkpoint recorded.
+def load_trainable(name_or_path: str | Path, device: str | None = None, keep_quantized: bool = False) -> Checkpoint:
+    """The checkpoint with its model in float32 on `device` (its tokenizer and recorded recipe with it).
     keep_quantized: keep the int8 / 2-4 bit weight-only layers as they are (for QAT), refuse the rest."""
-    ckpt = load_checkpoint(name_or_path)
+    return load_checkpoint(name_or_path, "float32", device, adapt=partial(_trainable, keep_quantized=keep_quantized))
+
+
+def _trainable(ckpt: StoredCheckpoint, keep_quantized: bool) -> StoredCheckpoint:
+    """Sparse layers widened to float weights, QAT's layers kept when asked; any other layer is a ValueError."""
     state, kept = dict(ckpt.state_dict), {}
     for name, layer in ckpt.quantized.items():
         if keep_quantized and type(layer) in TRAINABLE:
@@ -48,7 +49,4 @@ def load_trainable(
             state[f"{name}.bias"] = layer.bias.float()
     if keep_quantized and not kept:
         raise ValueError(f"{ckpt.source} has no quantized layers to train: pass --qat-bits to quantize it first")
-    model = build_model(ckpt.config, state, torch.float32, resolve_device(device), quantized=kept)
-    meta = read_quantization_config(ckpt.source) if Path(ckpt.source).is_dir() else None
-    model.compression_recipe = list(meta.get("recipe", [])) if meta else []
-    return model, ckpt.tokenizer
+    return dataclasses.replace(ckpt, state_dict=state, quantized=kept)

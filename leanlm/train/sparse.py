@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from leanlm.compress.base import MethodConfig
-from leanlm.compress.pruner import MASK_ATTR
-from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask
+from leanlm.compress.prune.sparsity import SparsityScheme, lowest_mask, nm_mask
+from leanlm.model.sparsity_mask import MASK_ATTR
 
 
 @dataclass(frozen=True)

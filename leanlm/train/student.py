@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.model.llama import LlamaForCausalLM, build_model
 
 
@@ -39,9 +40,12 @@ def keep_layers(model: LlamaForCausalLM, layers: Sequence[int]) -> LlamaForCausa
         state.pop("lm_head.weight", None)
     config = dataclasses.replace(model.config, num_hidden_layers=len(layers))
     weight = model.model.embed_tokens.weight
-    student = build_model(config, state, weight.dtype, weight.device)
-    student.compression_recipe = [
-        *getattr(model, "compression_recipe", []),
-        {"method": "keep_layers", "layers": list(layers)},
-    ]
-    return student
+    return build_model(config, state, weight.dtype, weight.device)
+
+
+def student_of(teacher: Checkpoint, layers: Sequence[int]) -> Checkpoint:
+    """keep_layers on a checkpoint: the student's model, the teacher's tokenizer, and the teacher's recipe followed
+    by this step (so the saved student says how it was made)."""
+    student = keep_layers(teacher.model, layers)
+    step = {"method": "keep_layers", "layers": list(layers)}
+    return dataclasses.replace(teacher, model=student, recipe=(*teacher.recipe, step), source=None)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.train.forward import hidden_states
+from leanlm.model.forward import hidden_states
 
 CHUNK = 1024  # positions per head product: bounds the [n, V] float32 scores
 

@@ -23,8 +23,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.compress.base import MethodConfig
+from leanlm.model.forward import causal_lm_loss
 from leanlm.train.data import TokenWindows
-from leanlm.train.forward import causal_lm_loss
 from leanlm.train.recipes import build_sparse_training
 from leanlm.train.sparse import SparseTraining
 
@@ -190,7 +190,6 @@ class Trainer:
         if self.sparse is not None:
             self.result.sparsity = self.sparse.finish()
         self.model.eval().requires_grad_(False)
-        self._record_recipe()
         return self.result
 
     def _step(self, step: int) -> float:
@@ -287,13 +286,14 @@ class Trainer:
         self.result.resumed_from = self.result.steps
         return self.result.steps
 
-    def _record_recipe(self) -> None:
+    def recipe_step(self) -> dict:
+        """This run as a recipe step (what a saved Checkpoint records: `checkpoint.with_recipe([step])`)."""
         step = {"method": "train", **dataclasses.asdict(self.config)}
         if self.sparsity_config is not None:
             step["sparsity"] = {"method": self.sparsity_config.name, **dataclasses.asdict(self.sparsity_config)}
         if self.objective is not None:
             step["objective"] = self.objective.identity()
-        self.model.compression_recipe = [*getattr(self.model, "compression_recipe", []), step]
+        return step
 
 
 def train(

@@ -7,6 +7,7 @@ its state, so the state meets the same modules it was saved from.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,20 +26,21 @@ class TrainReport:
 def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     """Carry out one fine-tuning run (see the module docstring); `log` gets the lines a user sees on the way."""
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
-    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress.prune.pruner import pack_pruned
     from leanlm.compress.recipe import compress
+    from leanlm.formats.native import save_checkpoint
     from leanlm.train.act_sparse import TEALTrainConfig
     from leanlm.train.data import TokenWindows
     from leanlm.train.model import load_trainable
     from leanlm.train.qat import attach_fake_quant, detach_fake_quant
     from leanlm.train.trainer import Trainer
 
-    model, tokenizer = load_trainable(job.model, job.device, keep_quantized=job.train_quantized)
+    ckpt = load_trainable(job.model, job.device, keep_quantized=job.train_quantized)
+    model, tokenizer = ckpt.model, ckpt.tokenizer
     if job.gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
-        compress(model, [job.gqa], progress=False)
+        ckpt = ckpt.with_recipe(compress(model, [job.gqa], progress=False).recipe)
     if job.qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
-        compress(model, [job.qat], progress=False)
+        ckpt = ckpt.with_recipe(compress(model, [job.qat], progress=False).recipe)
     if job.is_qat:
         attach_fake_quant(model)
     ids = tokenizer.encode(read_calibration_text(job.data), add_special_tokens=False)
@@ -48,20 +50,23 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     if resuming:
         log(f"resuming from {state}")
     if job.exits is not None:
-        return _train_exits(job, model, tokenizer, data, resuming)
+        return _train_exits(job, ckpt, data, resuming)
     sparsity = job.sparsity
     trainer = Trainer(model, data, job.train, sparsity, state)
     before = trainer.held_out_loss() if trainer.result.steps == 0 and not resuming else None
     result = trainer.run()
+    ckpt = ckpt.with_recipe([trainer.recipe_step()])
     if job.is_qat:
         detach_fake_quant(model)
-    # The post-pass that turns trained weights into runtime modules (the integrator swaps it for Method.finalize).
-    if isinstance(sparsity, TEALTrainConfig):  # decode's fixed thresholds, calibrated on the trained weights
-        compress(model, [sparsity.runtime_config()], calibration_samples(ids, 64, 256, seed=0), progress=False)
-    elif sparsity is not None and sparsity.pattern in ("2:4", None) and sparsity.pack:  # 2:4, or sparse enough
-        pack_semi_structured(model, [])
+    # Trained weights become runtime modules: TEAL through its inference method (decode's fixed thresholds,
+    # calibrated on the trained weights); a sparsity pattern by the packing rule its pruners' finalize follows.
+    if isinstance(sparsity, TEALTrainConfig):
+        calibration = calibration_samples(ids, 64, 256, seed=0)
+        ckpt = ckpt.with_recipe(compress(model, [sparsity.runtime_config()], calibration, progress=False).recipe)
+    elif sparsity is not None:
+        pack_pruned(model, sparsity, [])
     start = time.perf_counter()
-    save_checkpoint(model, job.out, tokenizer)
+    save_checkpoint(ckpt, job.out)
     if not job.keep_state:
         state.unlink(missing_ok=True)
     summary = format_result(result, job.model, job.out, _describe(job), before, time.perf_counter() - start)
@@ -82,10 +87,10 @@ def _describe(job: TrainJob) -> str:
     return recipe
 
 
-def _train_exits(job: TrainJob, model, tokenizer, data, resuming: bool) -> TrainReport:
+def _train_exits(job: TrainJob, ckpt, data, resuming: bool) -> TrainReport:
     """Exit heads on the frozen model: held-out KL and agreement with the final layer before and after, a 95%
     threshold per exit and confidence measure, and the model saved with its exits."""
-    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.formats.native import save_checkpoint
     from leanlm.train.exits import (
         CONFIDENCE_MEASURES,
         ExitObjective,
@@ -95,13 +100,13 @@ def _train_exits(job: TrainJob, model, tokenizer, data, resuming: bool) -> Train
     )
     from leanlm.train.trainer import Trainer
 
-    exits, config = job.exits, job.train
+    exits, config, model = job.exits, job.train, ckpt.model
     attach_exits(model, exits)
     trainer = Trainer(model, data, config, None, job.state_path, objective=ExitObjective(exits))
     before = None if resuming else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
     result = trainer.run()
     after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)
-    save_checkpoint(model, job.out, tokenizer)
+    save_checkpoint(ckpt.with_recipe([trainer.recipe_step()]), job.out)
     if not job.keep_state:
         job.state_path.unlink(missing_ok=True)
     resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
@@ -130,7 +135,7 @@ def _train_exits(job: TrainJob, model, tokenizer, data, resuming: bool) -> Train
 def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainReport:
     """Carry out one distillation run: teacher, student, the teacher's top-k cache, the loop, save."""
     from leanlm.compress.calibration import read_calibration_text
-    from leanlm.compress.checkpoint import save_checkpoint
+    from leanlm.formats.native import save_checkpoint
     from leanlm.train.data import TokenWindows
     from leanlm.train.distill import DistillObjective, prepare_teacher
     from leanlm.train.model import load_trainable
@@ -138,8 +143,11 @@ def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainRep
     from leanlm.train.trainer import Trainer
 
     config, distill = job.train, job.distill
-    teacher, tokenizer = load_trainable(job.teacher, job.device)
-    student = build_student(teacher, job)
+    teacher_ckpt = load_trainable(job.teacher, job.device)
+    teacher, tokenizer = teacher_ckpt.model, teacher_ckpt.tokenizer
+    student_ckpt = build_student(teacher_ckpt, job)
+    del teacher_ckpt  # the teacher's weights go with `del teacher` below
+    student = student_ckpt.model
     ids = tokenizer.encode(read_calibration_text(job.data), add_special_tokens=False)
     data = TokenWindows.from_ids(ids, config.seq_len, job.held_out)
     if distill.cosine_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
@@ -164,7 +172,8 @@ def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainRep
     if job.qat:
         detach_fake_quant(student)
     start = time.perf_counter()
-    save_checkpoint(student, job.out, tokenizer)
+    trained = student_ckpt.with_recipe([trainer.recipe_step()])
+    save_checkpoint(dataclasses.replace(trained, tokenizer=tokenizer), job.out)  # the teacher's: the data's tokenizer
     if not job.keep_state:
         state.unlink(missing_ok=True)
     kind = "quantization-aware distillation" if job.qat else "distillation"
@@ -173,25 +182,25 @@ def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainRep
 
 
 def build_student(teacher, job: DistillJob):
-    """The student the job names; with qat, a quantized checkpoint with its layers swapped for trainable
-    fake-quantized stand-ins."""
+    """The student Checkpoint the job names from the `teacher` Checkpoint; with qat, a quantized checkpoint with
+    its layers swapped for trainable fake-quantized stand-ins."""
     from leanlm.train.model import load_trainable
     from leanlm.train.qat import attach_fake_quant
-    from leanlm.train.student import keep_layers, spread_layers
+    from leanlm.train.student import spread_layers, student_of
 
     if job.student is not None:
-        model, _ = load_trainable(job.student, job.device, keep_quantized=job.qat)
+        ckpt = load_trainable(job.student, job.device, keep_quantized=job.qat)
         if job.qat:
-            attach_fake_quant(model)
-        if model.config.vocab_size != teacher.config.vocab_size:
+            attach_fake_quant(ckpt.model)
+        if ckpt.config.vocab_size != teacher.config.vocab_size:
             raise ValueError(
-                f"the student's vocabulary has {model.config.vocab_size} tokens, the teacher's "
+                f"the student's vocabulary has {ckpt.config.vocab_size} tokens, the teacher's "
                 f"{teacher.config.vocab_size}: distillation needs the same tokenizer"
             )
-        return model
+        return ckpt
     count = teacher.config.num_hidden_layers
     layers = list(job.keep_layers) if job.keep_layers else None
-    return keep_layers(teacher, layers or spread_layers(count, job.num_student_layers or max(count // 2, 1)))
+    return student_of(teacher, layers or spread_layers(count, job.num_student_layers or max(count // 2, 1)))
 
 
 def describe_distill(config) -> str:

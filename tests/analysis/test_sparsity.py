@@ -40,7 +40,7 @@ def test_zeros_are_counted_in_packed_and_quantized_layers():
 def test_the_inputs_activation_sparse_layers_zero_are_counted_while_the_meter_is_on():
     from leanlm.analysis.sparsity import InputSparsityMeter
     from leanlm.compress import ActivationSparsityConfig
-    from leanlm.train.forward import logits
+    from leanlm.model.forward import logits
 
     calib = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     model = _model()

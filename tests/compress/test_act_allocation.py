@@ -4,11 +4,11 @@ inputs the layer's output does not depend on takes sparsity first; the layer end
 import pytest
 import torch
 
-from leanlm.compress.act_allocation import Candidate, block_levels
-from leanlm.compress.act_sparsity import threshold_for
+from leanlm.compress.activation.act_allocation import Candidate, block_levels
+from leanlm.compress.activation.act_sparsity import threshold_for
 from leanlm.compress.base import NEEDS_STATS
 from leanlm.compress.calibration import LayerRunner, observe_inputs
-from leanlm.compress.linear_quantizer import group_linears
+from leanlm.compress.quantize.linear_quantizer import group_linears
 
 LEVELS = [i * 0.05 for i in range(19)]
 
@@ -56,8 +56,8 @@ def test_the_layer_ends_at_its_bytes_weighted_target_and_its_hooks_are_gone(tiny
 @pytest.mark.real_model
 def test_on_smollm2_the_block_allocation_costs_the_layer_less_than_uniform_thresholds(smollm):
     from leanlm.compress import read_calibration_text
+    from leanlm.model.forward import decoder_layer
     from leanlm.model.llama import build_model
-    from leanlm.train.forward import decoder_layer
 
     model = build_model(smollm.config, smollm.state_dict, torch.float32)
     ids = smollm.tokenizer.encode(read_calibration_text()[:20_000], add_special_tokens=False)

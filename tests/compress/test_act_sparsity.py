@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leanlm.compress import ActivationSparsityConfig, compress
-from leanlm.compress.act_sparsity import greedy_levels, rows_read, threshold_for
+from leanlm.compress.activation.act_sparsity import greedy_levels, rows_read, threshold_for
 from leanlm.compress.named_recipes import build_prune_recipe
 from leanlm.kernels import cpu_act_sparse
 from leanlm.model.sparse.activation import ActSparseLinear

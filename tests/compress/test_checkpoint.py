@@ -5,31 +5,24 @@ import json
 import pytest
 import torch
 
-from leanlm.compress import (
-    GPTQConfig,
-    LLMInt8Config,
-    RTNConfig,
-    SparseGPTConfig,
-    WandaConfig,
-    compress,
-    save_checkpoint,
-    save_gptq_checkpoint,
-)
-from leanlm.loading.checkpoint import load_checkpoint
-from leanlm.loading.errors import ModelLoadError
-from leanlm.model.llama import build_model
-from leanlm.model.quantized.gptq_layout import (
+from leanlm.compress import GPTQConfig, LLMInt8Config, RTNConfig, SparseGPTConfig, WandaConfig, compress
+from leanlm.formats import save_checkpoint, save_gptq_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.gptq import (
     from_gptq_tensors,
     pack_int32_rows,
     to_gptq_tensors,
     unpack_int32_rows,
 )
+from leanlm.formats.stored import read_checkpoint
+from leanlm.loading.errors import ModelLoadError
+from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
 from tests.compress.conftest import dense_logits
 
 
 def _reload(path, dtype=torch.float32):
-    ckpt = load_checkpoint(path, progress=False)
+    ckpt = read_checkpoint(path, progress=False)
     return build_model(ckpt.config, ckpt.state_dict, dtype, quantized=ckpt.quantized)
 
 
@@ -48,10 +41,10 @@ def _reload(path, dtype=torch.float32):
 )
 def test_checkpoint_round_trip_is_exact(tiny_model, calib, tokenizer, tmp_path, recipe):
     model = tiny_model()
-    compress(model, recipe, calib, progress=False)
-    save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+    report = compress(model, recipe, calib, progress=False)
+    save_checkpoint(Checkpoint(model, tokenizer).with_recipe(report.recipe), tmp_path, dtype=torch.float32)
     meta = json.loads((tmp_path / "quantization_config.json").read_text())
-    assert meta["recipe"][0]["method"] == recipe[0].name
+    assert [step["method"] for step in meta["recipe"]] == [cfg.name for cfg in recipe]
     loaded = _reload(tmp_path)
     names = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert names == {n for n, m in loaded.named_modules() if isinstance(m, QuantLinear)}
@@ -63,7 +56,7 @@ def test_checkpoint_round_trip_is_exact(tiny_model, calib, tokenizer, tmp_path, 
 def test_bf16_checkpoint_loads_for_inference(tiny_model, calib, tokenizer, tmp_path):
     model = tiny_model()
     compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
-    save_checkpoint(model, tmp_path, tokenizer)  # floats in bfloat16
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path)  # floats in bfloat16
     loaded = _reload(tmp_path, torch.bfloat16)
     q = loaded.model.layers[0].mlp.down_proj
     assert isinstance(q, IntGroupWeightOnlyLinear) and q.scales.dtype == torch.float32
@@ -86,8 +79,8 @@ def test_gptq_layout_matches_the_reference_dequantization(act_order):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 128, generator=gen)
     w = torch.randn(64, 128, generator=gen) / 10
-    from leanlm.compress.gptq import gptq_quantize
-    from leanlm.compress.int_scheme import build_module
+    from leanlm.compress.quantize.gptq import gptq_quantize
+    from leanlm.compress.quantize.int_scheme import build_module
 
     cfg = GPTQConfig(bits=4, group_size=32, symmetric=True, act_order=act_order)
     res = gptq_quantize(w, 2 * x.t() @ x / 512, cfg)
@@ -110,7 +103,7 @@ def test_gptq_layout_matches_the_reference_dequantization(act_order):
 def test_gptq_checkpoint_loads_back(tiny_model, calib, tokenizer, tmp_path):
     model = tiny_model()
     compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
-    save_gptq_checkpoint(model, tmp_path, tokenizer)
+    save_gptq_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["quantization_config"] == {
         **cfg["quantization_config"],
@@ -130,19 +123,19 @@ def test_gptq_export_refuses_other_formats(tiny_model, tmp_path):
     model = tiny_model()
     compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
     with pytest.raises(ValueError, match="4-bit group-wise"):
-        save_gptq_checkpoint(model, tmp_path)
+        save_gptq_checkpoint(Checkpoint(model, None), tmp_path)
 
 
 def test_unknown_format_is_a_clear_load_error(tiny_model, tokenizer, tmp_path):
     model = tiny_model()
     compress(model, [RTNConfig(bits=8, group_size=None)], None, progress=False)
-    save_checkpoint(model, tmp_path, tokenizer)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     meta = json.loads((tmp_path / "quantization_config.json").read_text())
     first = next(iter(meta["layers"]))
     meta["layers"][first]["format"] = "int5_magic"
     (tmp_path / "quantization_config.json").write_text(json.dumps(meta))
     with pytest.raises(ModelLoadError, match="int5_magic"):
-        load_checkpoint(tmp_path, progress=False)
+        read_checkpoint(tmp_path, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------- hostile files
@@ -159,7 +152,9 @@ def saved_checkpoints(tmp_path_factory, tiny_model, calib, tokenizer):
         if name not in _SAVED:
             model = tiny_model()
             compress(model, recipe, calib, progress=False)
-            _SAVED[name] = save_checkpoint(model, tmp_path_factory.mktemp(name), tokenizer, dtype=torch.float32)
+            _SAVED[name] = save_checkpoint(
+                Checkpoint(model, tokenizer), tmp_path_factory.mktemp(name), dtype=torch.float32
+            )
     return _SAVED
 
 
@@ -230,17 +225,17 @@ def test_damaged_int4_checkpoint_is_refused(saved_checkpoints, tmp_path, case):
         path = _damaged(saved_checkpoints["int4"], tmp_path, tensors, layers)
     prefix = "" if case == "in_features lie" else "inconsistent .*layer model.layers.0.mlp.down_proj: .*"
     with pytest.raises(ModelLoadError, match=prefix + match):
-        load_checkpoint(path, progress=False)
+        read_checkpoint(path, progress=False)
 
 
 def test_damaged_llm_int8_checkpoint_is_refused(saved_checkpoints, tmp_path):
     path = _damaged(saved_checkpoints["llm_int8"], tmp_path, {"outlier_idx": _set_first(10**6)})
     with pytest.raises(ModelLoadError, match=r"outlier_idx holds indices outside \[0, 128\)"):
-        load_checkpoint(path, progress=False)
+        read_checkpoint(path, progress=False)
 
 
 def test_intact_checkpoints_still_load(saved_checkpoints):
-    ckpt = load_checkpoint(saved_checkpoints["int4"], progress=False)
+    ckpt = read_checkpoint(saved_checkpoints["int4"], progress=False)
     layer = ckpt.quantized["model.layers.0.mlp.down_proj"]
     assert layer.perm is not None and torch.equal(layer.perm.sort().values, torch.arange(128))
 
@@ -257,10 +252,10 @@ def test_damaged_gptq_checkpoint_is_refused(tiny_model, calib, tokenizer, tmp_pa
 
     model = tiny_model()
     compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
-    save_gptq_checkpoint(model, tmp_path, tokenizer)
+    save_gptq_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
     prefix = "model.layers.0.mlp.down_proj."
     layer = edit({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     save_file({**state, **{prefix + k: v for k, v in layer.items()}}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=match):
-        load_checkpoint(tmp_path, progress=False)
+        read_checkpoint(tmp_path, progress=False)

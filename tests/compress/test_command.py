@@ -5,6 +5,7 @@ import pytest
 from leanlm.cli import main
 from leanlm.compress import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig
 from leanlm.compress.named_recipes import build_recipe
+from leanlm.formats.checkpoint import Checkpoint
 
 
 def test_recipes_behind_the_methods():
@@ -76,15 +77,15 @@ def test_prune_takes_a_fraction_or_a_pattern_not_both(capsys, tmp_path):
 
 
 def test_prune_command_writes_a_checkpoint_that_loads(tmp_path, capsys, tiny_model, tokenizer):
-    from leanlm.compress import save_checkpoint
+    from leanlm.formats import save_checkpoint
 
     source, out = tmp_path / "dense", tmp_path / "pruned"
-    save_checkpoint(tiny_model(), source, tokenizer)
+    save_checkpoint(Checkpoint(tiny_model(), tokenizer), source)
     argv = ["prune", "--model", str(source), "--method", "magnitude", "--pattern", "2:4", "--out", str(out)]
     assert main([*argv, "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "zeros" in printed and "50.0%" in printed
-    from leanlm.compress.sparsity import satisfies_nm
+    from leanlm.compress.prune.sparsity import satisfies_nm
     from leanlm.llm import load_model
     from leanlm.model.sparse.semi_structured import Sparse24Linear
 
@@ -95,13 +96,13 @@ def test_prune_command_writes_a_checkpoint_that_loads(tmp_path, capsys, tiny_mod
 def test_prune_command_spreads_sparsity_over_layers_with_owl(tmp_path, capsys, tokenizer):
     import torch
 
-    from leanlm.compress import save_checkpoint
+    from leanlm.formats import save_checkpoint
     from leanlm.model.llama import build_model
     from tests.conftest import tiny_config, tiny_state_dict
 
     source, out = tmp_path / "dense", tmp_path / "pruned"
     cfg = tiny_config(tokenizer.vocab_size)  # calibration text tokenized by the tiny tokenizer: ids below its vocab
-    save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), source, tokenizer)
+    save_checkpoint(Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), source)
     argv = ["prune", "--model", str(source), "--method", "wanda", "--sparsity", "0.5", "--profile", "owl"]
     assert main([*argv, "--owl-lambda", "0.05", "--num-samples", "4", "--out", str(out), "--device", "cpu"]) == 0
     printed = capsys.readouterr().out

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from leanlm.cli import main
-from leanlm.compress import MagnitudeConfig, RTNConfig, compress, save_checkpoint
-from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
+from leanlm.compress import MagnitudeConfig, RTNConfig, compress
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear
@@ -82,7 +84,7 @@ def test_a_pruned_model_round_trips_through_the_layout(tmp_path, tokenizer, targ
     cfg = tiny_config(tokenizer.vocab_size)
     model = build_model(cfg, tiny_state_dict(cfg, seed=4), torch.bfloat16)
     compress(model, MagnitudeConfig(**target), progress=False)
-    path = save_compressed_tensors_checkpoint(model, tmp_path / "ct", tokenizer)
+    path = save_compressed_tensors_checkpoint(Checkpoint(model, tokenizer), tmp_path / "ct")
     block = json.loads((path / "config.json").read_text())["quantization_config"]
     sparsity = block["sparsity_config"]
     assert block["quant_method"] == "compressed-tensors" and "config_groups" not in block
@@ -104,16 +106,16 @@ def test_quantized_or_dense_models_are_refused(tmp_path, tokenizer):
     cfg = tiny_config(tokenizer.vocab_size)
     model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
     with pytest.raises(ValueError, match="no pruned linear"):
-        save_compressed_tensors_checkpoint(model, tmp_path / "a", tokenizer)
+        save_compressed_tensors_checkpoint(Checkpoint(model, tokenizer), tmp_path / "a")
     compress(model, RTNConfig(bits=8), progress=False)
     with pytest.raises(ValueError, match="quantized"):
-        save_compressed_tensors_checkpoint(model, tmp_path / "b", tokenizer)
+        save_compressed_tensors_checkpoint(Checkpoint(model, tokenizer), tmp_path / "b")
 
 
 def test_prune_command_writes_compressed_tensors(tmp_path, tokenizer, capsys):
     cfg = tiny_config(tokenizer.vocab_size)
     source, out = tmp_path / "dense", tmp_path / "ct"
-    save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), source, tokenizer)
+    save_checkpoint(Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), source)
     argv = ["prune", "--model", str(source), "--method", "magnitude", "--pattern", "2:4"]
     assert main([*argv, "--format", "compressed-tensors", "--out", str(out), "--device", "cpu"]) == 0
     assert "compressed-tensors format" in capsys.readouterr().out

@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
-from leanlm.compress import GQAConfig, RTNConfig, compress, save_checkpoint
-from leanlm.compress.gqa import group_heads
+from leanlm.compress import GQAConfig, RTNConfig, compress
+from leanlm.compress.transform.gqa import group_heads
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model
 from tests.compress.conftest import dense_logits
 
@@ -58,7 +60,7 @@ def test_the_converted_model_saves_and_loads_with_its_new_head_count(tmp_path, t
     model = tiny_model()
     report = compress(model, [GQAConfig(num_key_value_heads=1)], progress=False)
     assert report.linears == []  # a transform: no layer is quantized
-    save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path, dtype=torch.float32)
     assert json.loads((tmp_path / "config.json").read_text())["num_key_value_heads"] == 1
     loaded = load_model(str(tmp_path), progress=False)
     assert loaded.config.num_key_value_heads == 1

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from leanlm.compress import ActivationSparsityConfig, GPTQConfig, MagnitudeConfig, RTNConfig, save_checkpoint
+from leanlm.compress import ActivationSparsityConfig, GPTQConfig, MagnitudeConfig, RTNConfig
 from leanlm.compress.jobs import CompressJob, run_compress
+from leanlm.formats import Checkpoint, save_checkpoint
 
 
 def test_a_compress_job_runs_without_the_cli(tmp_path, tiny_model, tokenizer):
     from leanlm.llm import load_model
     from leanlm.model.sparse.semi_structured import Sparse24Linear
 
-    source = save_checkpoint(tiny_model(), tmp_path / "dense", tokenizer)
+    source = save_checkpoint(Checkpoint(tiny_model(), tokenizer), tmp_path / "dense")
     job = CompressJob(tmp_path / "pruned", [MagnitudeConfig(pattern="2:4")], model=str(source), device="cpu")
     assert not job.needs_calibration
     result = run_compress(job)

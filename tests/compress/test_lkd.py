@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from leanlm.compress import GPTQConfig, LKDConfig, RTNConfig, compress
-from leanlm.compress.int_scheme import IntScheme
-from leanlm.compress.rtn import quantize_rtn
+from leanlm.compress.quantize.int_scheme import IntScheme
+from leanlm.compress.quantize.rtn import quantize_rtn
 from leanlm.model.quantized.fake_quant import FakeQuantLinear
 from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 from tests.compress.conftest import dense_logits

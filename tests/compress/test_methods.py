@@ -14,10 +14,10 @@ from leanlm.compress import (
     SmoothQuantConfig,
     compress,
 )
-from leanlm.compress.awq import search_block_scales, search_scales
 from leanlm.compress.calibration import LayerRunner
-from leanlm.compress.gptq import gptq_quantize, layer_error
-from leanlm.compress.smoothquant import smoothing_scales
+from leanlm.compress.quantize.gptq import gptq_quantize, layer_error
+from leanlm.compress.transform.awq import search_block_scales, search_scales
+from leanlm.compress.transform.smoothquant import smoothing_scales
 from leanlm.model.llama import LinearGroup
 from leanlm.model.quantized.linear import QuantLinear
 from leanlm.model.quantized.numerics import fake_quantize, sqnr_db
@@ -84,7 +84,7 @@ def test_gptq_layer_error_is_at_most_rtn(bits, group_size, act_order, shrink):
     if bits <= 4:
         assert gptq_err < 0.8 * rtn_err  # a real improvement, not a tie
     # the codes + parameters it returns reproduce the dequantized weight exactly
-    from leanlm.compress.int_scheme import build_module
+    from leanlm.compress.quantize.int_scheme import build_module
 
     module = build_module(result.codes, result.qparams, cfg, None, result.perm)
     assert torch.allclose(module.dequantized_weight(), result.dequantized, atol=1e-5)
@@ -219,6 +219,12 @@ def test_recipes_validate_and_record_themselves(tiny_model, calib):
         compress(model, [GPTQConfig(bits=4)], None, progress=False)
     with pytest.raises(TypeError, match="method config"):
         compress(model, ["gptq"], calib, progress=False)
+    from leanlm.train.act_sparse import TEALTrainConfig
+    from leanlm.train.sparse import GMPConfig
+
+    for training in (GMPConfig(sparsity=0.5), TEALTrainConfig()):  # their masks are learned over training steps
+        with pytest.raises(ValueError, match=f"is a training method.*`leanlm train --recipe {training.name}`"):
+            compress(model, [training], calib, progress=False)
     with pytest.raises(ValueError, match="empty"):
         compress(model, [], calib, progress=False)
     with pytest.raises(ValueError, match="token ids"):
@@ -227,7 +233,7 @@ def test_recipes_validate_and_record_themselves(tiny_model, calib):
         RTNConfig(bits=4, group_size=48)
     with pytest.raises(ValueError, match="symmetric=True"):  # signed int8 storage has no zero point
         RTNConfig(bits=6, group_size=None, symmetric=False)
-    compress(
+    report = compress(
         model,
         [
             FP8Config(),
@@ -235,7 +241,7 @@ def test_recipes_validate_and_record_themselves(tiny_model, calib):
         None,
         progress=False,
     )
-    assert model.compression_recipe[0]["method"] == "fp8"
+    assert report.recipe[0]["method"] == "fp8" and not hasattr(model, "compression_recipe")
     assert isinstance(model.lm_head, torch.nn.Linear)  # lm_head ignored by default
 
 

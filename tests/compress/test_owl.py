@@ -9,7 +9,7 @@ import torch
 from leanlm.compress import MagnitudeConfig, SparseGPTConfig, WandaConfig, compress
 from leanlm.compress.base import build_method
 from leanlm.compress.named_recipes import build_prune_recipe
-from leanlm.compress.owl import outlier_ratio, owl_sparsities
+from leanlm.compress.prune.owl import outlier_ratio, owl_sparsities
 from leanlm.model.llama import build_model
 from tests.compress.conftest import VOCAB
 from tests.conftest import tiny_config, tiny_state_dict
@@ -132,7 +132,7 @@ def test_uniform_profile_prunes_every_layer_alike(calib):
 def test_sparsegpt_joint_quantization_follows_the_owl_plan(calib, monkeypatch):
     """The joint sweep chooses each layer's mask at the layer's planned fraction (quantization then rounds more
     weights to 0, so the zeros alone cannot tell)."""
-    from leanlm.compress import sparsegpt
+    from leanlm.compress.prune import sparsegpt
 
     chosen, select = [], sparsegpt.sparsegpt_select
     monkeypatch.setattr(sparsegpt, "sparsegpt_select", lambda scheme: chosen.append(scheme.sparsity) or select(scheme))

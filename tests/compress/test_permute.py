@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from leanlm.compress import MagnitudeConfig, PermuteConfig, WandaConfig, compress
-from leanlm.compress.permute import _best_swaps, kept_score, search_permutation
+from leanlm.compress.prune.permute import _best_swaps, kept_score, search_permutation
 from tests.compress.conftest import dense_logits
 
 

@@ -5,14 +5,15 @@ import pytest
 import torch
 
 from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, SparseGPTConfig, WandaConfig, compress
-from leanlm.compress.gptq import gptq_quantize, layer_error
-from leanlm.compress.magnitude import global_threshold
-from leanlm.compress.pruner import pack_semi_structured, pruned_mask
-from leanlm.compress.sparsegpt import sparsegpt_prune
-from leanlm.compress.sparsity import SparsityScheme, lowest_mask, nm_mask, parse_pattern, satisfies_nm
+from leanlm.compress.prune.magnitude import global_threshold
+from leanlm.compress.prune.pruner import pack_semi_structured
+from leanlm.compress.prune.sparsegpt import sparsegpt_prune
+from leanlm.compress.prune.sparsity import SparsityScheme, lowest_mask, nm_mask, parse_pattern, satisfies_nm
+from leanlm.compress.quantize.gptq import gptq_quantize, layer_error
 from leanlm.model.quantized.linear import QuantLinear
 from leanlm.model.sparse.bitmask import BitmaskSparseLinear
 from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.sparsity_mask import pruned_mask
 from tests.compress.conftest import dense_logits
 
 
@@ -108,7 +109,7 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_the_layer_objective():
 
 
 def _scheme_mask(scores, scheme):
-    from leanlm.compress.sparsity import scheme_mask
+    from leanlm.compress.prune.sparsity import scheme_mask
 
     return scheme_mask(scores, scheme, per_row=True)
 
@@ -191,7 +192,7 @@ def test_every_method_prunes_24_and_packs_it(tiny_model, calib, method):
 
 
 def test_unpacked_24_stays_float_with_its_mask_and_packing_is_exact(tiny_model, calib):
-    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress.prune.pruner import pack_semi_structured
 
     model = tiny_model()
     report = compress(model, WandaConfig(pattern="2:4", pack=False), calib, progress=False)
@@ -321,3 +322,23 @@ def test_pruning_leaves_the_checkpoint_tensors_alone(tiny_model):
     before = {k: v.clone() for k, v in state.items()}
     compress(build_model(cfg, state, torch.float32), MagnitudeConfig(), progress=False)
     assert all(torch.equal(state[k], before[k]) for k in state)
+
+
+def test_pruners_pack_in_their_finalize_hook_after_every_method_ran(tiny_model, calib):
+    """The layer loop leaves pruned linears float; each method's finalize runs after it, in recipe order, and only
+    a pruner's packs (2:4 values + mask; after a quantizer, the quantized 2:4 format)."""
+    from leanlm.compress.base import build_method
+
+    model = tiny_model()
+    report = compress(
+        model, [MagnitudeConfig(pattern="2:4"), RTNConfig(bits=8, group_size=None)], calib, progress=False
+    )
+    down = model.model.layers[0].mlp.down_proj
+    assert not isinstance(down, (torch.nn.Linear, Sparse24Linear)) and "24" in down.format
+    assert {r.format for r in report.linears if r.name.endswith("down_proj")} == {down.format}
+    rtn = build_method(RTNConfig(bits=8))
+    assert rtn.finalize(model, report.linears) is report.linears  # the default: nothing changes
+    kept = tiny_model()
+    compress(kept, MagnitudeConfig(pattern="2:4", pack=False), progress=False)
+    kept_down = kept.model.layers[0].mlp.down_proj
+    assert isinstance(kept_down, torch.nn.Linear) and not isinstance(kept_down, Sparse24Linear)  # pack=False

@@ -18,6 +18,7 @@ from leanlm.compress import (
     compress,
     read_calibration_text,
 )
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.numerics import sqnr_db
 from tests.compress.conftest import dense_logits
@@ -167,15 +168,16 @@ def test_24_pruned_smollm_decodes_on_the_sparse_kernel_like_its_dense_copy(smoll
     greedy decode through the engine (batch 1, the native loop) gives the same tokens and logprobs, since the
     2:4 kernel computes exactly the bf16 GEMV of the widened weight."""
     from leanlm import LLM, SamplingParams
-    from leanlm.compress import MagnitudeConfig, save_checkpoint
-    from leanlm.compress.pruner import pack_semi_structured
+    from leanlm.compress import MagnitudeConfig
+    from leanlm.compress.prune.pruner import pack_semi_structured
+    from leanlm.formats import save_checkpoint
     from leanlm.model.sparse.semi_structured import Sparse24Linear
 
     model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
     compress(model, MagnitudeConfig(pattern="2:4", pack=False), progress=False)
-    save_checkpoint(model, tmp_path / "zeros", smollm.tokenizer)
+    save_checkpoint(Checkpoint(model, smollm.tokenizer), tmp_path / "zeros")
     pack_semi_structured(model, [])
-    save_checkpoint(model, tmp_path / "packed", smollm.tokenizer)
+    save_checkpoint(Checkpoint(model, smollm.tokenizer), tmp_path / "packed")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = {}
     for name in ("zeros", "packed"):
@@ -192,13 +194,14 @@ def test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers(smollm, ca
     calibration rows read at batch 1 are 60%, batch-1 decode runs on the skipping kernel in the native loop, and
     the greedy continuation of a plain fact keeps its answer."""
     from leanlm import LLM, SamplingParams
-    from leanlm.compress import ActivationSparsityConfig, save_checkpoint
+    from leanlm.compress import ActivationSparsityConfig
+    from leanlm.formats import save_checkpoint
     from leanlm.model.sparse.activation import ActSparseLinear
 
     model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
     report = compress(model, ActivationSparsityConfig(sparsity=0.4), calib_ids[:4], progress=False)
     assert report.details["act-sparsity"]["weight rows read at batch 1"] == pytest.approx(0.6, abs=0.01)
-    save_checkpoint(model, tmp_path / "teal", smollm.tokenizer)
+    save_checkpoint(Checkpoint(model, smollm.tokenizer), tmp_path / "teal")
     llm = LLM(str(tmp_path / "teal"), dtype="bfloat16", progress=False)
     served = llm.llm_engine.model
     assert sum(isinstance(m, ActSparseLinear) for m in served.modules()) == 7 * served.config.num_hidden_layers
@@ -216,7 +219,8 @@ def test_sparse_formats_on_smollm_decode_on_their_kernels_like_their_dense_copie
     for bit); decode runs the sparse kernel, bit for bit the dense GEMV for bf16 (every token equal), within bf16
     rounding of the dense quantized kernels otherwise (logprobs of the first steps close)."""
     from leanlm import LLM, SamplingParams
-    from leanlm.compress import MagnitudeConfig, RTNConfig, save_checkpoint
+    from leanlm.compress import MagnitudeConfig, RTNConfig
+    from leanlm.formats import save_checkpoint
     from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_sparse
 
     recipes = {
@@ -235,7 +239,7 @@ def test_sparse_formats_on_smollm_decode_on_their_kernels_like_their_dense_copie
     for packed in (False, True):
         model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
         compress(model, [dataclasses.replace(prune, pack=packed), *quantize], progress=False)
-        save_checkpoint(model, tmp_path / str(packed), smollm.tokenizer)
+        save_checkpoint(Checkpoint(model, smollm.tokenizer), tmp_path / str(packed))
         llm = LLM(str(tmp_path / str(packed)), dtype="bfloat16", progress=False)
         served = llm.llm_engine.model
         formats = {m.format for n, m in served.named_modules() if n.endswith("_proj") and hasattr(m, "format")}

@@ -16,12 +16,12 @@ from leanlm.engine.early_exit import EarlyExit
 from leanlm.engine.engine import LLMEngine
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.exit_head import softmax_max
+from leanlm.model.forward import residual_stream
 from leanlm.model.layers import apply_rotary
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
 from leanlm.sampling_params import SamplingParams
 from leanlm.train.exits import ExitHeadsConfig, attach_exits
-from leanlm.train.forward import residual_stream
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 
 NUM_LAYERS = 4

@@ -24,16 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from leanlm import LLM, SamplingParams
-from leanlm.compress import (
-    GPTQConfig,
-    LLMInt8Config,
-    MagnitudeConfig,
-    RTNConfig,
-    compress,
-    save_checkpoint,
-    save_gptq_checkpoint,
-)
-from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
+from leanlm.compress import GPTQConfig, LLMInt8Config, MagnitudeConfig, RTNConfig, compress
+from leanlm.formats import Checkpoint, save_checkpoint, save_gptq_checkpoint
+from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
@@ -78,9 +71,9 @@ def base_checkpoints(root: Path) -> dict[str, Path]:
         compress(model, recipe, calib, progress=False)
         path = root / name
         if save is save_checkpoint:
-            save(model, path, tokenizer, dtype=torch.float32)
+            save(Checkpoint(model, tokenizer), path, dtype=torch.float32)
         else:
-            save(model, path, tokenizer)
+            save(Checkpoint(model, tokenizer), path)
         paths[name] = path
     return paths
 

@@ -54,7 +54,7 @@ def test_an_unknown_mode_is_refused():
 
 @pytest.mark.real_model
 def test_smollm2_messages_cannot_open_a_system_turn():
-    from leanlm.loading.checkpoint import load_tokenizer
+    from leanlm.formats.stored import load_tokenizer
     from leanlm.loading.registry import DEFAULT_MODEL
 
     tok = load_tokenizer(DEFAULT_MODEL)

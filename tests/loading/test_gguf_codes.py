@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.gguf_codes import CODE_TYPES, INT8_TYPES, runtime_linear
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.llama import build_model
@@ -63,8 +63,8 @@ def test_row_order_and_bias(qtype):
 def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, arch, tied=False, linear_type=linear_type)
-    codes = load_checkpoint(path, progress=False, gguf_codes=True)
-    dense = load_checkpoint(path, progress=False)
+    codes = read_checkpoint(path, progress=False, gguf_codes=True)
+    dense = read_checkpoint(path, progress=False)
     linears = {k.removesuffix(".weight") for k in expected if k.endswith("proj.weight") or k == "lm_head.weight"}
     assert set(codes.quantized) == linears
     assert not any(k.startswith(tuple(m + "." for m in linears)) for k in codes.state_dict)  # biases moved too
@@ -91,8 +91,8 @@ def test_a_tied_head_in_a_block_format_runs_on_the_embedding_codes(tmp_path):
     (the config untied), the embedding stays a float lookup table, and both equal the dequantized file."""
     path = tmp_path / "tied.gguf"
     expected = write_tiny_gguf(path, "llama", tied=True, linear_type="Q4_1", embedding_type="Q8_0")
-    codes = load_checkpoint(path, progress=False, gguf_codes=True)
-    dense = load_checkpoint(path, progress=False)
+    codes = read_checkpoint(path, progress=False, gguf_codes=True)
+    dense = read_checkpoint(path, progress=False)
     assert dense.config.tie_word_embeddings and not codes.config.tie_word_embeddings
     head = codes.quantized["lm_head"]
     assert isinstance(head, Int8WeightOnlyLinear) and head.group_size == 32
@@ -128,7 +128,7 @@ def test_dequantize_tensor_is_gguf_dequantize(qtype, monkeypatch):
 def test_the_bundled_file_runs_every_linear_and_its_head_on_codes(smollm):
     """SmolLM2's Q4_1 linears as int4 codes and its tied Q8_0 embedding as an int8 g32 head, each equal to the
     dequantized file, and the float32 model on them computes the dequantized model's logits."""
-    codes = load_checkpoint(DEFAULT_MODEL, progress=False, gguf_codes=True)
+    codes = read_checkpoint(DEFAULT_MODEL, progress=False, gguf_codes=True)
     linears = [n for n in codes.quantized if n != "lm_head"]
     assert len(linears) == 210 and all(isinstance(codes.quantized[n], IntGroupWeightOnlyLinear) for n in linears)
     for name in linears:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_header import scan_gguf_header
 from tests.loading.conftest import bounded
@@ -25,7 +25,7 @@ def _load(path) -> bool:
     """True when the file loads (a harmless mutation); a ModelLoadError is the only other allowed outcome."""
     with bounded():
         try:
-            load_checkpoint(path, progress=False)
+            read_checkpoint(path, progress=False)
         except ModelLoadError:
             return False
     return True
@@ -34,7 +34,7 @@ def _load(path) -> bool:
 def _fails(path) -> None:
     with bounded():
         with pytest.raises(ModelLoadError):
-            load_checkpoint(path, progress=False)
+            read_checkpoint(path, progress=False)
 
 
 def _length_fields(path) -> list[tuple[int, str]]:
@@ -84,7 +84,7 @@ def test_49_byte_file_declaring_a_huge_array(write):
     path = write(_the_49_byte_file())
     with bounded(seconds=1.0):
         with pytest.raises(ModelLoadError, match="array length is 4611686018427387904, more than the 0 bytes"):
-            load_checkpoint(path)
+            read_checkpoint(path)
 
 
 def test_valid_files_pass_the_scan(tiny_gguf, smollm_dir):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leanlm.config import ModelConfig
-from leanlm.loading.checkpoint import load_checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.safetensors import expected_tensor_names, load_hf_dir, save_hf_dir
 
@@ -64,7 +64,7 @@ def test_sharded_round_trip(smollm, tmp_path, arch, tied):
     assert len(set(index["weight_map"].values())) == 2
     smollm.tokenizer.save(tmp_path)  # tokenizers.Tokenizer.save -> tokenizer.json, plus tokenizer_config.json
 
-    ckpt = load_checkpoint(tmp_path, progress=False)
+    ckpt = read_checkpoint(tmp_path, progress=False)
     assert ckpt.config == config and ckpt.source == tmp_path
     assert set(ckpt.state_dict) == set(state_dict)
     for name, tensor in state_dict.items():

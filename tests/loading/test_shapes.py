@@ -14,10 +14,12 @@ import textwrap
 import pytest
 import torch
 
-from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, compress, save_checkpoint, save_gptq_checkpoint
-from leanlm.compress.compressed_tensors_format import save_compressed_tensors_checkpoint
+from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, compress
+from leanlm.formats import save_checkpoint, save_gptq_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint
+from leanlm.formats.stored import read_checkpoint
 from leanlm.kernels import cpu_decode
-from leanlm.loading.checkpoint import load_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.safetensors import save_hf_dir
 from leanlm.model.layers import Linear
@@ -57,18 +59,18 @@ def test_a_layer_the_config_does_not_describe_is_refused_in_every_format(tokeniz
     calib = torch.randint(0, tokenizer.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
     if fmt == "leanlm int8":
         compress(model, [RTNConfig(bits=8)], progress=False)
-        save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+        save_checkpoint(Checkpoint(model, tokenizer), tmp_path, dtype=torch.float32)
     elif fmt == "leanlm int4":
         compress(model, [RTNConfig(bits=4, group_size=32)], progress=False)
-        save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+        save_checkpoint(Checkpoint(model, tokenizer), tmp_path, dtype=torch.float32)
     elif fmt == "gptq":
         compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
-        save_gptq_checkpoint(model, tmp_path, tokenizer)
+        save_gptq_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     else:
         compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
-        save_compressed_tensors_checkpoint(model, tmp_path, tokenizer)
+        save_compressed_tensors_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     with pytest.raises(ModelLoadError, match=WIDE_MLP):
-        load_checkpoint(tmp_path, progress=False)
+        read_checkpoint(tmp_path, progress=False)
 
 
 def test_a_dense_tensor_the_config_does_not_describe_is_refused(tokenizer, tmp_path):
@@ -77,7 +79,7 @@ def test_a_dense_tensor_the_config_does_not_describe_is_refused(tokenizer, tmp_p
     state["model.layers.1.post_attention_layernorm.weight"] = torch.ones(80)
     save_hf_dir(tmp_path, cfg, state)
     with pytest.raises(ModelLoadError, match=r"post_attention_layernorm.weight has shape \[80\], .* gives \[64\]"):
-        load_checkpoint(tmp_path, progress=False)
+        read_checkpoint(tmp_path, progress=False)
 
 
 def test_a_quantized_layer_beyond_the_configs_layers_is_refused(tokenizer, tmp_path):
@@ -85,21 +87,21 @@ def test_a_quantized_layer_beyond_the_configs_layers_is_refused(tokenizer, tmp_p
         tiny_config(tokenizer.vocab_size), tiny_state_dict(tiny_config(tokenizer.vocab_size)), torch.float32
     )
     compress(model, [RTNConfig(bits=8)], progress=False)
-    save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path, dtype=torch.float32)
     meta = json.loads((tmp_path / "quantization_config.json").read_text())
     config = json.loads((tmp_path / "config.json").read_text())
     config["num_hidden_layers"] = 1  # layer 1's tensors and layers are still there
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert "model.layers.1.mlp.down_proj" in meta["layers"]
     with pytest.raises(ModelLoadError, match="is in layer 1, but the config has 1 layers"):
-        load_checkpoint(tmp_path, progress=False)
+        read_checkpoint(tmp_path, progress=False)
 
 
 def test_the_wide_int8_checkpoint_no_longer_reaches_the_native_loop(tokenizer, tmp_path):
     """The reproduction, in a child process (a regression would abort it, not pytest): load and generate."""
     model = _model_with_a_wide_layer(tokenizer)
     compress(model, [RTNConfig(bits=8)], progress=False)
-    save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path, dtype=torch.float32)
     script = textwrap.dedent(
         f"""
         from leanlm import LLM, SamplingParams
@@ -139,13 +141,13 @@ def _saved(tokenizer, tmp_path, fmt):
     calib = torch.randint(0, tokenizer.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
     if fmt == "gptq":
         compress(model, [GPTQConfig(bits=4, group_size=32, symmetric=True)], calib, progress=False)
-        save_gptq_checkpoint(model, tmp_path, tokenizer)
+        save_gptq_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     elif fmt == "int8":
         compress(model, [RTNConfig(bits=8)], progress=False)
-        save_checkpoint(model, tmp_path, tokenizer, dtype=torch.float32)
+        save_checkpoint(Checkpoint(model, tokenizer), tmp_path, dtype=torch.float32)
     else:
         compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
-        save_compressed_tensors_checkpoint(model, tmp_path, tokenizer)
+        save_compressed_tensors_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     return tmp_path
 
 
@@ -170,7 +172,7 @@ def test_corrupt_quantized_tensors_are_refused_before_they_are_used(tokenizer, t
     path = _saved(tokenizer, tmp_path, fmt)
     _edit_tensor(path, name, edit)
     with pytest.raises(ModelLoadError, match=match):
-        load_checkpoint(path, progress=False)
+        read_checkpoint(path, progress=False)
 
 
 def test_metadata_cannot_stand_in_for_a_tensor(tokenizer, tmp_path):
@@ -179,7 +181,7 @@ def test_metadata_cannot_stand_in_for_a_tensor(tokenizer, tmp_path):
     meta["layers"]["model.layers.0.mlp.up_proj"]["bias"] = [1, 2, 3]
     (path / "quantization_config.json").write_text(json.dumps(meta))
     with pytest.raises(ModelLoadError, match=r"metadata names \['bias'\], which are tensors"):
-        load_checkpoint(path, progress=False)
+        read_checkpoint(path, progress=False)
 
 
 def test_a_config_claiming_more_layers_than_the_tensors_hold_is_refused_at_once(tokenizer, tmp_path):
@@ -188,4 +190,4 @@ def test_a_config_claiming_more_layers_than_the_tensors_hold_is_refused_at_once(
     config["num_hidden_layers"] = 2**31  # walked layer by layer, this hung the loader
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="says 2147483648 layers, but the tensors hold 2"):
-        load_checkpoint(path, progress=False)
+        read_checkpoint(path, progress=False)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanlm.compress import save_checkpoint
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.kernels import cpu_act_sparse
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
@@ -68,7 +69,7 @@ def test_a_checkpoint_with_activation_sparse_layers_loads_back_identical(tmp_pat
     model = build_model(cfg, tiny_state_dict(cfg, seed=2), dtype=torch.bfloat16)
     mlp = model.model.layers[0].mlp
     mlp.down_proj = ActSparseLinear.from_linear(mlp.down_proj, 0.25)
-    save_checkpoint(model, tmp_path, tokenizer)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     meta = json.loads((tmp_path / "quantization_config.json").read_text())
     assert meta["layers"]["model.layers.0.mlp.down_proj"]["format"] == "act_sparse"
     loaded = load_model(str(tmp_path), dtype="bfloat16", progress=False)

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from leanlm.compress import save_checkpoint
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
@@ -89,7 +90,7 @@ def test_a_checkpoint_with_a_bitmask_layer_loads_back_identical(tmp_path, tokeni
     with torch.no_grad():
         mlp.up_proj.weight.copy_(prune_unstructured(mlp.up_proj.weight.float(), 0.8, g))
     mlp.up_proj = to_bitmask(mlp.up_proj)
-    save_checkpoint(model, tmp_path, tokenizer)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     meta = json.loads((tmp_path / "quantization_config.json").read_text())
     assert meta["layers"] == {
         "model.layers.1.mlp.up_proj": {"format": "sparse_bitmask", "in_features": 64, "out_features": 128}

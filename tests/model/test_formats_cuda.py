@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanlm.compress.int_scheme import IntScheme
-from leanlm.compress.llm_int8 import llm_int8_linear
-from leanlm.compress.rtn import quantize_rtn
+from leanlm.compress.quantize.int_scheme import IntScheme
+from leanlm.compress.quantize.llm_int8 import llm_int8_linear
+from leanlm.compress.quantize.rtn import quantize_rtn
 from leanlm.model.quantized.fp8 import FP8Linear
 from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
 from leanlm.model.sparse import tensor_cores

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanlm.compress import save_checkpoint
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.kernels import cpu_gemm, cpu_sparse
 from leanlm.kernels.build import NativeKernel
 from leanlm.llm import load_model
@@ -176,7 +177,7 @@ def test_a_checkpoint_with_2_4_quantized_layers_loads_back_identical(tmp_path, t
     mlp = model.model.layers[1].mlp
     mlp.up_proj = to_sparse24_quantized(_int4(n=mlp.up_proj.out_features, k=mlp.up_proj.in_features, bias=False))
     mlp.down_proj = to_sparse24_quantized(_int8(n=mlp.down_proj.out_features, k=mlp.down_proj.in_features, bias=False))
-    save_checkpoint(model, tmp_path, tokenizer)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     layers = json.loads((tmp_path / "quantization_config.json").read_text())["layers"]
     assert layers["model.layers.1.mlp.up_proj"]["format"] == "sparse24_int4"
     assert layers["model.layers.1.mlp.down_proj"]["format"] == "sparse24_int8"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from leanlm.compress.int_scheme import IntScheme
-from leanlm.compress.llm_int8 import llm_int8_linear
-from leanlm.compress.rtn import quantize_rtn
+from leanlm.compress.quantize.int_scheme import IntScheme
+from leanlm.compress.quantize.llm_int8 import llm_int8_linear
+from leanlm.compress.quantize.rtn import quantize_rtn
 from leanlm.model.quantized.fp8 import FP8Linear
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
 from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db

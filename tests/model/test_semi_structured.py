@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanlm.compress import save_checkpoint
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
@@ -131,7 +132,7 @@ def test_a_checkpoint_with_a_2_4_layer_loads_back_identical(tmp_path, tokenizer)
     with torch.no_grad():
         mlp.up_proj.weight.copy_(prune_24(mlp.up_proj.weight.float(), g))
     mlp.up_proj = to_sparse24(mlp.up_proj)
-    save_checkpoint(model, tmp_path, tokenizer)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path)
     meta = json.loads((tmp_path / "quantization_config.json").read_text())
     assert meta["layers"] == {
         "model.layers.1.mlp.up_proj": {"format": "sparse24", "in_features": 64, "out_features": 128}

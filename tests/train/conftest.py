@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from leanlm.model.forward import logits
 from leanlm.model.llama import build_model
 from leanlm.train.data import TokenWindows
-from leanlm.train.forward import logits
 from leanlm.train.trainer import Trainer
 from tests.conftest import tiny_config, tiny_state_dict
 

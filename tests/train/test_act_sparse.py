@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from leanlm.model.forward import logits
 from leanlm.train.act_sparse import TEALTrainConfig, zero_small_inputs
-from leanlm.train.forward import logits
 from leanlm.train.recipes import build_sparse_training
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from leanlm.cli import main
-from leanlm.compress import MagnitudeConfig, compress, save_checkpoint
+from leanlm.compress import MagnitudeConfig, compress
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.model.llama import build_model
 from leanlm.train import build_sparsity
 from leanlm.train.act_sparse import TEALTrainConfig
@@ -49,8 +51,8 @@ def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
 def pruned_dir(tmp_path, tokenizer):
     cfg = tiny_config(tokenizer.vocab_size)
     model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
-    compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
-    return save_checkpoint(model, tmp_path / "pruned", tokenizer)
+    report = compress(model, MagnitudeConfig(pattern="2:4"), progress=False)
+    return save_checkpoint(Checkpoint(model, tokenizer).with_recipe(report.recipe), tmp_path / "pruned")
 
 
 def test_train_a_pruned_checkpoint_into_one_the_engine_loads(pruned_dir, tmp_path, capsys):
@@ -77,7 +79,9 @@ def test_train_a_pruned_checkpoint_into_one_the_engine_loads(pruned_dir, tmp_pat
 def dense_and_text(tmp_path, tokenizer):
     """(config, a saved tiny dense checkpoint, a training text file); the config has 4 query and 2 K/V heads."""
     cfg = tiny_config(tokenizer.vocab_size)
-    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
+    dense = save_checkpoint(
+        Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), tmp_path / "dense"
+    )
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     return cfg, dense, data
@@ -110,7 +114,7 @@ def test_a_quantized_checkpoint_cannot_be_trained(tmp_path, tokenizer, capsys):
     cfg = tiny_config(tokenizer.vocab_size)
     model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
     compress(model, RTNConfig(bits=8), progress=False)
-    path = save_checkpoint(model, tmp_path / "int8", tokenizer)
+    path = save_checkpoint(Checkpoint(model, tokenizer), tmp_path / "int8")
     assert main(["train", "--model", str(path), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
     assert "no float weight to train" in capsys.readouterr().err
 
@@ -165,7 +169,7 @@ def test_quantization_aware_training_of_a_gptq_checkpoint(tmp_path, tokenizer, c
     def gptq(name, **kw):
         model = build_model(cfg, tiny_state_dict(cfg), torch.float32)
         compress(model, GPTQConfig(bits=4, group_size=32, **kw), ids, progress=False)
-        return model, save_checkpoint(model, tmp_path / name, tokenizer)
+        return model, save_checkpoint(Checkpoint(model, tokenizer), tmp_path / name)
 
     start, static = gptq("static", act_order=True, static_groups=True)
     data, out = tmp_path / "text.txt", tmp_path / "qat"

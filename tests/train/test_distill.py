@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.cli import main
-from leanlm.compress import save_checkpoint
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.model.forward import hidden_states, logits
 from leanlm.model.llama import build_model
 from leanlm.train.distill import (
     DistillConfig,
@@ -18,8 +20,7 @@ from leanlm.train.distill import (
     prepare_teacher,
     rows_read,
 )
-from leanlm.train.forward import hidden_states, logits
-from leanlm.train.student import keep_layers
+from leanlm.train.student import keep_layers, student_of
 from leanlm.train.teacher_cache import TeacherCache, TeacherTargets, top_k_distribution
 from leanlm.train.trainer import TrainConfig, Trainer
 from tests.conftest import tiny_config, tiny_state_dict
@@ -163,10 +164,17 @@ def test_a_student_learns_its_teacher(tiny_model, windows, tmp_path):
     objective = DistillObjective(config, prepare_teacher(teacher, "t", data, cfg, config, tmp_path / "c", False))
 
     before = teacher_divergence(teacher, student, data.held_out)
-    Trainer(student, data, cfg, objective=objective, progress=False).run()
+    trainer = Trainer(student, data, cfg, objective=objective, progress=False)
+    trainer.run()
     assert teacher_divergence(teacher, student, data.held_out) < 0.7 * before
-    recipe = student.compression_recipe
-    assert recipe[-2] == {"method": "keep_layers", "layers": [1]} and recipe[-1]["objective"]["method"] == "distill"
+    assert trainer.recipe_step()["objective"]["method"] == "distill"
+
+
+def test_a_student_checkpoint_records_its_layers_after_the_teachers_recipe(tiny_model, tokenizer):
+    teacher = Checkpoint(tiny_model(seed=4), tokenizer, ({"method": "rtn", "bits": 8},))
+    student = student_of(teacher, [1])
+    assert student.config.num_hidden_layers == 1 and student.tokenizer is tokenizer
+    assert student.recipe == ({"method": "rtn", "bits": 8}, {"method": "keep_layers", "layers": [1]})
 
 
 def test_resumed_distillation_equals_an_uninterrupted_one(tiny_model, windows, tmp_path):
@@ -203,7 +211,9 @@ def test_distill_command_makes_a_student_the_engine_loads(tmp_path, tokenizer, c
     from leanlm.llm import load_model
 
     cfg = tiny_config(tokenizer.vocab_size)
-    teacher = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "t", tokenizer)
+    teacher = save_checkpoint(
+        Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), tmp_path / "t"
+    )
     data, out = tmp_path / "text.txt", tmp_path / "student"
     data.write_text(TEXT)
     argv = ["distill", "--teacher", str(teacher), "--data", str(data), "--seq-len", "32", "--top-k", "8"]
@@ -229,10 +239,12 @@ def test_distill_into_a_quantized_student(tmp_path, tokenizer, capsys):
     from leanlm.llm import load_model
 
     cfg = tiny_config(tokenizer.vocab_size)
-    float_dir = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "t", tokenizer)
+    float_dir = save_checkpoint(
+        Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), tmp_path / "t"
+    )
     quantized = build_model(cfg, tiny_state_dict(cfg), torch.float32)
     compress(quantized, RTNConfig(bits=4, group_size=32), progress=False)
-    int4 = save_checkpoint(quantized, tmp_path / "int4", tokenizer)
+    int4 = save_checkpoint(Checkpoint(quantized, tokenizer), tmp_path / "int4")
     data, out = tmp_path / "text.txt", tmp_path / "qat"
     data.write_text(TEXT)
     argv = ["distill", "--teacher", str(float_dir), "--student", str(int4), "--qat", "--data", str(data)]
@@ -255,8 +267,12 @@ def test_a_wider_teacher_and_the_cosine_flag(tmp_path, tokenizer, capsys):
 
     small = tiny_config(tokenizer.vocab_size)
     wide = dataclasses.replace(small, hidden_size=96, intermediate_size=192, num_hidden_layers=3, head_dim=24)
-    teacher = save_checkpoint(build_model(wide, tiny_state_dict(wide, 1), torch.float32), tmp_path / "t", tokenizer)
-    student = save_checkpoint(build_model(small, tiny_state_dict(small), torch.float32), tmp_path / "s", tokenizer)
+    teacher = save_checkpoint(
+        Checkpoint(build_model(wide, tiny_state_dict(wide, 1), torch.float32), tokenizer), tmp_path / "t"
+    )
+    student = save_checkpoint(
+        Checkpoint(build_model(small, tiny_state_dict(small), torch.float32), tokenizer), tmp_path / "s"
+    )
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     argv = ["distill", "--teacher", str(teacher), "--data", str(data), "--seq-len", "32", "--top-k", "8"]

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from leanlm.cli import main
-from leanlm.compress import save_checkpoint
 from leanlm.config import EngineConfig
 from leanlm.engine.engine import LLMEngine
+from leanlm.formats import save_checkpoint
+from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
@@ -85,12 +86,13 @@ def test_training_lowers_held_out_kl_and_leaves_the_model_alone(windows, rank):
     exits = ExitHeadsConfig(layers=(1, 2), adapter_rank=rank, ce_weight=0.1)
     attach_exits(model, exits)
     before = _kl(model, windows.held_out)
-    result = Trainer(model, windows, _config(), progress=False, objective=ExitObjective(exits)).run()
+    trainer = Trainer(model, windows, _config(), progress=False, objective=ExitObjective(exits))
+    result = trainer.run()
     after = _kl(model, windows.held_out)
     for k in (1, 2):
         assert after[k] < 0.9 * before[k]
     assert result.held_out[-1][1] == pytest.approx(after, rel=0.02)  # the loop evaluates under bf16 autocast
-    assert result.tokens == SEQ_LEN * 4 * 30 and model.compression_recipe[-1]["objective"]["method"] == "exits"
+    assert result.tokens == SEQ_LEN * 4 * 30 and trainer.recipe_step()["objective"]["method"] == "exits"
     for name, tensor in model.state_dict().items():
         if not name.startswith("model.exits."):
             assert torch.equal(tensor, frozen[name]), name
@@ -142,7 +144,7 @@ def test_checkpoint_round_trip_gives_identical_exit_logits(windows, tmp_path, to
     exits = ExitHeadsConfig(layers=(1, 2), adapter_rank=rank)
     attach_exits(model, exits)
     Trainer(model, windows, _config(steps=5), progress=False, objective=ExitObjective(exits)).run()
-    save_checkpoint(model, tmp_path / "ckpt", tokenizer, dtype=torch.float32)
+    save_checkpoint(Checkpoint(model, tokenizer), tmp_path / "ckpt", dtype=torch.float32)
     loaded = load_model(str(tmp_path / "ckpt"), dtype="float32", progress=False)
     assert loaded.config.exit_layers == (1, 2) and loaded.config.exit_adapter_rank == rank
     want, got = exit_statistics(model, windows.held_out), exit_statistics(loaded, windows.held_out)
@@ -153,7 +155,7 @@ def test_checkpoint_round_trip_gives_identical_exit_logits(windows, tmp_path, to
 
 
 def test_a_checkpoint_without_exits_loads_as_before(tmp_path, tokenizer):
-    save_checkpoint(_model(), tmp_path / "plain", tokenizer, dtype=torch.float32)
+    save_checkpoint(Checkpoint(_model(), tokenizer), tmp_path / "plain", dtype=torch.float32)
     loaded = load_model(str(tmp_path / "plain"), dtype="float32", progress=False)
     assert loaded.config.exit_layers == () and len(loaded.model.exits) == 0
     assert "leanlm_exits" not in (tmp_path / "plain" / "config.json").read_text()
@@ -191,7 +193,9 @@ TEXT = " ".join(f"The clockmaker made clock number {i} for the village." for i i
 
 def test_the_command_trains_exits_into_a_checkpoint_generate_drafts_with(tmp_path, tokenizer, capsys):
     cfg = dataclasses.replace(tiny_config(tokenizer.vocab_size), num_hidden_layers=4)
-    src = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "src", tokenizer)
+    src = save_checkpoint(
+        Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), tmp_path / "src"
+    )
     data, out = tmp_path / "text.txt", tmp_path / "exits"
     data.write_text(TEXT)
     argv = ["train", "--model", str(src), "--exits", "1,3", "--exit-adapter-rank", "4", "--data", str(data)]
@@ -201,8 +205,8 @@ def test_the_command_trains_exits_into_a_checkpoint_generate_drafts_with(tmp_pat
     assert "exit 1: KL" in report and "exit 3: KL" in report and "95%" in report
     assert not (out / "train_state.pt").exists()
     assert main(["generate", "--model", str(out), "--speculative", "self:3", "--max-tokens", "8", "Hello"]) == 0
-    loaded, _ = load_trainable(out)
-    assert loaded.config.exit_layers == (1, 3) and loaded.compression_recipe[-1]["objective"]["method"] == "exits"
+    loaded = load_trainable(out)
+    assert loaded.config.exit_layers == (1, 3) and loaded.recipe[-1]["objective"]["method"] == "exits"
 
 
 def test_the_command_refuses_exits_with_a_recipe(tmp_path, capsys):

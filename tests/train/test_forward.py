@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanlm.train.forward import causal_lm_loss, logits
+from leanlm.model.forward import causal_lm_loss, logits
 from tests.compress.conftest import dense_logits
 
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from leanlm.compress import GQAConfig, RTNConfig, save_checkpoint
+from leanlm.compress import GQAConfig, RTNConfig
+from leanlm.formats import Checkpoint, save_checkpoint
 from leanlm.model.llama import build_model
 from leanlm.train import DistillJob, TrainJob, run, run_distill
 from leanlm.train.distill import DistillConfig
@@ -22,7 +23,9 @@ from tests.train.test_command import TEXT
 @pytest.fixture
 def dense_and_text(tmp_path, tokenizer):
     cfg = tiny_config(tokenizer.vocab_size)
-    dense = save_checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tmp_path / "dense", tokenizer)
+    dense = save_checkpoint(
+        Checkpoint(build_model(cfg, tiny_state_dict(cfg), torch.float32), tokenizer), tmp_path / "dense"
+    )
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     return dense, data

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from leanlm.compress import MagnitudeConfig, compress, read_calibration_text
-from leanlm.compress.sparsity import satisfies_nm
+from leanlm.compress.prune.sparsity import satisfies_nm
+from leanlm.model.forward import logits
 from leanlm.model.llama import build_model
 from leanlm.train.data import TokenWindows
-from leanlm.train.forward import logits
 from leanlm.train.sparse import SRSTEConfig
 from leanlm.train.trainer import TrainConfig, Trainer
 from tests.compress.conftest import dense_logits
@@ -93,8 +93,8 @@ def test_a_student_cut_from_smollm2_learns_its_teacher(smollm, tmp_path):
 
 
 def test_the_cosine_term_on_smollm2_pulls_the_students_hidden_states_to_the_teachers(smollm, tmp_path):
+    from leanlm.model.forward import hidden_states
     from leanlm.train.distill import DistillConfig, DistillObjective, cosine_distance_sum, prepare_teacher
-    from leanlm.train.forward import hidden_states
     from leanlm.train.student import keep_layers
 
     teacher, _, data, cfg = _smollm2_pair(smollm)

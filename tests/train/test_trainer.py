@@ -39,12 +39,14 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 def test_training_lowers_the_held_out_loss_and_records_itself(tiny_model, windows):
     model = tiny_model()
     before = Trainer(tiny_model(), windows, config(), progress=False).held_out_loss()
-    result = train(model, windows, config(), progress=False)
+    trainer = Trainer(model, windows, config(), progress=False)
+    result = trainer.run()
     assert result.steps == 6 and result.tokens == 6 * SEQ_LEN * 8 and len(result.losses) == 6
     assert [s for s, _ in result.held_out] == [2, 4, 6]
     assert result.held_out[-1][1] < 0.5 * before
     assert not model.training and not any(p.requires_grad for p in model.parameters())
-    assert model.compression_recipe[-1]["method"] == "train" and model.compression_recipe[-1]["lr"] == 3e-3
+    assert trainer.recipe_step()["method"] == "train" and trainer.recipe_step()["lr"] == 3e-3
+    assert not hasattr(model, "compression_recipe")  # the recipe travels in a Checkpoint, not on the model
 
 
 def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_model, windows, tmp_path):

@@ -2,7 +2,7 @@
 below a calibrated per-layer threshold are set to zero, and at decode the kernel skips the weight rows those
 inputs would multiply, so it reads fewer bytes. The weight is kept dense (nothing is pruned from it), stored
 transposed [K, N] so that each input column's weights are contiguous. The method that calibrates the
-thresholds lives in leanlm.compress.act_sparsity.
+thresholds lives in leanlm.compress.activation.act_sparsity.
 """
 
 from __future__ import annotations
