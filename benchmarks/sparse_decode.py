@@ -33,7 +33,7 @@ from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.compress import MagnitudeConfig, RTNConfig, compress
 from leanlm.data import wikitext2_test_path
-from leanlm.kernels import cpu_act_sparse, cpu_bitmask, cpu_decode, cpu_gemv, cpu_qgemv, cpu_sparse
+from leanlm.kernels import cpu_act_sparse, cpu_bitmask, cpu_gemv, cpu_qgemv, cpu_sparse
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 from leanlm.llm import LLM
 from leanlm.loading.registry import DEFAULT_MODEL
@@ -53,18 +53,18 @@ class Variant:
     """One engine of the table: its recipe, the loop kind batch-1 decode must run on, its dense baseline."""
 
     recipe: tuple
-    kind: int
+    kind: str  # the few-row kernel's name (NativeLinear.name)
     baseline: str
 
 
 VARIANTS = {
-    "dense bf16": Variant((), cpu_decode.KIND_BF16, "dense bf16"),
-    "2:4 bf16": Variant((PRUNE_24,), cpu_decode.KIND_SPARSE24, "dense bf16"),
-    "70% unstructured bf16": Variant((MagnitudeConfig(sparsity=0.7),), cpu_decode.KIND_BITMASK, "dense bf16"),
-    "dense int8": Variant((INT8,), cpu_decode.KIND_INT8, "dense int8"),
-    "2:4 int8": Variant((PRUNE_24, INT8), cpu_decode.KIND_SPARSE24_INT8, "dense int8"),
-    "dense int4 g64": Variant((INT4,), cpu_decode.KIND_INT4, "dense int4 g64"),
-    "2:4 int4 g64": Variant((PRUNE_24, INT4), cpu_decode.KIND_SPARSE24_INT4, "dense int4 g64"),
+    "dense bf16": Variant((), "bf16", "dense bf16"),
+    "2:4 bf16": Variant((PRUNE_24,), "sparse24", "dense bf16"),
+    "70% unstructured bf16": Variant((MagnitudeConfig(sparsity=0.7),), "bitmask", "dense bf16"),
+    "dense int8": Variant((INT8,), "int8", "dense int8"),
+    "2:4 int8": Variant((PRUNE_24, INT8), "sparse24_int8", "dense int8"),
+    "dense int4 g64": Variant((INT4,), "int4", "dense int4 g64"),
+    "2:4 int4 g64": Variant((PRUNE_24, INT4), "sparse24_int4", "dense int4 g64"),
 }
 
 
@@ -80,10 +80,10 @@ def linear_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def loop_kinds(model: torch.nn.Module) -> set[int]:
-    """The linear kinds of the native decode loop batch-1 decode runs on (empty: no loop)."""
+def loop_kinds(model: torch.nn.Module) -> set[str]:
+    """The few-row kernels (by name) of the native decode loop batch-1 decode runs on (empty: no loop)."""
     loop = model.native_decode_plan().loop
-    return set() if loop is None else {linear.kind for layer in loop._keep[0] for linear in layer.linears}
+    return set() if loop is None else {linear.name for layer in loop._keep[0] for linear in layer.linears}
 
 
 def decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -27,6 +27,7 @@ FOREIGN_ROOTS = {
 FOREIGN_NAMES = {"TorchCpuAvx512Linear"}  # gptqmodel's CPU layer, named where transformers loads our export
 CODE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(\(\))?$")
 SOURCE_PATH = re.compile(r"^[\w./-]+\.(py|c|h)$")
+PLACEHOLDER = re.compile(r"(?<![A-Za-z0-9])(NAME|COMMAND|MODEL|DIR|OUT|PATH|FILE)(?![A-Za-z0-9])")
 COMMAND = re.compile(r"^leanlm ([a-z]+)\b(.*)$")
 
 
@@ -173,6 +174,8 @@ def problems(text: str, where: str) -> list[str]:
             problem = _command_problem(span)
         elif span.startswith("--"):
             problem = _flag_problem(span)
+        elif PLACEHOLDER.search(span):
+            problem = None  # a template (`leanlm/cli/NAME.py`, `leanlm COMMAND --help`), not a name
         elif SOURCE_PATH.match(span):
             problem = None if _path_exists(span) else f"no file {span}"
         elif CODE_NAME.match(span):
@@ -193,9 +196,9 @@ def test_docs_name_only_code_that_exists(path):
 def test_the_checker_catches_stale_names():
     text = (
         "Call `bind_kv_cache` and `ModelRunner.kv_scales`, see `leanlm/quant.py`, `leanlm.engine.nothing_here`, "
-        "`leanlm generate --no-such-flag` and `--gone-flag`.\n```\n`not_checked_in_fences`\n```\n"
+        "`leanlm generate --no-such-flag`, `--gone-flag` and `KIND_BF16`.\n```\n`not_checked_in_fences`\n```\n"
     )
     found = problems(text, "stale.md")
-    assert len(found) == 6, found
+    assert len(found) == 7, found
     fresh = "See `leanlm/model/llama.py`, `LLMEngine.step`, `leanlm generate --max-tokens 8` and `q_proj`."
     assert problems(fresh, "fresh.md") == []
