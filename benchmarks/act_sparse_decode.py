@@ -39,7 +39,7 @@ from leanlm.compress import ActivationSparsityConfig, calibration_samples, compr
 from leanlm.data import wikitext2_test_path
 from leanlm.kernels import cpu_act_sparse
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.model.sparse.activation import ActSparseLinear
+from leanlm.model.linear.act_sparse import ActSparseLinear
 
 TARGET_SPEEDUP, TARGET_PPL, TARGET_SPARSITY = 1.2, 0.05, 0.4  # issue 17
 

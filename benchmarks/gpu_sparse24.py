@@ -1,6 +1,6 @@
 """2:4 sparse products on an NVIDIA GPU's sparse tensor cores against cuBLAS on the dense weight, per decoder layer
 of real model shapes (q, k, v, o, gate, up, down), by the number of token rows [M]. This is what sets
-`leanlm.model.sparse.tensor_cores.MIN_MACS`, the product size from which Sparse24Linear's CUDA rows take the sparse
+`leanlm.model.linear.tensor_cores.MIN_MACS`, the product size from which Sparse24Linear's CUDA rows take the sparse
 tensor cores.
 
 Each row times one decoder layer's seven products as Sparse24Linear's CUDA path makes them (F.linear on PyTorch's
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.analysis.markdown import replace_section
-from leanlm.model.sparse import tensor_cores
+from leanlm.model.linear import tensor_cores
 
 # (name, hidden, kv width, intermediate): the decoder-layer shapes of the models we run, and a 7-8B one.
 MODELS = [

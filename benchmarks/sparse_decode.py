@@ -37,11 +37,13 @@ from leanlm.kernels import cpu_act_sparse, cpu_bitmask, cpu_gemv, cpu_qgemv, cpu
 from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 from leanlm.llm import LLM
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
-from leanlm.model.sparse.activation import ActSparseLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.quantized_24 import Sparse24Int4Linear, Sparse24Int8Linear
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.act_sparse import ActSparseLinear
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.linear.sparse24 import Sparse24Linear
+from leanlm.model.linear.sparse24_quant import Sparse24Int4Linear, Sparse24Int8Linear
 
 TARGET = 1.25  # issue 17: 2:4 sparse decode at least this much faster than dense at the same precision
 INT8, INT4 = RTNConfig(bits=8, group_size=None), RTNConfig(bits=4, group_size=64)
@@ -73,7 +75,7 @@ def linear_bytes(model: torch.nn.Module) -> int:
     total = 0
     for layer in model.model.layers:
         for module in (*layer.self_attn.children(), *layer.mlp.children()):
-            if isinstance(module, QuantLinear):
+            if isinstance(module, RuntimeLinear):
                 total += module.weight_bytes()
             elif isinstance(module, torch.nn.Linear):
                 total += module.weight.numel() * module.weight.element_size()

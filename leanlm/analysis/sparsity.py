@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from leanlm.kernels.cpu_act_sparse import sparsify
-from leanlm.model.quantized.linear import QuantLinear
-from leanlm.model.sparse.activation import ActSparseLinear
+from leanlm.model.linear.act_sparse import ActSparseLinear
+from leanlm.model.linear.base import RuntimeLinear
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def linear_sparsity(model: nn.Module) -> list[LinearSparsity]:
     for name, module in model.named_modules():
         if not name.startswith("model.layers."):
             continue
-        if isinstance(module, QuantLinear):
+        if isinstance(module, RuntimeLinear):
             weight = module.dequantized_weight()
         elif isinstance(module, nn.Linear):
             weight = module.weight.detach()

@@ -57,7 +57,7 @@ class LinearReport:
     """One compressed linear: what it became and how far its outputs moved on calibration inputs."""
 
     name: str  # full module name, e.g. model.layers.3.mlp.down_proj
-    format: str  # QuantLinear format, or "float" for a transform-only change
+    format: str  # RuntimeLinear format, or "float" for a transform-only change
     rel_error: float | None  # |X W^T - X W_q^T|^2 / |X W^T|^2 on calibration rows; None without data
     weight_sqnr_db: float  # SQNR of the stored weight against the float weight it replaced
     bytes_before: int  # float weight bytes, in the model's dtype

@@ -1,7 +1,7 @@
 """Sparse checkpoints in the compressed-tensors layout (what llm-compressor writes; HF transformers and vLLM
 read it through the compressed-tensors package, up to its 0.12 releases, after which the sparse formats are
 "legacy" and have no compressor): the float tensors as usual, each sparse weight as the tensors of
-model/sparse/bitmask_layout.py, and a `quantization_config` block in config.json holding only a `sparsity_config`.
+model/linear/bitmask_layout.py, and a `quantization_config` block in config.json holding only a `sparsity_config`.
 
 Writing: 2:4 layers (Sparse24Linear) as "sparse-24-bitmask", unstructured ones (BitmaskSparseLinear, or pruned float
 linears) as "sparse-bitmask". Reading: 2:4 weights become Sparse24Linear layers as they are stored, unstructured ones
@@ -22,9 +22,9 @@ from leanlm.config import ModelConfig
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.model_dir import float_tensors, write_model_dir
 from leanlm.loading.shapes import check_declared_layer
-from leanlm.model.quantized.linear import QuantLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.bitmask_layout import (
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.bitmask_layout import (
     bitmask_layer_tensors,
     bitmask_tensors,
     from_bitmask_layer_tensors,
@@ -32,7 +32,7 @@ from leanlm.model.sparse.bitmask_layout import (
     from_sparse24_tensors,
     sparse24_tensors,
 )
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.sparse24 import Sparse24Linear
 from leanlm.model.sparsity_mask import pruned_mask
 
 SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask")
@@ -98,7 +98,7 @@ def save_compressed_tensors_checkpoint(
     path, model = Path(path), checkpoint.model
     packed = {n: m for n, m in model.named_modules() if isinstance(m, Sparse24Linear)}
     unstructured = {n: m for n, m in model.named_modules() if isinstance(m, BitmaskSparseLinear)}
-    others = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in packed | unstructured]
+    others = [n for n, m in model.named_modules() if isinstance(m, RuntimeLinear) and n not in packed | unstructured]
     if others:
         raise ValueError(
             f"compressed-tensors export here writes sparse float models; {others[0]} is quantized "
@@ -129,7 +129,7 @@ def save_compressed_tensors_checkpoint(
             state[f"{name}.bias"] = module.bias.detach().to(dtype)
         zeros, total = zeros + int((weight == 0).sum()), total + weight.numel()
     write_model_dir(checkpoint, path, state, False)
-    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, RuntimeLinear))]
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",

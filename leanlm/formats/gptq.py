@@ -19,7 +19,8 @@ from leanlm.config import ModelConfig
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.model_dir import float_tensors, write_model_dir
 from leanlm.loading.shapes import check_declared_layer
-from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.quantized.numerics import pack_int4, unpack_int4
 
 BITS = 4  # the layout packs 32 / bits codes per int32; we export and import 4-bit
@@ -188,7 +189,7 @@ def save_gptq_checkpoint(checkpoint: Checkpoint, path: str | Path, damp_percent:
     recipe: it is not written."""
     path, model = Path(path), checkpoint.model
     layers = {n: m for n, m in model.named_modules() if isinstance(m, IntGroupWeightOnlyLinear)}
-    others = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in layers]
+    others = [n for n, m in model.named_modules() if isinstance(m, RuntimeLinear) and n not in layers]
     if not layers or others:
         raise ValueError(
             "GPTQ export needs a model whose quantized layers are all 4-bit group-wise "

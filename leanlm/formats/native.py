@@ -14,8 +14,7 @@ from leanlm.config import ModelConfig
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.model_dir import float_tensors, write_model_dir
 from leanlm.loading.shapes import check_declared_layer
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, QuantLinear
-from leanlm.model.sparse import semi_structured  # noqa: F401  (registers "sparse24", "act_sparse", "sparse_bitmask")
+from leanlm.model.linear.base import LINEAR_FORMATS, RuntimeLinear
 
 QUANT_CONFIG_FILE = "quantization_config.json"
 FORMAT_VERSION = 1
@@ -39,7 +38,7 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
 
 def quantized_layers(
     meta: dict[str, Any], state_dict: dict[str, torch.Tensor], config: ModelConfig, source: object = ""
-) -> dict[str, QuantLinear]:
+) -> dict[str, RuntimeLinear]:
     """Build each quantized layer named in `meta` from its tensors, removing them from `state_dict`; a layer whose
     declared features are not what `config` gives its name is a ModelLoadError before any tensor is read."""
     layers = {}
@@ -47,17 +46,17 @@ def quantized_layers(
         raise ValueError(f"{QUANT_CONFIG_FILE} has no 'layers' object")
     for name, layer_meta in meta["layers"].items():
         fmt = layer_meta.get("format") if isinstance(layer_meta, dict) else None
-        if fmt not in QUANT_LINEAR_FORMATS:
+        if fmt not in LINEAR_FORMATS:
             raise ValueError(
                 f"layer {name} has quantized format {fmt!r}, unknown to this leanlm "
-                f"(known: {', '.join(QUANT_LINEAR_FORMATS)})"
+                f"(known: {', '.join(LINEAR_FORMATS)})"
             )
         check_declared_layer(config, name, (layer_meta.get("out_features"), layer_meta.get("in_features")), source)
         prefix = name + "."
         tensors = {k[len(prefix) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
         # Shapes, group sizes and index ranges are checked against the metadata here, before any kernel runs.
         try:
-            layers[name] = QUANT_LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
+            layers[name] = LINEAR_FORMATS[fmt].from_tensors(layer_meta, tensors)
         except (ValueError, TypeError) as e:  # TypeError: metadata keys or values of the wrong kind
             raise ValueError(f"layer {name}: {e}") from e
     return layers
@@ -69,7 +68,7 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | Path, dtype: torch.dtype
     Float tensors are stored in `dtype`; quantized layers keep their codes and float32 scales as they are.
     """
     path, model = Path(path), checkpoint.model
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, RuntimeLinear)}
     state = float_tensors(model, quantized, dtype)
     for name, layer in quantized.items():
         for key, tensor in layer.state_dict().items():

@@ -25,7 +25,7 @@ from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
 from leanlm.loading.gguf_file import GGUFFile, read_gguf
 from leanlm.loading.gguf_header import GGUF_MAGIC
-from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.linear.base import RuntimeLinear
 
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
@@ -266,7 +266,7 @@ def gguf_state_dict(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     keep_codes: bool = False,
-) -> tuple[dict[str, torch.Tensor], dict[str, QuantLinear]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, RuntimeLinear]]:
     """Every tensor under its HF name, in HF's [out, in] layout: dequantized to `dtype`, except, with
     `keep_codes`, linears in a block format the kernels compute on (gguf_codes.CODE_TYPES), which come back as
     runtime layers by module name. The embedding is a lookup table and always dequantized; a tied head in such

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 
 GROUP = 32
 Q = GGMLQuantizationType

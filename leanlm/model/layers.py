@@ -62,7 +62,7 @@ class Linear(KernelDispatch, nn.Linear):
 
     @classmethod
     def from_tensors(cls, meta: dict[str, int], tensors: dict[str, torch.Tensor]) -> Linear:
-        """The layer holding `weight` [N, K] (and `bias` [N]) as given, as QuantLinear.from_tensors does."""
+        """The layer holding `weight` [N, K] (and `bias` [N]) as given, as RuntimeLinear.from_tensors does."""
         weight, bias = tensors["weight"], tensors.get("bias")
         if tuple(weight.shape) != (meta["out_features"], meta["in_features"]):
             raise ValueError(f"weight {list(weight.shape)} does not match out/in features of {meta}")
@@ -76,7 +76,7 @@ class Linear(KernelDispatch, nn.Linear):
         return self.weight.detach().float()
 
     def shard(self, axis: int, rank: int, world: int) -> Linear:
-        """As QuantLinear.shard: rank's slice of the outputs (COLUMN) or of the inputs (ROW; rank 0 keeps the bias)."""
+        """As RuntimeLinear.shard: rank's slice of the outputs (COLUMN) or of the inputs (ROW; rank 0: the bias)."""
         check_axis(axis)
         cut = part(self.weight.shape[axis], axis, rank, world, 1, "bf16 linear")
         weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()

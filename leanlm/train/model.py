@@ -15,9 +15,9 @@ from pathlib import Path
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.loader import load_checkpoint
 from leanlm.formats.stored import StoredCheckpoint
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.sparse24 import Sparse24Linear
 from leanlm.model.quantized.fake_quant import TRAINABLE
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 
 def load_trainable(name_or_path: str | Path, device: str | None = None, keep_quantized: bool = False) -> Checkpoint:

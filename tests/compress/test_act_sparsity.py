@@ -8,7 +8,7 @@ from leanlm.compress import ActivationSparsityConfig, compress
 from leanlm.compress.activation.act_sparsity import greedy_levels, rows_read, threshold_for
 from leanlm.compress.named_recipes import build_prune_recipe
 from leanlm.kernels import cpu_act_sparse
-from leanlm.model.sparse.activation import ActSparseLinear
+from leanlm.model.linear.act_sparse import ActSparseLinear
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

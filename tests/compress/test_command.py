@@ -87,7 +87,7 @@ def test_prune_command_writes_a_checkpoint_that_loads(tmp_path, capsys, tiny_mod
     assert "zeros" in printed and "50.0%" in printed
     from leanlm.compress.prune.sparsity import satisfies_nm
     from leanlm.llm import load_model
-    from leanlm.model.sparse.semi_structured import Sparse24Linear
+    from leanlm.model.linear.sparse24 import Sparse24Linear
 
     down = load_model(str(out), progress=False).model.layers[0].mlp.down_proj
     assert isinstance(down, Sparse24Linear) and satisfies_nm(down.dequantized_weight(), 2, 4)

@@ -13,9 +13,8 @@ from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint
 from leanlm.llm import load_model
-from leanlm.model.llama import build_model
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.bitmask_layout import (
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.bitmask_layout import (
     bitmask_layer_tensors,
     bitmask_tensors,
     from_bitmask_layer_tensors,
@@ -25,7 +24,8 @@ from leanlm.model.sparse.bitmask_layout import (
     sparse24_tensors,
     unpack_bits,
 )
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.sparse24 import Sparse24Linear
+from leanlm.model.llama import build_model
 from tests.compress.conftest import dense_logits
 from tests.conftest import tiny_config, tiny_state_dict
 

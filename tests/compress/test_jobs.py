@@ -12,7 +12,7 @@ from leanlm.formats import Checkpoint, save_checkpoint
 
 def test_a_compress_job_runs_without_the_cli(tmp_path, tiny_model, tokenizer):
     from leanlm.llm import load_model
-    from leanlm.model.sparse.semi_structured import Sparse24Linear
+    from leanlm.model.linear.sparse24 import Sparse24Linear
 
     source = save_checkpoint(Checkpoint(tiny_model(), tokenizer), tmp_path / "dense")
     job = CompressJob(tmp_path / "pruned", [MagnitudeConfig(pattern="2:4")], model=str(source), device="cpu")

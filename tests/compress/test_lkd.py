@@ -10,8 +10,9 @@ import torch
 from leanlm.compress import GPTQConfig, LKDConfig, RTNConfig, compress
 from leanlm.compress.quantize.int_scheme import IntScheme
 from leanlm.compress.quantize.rtn import quantize_rtn
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.quantized.fake_quant import FakeQuantLinear
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 from tests.compress.conftest import dense_logits
 
 GEN = torch.Generator().manual_seed(0)

@@ -18,8 +18,8 @@ from leanlm.compress.calibration import LayerRunner
 from leanlm.compress.quantize.gptq import gptq_quantize, layer_error
 from leanlm.compress.transform.awq import search_block_scales, search_scales
 from leanlm.compress.transform.smoothquant import smoothing_scales
+from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.llama import LinearGroup
-from leanlm.model.quantized.linear import QuantLinear
 from leanlm.model.quantized.numerics import fake_quantize, sqnr_db
 from tests.compress.conftest import dense_logits
 
@@ -96,7 +96,7 @@ def test_gptq_through_compress_beats_rtn_per_layer(tiny_model, calib, true_seque
     for cfg in (RTNConfig(bits=3, group_size=32), GPTQConfig(bits=3, group_size=32, true_sequential=true_sequential)):
         model = tiny_model()
         reports[cfg.name] = {r.name: r.rel_error for r in compress(model, [cfg], calib, progress=False).linears}
-        assert all(isinstance(model.get_submodule(n), QuantLinear) for n in reports[cfg.name])
+        assert all(isinstance(model.get_submodule(n), RuntimeLinear) for n in reports[cfg.name])
     assert reports["gptq"].keys() == reports["rtn"].keys() and len(reports["rtn"]) == 14
     better = sum(reports["gptq"][n] <= reports["rtn"][n] for n in reports["rtn"])
     assert better >= 12  # per linear, on the layer's own calibration inputs
@@ -249,6 +249,6 @@ def test_quantizing_the_head_unties_it(tiny_model):
     model = tiny_model()
     embed = model.model.embed_tokens.weight.clone()
     compress(model, [RTNConfig(bits=8, group_size=None, ignore=())], None, progress=False)
-    assert isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.lm_head, RuntimeLinear)
     assert torch.equal(model.model.embed_tokens.weight, embed)
     assert dataclasses.is_dataclass(RTNConfig())

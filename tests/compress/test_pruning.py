@@ -10,9 +10,9 @@ from leanlm.compress.prune.pruner import pack_semi_structured
 from leanlm.compress.prune.sparsegpt import sparsegpt_prune
 from leanlm.compress.prune.sparsity import SparsityScheme, lowest_mask, nm_mask, parse_pattern, satisfies_nm
 from leanlm.compress.quantize.gptq import gptq_quantize, layer_error
-from leanlm.model.quantized.linear import QuantLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.sparse24 import Sparse24Linear
 from leanlm.model.sparsity_mask import pruned_mask
 from tests.compress.conftest import dense_logits
 
@@ -243,7 +243,7 @@ def test_zeros_survive_a_quantizer_later_in_the_recipe(tiny_model, calib, quanti
     masks = {n: pruned_mask(m).clone() for n, m in _linears(model).items()}
     compress(model, quantizer, calib, progress=False)
     for name, m in _linears(model).items():
-        assert isinstance(m, QuantLinear)
+        assert isinstance(m, RuntimeLinear)
         w = m.dequantized_weight()
         assert (w[masks[name]] == 0).all()
         assert satisfies_nm(w, 2, 4)
@@ -297,7 +297,7 @@ def test_joint_sparsegpt_quantizes_in_the_same_sweep(tiny_model, calib):
     report = compress(model, SparseGPTConfig(pattern="2:4", bits=4, group_size=32), calib, progress=False)
     assert {r.format for r in report.linears} == {"int_group_weight_only"}
     for m in _linears(model).values():
-        assert isinstance(m, QuantLinear) and satisfies_nm(m.dequantized_weight(), 2, 4)
+        assert isinstance(m, RuntimeLinear) and satisfies_nm(m.dequantized_weight(), 2, 4)
     assert torch.isfinite(dense_logits(model, calib)).all()
     assert not torch.equal(dense_logits(model, calib), ref)
 

@@ -171,7 +171,7 @@ def test_24_pruned_smollm_decodes_on_the_sparse_kernel_like_its_dense_copy(smoll
     from leanlm.compress import MagnitudeConfig
     from leanlm.compress.prune.pruner import pack_semi_structured
     from leanlm.formats import save_checkpoint
-    from leanlm.model.sparse.semi_structured import Sparse24Linear
+    from leanlm.model.linear.sparse24 import Sparse24Linear
 
     model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
     compress(model, MagnitudeConfig(pattern="2:4", pack=False), progress=False)
@@ -196,7 +196,7 @@ def test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers(smollm, ca
     from leanlm import LLM, SamplingParams
     from leanlm.compress import ActivationSparsityConfig
     from leanlm.formats import save_checkpoint
-    from leanlm.model.sparse.activation import ActSparseLinear
+    from leanlm.model.linear.act_sparse import ActSparseLinear
 
     model = build_model(smollm.config, smollm.state_dict, torch.bfloat16)
     report = compress(model, ActivationSparsityConfig(sparsity=0.4), calib_ids[:4], progress=False)

@@ -20,8 +20,8 @@ from leanlm.formats import (
 )
 from leanlm.llm import load_model
 from leanlm.loading.errors import ModelLoadError
+from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import QuantLinear
 from tests.conftest import tiny_config, tiny_state_dict
 
 
@@ -55,8 +55,8 @@ def test_the_recipe_round_trips_through_the_native_format(tokenizer, tmp_path):
     assert [s["method"] for s in loaded.recipe] == ["earlier", "rtn"] and loaded.recipe[1]["bits"] == 8
     assert loaded.source == tmp_path and loaded.tokenizer.encode(" he said") == tokenizer.encode(" he said")
     assert not hasattr(loaded.model, "tokenizer")  # the tokenizer is in the Checkpoint, not on the network
-    assert {n for n, m in loaded.model.named_modules() if isinstance(m, QuantLinear)} == {
-        n for n, m in model.named_modules() if isinstance(m, QuantLinear)
+    assert {n for n, m in loaded.model.named_modules() if isinstance(m, RuntimeLinear)} == {
+        n for n, m in model.named_modules() if isinstance(m, RuntimeLinear)
     }
 
 

@@ -12,7 +12,7 @@ import torch
 
 from leanlm.kernels import cpu_bitmask, cpu_gemv
 from leanlm.kernels.build import NativeKernel
-from leanlm.model.sparse.bitmask import compress_bitmask, widen_bitmask
+from leanlm.model.linear.bitmask import compress_bitmask, widen_bitmask
 from tests.kernels.linear_inputs import EPS32, linear_inputs
 
 pytestmark = pytest.mark.skipif(

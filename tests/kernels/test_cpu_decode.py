@@ -20,12 +20,14 @@ from leanlm.config import ModelConfig
 from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
 from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear, to_bitmask
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.linear.sparse24 import Sparse24Linear, to_sparse24
+from leanlm.model.linear.sparse24_quant import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.llama import build_model
 from leanlm.model.paged_kv import PagedKVCache
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear, to_bitmask
-from leanlm.model.sparse.quantized_24 import Sparse24Int4Linear, Sparse24Int8Linear
-from leanlm.model.sparse.semi_structured import Sparse24Linear, to_sparse24
 from tests.conftest import tiny_state_dict
 
 pytestmark = pytest.mark.skipif(not cpu_decode.is_available(), reason="native CPU kernels unavailable")
@@ -54,7 +56,7 @@ def _config(architecture: str = "llama", layers: int = 2) -> ModelConfig:
 
 def _to_bf16(model):
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, RuntimeLinear):
             module.set_compute_dtype(torch.bfloat16)
         else:
             for p in module.parameters(recurse=False):

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from leanlm.kernels import cpu_gemm, cpu_qgemv
 from leanlm.model.layers import Linear
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.quantized.numerics import pack_int4
 from tests.kernels.linear_inputs import EPS32, linear_inputs
 

@@ -12,7 +12,7 @@ import torch
 
 from leanlm.kernels import cpu_gemv, cpu_sparse
 from leanlm.kernels.build import NativeKernel
-from leanlm.model.sparse.semi_structured import compress_24, widen_24
+from leanlm.model.linear.sparse24 import compress_24, widen_24
 from tests.kernels.linear_inputs import EPS32, linear_inputs
 
 pytestmark = pytest.mark.skipif(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from leanlm.kernels import cpu_sparse
-from leanlm.model.sparse.quantized_24 import pack_chunks, unpack_chunks, widen
-from leanlm.model.sparse.semi_structured import compress_24
+from leanlm.model.linear.sparse24 import compress_24
+from leanlm.model.linear.sparse24_quant import pack_chunks, unpack_chunks, widen
 from tests.kernels.linear_inputs import check_against_float64
 
 pytestmark = pytest.mark.skipif(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from leanlm.kernels import cpu_w8a8
+from leanlm.model.linear.w8a8 import Int8DynamicActLinear, int8_matmul
 from leanlm.model.quantized.numerics import quantize_per_token_int8
-from leanlm.model.quantized.w8a8 import Int8DynamicActLinear, int8_matmul
 
 pytestmark = pytest.mark.skipif(
     not cpu_w8a8.is_available(), reason=f"W8A8 kernel: {cpu_w8a8._KERNEL.unavailable_reason}"

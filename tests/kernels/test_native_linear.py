@@ -12,7 +12,7 @@ import torch
 
 from leanlm.kernels import cpu_decode, cpu_gemv, cpu_qgemv, native_linear
 from leanlm.model.layers import Linear
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 
 KERNELS = Path(cpu_decode.__file__).parent
 

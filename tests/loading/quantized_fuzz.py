@@ -28,8 +28,8 @@ from leanlm.compress import GPTQConfig, LLMInt8Config, MagnitudeConfig, RTNConfi
 from leanlm.formats import Checkpoint, save_checkpoint, save_gptq_checkpoint
 from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint
 from leanlm.loading.errors import ModelLoadError
+from leanlm.model.linear.base import LINEAR_FORMATS
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.tiny_tokenizer import tiny_tokenizer
 
@@ -149,7 +149,7 @@ def _mutate_layer_meta(rng: random.Random, path: Path) -> str:
     elif kind == "unknown":
         layer[rng.choice(["zero_point", "perm", "qweight", "bias"])] = rng.choice(ODD_VALUES)
     else:
-        layer["format"] = rng.choice(sorted(QUANT_LINEAR_FORMATS))
+        layer["format"] = rng.choice(sorted(LINEAR_FORMATS))
     file.write_text(json.dumps(meta))
     return f"{name} metadata {kind} {key}: {layer.get(key, '<gone>')!r}"
 
@@ -201,7 +201,7 @@ def outcome(path: Path) -> tuple[str, str]:
         return "refused", str(e)[:200]
     except CaseTimeout:
         return "finding", f"still running after {SECONDS_PER_CASE} s"
-    except Exception as e:  # noqa: BLE001: any other exception is what this fuzzer looks for
+    except Exception as e:  # noqa: BLE001 (any other exception is what this fuzzer looks for)
         return "finding", f"{type(e).__name__}: {str(e)[:300]}"
     finally:
         signal.alarm(0)

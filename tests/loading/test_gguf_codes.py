@@ -13,8 +13,9 @@ from gguf.quants import dequantize
 from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.gguf_codes import CODE_TYPES, INT8_TYPES, runtime_linear
 from leanlm.loading.registry import DEFAULT_MODEL
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
 from tests.compress.conftest import dense_logits
 from tests.loading.conftest import write_tiny_gguf
 

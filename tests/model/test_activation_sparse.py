@@ -11,8 +11,8 @@ from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.kernels import cpu_act_sparse
 from leanlm.llm import load_model
+from leanlm.model.linear.act_sparse import ActSparseLinear
 from leanlm.model.llama import build_model
-from leanlm.model.sparse.activation import ActSparseLinear
 from tests.conftest import tiny_config, tiny_state_dict
 
 

@@ -13,9 +13,9 @@ import torch
 from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model
+from leanlm.model.linear.base import LINEAR_FORMATS
+from leanlm.model.linear.bitmask import BitmaskSparseLinear, compress_bitmask, to_bitmask, widen_bitmask
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear, compress_bitmask, to_bitmask, widen_bitmask
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.kernels.test_cpu_bitmask import prune_unstructured
 
@@ -76,7 +76,7 @@ def test_metadata_and_tensors_rebuild_the_same_layer():
     assert meta == {"format": "sparse_bitmask", "in_features": 64, "out_features": 48}
     tensors = dict(layer.state_dict())
     assert set(tensors) == {"values", "mask", "row_offsets", "bias"}
-    rebuilt = QUANT_LINEAR_FORMATS["sparse_bitmask"].from_tensors(meta, tensors)
+    rebuilt = LINEAR_FORMATS["sparse_bitmask"].from_tensors(meta, tensors)
     assert all(torch.equal(t, rebuilt.state_dict()[n]) for n, t in tensors.items())
     with pytest.raises(ValueError, match="declares"):
         BitmaskSparseLinear.from_tensors({**meta, "in_features": 32}, tensors)

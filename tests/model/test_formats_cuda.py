@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from leanlm.compress.quantize.int_scheme import IntScheme
 from leanlm.compress.quantize.llm_int8 import llm_int8_linear
 from leanlm.compress.quantize.rtn import quantize_rtn
-from leanlm.model.quantized.fp8 import FP8Linear
+from leanlm.model.linear import tensor_cores
+from leanlm.model.linear.act_sparse import ActSparseLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.fp8 import FP8Linear
+from leanlm.model.linear.sparse24 import Sparse24Linear
+from leanlm.model.linear.sparse24_quant import to_sparse24_quantized
 from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
-from leanlm.model.sparse import tensor_cores
-from leanlm.model.sparse.activation import ActSparseLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.quantized_24 import to_sparse24_quantized
-from leanlm.model.sparse.semi_structured import Sparse24Linear
 
 pytestmark = pytest.mark.gpu
 

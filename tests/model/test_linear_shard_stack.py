@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from leanlm.model.layers import Linear
+from leanlm.model.linear.act_sparse import ActSparseLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.fp8 import FP8Linear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.linear.llm_int8 import LLMInt8Linear
 from leanlm.model.linear.shard import COLUMN, ROW
+from leanlm.model.linear.sparse24 import Sparse24Linear
+from leanlm.model.linear.sparse24_quant import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.linear.stack import StackedLinear
-from leanlm.model.quantized.fp8 import FP8Linear
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
-from leanlm.model.quantized.llm_int8 import LLMInt8Linear
-from leanlm.model.quantized.w8a8 import Int8DynamicActLinear
-from leanlm.model.sparse.activation import ActSparseLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.quantized_24 import Sparse24Int4Linear, Sparse24Int8Linear
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.w8a8 import Int8DynamicActLinear
 
 N, K = 64, 256
 

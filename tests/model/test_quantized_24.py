@@ -17,16 +17,18 @@ from leanlm.formats.checkpoint import Checkpoint
 from leanlm.kernels import cpu_gemm, cpu_sparse
 from leanlm.kernels.build import NativeKernel
 from leanlm.llm import load_model
-from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS, Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
-from leanlm.model.quantized.numerics import pack_int4
-from leanlm.model.sparse.quantized_24 import (
+from leanlm.model.linear.base import LINEAR_FORMATS
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.linear.sparse24_quant import (
     Sparse24Int4Linear,
     Sparse24Int8Linear,
     pack_chunks,
     to_sparse24_quantized,
     unpack_chunks,
 )
+from leanlm.model.llama import build_model
+from leanlm.model.quantized.numerics import pack_int4
 from tests.conftest import tiny_config, tiny_state_dict
 
 
@@ -84,7 +86,7 @@ def test_conversion_keeps_the_dequantized_weight_bit_for_bit(kind):
 def test_metadata_and_tensors_rebuild_the_same_layer(kind):
     layer = to_sparse24_quantized(DENSE[kind]())
     meta, tensors = layer.metadata(), dict(layer.state_dict())
-    rebuilt = QUANT_LINEAR_FORMATS[meta["format"]].from_tensors(meta, tensors)
+    rebuilt = LINEAR_FORMATS[meta["format"]].from_tensors(meta, tensors)
     assert all(torch.equal(t, rebuilt.state_dict()[n]) for n, t in tensors.items())
     assert torch.equal(rebuilt.dequantized_weight(), layer.dequantized_weight())
 

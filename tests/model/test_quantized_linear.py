@@ -6,10 +6,10 @@ import torch
 from leanlm.compress.quantize.int_scheme import IntScheme
 from leanlm.compress.quantize.llm_int8 import llm_int8_linear
 from leanlm.compress.quantize.rtn import quantize_rtn
-from leanlm.model.quantized.fp8 import FP8Linear
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
+from leanlm.model.linear.base import LINEAR_FORMATS
+from leanlm.model.linear.fp8 import FP8Linear
+from leanlm.model.linear.w8a8 import Int8DynamicActLinear
 from leanlm.model.quantized.numerics import quantize_fp8, sqnr_db
-from leanlm.model.quantized.w8a8 import Int8DynamicActLinear
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -62,7 +62,7 @@ def test_metadata_and_tensors_rebuild_the_same_layer(scheme):
     layer = quantize_rtn(w, b, scheme)
     meta = layer.metadata()
     tensors = {k: v for k, v in layer.state_dict().items()}
-    clone = QUANT_LINEAR_FORMATS[meta["format"]].from_tensors(meta, tensors)
+    clone = LINEAR_FORMATS[meta["format"]].from_tensors(meta, tensors)
     x = torch.randn(3, 128, generator=GEN)
     assert torch.equal(clone(x), layer(x))
     assert torch.equal(clone.dequantized_weight(), layer.dequantized_weight())

@@ -17,10 +17,10 @@ import torch
 from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.llm import load_model
+from leanlm.model.linear import tensor_cores
+from leanlm.model.linear.base import LINEAR_FORMATS
+from leanlm.model.linear.sparse24 import Sparse24Linear, compress_24, mask_bits, to_sparse24, widen_24
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.linear import QUANT_LINEAR_FORMATS
-from leanlm.model.sparse import tensor_cores
-from leanlm.model.sparse.semi_structured import Sparse24Linear, compress_24, mask_bits, to_sparse24, widen_24
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.kernels.test_cpu_sparse import prune_24
 
@@ -82,7 +82,7 @@ def test_metadata_and_tensors_rebuild_the_same_layer():
     meta = layer.metadata()
     assert meta == {"format": "sparse24", "in_features": 64, "out_features": 48}
     tensors = dict(layer.state_dict())
-    rebuilt = QUANT_LINEAR_FORMATS["sparse24"].from_tensors(meta, tensors)
+    rebuilt = LINEAR_FORMATS["sparse24"].from_tensors(meta, tensors)
     assert all(torch.equal(t, rebuilt.state_dict()[n]) for n, t in tensors.items())
     with pytest.raises(ValueError, match="declares"):
         Sparse24Linear.from_tensors({**meta, "in_features": 32}, tensors)
@@ -91,7 +91,7 @@ def test_metadata_and_tensors_rebuild_the_same_layer():
 _NO_KERNELS = textwrap.dedent("""
     import torch
     from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_sparse
-    from leanlm.model.sparse.semi_structured import Sparse24Linear
+    from leanlm.model.linear.sparse24 import Sparse24Linear
     from tests.kernels.test_cpu_sparse import prune_24
     assert not (cpu_sparse.is_available() or cpu_gemv.is_available() or cpu_gemm.is_available())
     g = torch.Generator().manual_seed(0)

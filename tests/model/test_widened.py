@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from leanlm.kernels import cpu_bitmask, cpu_gemm, cpu_gemv, cpu_sparse
 from leanlm.kernels.build import NativeKernel
 from leanlm.model.layers import Linear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear
+from leanlm.model.linear.sparse24 import Sparse24Linear
 from tests.kernels.test_cpu_bitmask import prune_unstructured
 from tests.kernels.test_cpu_sparse import prune_24
 

@@ -57,7 +57,7 @@ def pruned_dir(tmp_path, tokenizer):
 
 def test_train_a_pruned_checkpoint_into_one_the_engine_loads(pruned_dir, tmp_path, capsys):
     from leanlm.llm import load_model
-    from leanlm.model.sparse.semi_structured import Sparse24Linear
+    from leanlm.model.linear.sparse24 import Sparse24Linear
 
     data, out = tmp_path / "text.txt", tmp_path / "trained"
     data.write_text(TEXT)
@@ -89,7 +89,7 @@ def dense_and_text(tmp_path, tokenizer):
 
 def test_activation_sparsity_training_saves_layers_that_skip_small_inputs(dense_and_text, tmp_path, capsys):
     from leanlm.llm import load_model
-    from leanlm.model.sparse.activation import ActSparseLinear
+    from leanlm.model.linear.act_sparse import ActSparseLinear
 
     cfg, dense, data = dense_and_text
     out = tmp_path / "teal"
@@ -140,7 +140,7 @@ def test_convert_to_multi_query_attention_and_uptrain(dense_and_text, tmp_path, 
 def test_quantization_aware_training_saves_trained_int4_layers(dense_and_text, tmp_path, capsys):
     from leanlm.compress import RTNConfig
     from leanlm.llm import load_model
-    from leanlm.model.quantized.linear import IntGroupWeightOnlyLinear
+    from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 
     cfg, dense, data = dense_and_text
     out = tmp_path / "qat"

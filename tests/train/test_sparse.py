@@ -7,7 +7,7 @@ from torch import nn
 
 from leanlm.compress.prune.pruner import pack_semi_structured
 from leanlm.compress.prune.sparsity import SparsityScheme, nm_mask, satisfies_nm
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.sparse24 import Sparse24Linear
 from leanlm.model.sparsity_mask import MASK_ATTR
 from leanlm.train.recipes import build_sparse_training
 from leanlm.train.sparse import (

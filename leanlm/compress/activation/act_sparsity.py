@@ -23,7 +23,7 @@ from torch import nn
 from leanlm.compress.activation.act_allocation import BLOCK_SEQUENCES, Candidate, block_levels
 from leanlm.compress.base import NEEDS_LAYER, NEEDS_STATS, GroupInputs, LayerInputs, MethodConfig, register_method
 from leanlm.compress.quantize.linear_quantizer import LinearQuantizer, group_linears
-from leanlm.model.sparse.activation import ActSparseLinear
+from leanlm.model.linear.act_sparse import ActSparseLinear
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 

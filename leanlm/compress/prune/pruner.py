@@ -22,10 +22,12 @@ from leanlm.compress.prune.sparsity import satisfies_nm
 from leanlm.compress.quantize.int_scheme import linear_report
 from leanlm.compress.quantize.linear_quantizer import group_linears
 from leanlm.compress.transform.smoothing import set_tensor
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear, is_sparse_enough
-from leanlm.model.sparse.quantized_24 import to_sparse24_quantized
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear, is_sparse_enough
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.linear.sparse24 import Sparse24Linear
+from leanlm.model.linear.sparse24_quant import to_sparse24_quantized
 from leanlm.model.sparsity_mask import MASK_ATTR, pruned_mask
 
 logger = logging.getLogger(__name__)
@@ -95,7 +97,7 @@ class Pruner(Method):
         return self._prune(model, "lm_head", "lm_head", inputs, self.config)
 
 
-def sparse_format(weight: torch.Tensor) -> type[QuantLinear] | None:
+def sparse_format(weight: torch.Tensor) -> type[RuntimeLinear] | None:
     """The runtime module a pruned weight [N, K] packs into: Sparse24Linear when it is 2:4, BitmaskSparseLinear
     when at least bitmask.MIN_SPARSITY of it is zero (where its kernel beats the dense one), else None (it stays
     float).

@@ -9,7 +9,7 @@ from torch import nn
 
 from leanlm.compress.base import MethodConfig, register_method
 from leanlm.compress.quantize.linear_quantizer import LinearQuantizer
-from leanlm.model.quantized.fp8 import FP8Linear
+from leanlm.model.linear.fp8 import FP8Linear
 from leanlm.model.quantized.numerics import fp8_dtype, quantize_fp8
 
 

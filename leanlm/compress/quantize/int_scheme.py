@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear, QuantLinear
+from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.linear.w8a8 import Int8DynamicActLinear
 from leanlm.model.quantized.numerics import Granularity, QParams, QuantSpec, pack_int4, sqnr_db
-from leanlm.model.quantized.w8a8 import Int8DynamicActLinear
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class IntScheme:
 
 def build_module(
     codes: torch.Tensor, qp: QParams, scheme: IntScheme, bias: torch.Tensor | None, perm: torch.Tensor | None = None
-) -> QuantLinear:
+) -> RuntimeLinear:
     """Runtime module for integer codes [N, K] (from quant.quantize with scheme.spec) and their QParams."""
     n, k = codes.shape
     spec = scheme.spec(k)
@@ -90,7 +92,7 @@ def linear_report(
 ) -> LinearReport:
     """Weight SQNR, and the relative output error on the calibration sample rows (when there are any),
     activation quantization included: the module itself runs on them."""
-    w_hat = module.dequantized_weight() if isinstance(module, QuantLinear) else module.weight.float()
+    w_hat = module.dequantized_weight() if isinstance(module, RuntimeLinear) else module.weight.float()
     rel_error = None
     if inputs is not None and inputs.samples.numel():
         x = inputs.samples
@@ -99,7 +101,7 @@ def linear_report(
         if module.bias is not None:
             out = out - module.bias.float()
         rel_error = ((out - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-30)).item()
-    after = module.weight_bytes() if isinstance(module, QuantLinear) else bytes_before
-    fmt = module.format if isinstance(module, QuantLinear) else "float"
+    after = module.weight_bytes() if isinstance(module, RuntimeLinear) else bytes_before
+    fmt = module.format if isinstance(module, RuntimeLinear) else "float"
     sparsity = (w_hat == 0).float().mean().item()
     return LinearReport(name, fmt, rel_error, sqnr_db(float_weight, w_hat), bytes_before, after, sparsity)

@@ -10,7 +10,7 @@ from torch import nn
 
 from leanlm.compress.base import GroupInputs, LinearReport, Method
 from leanlm.compress.quantize.int_scheme import linear_report
-from leanlm.model.quantized.linear import QuantLinear
+from leanlm.model.linear.base import RuntimeLinear
 
 
 def group_linears(
@@ -30,7 +30,7 @@ def group_linears(
 
 class LinearQuantizer(Method):
     @abstractmethod
-    def quantize_linear(self, linear: nn.Linear, inputs: GroupInputs | None) -> QuantLinear:
+    def quantize_linear(self, linear: nn.Linear, inputs: GroupInputs | None) -> RuntimeLinear:
         """The runtime module replacing `linear`, given what fed it on calibration data (None without)."""
 
     def _replace(self, parent: nn.Module, name: str, full: str, inputs: GroupInputs | None) -> list[LinearReport]:

@@ -9,7 +9,7 @@ import torch
 
 from leanlm.compress.base import NEEDS_STATS, GroupInputs, MethodConfig, register_method
 from leanlm.compress.quantize.linear_quantizer import LinearQuantizer
-from leanlm.model.quantized.llm_int8 import LLMInt8Linear
+from leanlm.model.linear.llm_int8 import LLMInt8Linear
 
 
 @dataclass(frozen=True)

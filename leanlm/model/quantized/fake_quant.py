@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.model.quantized.linear import Int8WeightOnlyLinear, IntGroupWeightOnlyLinear
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.quantized.numerics import pack_int4
 
 TRAINABLE = (Int8WeightOnlyLinear, IntGroupWeightOnlyLinear)

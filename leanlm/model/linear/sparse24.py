@@ -9,12 +9,12 @@ import torch
 
 from leanlm.kernels import cpu_sparse
 from leanlm.kernels.native_linear import NativeCall
+from leanlm.model.linear import tensor_cores
+from leanlm.model.linear.base import register_format
 from leanlm.model.linear.checks import check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, scaled
+from leanlm.model.linear.widened import WidenedSparseLinear
 from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import register_format
-from leanlm.model.sparse import tensor_cores
-from leanlm.model.sparse.widened import WidenedSparseLinear
 
 GROUP = 4  # input columns per group, of which KEPT are stored
 KEPT = 2

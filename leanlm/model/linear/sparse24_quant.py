@@ -15,18 +15,14 @@ import torch
 
 from leanlm.kernels import cpu_gemm, cpu_sparse
 from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.base import RuntimeLinear, packs_rows, register_format
 from leanlm.model.linear.checks import check_shape, matrix_shape
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.linear.shard import COLUMN, groups, scaled
+from leanlm.model.linear.sparse24 import check_mask, compress_24, mask_bits
 from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import (
-    Int8WeightOnlyLinear,
-    IntGroupWeightOnlyLinear,
-    QuantLinear,
-    packs_rows,
-    register_format,
-)
 from leanlm.model.quantized.numerics import pack_int4, unpack_int4
-from leanlm.model.sparse.semi_structured import check_mask, compress_24, mask_bits
 
 CHUNK = cpu_sparse.CHUNK  # dense columns per 16 bytes of int4 codes (32 kept codes)
 
@@ -72,7 +68,7 @@ def _check_chunks(fmt: str, k: int, group_size: int) -> None:
         )
 
 
-class _QuantizedSparse24(QuantLinear):
+class _QuantizedSparse24(RuntimeLinear):
     """What the two share: 9+ rows run cpu_gemm's quantized GEMM over the widened codes, anything no kernel
     takes runs the dense quantized layer of those codes (`dense_layer`)."""
 
@@ -299,7 +295,7 @@ class Sparse24Int4Linear(_QuantizedSparse24):
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
 
-def to_sparse24_quantized(layer: QuantLinear) -> QuantLinear:
+def to_sparse24_quantized(layer: RuntimeLinear) -> RuntimeLinear:
     """A dense int8 or 2-4 bit layer whose weight is 2:4 as its 2:4 format; ValueError when it cannot be."""
     if isinstance(layer, Int8WeightOnlyLinear):
         return Sparse24Int8Linear.from_quantized(layer)

@@ -9,9 +9,10 @@ import torch
 
 from leanlm.kernels import cpu_w8a8
 from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.base import RuntimeLinear, register_format
 from leanlm.model.linear.checks import check_group_size, check_numel, matrix_shape
+from leanlm.model.linear.int8 import scaled_int8
 from leanlm.model.linear.shard import COLUMN, refuse_row_split
-from leanlm.model.quantized.linear import QuantLinear, register_format, scaled_int8
 from leanlm.model.quantized.numerics import quantize_per_token_int8
 
 
@@ -26,7 +27,7 @@ def int8_matmul(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scale
 
 
 @register_format
-class Int8DynamicActLinear(QuantLinear):
+class Int8DynamicActLinear(RuntimeLinear):
     """W8A8 (SmoothQuant, ZeroQuant): int8 weights, activations quantized per token on the fly.
 
     Per-channel weights run an int8 x int8 -> int32 product, then y = acc * s_x[t] * s_w[n]: on bf16 CPU rows,

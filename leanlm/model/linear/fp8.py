@@ -7,9 +7,9 @@ import functools
 
 import torch
 
+from leanlm.model.linear.base import RuntimeLinear, register_format
 from leanlm.model.linear.checks import check_numel, matrix_shape
 from leanlm.model.linear.shard import COLUMN, refuse_row_split
-from leanlm.model.quantized.linear import QuantLinear, register_format
 from leanlm.model.quantized.numerics import quantize_fp8
 
 
@@ -33,7 +33,7 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 
 @register_format
-class FP8Linear(QuantLinear):
+class FP8Linear(RuntimeLinear):
     """FP8 W8A8: weights in e4m3 (or e5m2) with per-channel scales, activations scaled per token on the fly,
     multiplied by torch._scaled_mm (fp32 accumulation) where supported, else dequantized."""
 

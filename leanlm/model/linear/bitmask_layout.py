@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from leanlm.model.sparse.bitmask import BitmaskSparseLinear, is_sparse_enough
-from leanlm.model.sparse.semi_structured import Sparse24Linear
+from leanlm.model.linear.bitmask import BitmaskSparseLinear, is_sparse_enough
+from leanlm.model.linear.sparse24 import Sparse24Linear
 
 _BITS = 2 ** torch.arange(8, dtype=torch.int32)  # bit i of a byte: column 8b + i
 

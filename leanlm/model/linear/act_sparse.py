@@ -13,13 +13,13 @@ import torch
 
 from leanlm.kernels import cpu_act_sparse
 from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.base import RuntimeLinear, register_format
 from leanlm.model.linear.checks import check_numel, matrix_shape
 from leanlm.model.linear.shard import COLUMN
-from leanlm.model.quantized.linear import QuantLinear, register_format
 
 
 @register_format
-class ActSparseLinear(QuantLinear):
+class ActSparseLinear(RuntimeLinear):
     """y = s(x) W^T + b, s(x)_k = x_k where |x_k| * column_scale_k > threshold, else 0; weight_t = W^T [K, N] in
     the compute dtype (a skipped input is a skipped row). column_scale [K] is 1 for TEAL's magnitude score, the
     weight's column norms for the weight-aware score (|x_k| ||W[:, k]||: the size of what input k adds to the

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from leanlm.kernels import cpu_gemm, cpu_gemv
 from leanlm.kernels.native_linear import NativeCall, NativeLinear, describe
+from leanlm.model.linear.base import RuntimeLinear, packs_rows
 from leanlm.model.packed_cache import PackedCache
-from leanlm.model.quantized.linear import QuantLinear, packs_rows
 
 
-class WidenedSparseLinear(QuantLinear):
+class WidenedSparseLinear(RuntimeLinear):
     """y = x W^T + b with W stored as `values` (the kept weights, in the compute dtype), `mask` and whatever else
     `sparse_tensors` names. A subclass says how to widen (values, mask) to W [N, K] and how its kernel runs."""
 

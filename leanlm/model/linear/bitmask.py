@@ -10,11 +10,11 @@ import torch
 
 from leanlm.kernels import cpu_bitmask
 from leanlm.kernels.native_linear import NativeCall
+from leanlm.model.linear.base import register_format
 from leanlm.model.linear.checks import check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, scaled
-from leanlm.model.quantized.linear import register_format
-from leanlm.model.sparse.semi_structured import mask_bits
-from leanlm.model.sparse.widened import WidenedSparseLinear
+from leanlm.model.linear.sparse24 import mask_bits
+from leanlm.model.linear.widened import WidenedSparseLinear
 
 # A pruned layer packs into (and a compressed-tensors checkpoint loads as) this format from this fraction of zeros
 # on. Measured at batch 1 (2 threads, 60 copies of each weight cycled so they come from DRAM, AMD EPYC Zen 4) on

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
+from leanlm.model.linear.base import RuntimeLinear, register_format
 from leanlm.model.linear.checks import check_indices, check_numel, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, refuse_row_split
-from leanlm.model.quantized.linear import QuantLinear, register_format
+from leanlm.model.linear.w8a8 import int8_matmul
 from leanlm.model.quantized.numerics import quantize_per_token_int8
-from leanlm.model.quantized.w8a8 import int8_matmul
 
 
 @register_format
-class LLMInt8Linear(QuantLinear):
+class LLMInt8Linear(RuntimeLinear):
     """LLM.int8(): vector-wise int8 (per-row weight scales, per-token activation scales) plus a 16-bit product
     over outlier feature columns. `outlier_idx` columns (found on calibration data) keep their exact weights
     in `outlier_weight`; input columns exceeding `threshold` at run time that are not among them take the

@@ -1,0 +1,103 @@
+"""W8A16: int8 weight-only linears (per channel, or per group: GGUF's Q8_0 / Q5_0 / Q6_K load into it); few-row
+decode on the native int8 GEMV, 9+ bf16 rows on the packed GEMM, else dequantize + F.linear."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from leanlm.kernels import cpu_gemm, cpu_qgemv
+from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.base import RuntimeLinear, dequantizes_natively, packs_rows, register_format
+from leanlm.model.linear.checks import check_numel, check_shape, matrix_shape
+from leanlm.model.linear.shard import COLUMN, groups
+
+
+def scaled_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """float32 [N, K] = int8 codes [N, K] * scales: [N] per channel (group_size None) or [N, K / group_size]."""
+    if group_size is None:
+        return qweight.float() * scales[:, None]
+    n, k = qweight.shape
+    return (qweight.float().view(n, k // group_size, group_size) * scales[..., None]).reshape(n, k)
+
+
+@register_format
+class Int8WeightOnlyLinear(RuntimeLinear):
+    """W8A16: symmetric int8 weights with one scale per output channel, or per group of `group_size` input
+    columns (GGUF's Q8_0 and Q5_0 blocks: group 32; Q6_K: group 16); activations stay 16/32-bit."""
+
+    format = "int8_weight_only"
+    tensor_names = ("qweight", "scales")
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int | None = None,
+    ) -> None:
+        n, k = matrix_shape(self.format, "qweight", qweight)
+        super().__init__(k, n, bias)
+        if group_size is None:
+            check_numel(self.format, "scales", scales, n)
+            scales = scales.reshape(-1)
+        else:
+            if not cpu_qgemv.int8_group_ok(group_size, k):
+                raise ValueError(
+                    f"{self.format}: group_size must be 16 or a multiple of 32, dividing K={k} (itself a multiple "
+                    f"of 32), not {group_size!r} (or None: one scale per channel)"
+                )
+            check_shape(self.format, "scales", scales, n, k // group_size)
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
+        self.register_buffer("scales", scales.float().contiguous())  # [N], or [N, K / group_size]
+
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        return meta if self.group_size is None else {**meta, "group_size": self.group_size}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return scaled_int8(self.qweight, self.scales, self.group_size)
+
+    def shard_unit(self, axis: int) -> int:
+        return 1 if axis == COLUMN or self.group_size is None else self.group_size
+
+    def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
+        if axis == COLUMN:
+            return {"qweight": self.qweight[cut], "scales": self.scales[cut]}
+        scales = self.scales if self.group_size is None else groups(self.scales, cut, self.group_size)
+        return {"qweight": self.qweight[:, cut], "scales": scales}
+
+    def _pack(self, qweight, scales, bias) -> cpu_gemm.PackedQuant:
+        group = qweight.shape[1] if self.group_size is None else self.group_size
+        return cpu_gemm.pack_quant(qweight, scales.reshape(qweight.shape[0], -1), None, group, 8, bias)
+
+    def packed_weight(self) -> cpu_gemm.PackedQuant | None:
+        if not (self.qweight.is_cpu and cpu_gemm.quant_is_available()):
+            return None
+        return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
+
+    def many_rows_fit(self, x: torch.Tensor) -> bool:
+        return packs_rows(x, self.qweight, self.bias)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:  # widened a panel at a time into a bf16 GEMM
+        return cpu_gemm.gemm_quant(x, self.packed_weight())
+
+    def few_rows_fit(self, x: torch.Tensor) -> bool:
+        bias_ok = self.bias is None or self.bias.dtype is x.dtype
+        return cpu_qgemv.should_use_int8(x, self.qweight, self.group_size) and bias_ok
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, self.group_size)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
+            return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, self.group_size), self.bias)
+        return self.reference_forward(x)
+
+    def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
+        return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
