@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from leanlm.kernels.build import NativeKernel
-from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
+from leanlm.kernels.spec import MIN_PARALLEL_BYTES
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
