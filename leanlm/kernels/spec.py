@@ -200,7 +200,8 @@ class KernelSpec:
 
 
 def call(fn, symbol: str, *args) -> None:
-    """fn(*args) with tensors passed as their data pointers; a nonzero return code is a RuntimeError."""
+    """fn(*args) with tensors passed as their data pointers; a nonzero return code is a RuntimeError (entries that
+    cannot fail return void: None)."""
     rc = fn(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
-    if rc != 0:
+    if rc:
         raise RuntimeError(f"{symbol} failed (code {rc})")
