@@ -122,7 +122,7 @@ class KernelSpec:
                 kinds.append(f"({n} is None or ({kind}))")
                 shapes.append(f"({n} is None or ({shape}))")
             else:
-                kinds.append(kind)
+                kinds.append(f"{n} is not None and {kind}")
                 shapes.append(shape)
         rules = []
         for j, rule in enumerate(self.rules):
