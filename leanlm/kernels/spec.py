@@ -181,10 +181,7 @@ class KernelSpec:
 
     def fn(self):
         """The loaded entry, or a RuntimeError that says why there is none."""
-        fn = self.kernel.fn()
-        if fn is None:
-            raise RuntimeError(f"{self.what} unavailable: {self.kernel.unavailable_reason}")
-        return fn
+        return loaded(self.kernel, self.what)
 
     def linear(self, x: torch.Tensor, N: int, K: int, inputs: Sequence, ints: Sequence[int] = (), bias=None):
         """y bf16 [..., N] from a row kernel fn(*inputs, y, M, N, K, *ints, threads, MIN_PARALLEL_BYTES) on checked
@@ -197,6 +194,14 @@ class KernelSpec:
         tail = (y, x.numel() // K, N, K, *ints, torch.get_num_threads(), MIN_PARALLEL_BYTES)
         call(fn, self.kernel.symbol, *inputs, *tail)
         return y
+
+
+def loaded(kernel: NativeKernel, what: str):
+    """kernel's loaded entry, or a RuntimeError naming `what` is unavailable and why."""
+    fn = kernel.fn()
+    if fn is None:
+        raise RuntimeError(f"{what} unavailable: {kernel.unavailable_reason}")
+    return fn
 
 
 def call(fn, symbol: str, *args) -> None:
