@@ -66,12 +66,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class KernelSpec:
     """The arguments of one native kernel: `args` in its C order, then the `given` symbols the caller passes (ints
     such as a group size). Symbols are bound by the first weight (non-row, non-optional) dim naming them alone or
-    as "S/c"; the rows and every later use are checked against that."""
+    as "S/c"; the rows and every later use are checked against that. A symbol divisor ("K/G") must be given.
+    explain() checks in the order users can act on: each tensor's dtype, device, layout and rank, then the rules,
+    then the shapes."""
 
     def __init__(
-        self, kernel: NativeKernel, what: str, args: Sequence[Arg], given: Sequence[str] = (), rules=()
+        self,
+        kernel: NativeKernel,
+        what: str,  # the kernel as errors name it ("CPU bf16 GEMV kernel")
+        args: Sequence[Arg],
+        given: Sequence[str] = (),
+        rules: Sequence[Rule] = (),
     ) -> None:
-        self.kernel, self.what, self.args, self.given, self.rules = kernel, what, tuple(args), tuple(given), rules
+        self.kernel, self.what, self.args = kernel, what, tuple(args)
+        self.given, self.rules = tuple(given), tuple(rules)
         self._binders: dict[str, tuple[Arg, int, int | None]] = {}
         for arg in sorted((a for a in self.args if not a.optional), key=lambda a: a.is_rows):  # weights bind first
             for i, sym, div in arg.dims():
