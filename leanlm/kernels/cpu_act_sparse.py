@@ -73,7 +73,7 @@ SPEC = KernelSpec(
 
 def should_use(x, weight_t, column_scale=None, bias=None) -> bool:
     """Policy: contiguous bf16 CPU x [..., K] of at most MAX_ROWS rows, weight_t [K, N], bias [N]."""
-    return SPEC.should_use(x, weight_t, column_scale, bias, max_rows=MAX_ROWS)
+    return SPEC.rows_fit(x, weight_t, column_scale, bias, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_act_sparse(

@@ -57,7 +57,7 @@ SPEC = KernelSpec(
 
 def should_use(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, row_offsets: torch.Tensor) -> bool:
     """Policy: route a bitmask linear here for contiguous CPU tensors, bf16 x and values, at most MAX_ROWS rows."""
-    return SPEC.should_use(x, values, mask, row_offsets, None, max_rows=MAX_ROWS)
+    return SPEC.rows_fit(x, values, mask, row_offsets, None, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_bitmask(

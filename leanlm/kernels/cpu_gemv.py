@@ -43,7 +43,7 @@ def unavailable_reason() -> str | None:
 
 def should_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Policy: route F.linear(x, weight) here for contiguous bf16 CPU tensors with at most MAX_ROWS rows."""
-    return SPEC.should_use(x, weight, None, max_rows=MAX_ROWS)
+    return SPEC.rows_fit(x, weight, None, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -113,12 +113,12 @@ def should_use_int8(x: torch.Tensor, qweight: torch.Tensor, group_size: int | No
     """Policy: route an int8 linear here for contiguous CPU tensors with at most MAX_ROWS rows of bf16 x
     (per channel, or in groups of a multiple of 32 dividing K)."""
     spec, given = _int8_spec(group_size)
-    return spec.should_use(x, qweight, None, None, *given, max_rows=MAX_ROWS)
+    return spec.rows_fit(x, qweight, None, None, *given, max_rows=MAX_ROWS) and is_available()
 
 
 def should_use_int4(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
     """Policy: as should_use_int8, for packed int4 weights [N, K // 2] with a supported group_size."""
-    return INT4_SPEC.should_use(x, qweight, None, None, None, group_size, max_rows=MAX_ROWS)
+    return INT4_SPEC.rows_fit(x, qweight, None, None, None, group_size, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_int8(

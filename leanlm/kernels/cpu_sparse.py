@@ -51,7 +51,7 @@ SPEC = KernelSpec(
 
 def should_use(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
     """Policy: route a 2:4 linear here for contiguous CPU tensors, bf16 x and values, at most MAX_ROWS rows."""
-    return SPEC.should_use(x, values, mask, None, max_rows=MAX_ROWS)
+    return SPEC.rows_fit(x, values, mask, None, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_sparse24(
@@ -135,9 +135,7 @@ def should_use_quant(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size
     """Policy: route a quantized 2:4 linear here for contiguous bf16 CPU x of at most MAX_ROWS rows."""
     spec = QUANT_SPECS.get(bits)
     absent = (None,) * (len(spec.args) - 2) if spec is not None else ()
-    return (
-        spec is not None and spec.should_use(x, codes, *absent, group_size, max_rows=MAX_ROWS) and quant_is_available()
-    )
+    return spec is not None and spec.rows_fit(x, codes, *absent, group_size, max_rows=MAX_ROWS) and quant_is_available()
 
 
 def linear_sparse24_quant(

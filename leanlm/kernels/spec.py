@@ -1,6 +1,6 @@
 """The native linear kernels' argument specs and their one caller: each kernel declares its tensors (name, dtype,
 shape in symbols such as N, K, K/8, K/G) once, and a KernelSpec turns that into the fast check (compiled to one
-boolean expression), the slow path that says what is wrong, the policy check, and the ctypes call of a row kernel
+boolean expression), the slow path that says what is wrong, the policy's row check, and the ctypes call of a row kernel
 (output rows, the K == 0 shortcut, pointers, the return code)."""
 
 from __future__ import annotations
@@ -180,10 +180,11 @@ class KernelSpec:
             shown = "[..., " + ", ".join(map(str, want)) + "]" if arg.is_rows else str(tuple(want))
             raise ValueError(f"{arg.name} has shape {tuple(t.shape)}, expected {shown}{why}")
 
-    def should_use(self, *values, max_rows: int) -> bool:
-        """Policy: the tensors given fit (others may be None), at most `max_rows` rows, and the kernel loaded."""
+    def rows_fit(self, *values, max_rows: int) -> bool:
+        """The policy's shape half: the tensors given fit (others may be None) and there are at most `max_rows` rows.
+        Whether the kernel is loaded is the module's is_available() (which tests replace to model other CPUs)."""
         x = values[self.rows_index]
-        return self.fits_partial(*values) and x.numel() <= max_rows * x.shape[-1] and self.kernel.is_available()
+        return self.fits_partial(*values) and x.numel() <= max_rows * x.shape[-1]
 
     # ------------------------------------------------------------------------------------------------- calling
 

@@ -95,7 +95,8 @@ def test_fits_partial_checks_only_the_tensors_given():
     assert SPEC.fits_partial(x, codes, mask, None, bias, G)
     assert not SPEC.fits_partial(None, codes, mask[:, :4].contiguous(), None, None, G)
     assert not SPEC.fits_partial(x.float(), codes, None, None, None, G)
-    assert not SPEC.should_use(x, codes, None, None, None, G, max_rows=8)  # the kernel is not loaded
+    assert SPEC.rows_fit(x, codes, None, None, None, G, max_rows=8)
+    assert not SPEC.rows_fit(torch.zeros(9, 64, dtype=_BF16), codes, None, None, None, G, max_rows=8)
 
 
 def test_an_unavailable_kernel_is_refused_with_its_reason():
