@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.kernels.build import NativeKernel
-from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
-from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
+from leanlm.kernels.native_linear import NativeCall, call_entry
+from leanlm.kernels.spec import ROWS, Arg, KernelSpec
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -58,33 +58,22 @@ def reference(
     return F.linear(sparsify(x, threshold, column_scale), weight_t.t(), bias)
 
 
-def _args_ok(x, weight_t, column_scale, bias) -> bool:
-    return (
-        x.dtype is _BF16
-        and weight_t.dtype is _BF16
-        and x.is_cpu
-        and weight_t.is_cpu
-        and x.is_contiguous()
-        and weight_t.is_contiguous()
-        and weight_t.dim() == 2
-        and x.dim() >= 1
-        and x.shape[-1] == weight_t.shape[0]
-        and (bias is None or (bias.dtype is _BF16 and bias.is_contiguous() and bias.shape == weight_t.shape[1:]))
-        and (
-            column_scale is None
-            or (
-                column_scale.dtype is torch.float32
-                and column_scale.is_cpu
-                and column_scale.is_contiguous()
-                and column_scale.shape == weight_t.shape[:1]
-            )
-        )
-    )
+# the weight transposed [K, N] (an input's weights in one row), a float32 score scale per input [K]
+SPEC = KernelSpec(
+    _KERNEL,
+    "CPU activation-sparse kernel",
+    [
+        Arg("x", _BF16, (ROWS, "K")),
+        Arg("weight_t", _BF16, ("K", "N")),
+        Arg("column_scale", torch.float32, ("K",), optional=True),
+        Arg("bias", _BF16, ("N",), optional=True),
+    ],
+)
 
 
 def should_use(x, weight_t, column_scale=None, bias=None) -> bool:
     """Policy: contiguous bf16 CPU x [..., K] of at most MAX_ROWS rows, weight_t [K, N], bias [N]."""
-    return _args_ok(x, weight_t, column_scale, bias) and x.numel() <= MAX_ROWS * x.shape[-1] and is_available()
+    return SPEC.rows_fit(x, weight_t, column_scale, bias, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_act_sparse(
@@ -97,34 +86,10 @@ def linear_act_sparse(
     """sparsify(x, threshold, column_scale) [..., K] @ weight_t [K, N] + bias -> bf16 [..., N]; fp32 sums (split
     over threads by ranges of k), one rounding. Any number of rows works (the weight is re-read every MAX_ROWS
     rows)."""
-    fn = _KERNEL.fn()
-    if fn is None:
-        raise RuntimeError(f"CPU activation-sparse kernel unavailable: {_KERNEL.unavailable_reason}")
-    if not _args_ok(x, weight_t, column_scale, bias):
-        raise ValueError(
-            f"linear_act_sparse takes contiguous bf16 CPU x [..., K], weight_t [K, N], bias [N] and float32 "
-            f"column_scale [K]; got x {tuple(x.shape)} {x.dtype}, weight_t {tuple(weight_t.shape)} {weight_t.dtype}"
-        )
+    if not SPEC.fits(x, weight_t, column_scale, bias):
+        SPEC.explain(x, weight_t, column_scale, bias)
     K, N = weight_t.shape
-    y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
-    if K == 0:
-        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    rc = fn(
-        x.data_ptr(),
-        weight_t.data_ptr(),
-        float(threshold),
-        None if column_scale is None else column_scale.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x.numel() // K,
-        N,
-        K,
-        torch.get_num_threads(),
-        MIN_PARALLEL_BYTES,
-    )
-    if rc != 0:
-        raise RuntimeError(f"leanlm_linear_act_sparse failed (code {rc})")
-    return y
+    return SPEC.linear(x, N, K, (x, weight_t, float(threshold), column_scale, bias), bias=bias)
 
 
 _CALL = call_entry(_KERNEL.source, "leanlm_linear_act_sparse_call", _KERNEL.cpu_needs)
@@ -135,10 +100,7 @@ def native_call(
 ) -> NativeCall | None:
     """The decode loop's call of this kernel: weight_t bf16 [K, N], threshold float32 [1], column_scale float32
     [K], bias bf16 [N] or None; None where they do not fit."""
-    if weight_t.dim() != 2 or weight_t.dtype != torch.bfloat16:
-        return None
-    K, N = weight_t.shape
-    ok = threshold.dtype == torch.float32 and threshold.numel() == 1 and bias_fits(bias, N)
-    if not (ok and column_scale.dtype == torch.float32 and tuple(column_scale.shape) == (K,)):
+    threshold_ok = threshold.dtype == torch.float32 and threshold.numel() == 1
+    if not (threshold_ok and column_scale is not None and SPEC.fits_partial(None, weight_t, column_scale, bias)):
         return None
     return NativeCall("act_sparse", _CALL, (weight_t, threshold, column_scale, bias))

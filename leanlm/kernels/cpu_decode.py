@@ -17,8 +17,8 @@ import torch
 
 from leanlm.kernels import cpu_gemm, paged_attention
 from leanlm.kernels.build import NativeKernel
-from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
 from leanlm.kernels.native_linear import NativeLinear, _Linear
+from leanlm.kernels.spec import MIN_PARALLEL_BYTES
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(

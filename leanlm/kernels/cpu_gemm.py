@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.native_linear import NativeCall, call_entry
+from leanlm.kernels.spec import call, loaded
 
 _SOURCE = Path(__file__).with_name("gemm_bf16.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -108,21 +109,13 @@ def _padded_rows(x: torch.Tensor, packed: PackedBF16 | PackedQuant) -> torch.Ten
     return F.pad(x, (0, Kp - x.shape[1])) if Kp != x.shape[1] else x.contiguous()
 
 
-def _bias_ptr(packed: PackedBF16 | PackedQuant) -> int | None:
-    return None if packed.bias is None else packed.bias.data_ptr()
-
-
 def gemm(x: torch.Tensor, packed: PackedBF16) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T + bias in bf16 (fp32 accumulation, one rounding), on torch.get_num_threads()."""
-    fn = _KERNEL.fn()
-    if fn is None:
-        raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {_KERNEL.unavailable_reason}")
+    fn = loaded(_KERNEL, "CPU bf16 GEMM kernel")
     x = _padded_rows(x, packed)
     M, N, Kp = x.shape[0], packed.out_features, x.shape[1]
     y = torch.empty(M, N, dtype=_BF16)
-    rc = fn(x.data_ptr(), packed.data.data_ptr(), _bias_ptr(packed), y.data_ptr(), M, N, Kp, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"leanlm_gemm_bf16 failed (code {rc})")
+    call(fn, _KERNEL.symbol, x, packed.data, packed.bias, y, M, N, Kp, torch.get_num_threads())
     return y
 
 
@@ -217,24 +210,18 @@ def pack_quant(
 def gemm_quant(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequantized(W)^T + bias in bf16: the weight widened to bf16 exactly as
     cpu_qgemv's dequantize kernels round it, then gemm()'s arithmetic."""
-    fn = _QUANT_KERNEL.fn()
-    if fn is None:
-        raise RuntimeError(f"CPU quantized GEMM kernel unavailable: {_QUANT_KERNEL.unavailable_reason}")
+    fn = loaded(_QUANT_KERNEL, "CPU quantized GEMM kernel")
     x = _padded_rows(x, packed)
     M, N, Kp = x.shape[0], packed.out_features, x.shape[1]
     y = torch.empty(M, N, dtype=_BF16)
-    ptrs = (packed.codes.data_ptr(), packed.scales.data_ptr(), packed.mins.data_ptr(), _bias_ptr(packed))
-    rc = fn(x.data_ptr(), *ptrs, y.data_ptr(), M, N, Kp, packed.group_size, packed.bits, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"leanlm_gemm_quant failed (code {rc})")
+    tensors = (x, packed.codes, packed.scales, packed.mins, packed.bias, y)
+    call(fn, _QUANT_KERNEL.symbol, *tensors, M, N, Kp, packed.group_size, packed.bits, torch.get_num_threads())
     return y
 
 
 def measure_dot_peak(threads: int | None = None, seconds: float = 0.2) -> float:
     """The vdpbf16ps peak of `threads` cores in GFLOP/s, measured (register-only chains, best of 3 runs)."""
-    fn = _PEAK.fn()
-    if fn is None:
-        raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {_PEAK.unavailable_reason}")
+    fn = loaded(_PEAK, "CPU bf16 GEMM kernel")
     threads = threads or torch.get_num_threads()
     iters = 1 << 16
     while True:  # grow the run until it lasts long enough to time

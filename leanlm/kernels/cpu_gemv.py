@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from leanlm.kernels.build import NativeKernel
-from leanlm.kernels.native_linear import NativeCall, bias_fits, call_entry
+from leanlm.kernels.native_linear import NativeCall, call_entry
+from leanlm.kernels.spec import ROWS, Arg, KernelSpec
 
 _KERNEL = NativeKernel(
     source=Path(__file__).with_name("gemv_bf16.c"),
@@ -22,9 +23,12 @@ _KERNEL = NativeKernel(
     restype=ctypes.c_int,
 )
 MAX_ROWS = 8  # should_use() accepts up to this many rows of x (one pass over W)
-# Below this many weight bytes one thread does the whole matrix: waking the OpenMP pool costs a few
-# microseconds, about what a second core saves on a small matrix.
-MIN_PARALLEL_BYTES = 64 * 1024
+_BF16 = torch.bfloat16
+SPEC = KernelSpec(
+    _KERNEL,
+    "CPU bf16 GEMV kernel",
+    [Arg("x", _BF16, (ROWS, "K")), Arg("weight", _BF16, ("N", "K")), Arg("bias", _BF16, ("N",), optional=True)],
+)
 
 
 def is_available() -> bool:
@@ -39,33 +43,7 @@ def unavailable_reason() -> str | None:
 
 def should_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Policy: route F.linear(x, weight) here for contiguous bf16 CPU tensors with at most MAX_ROWS rows."""
-    return (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and x.dim() >= 1
-        and x.shape[-1] == weight.shape[1]
-        and x.numel() <= MAX_ROWS * weight.shape[1]
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and is_available()
-    )
-
-
-def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """The slow path of linear_bf16's argument check: say what is wrong."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match: want [..., K], [N, K]")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor, not {t.dtype} on {t.device}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-
-
-_BF16 = torch.bfloat16
+    return SPEC.rows_fit(x, weight, None, max_rows=MAX_ROWS) and is_available()
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,44 +53,10 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Any number of rows works, but W is re-read every MAX_ROWS rows, so it only pays for small M.
     Runs on torch.get_num_threads() threads.
     """
-    fn = _KERNEL.fn()
-    if fn is None:
-        raise RuntimeError(f"CPU bf16 GEMV kernel unavailable: {_KERNEL.unavailable_reason}")
-    # The fast check (one expression: this runs ~200 times per decoded token); _check_args explains.
-    if not (
-        weight.dim() == 2
-        and x.dtype is _BF16
-        and weight.dtype is _BF16
-        and x.is_cpu
-        and weight.is_cpu
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and x.dim() >= 1
-        and x.shape[-1] == weight.shape[1]
-        and (
-            bias is None
-            or (bias.dtype is _BF16 and bias.is_cpu and bias.is_contiguous() and bias.shape == weight.shape[:1])
-        )
-    ):
-        _check_args(x, weight, bias)
+    if not SPEC.fits(x, weight, bias):
+        SPEC.explain(x, weight, bias)
     N, K = weight.shape
-    y = torch.empty(x.shape[:-1] + (N,), dtype=_BF16)
-    if K == 0:  # an empty sum: the bias alone
-        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    rc = fn(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x.numel() // K,
-        N,
-        K,
-        torch.get_num_threads(),
-        MIN_PARALLEL_BYTES,
-    )
-    if rc != 0:
-        raise RuntimeError(f"leanlm_linear_bf16 failed (code {rc})")
-    return y
+    return SPEC.linear(x, N, K, (x, weight, bias), bias=bias)
 
 
 _CALL = call_entry(Path(__file__).with_name("gemv_bf16.c"), "leanlm_linear_bf16_call")
@@ -121,6 +65,6 @@ _CALL = call_entry(Path(__file__).with_name("gemv_bf16.c"), "leanlm_linear_bf16_
 def native_call(weight: torch.Tensor, bias: torch.Tensor | None) -> NativeCall | None:
     """The decode loop's call of this GEMV on weight bf16 [N, K] and bias bf16 [N] (or None); None where the
     tensors are not what the kernel reads."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not bias_fits(bias, weight.shape[0]):
+    if not SPEC.fits_partial(None, weight, bias):
         return None
     return NativeCall("bf16", _CALL, (weight, bias))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.native_linear import NativeCall, call_entry
+from leanlm.kernels.spec import call, loaded
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
@@ -86,28 +87,13 @@ def rows_fit(x: torch.Tensor, packed: PackedW8A8 | None) -> bool:
 def gemm(x: torch.Tensor, packed: PackedW8A8) -> torch.Tensor:
     """y [M, N] bf16 = the int8 product of x [M, K] bf16 quantized per row (quantize_per_token_int8) and the
     codes, * s_x * s_w + bias, in float32 and rounded once: int8_matmul's result, on torch.get_num_threads()."""
-    fn = _KERNEL.fn()
-    if fn is None:
-        raise RuntimeError(f"CPU W8A8 kernel unavailable: {_KERNEL.unavailable_reason}")
+    fn = loaded(_KERNEL, "CPU W8A8 kernel")
     if not (x.dim() == 2 and x.dtype is torch.bfloat16 and x.is_cpu and x.shape[1] == packed.in_features):
         raise ValueError(f"x must be bf16 CPU rows [M, {packed.in_features}], not {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     M, N, K = x.shape[0], packed.out_features, packed.in_features
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    bias = None if packed.bias is None else packed.bias.data_ptr()
-    rc = fn(
-        x.data_ptr(),
-        packed.data.data_ptr(),
-        packed.scales.data_ptr(),
-        bias,
-        y.data_ptr(),
-        M,
-        N,
-        K,
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise RuntimeError(f"leanlm_gemm_w8a8 failed (code {rc})")
+    call(fn, _KERNEL.symbol, x, packed.data, packed.scales, packed.bias, y, M, N, K, torch.get_num_threads())
     return y
 
 

@@ -27,8 +27,9 @@
 
 #include "bf16.h"
 #include "linear_call.h"
+#include "row_driver.h"
 
-#define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
+#define MAX_ROWS LEANLM_MAX_ROWS
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192 /* how far ahead (in value bytes) the software prefetch reads, as gemv_bf16.c */
@@ -161,6 +162,21 @@ typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint8_t *, con
 static const rows_fn ROWS_FOR_M[MAX_ROWS + 1] = {0,       rows_m1, rows_m2, rows_m3, rows_m4,
                                                  rows_m5, rows_m6, rows_m7, rows_m8};
 
+typedef struct {
+    const uint16_t *x, *values;
+    const uint8_t *mask;
+    const int64_t *row_offsets;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t K, N;
+} bitmask_args;
+
+static void bitmask_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const bitmask_args *a = args;
+    ROWS_FOR_M[m](a->x + m0 * a->K, a->values, a->mask, a->row_offsets, a->bias, a->y + m0 * a->N, a->K, a->N,
+                  n_begin, n_end);
+}
+
 /* Exported entry point. x [M, K], values [nnz], bias [N] or NULL, y [M, N]: contiguous bfloat16 bit patterns;
  * mask [N, K / 8] uint8 and row_offsets [N] int64, row n's values starting at values + row_offsets[n] and
  * numbering the set bits of its mask row (checked when the layer is built: the kernel trusts them). Runs on up
@@ -171,27 +187,11 @@ int leanlm_linear_bitmask(const uint16_t *x, const uint16_t *values, const uint8
                           int64_t min_parallel_bytes) {
     if (M < 0 || N < 0 || K < 0 || K % 8 != 0) return -1;
     if (M == 0 || N == 0) return 0;
-    const int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
     /* values (the last row's start bounds them from below), mask and row offsets */
     const int64_t weight_bytes = 2 * row_offsets[N - 1] + N * (K / 8 + 8);
-    int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > num_blocks) threads = (int)num_blocks;
-    const int parallel = threads > 1 && weight_bytes >= min_parallel_bytes;
-
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-        const rows_fn fn = ROWS_FOR_M[m];
-        const uint16_t *xm = x + m0 * K;
-        uint16_t *ym = y + m0 * N;
-#pragma omp parallel num_threads(threads) if (parallel)
-        {
-            const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
-            const int64_t n_begin = num_blocks * tid / nthr * BLOCK_N;
-            int64_t n_end = num_blocks * (tid + 1) / nthr * BLOCK_N;
-            if (n_end > N) n_end = N;
-            if (n_begin < n_end) fn(xm, values, mask, row_offsets, bias, ym, K, N, n_begin, n_end);
-        }
-    }
+    const bitmask_args args = {x, values, mask, row_offsets, bias, y, K, N};
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, weight_bytes, min_parallel_bytes);
+    leanlm_row_passes(bitmask_pass, &args, M, N, BLOCK_N, threads);
     return 0;
 }
 

@@ -21,8 +21,9 @@
 
 #include "bf16.h"
 #include "linear_call.h"
+#include "row_driver.h"
 
-#define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
+#define MAX_ROWS LEANLM_MAX_ROWS
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192 /* of 2-32 KiB on the SmolLM2 chain (a busy machine): best or near it for M = 1 and 4 */
@@ -253,19 +254,18 @@ typedef void (*rows_i8_fn)(const uint16_t *, const int8_t *, const float *, cons
 static const rows_i8_fn ROWS_I8[MAX_ROWS + 1] = {0,           rows_i8_m1, rows_i8_m2, rows_i8_m3, rows_i8_m4,
                                                  rows_i8_m5, rows_i8_m6, rows_i8_m7, rows_i8_m8};
 
-static int thread_count(int num_threads, int64_t N, int64_t weight_bytes, int64_t min_parallel_bytes) {
-    const int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
-    int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > num_blocks) threads = (int)num_blocks;
-    return weight_bytes >= min_parallel_bytes ? threads : 1;
-}
+typedef struct {
+    const uint16_t *x;
+    const int8_t *w;
+    const float *scales;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t K, N, gs;
+} int8_args;
 
-/* Thread tid of nthr: its contiguous range of whole BLOCK_N blocks of W. */
-static void thread_range(int64_t N, int tid, int nthr, int64_t *n_begin, int64_t *n_end) {
-    const int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
-    *n_begin = num_blocks * tid / nthr * BLOCK_N;
-    *n_end = num_blocks * (tid + 1) / nthr * BLOCK_N;
-    if (*n_end > N) *n_end = N;
+static void int8_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const int8_args *a = args;
+    ROWS_I8[m](a->x + m0 * a->K, a->w, a->scales, a->bias, a->y + m0 * a->N, a->K, a->N, a->gs, n_begin, n_end);
 }
 
 /* x [M, K] bf16, w [N, K] int8, scales [N, K / gs] fp32, bias [N] bf16 or NULL, y [M, N] bf16; all
@@ -277,21 +277,9 @@ int leanlm_linear_int8(const uint16_t *x, const int8_t *w, const float *scales, 
     if (M < 0 || N < 0 || K < 0) return -1;
     if (M == 0 || N == 0) return 0;
     if (gs != K && (gs <= 0 || (gs % 32 != 0 && gs != 16) || K % gs != 0 || K % 32 != 0)) return -1;
-    const int threads = thread_count(num_threads, N, N * K, min_parallel_bytes);
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-        const rows_i8_fn fn = ROWS_I8[m];
-        if (threads == 1) { /* no OpenMP call at all: even an if(0) parallel region costs ~1 us */
-            fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, gs, 0, N);
-            continue;
-        }
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t n_begin, n_end;
-            thread_range(N, omp_get_thread_num(), omp_get_num_threads(), &n_begin, &n_end);
-            if (n_begin < n_end) fn(x + m0 * K, w, scales, bias, y + m0 * N, K, N, gs, n_begin, n_end);
-        }
-    }
+    const int8_args args = {x, w, scales, bias, y, K, N, gs};
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K, min_parallel_bytes);
+    leanlm_row_passes(int8_pass, &args, M, N, BLOCK_N, threads);
     return 0;
 }
 
@@ -473,6 +461,26 @@ static char *scratch_buffer(size_t bytes) {
     return buffer;
 }
 
+/* One pass of the int4 kernel: xp and S hold this pass's rows (permuted, group sums), y is the whole output. */
+typedef struct {
+    rows_i4_fn fn;
+    const uint16_t *xp;
+    const float *S;
+    const block_groups *bg;
+    const uint8_t *w;
+    const float *scales, *mins;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t K, Kp, N, G, gs;
+} int4_args;
+
+static void int4_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const int4_args *a = args;
+    (void)m; /* fn is the instantiation for this pass's row count */
+    a->fn(a->xp, a->S, a->bg, a->w, a->scales, a->mins, a->bias, a->y + m0 * a->N, a->K, a->Kp, a->N, a->G, a->gs,
+          n_begin, n_end);
+}
+
 /* x [M, K] bf16, w [N, K / 2] uint8 (k even: low nibble, k odd: high nibble), scales and mins [N, K / gs]
  * fp32, bias [N] bf16 or NULL, y [M, N] bf16; all contiguous. gs: a multiple of 32 dividing K.
  * Returns 0, -1 on bad sizes, -2 when out of memory. */
@@ -513,7 +521,7 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
         for (int l = 0; l < 32; l++) idx[l] = (int16_t)((4 * l + q) & 63);
         PERM_IDX[q] = _mm512_loadu_si512(idx);
     }
-    const int threads = thread_count(num_threads, N, N * (K / 2), min_parallel_bytes);
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * (K / 2), min_parallel_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
         /* Permute each row to the nibble order, zero padded to Kp, and sum each group of x in fp32. */
@@ -546,18 +554,8 @@ int leanlm_linear_int4(const uint16_t *x, const uint8_t *w, const float *scales,
                 S[i * G + g] = _mm512_reduce_add_ps(sum);
             }
         }
-        const rows_i4_fn fn = ROWS_I4[whole][m];
-        if (threads == 1) {
-            fn(xp, S, bg, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, 0, N);
-            continue;
-        }
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t n_begin, n_end;
-            thread_range(N, omp_get_thread_num(), omp_get_num_threads(), &n_begin, &n_end);
-            if (n_begin < n_end)
-                fn(xp, S, bg, w, scales, mins, bias, y + m0 * N, K, Kp, N, G, gs, n_begin, n_end);
-        }
+        const int4_args args = {ROWS_I4[whole][m], xp, S, bg, w, scales, mins, bias, y, K, Kp, N, G, gs};
+        leanlm_split_pass(int4_pass, &args, m0, m, N, BLOCK_N, threads);
     }
     return 0;
 }

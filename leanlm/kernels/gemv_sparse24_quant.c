@@ -36,8 +36,9 @@
 
 #include "bf16.h"
 #include "linear_call.h"
+#include "row_driver.h"
 
-#define MAX_ROWS 8  /* rows of x handled per pass over W; larger M loops over passes */
+#define MAX_ROWS LEANLM_MAX_ROWS
 #define BLOCK_N 32  /* weight rows per unit of work handed to a thread; a multiple of every NB below */
 #define CHUNK 64    /* dense columns per step: 32 kept codes, 8 mask bytes */
 #ifndef PREFETCH_BYTES
@@ -196,36 +197,43 @@ static void group_sums(const uint16_t *x, float *S, int64_t m, int64_t K, int64_
         }
 }
 
+/* One pass: S holds this pass's group sums (int4), fn the instantiation for its row count. */
+typedef struct {
+    rows_fn fn;
+    const uint16_t *x;
+    const float *S;
+    const void *codes;
+    const uint8_t *mask;
+    const float *scales;
+    const uint8_t *zeros;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t K, N, gs;
+} pass_args;
+
+static void quant_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const pass_args *a = args;
+    (void)m;
+    a->fn(a->x + m0 * a->K, a->S, a->codes, a->mask, a->scales, a->zeros, a->bias, a->y + m0 * a->N, a->K, a->N,
+          a->gs, n_begin, n_end);
+}
+
 static int run(const uint16_t *x, const void *codes, const uint8_t *mask, const float *scales, const uint8_t *zeros,
                const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
                int64_t min_parallel_bytes, const int BITS) {
     if (M < 0 || N < 0 || K < 0 || K % CHUNK != 0 || gs <= 0 || gs % CHUNK != 0 || K % gs != 0) return -1;
     if (M == 0 || N == 0) return 0;
-    const int64_t G = K / gs, num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    const int64_t G = K / gs;
     const int64_t weight_bytes = N * ((BITS == 8 ? K / 2 : K / 4) + K / 8);
-    int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > num_blocks) threads = (int)num_blocks;
-    if (weight_bytes < min_parallel_bytes) threads = 1;
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, weight_bytes, min_parallel_bytes);
     float *S = NULL;
     if (BITS == 4 && (S = malloc((size_t)(MAX_ROWS * G) * sizeof(float))) == NULL) return -2;
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t m = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+        if (BITS == 4) group_sums(x + m0 * K, S, m, K, gs);
         const rows_fn fn = (BITS == 8 ? ROWS_I8 : ROWS_I4)[m];
-        const uint16_t *xm = x + m0 * K;
-        uint16_t *ym = y + m0 * N;
-        if (BITS == 4) group_sums(xm, S, m, K, gs);
-        if (threads == 1) { /* no OpenMP call at all: even an if(0) parallel region costs ~1 us */
-            fn(xm, S, codes, mask, scales, zeros, bias, ym, K, N, gs, 0, N);
-            continue;
-        }
-#pragma omp parallel num_threads(threads)
-        {
-            const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
-            const int64_t n_begin = num_blocks * tid / nthr * BLOCK_N;
-            int64_t n_end = num_blocks * (tid + 1) / nthr * BLOCK_N;
-            if (n_end > N) n_end = N;
-            if (n_begin < n_end) fn(xm, S, codes, mask, scales, zeros, bias, ym, K, N, gs, n_begin, n_end);
-        }
+        const pass_args args = {fn, x, S, codes, mask, scales, zeros, bias, y, K, N, gs};
+        leanlm_split_pass(quant_pass, &args, m0, m, N, BLOCK_N, threads);
     }
     free(S);
     return 0;

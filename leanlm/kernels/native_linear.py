@@ -25,11 +25,6 @@ def call_entry(source: Path, symbol: str, cpu_needs: tuple[str, ...] = ("avx512_
     return NativeKernel(source=source, symbol=symbol, argtypes=CALL_ARGTYPES, restype=_INT, cpu_needs=cpu_needs)
 
 
-def bias_fits(bias: torch.Tensor | None, n: int) -> bool:
-    """No bias, or bf16 [N]: what every GEMV entry reads."""
-    return bias is None or (bias.dtype == torch.bfloat16 and tuple(bias.shape) == (n,))
-
-
 class _Call(ctypes.Structure):
     _fields_ = [("fn", _P), ("tensors", _P * MAX_TENSORS), ("ints", _I64 * MAX_INTS)]
 

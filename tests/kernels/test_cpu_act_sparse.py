@@ -126,7 +126,7 @@ def test_wrong_arguments_are_refused_and_the_policy():
     x, wt, threshold, b = _inputs(2, 16, 32, True)
     with pytest.raises(ValueError, match="weight_t"):
         cpu_act_sparse.linear_act_sparse(x, wt.t(), threshold)  # not contiguous
-    with pytest.raises(ValueError, match="weight_t"):
+    with pytest.raises(ValueError, match="x must be a contiguous bfloat16"):
         cpu_act_sparse.linear_act_sparse(x.float(), wt, threshold)
     assert cpu_act_sparse.should_use(x, wt, None, b)
     assert not cpu_act_sparse.should_use(x.repeat(5, 1), wt, None, b)  # 10 rows: the PyTorch path's business

@@ -229,7 +229,7 @@ def test_int8_rejects_what_it_cannot_read():
     g = torch.Generator().manual_seed(4)
     x, bias = _x(2, 128, g), _bias(64, True, g)
     qweight, scales = _int8_weight(64, 128, g)
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="does not match"):
         cpu_qgemv.linear_int8(x[:, :100].contiguous(), qweight, scales)
     with pytest.raises(ValueError, match="contiguous"):
         cpu_qgemv.linear_int8(x.t().contiguous().t(), qweight, scales)
@@ -260,7 +260,7 @@ def test_int4_rejects_what_it_cannot_read():
     g = torch.Generator().manual_seed(5)
     x = _x(2, 256, g)
     _, qweight, scales, mins = _int4_weight(64, 256, 64, g)
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="does not match"):
         cpu_qgemv.linear_int4(x[:, :128].contiguous(), qweight, scales, mins, 64)
     with pytest.raises(ValueError, match="uint8"):
         cpu_qgemv.linear_int4(x, qweight.to(torch.int8), scales, mins, 64)

@@ -163,7 +163,7 @@ def test_rejects_what_it_cannot_read():
         q(x, codes, mask[:, :-1], scales, zeros, None, 4, 64)
     with pytest.raises(ValueError, match="x .* does not match"):
         q(x[:, :64], codes, mask, scales, zeros, None, 4, 64)
-    with pytest.raises(ValueError, match="bias must be"):
+    with pytest.raises(ValueError, match="bias has shape"):
         q(x, codes, mask, scales, zeros, torch.zeros(9, dtype=torch.bfloat16), 4, 64)
     with pytest.raises(ValueError, match="codes must be"):
         q(x, codes.view(torch.int8), mask, scales, zeros, None, 4, 64)
