@@ -34,7 +34,7 @@ from leanlm.analysis.markdown import replace_section
 from leanlm.compress import MagnitudeConfig, RTNConfig, compress
 from leanlm.data import wikitext2_test_path
 from leanlm.kernels import cpu_act_sparse, cpu_bitmask, cpu_gemv, cpu_qgemv, cpu_sparse
-from leanlm.kernels.cpu_gemv import MIN_PARALLEL_BYTES
+from leanlm.kernels.spec import MIN_PARALLEL_BYTES
 from leanlm.llm import LLM
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.linear.act_sparse import ActSparseLinear

@@ -38,7 +38,7 @@ def check_checkpoint_shapes(
         _check(source, name, features, config.tensor_shape(name + ".weight"), "is a layer of (out, in) features")
         # One inf or NaN scale poisons every logit downstream; a few KiB per layer to read.
         for tensor_name, tensor in layer.named_buffers():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if tensor.is_floating_point() and not _is_finite(tensor):
                 raise ModelLoadError(
                     f"{source}: {name}.{tensor_name} holds infinite or NaN values; the file is corrupt: re-quantize "
                     f"or re-download it"
@@ -72,3 +72,8 @@ def _check(source: object, name: str, got: tuple, want: tuple[int, ...], what: s
             f"{source}: {name} {what} {list(got)}, but the model config gives {list(want)}; the checkpoint does not "
             f"match its config (a wrong or edited file): re-quantize, re-export or re-download it"
         )
+
+
+def _is_finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in `t`; torch.isfinite has no float8 kernel, so an fp8 tensor is read widened (one layer's)."""
+    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from leanlm.compress import GPTQConfig, LLMInt8Config, RTNConfig, SparseGPTConfig, WandaConfig, compress
+from leanlm.compress import FP8Config, GPTQConfig, LLMInt8Config, RTNConfig, SparseGPTConfig, WandaConfig, compress
 from leanlm.formats import save_checkpoint, save_gptq_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.gptq import (
@@ -35,6 +35,7 @@ def _reload(path, dtype=torch.float32):
         [RTNConfig(bits=8, group_size=None, act_bits=8)],
         [GPTQConfig(bits=3, group_size=32)],
         [LLMInt8Config()],
+        [FP8Config()],  # float8 buffers: the loader's finiteness check must read them (torch.isfinite cannot)
         [WandaConfig(pattern="2:4")],  # packed: Sparse24Linear's values + bitmask
         [WandaConfig(sparsity=0.5)],  # unstructured: an ordinary dense checkpoint with zeros
         [SparseGPTConfig(pattern="2:4"), GPTQConfig(bits=4, group_size=32)],
