@@ -65,7 +65,11 @@ class LLM:
             )
         self.engine_config = EngineConfig.from_options(**engine_options)
         self.device = resolve_device(device)
+        self.parallel = None  # the ParallelDriver of a tensor/pipeline-parallel engine (leanlm.parallel)
         options = dict(attention_backend=attention_backend, progress=progress, gguf_codes=not dequantize_gguf)
+        if self.engine_config.world_size > 1:
+            self._start_parallel(model, dtype, options)
+            return
         checkpoint = load_checkpoint(model, dtype, self.device, **options)
         self.dtype = checkpoint.model.model.norm.weight.dtype  # what the loader resolved `dtype` to (norms stay float)
         self.model_config = checkpoint.config
@@ -77,6 +81,29 @@ class LLM:
         if spec is not None and spec.method == "draft":
             draft = load_checkpoint(spec.draft_model, self.dtype, self.device, **options).model
         self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft)
+
+    def _start_parallel(self, model: str, dtype: str | torch.dtype, options: dict) -> None:
+        """Rank 0 of tensor_parallel_size x pipeline_parallel_size processes: it starts the others (or, under
+        torchrun, joins them), and its engine's steps run on all of them."""
+        from leanlm.parallel.launch import start_driver  # torch.distributed only when asked for
+
+        self.parallel = start_driver(model, dtype, self.device, self.engine_config, options)
+        rank = self.parallel.rank_model
+        self.engine_config, self.device, self.dtype = rank.engine_config, rank.rank.device, rank.dtype
+        self.model_config, self.tokenizer = rank.config, rank.tokenizer
+        self.llm_engine = LLMEngine(rank.model, self.tokenizer, self.engine_config, self.device, self.dtype)
+        self.parallel.attach(self.llm_engine.model_runner)
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel engine (a one-process engine has nothing to stop). Idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.tokenizer

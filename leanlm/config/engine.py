@@ -46,6 +46,22 @@ class EngineConfig:
             "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales",
         },
     )
+    # leanlm.parallel: Megatron-style tensor parallelism x pipeline stages, one process per rank (gloo on CPU,
+    # NCCL on GPU); rank 0 is the caller's process and runs the scheduler
+    tensor_parallel_size: int = dataclasses.field(
+        default=1, metadata={"help": "processes each layer's heads and FFN columns are split across"}
+    )
+    pipeline_parallel_size: int = dataclasses.field(
+        default=1, metadata={"help": "pipeline stages the decoder layers are split into, one process group each"}
+    )
+    pipeline_microbatches: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "micro-batches a step's requests are split into for the pipeline (default: its stages)"},
+    )
+    parallel_timeout_s: float = dataclasses.field(
+        default=300.0,
+        metadata={"help": "a collective (or a rank's start) that takes longer fails the engine with an error"},
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -61,6 +77,7 @@ class EngineConfig:
                 )
         if self.early_exit is not None and self.speculative is not None:
             raise ValueError("early_exit and speculative decoding do not combine: choose one")
+        self._check_parallel()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -78,6 +95,26 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine runs on: tensor x pipeline ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
+        if not self.parallel_timeout_s > 0:
+            raise ValueError(f"parallel_timeout_s must be > 0, got {self.parallel_timeout_s}")
+        if self.world_size > 1 and (self.speculative is not None or self.early_exit is not None):
+            raise ValueError(
+                "speculative decoding and early exit run in one process: drop them, or set tensor_parallel_size "
+                "and pipeline_parallel_size to 1"
+            )
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

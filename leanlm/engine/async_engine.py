@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
 from leanlm.engine.beam_search_driver import BeamSearchDriver
 from leanlm.engine.engine import LLMEngine
-from leanlm.engine.errors import EngineStoppedError, QueueFullError, RequestFailedError
+from leanlm.engine.errors import EngineDeadError, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.engine.outputs import RequestOutput
 from leanlm.engine.request_stream import RequestStream
 from leanlm.engine.scheduler import SchedulerStats
@@ -301,6 +301,8 @@ class AsyncLLMEngine:
             if engine.has_unfinished_requests():
                 try:
                     items.extend((out.request_id, out) for out in engine.step())
+                except EngineDeadError:
+                    raise  # run_loop fails every open stream and the launcher stops the server
                 except Exception as exc:  # not one request's fault (those fail alone inside step)
                     logger.exception("engine step failed; failing the requests in flight")
                     self._abort_all(items, RequestFailedError(f"engine step failed: {type(exc).__name__}: {exc}"))

@@ -17,3 +17,8 @@ class EngineStoppedError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request (and only it); the message says why."""
+
+
+class EngineDeadError(RuntimeError):
+    """A part of the engine outside this process (a tensor- or pipeline-parallel rank) died, hung or failed: no step
+    can run again. Never one request's fault: the executor does not isolate it, and the server stops (exit 1)."""

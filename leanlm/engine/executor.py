@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from leanlm.engine.errors import EngineDeadError
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.scheduler import Scheduler
@@ -26,6 +27,8 @@ class IsolatingExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             return self.runner.execute(scheduler_output)
+        except EngineDeadError:
+            raise  # no request caused it, and re-running any would only wait on the dead rank again
         except Exception:
             if len(scheduler_output.scheduled_requests) == 0:
                 raise

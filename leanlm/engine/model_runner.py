@@ -7,7 +7,7 @@ from the same forward (logits at position p against prompt token p+1).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +19,7 @@ from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.engine.spec_decode import SpecDecoder
+from leanlm.engine.step_plan import PromptRows, StepPlan, plan_step, split_microbatches
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
@@ -44,40 +45,6 @@ def num_kv_blocks_for(config: ModelConfig, engine_config: EngineConfig, dtype: t
             f"(one block needs {per_block} bytes); raise it or set num_kv_blocks"
         )
     return num_blocks
-
-
-@dataclass(frozen=True)
-class _BatchLayout:
-    """Where each scheduled request sits in the flat batch."""
-
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    query_lens: list[int]  # per request
-    row_starts: list[int]  # per request: its first row in the batch
-    seq_lens: list[int]  # per request: tokens with KV after this step
-    sample_rows: list[int]  # requests whose chunk ends at their last token (and drafts, if any)
-    sample_token_idx: list[int]  # batch rows that give logits: per sampling request, its last token's row
-    # and its drafts' rows (1 + drafts rows each, consecutive)
-
-
-def _attention_entries(so: SchedulerOutput, layout: _BatchLayout) -> tuple[list[int], list[int], list[list[int]]]:
-    """(query_lens, seq_lens, block_ids) for the forward context. A request verifying drafts enters as one
-    decode entry per token (token j sees the cache up to itself): the same causal attention as a chunk, but
-    every row is computed exactly as a plain decode step computes it, so greedy speculation reproduces plain
-    greedy decoding token for token, and the batch can stay on the decode kernels."""
-    if not any(so.spec_token_ids):
-        return layout.query_lens, layout.seq_lens, so.block_ids
-    query_lens, seq_lens, block_ids = [], [], []
-    for i, (n, seq_len, blocks) in enumerate(zip(layout.query_lens, layout.seq_lens, so.block_ids)):
-        if so.num_spec_tokens(i):
-            query_lens += [1] * n
-            seq_lens += range(seq_len - n + 1, seq_len + 1)
-            block_ids += [blocks] * n
-        else:
-            query_lens.append(n)
-            seq_lens.append(seq_len)
-            block_ids.append(blocks)
-    return query_lens, seq_lens, block_ids
 
 
 class ModelRunner:
@@ -114,6 +81,9 @@ class ModelRunner:
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
         exits = engine_config.early_exit
         self.early_exit = EarlyExit(model, exits) if exits is not None else None  # CALM, decode steps only
+        # plans -> their logits [R, V] each: this process's forwards, or (leanlm.parallel) the plans run by every rank
+        self.step_forward: Callable[[list[StepPlan]], list[torch.Tensor]] = self.forward_all
+        self.num_microbatches = 1  # parts a step is split into (a pipeline keeps several in flight)
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
@@ -129,36 +99,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         requests = scheduler_output.scheduled_requests
-        self._copy_blocks(scheduler_output.blocks_to_copy)  # copy-on-write, before the forward writes
         if not requests:
+            self.copy_blocks(scheduler_output.blocks_to_copy)
             return ModelRunnerOutput([], [], [])
-        layout = self._layout(scheduler_output)
-        entries = _attention_entries(scheduler_output, layout)
-        ctx = build_forward_context(*entries, self.kv_cache)
-        started = time.perf_counter()
-        exit_logits = None  # [T, V] when an early exit answered the step
-        with forward_context(ctx):
-            if self.early_exit is not None and ctx.is_all_decode:
-                hidden, exit_logits = self.early_exit.forward(layout.input_ids, layout.positions, ctx)
-            else:
-                hidden = self.model(layout.input_ids, layout.positions)  # [T, hidden]
-        if self.spec_decoder is not None and ctx.is_all_decode:
-            self.spec_decoder.record_target_step(time.perf_counter() - started)
-
-        sampled: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[dict[int, float]] | None] = [None] * len(requests)
-        if layout.sample_rows:
-            # [rows, V] in the model's dtype: the sampler copies to float32 only where it edits or normalizes
-            # (a fresh [64, 49152] float32 copy took 2-10 ms a step, mostly page faults on new memory)
-            if exit_logits is not None:
-                logits = exit_logits[layout.sample_token_idx]
-            else:
-                logits = self.model.compute_logits(hidden[layout.sample_token_idx])
-            self._sample(scheduler_output, layout.sample_rows, logits, sampled, logprobs)
-        scored = [
-            self._prompt_logprobs(r, n, hidden, start)
-            for r, n, start in zip(requests, layout.query_lens, layout.row_starts)
-        ]
+        # one part, or (pipeline parallelism) micro-batches of consecutive requests, in flight together
+        parts = split_microbatches(scheduler_output, self.num_microbatches)
+        planned = [plan_step(part, self.device) for part in parts]
+        logits = self.step_forward([p.plan for p in planned])  # per part [R, V] in the model's dtype
+        sampled: list[list[int]] = []
+        logprobs: list[list[dict[int, float]] | None] = []
+        scored = []
+        for part, step, part_logits in zip(parts, planned, logits):
+            part_sampled: list[list[int]] = [[] for _ in part.scheduled_requests]
+            part_logprobs: list[list[dict[int, float]] | None] = [None] * len(part.scheduled_requests)
+            if step.sample_rows:
+                # [rows, V] in the model's dtype: the sampler copies to float32 only where it edits or normalizes
+                # (a fresh [64, 49152] float32 copy took 2-10 ms a step, mostly page faults on new memory)
+                sample_logits = part_logits[: step.plan.num_sample_rows]
+                self._sample(part, step.sample_rows, sample_logits, part_sampled, part_logprobs)
+            sampled += part_sampled
+            logprobs += part_logprobs
+            prompt_logits = part_logits[step.plan.num_sample_rows :]
+            scored += _prompt_logprobs(part.scheduled_requests, step.prompt_rows, prompt_logits)
         prompt_logprobs = [entries for entries, _ in scored]
         prompt_logprobs_full = [full for _, full in scored]
         spec_token_ids = None
@@ -166,6 +128,27 @@ class ModelRunner:
             self.spec_decoder.forget(scheduler_output.finished_request_ids)
             spec_token_ids = self.spec_decoder.propose(requests, sampled, scheduler_output.block_ids)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids)
+
+    def forward_all(self, plans: list[StepPlan]) -> list[torch.Tensor]:
+        """The plans' forwards, one after the other, on this process alone."""
+        return [self.forward(plan) for plan in plans]
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step's forward on this process's model and cache: the copy-on-write copies, the layers, and the
+        logits of plan.logit_rows [R, V]. Every rank of a parallel model runs it on the same plan."""
+        self.copy_blocks(plan.blocks_to_copy)  # before the forward writes
+        ctx = build_forward_context(plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache)
+        started = time.perf_counter()
+        with forward_context(ctx):
+            if self.early_exit is not None and ctx.is_all_decode:
+                hidden, exit_logits = self.early_exit.forward(plan.input_ids, plan.positions, ctx)  # [T, V] or None
+                if exit_logits is not None:
+                    return exit_logits[plan.logit_rows]
+            else:
+                hidden = self.model(plan.input_ids, plan.positions)  # [T, hidden]
+        if self.spec_decoder is not None and ctx.is_all_decode:
+            self.spec_decoder.record_target_step(time.perf_counter() - started)
+        return self.model.compute_logits(hidden[plan.logit_rows])
 
     def _sample(
         self,
@@ -203,7 +186,7 @@ class ModelRunner:
                 logprobs[row] = lp_dicts[first_row : first_row + len(token_ids[j])]
             first_row += rows_per_req[j]
 
-    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """KV (and 8-bit scales) of block src into block dst, in every layer, for each (src, dst) pair."""
         if not blocks_to_copy:
             return
@@ -212,61 +195,28 @@ class ModelRunner:
         if self.spec_decoder is not None:
             self.spec_decoder.proposer.copy_blocks(src, dst)  # a draft model's own cache mirrors the block ids
 
-    def _layout(self, so: SchedulerOutput) -> _BatchLayout:
-        ids: list[int] = []
-        positions: list[int] = []
-        seq_lens, sample_rows, sample_idx, row_starts = [], [], [], []
-        for i, (req, n) in enumerate(zip(so.scheduled_requests, so.num_scheduled_tokens)):
-            row_starts.append(len(ids))
-            start = req.num_computed_tokens
-            num_drafts = so.num_spec_tokens(i)
-            ids.extend(req.all_token_ids[start : start + n - num_drafts])
-            if num_drafts:
-                ids.extend(so.spec_token_ids[i])  # drafts follow the last real token
-            positions.extend(range(start, start + n))
-            seq_lens.append(start + n)
-            if start + n - num_drafts == req.num_tokens:
-                sample_rows.append(i)
-                sample_idx.extend(range(len(ids) - 1 - num_drafts, len(ids)))
-        as_long = dict(dtype=torch.long, device=self.device)
-        return _BatchLayout(
-            input_ids=torch.tensor(ids, **as_long),
-            positions=torch.tensor(positions, **as_long),
-            query_lens=list(so.num_scheduled_tokens),
-            row_starts=row_starts,
-            seq_lens=seq_lens,
-            sample_rows=sample_rows,
-            sample_token_idx=sample_idx,
-        )
 
-    def _prompt_logprobs(
-        self, req: Request, num_new: int, hidden: torch.Tensor, row_start: int
-    ) -> tuple[list[dict[int, float] | None] | None, torch.Tensor | None]:
-        """Entries for prompt indices not yet recorded (a preempted request recomputes its prompt), and with
-        full_prompt_logprobs the whole log-softmax behind them ([n, V] float32 on CPU, one row per non-None
-        entry). Entry j scores prompt token j from position j-1; entry 0 is None. (None, None) when nothing is due.
-        """
+def _prompt_logprobs(
+    requests: list[Request], rows: list[PromptRows | None], logits: torch.Tensor
+) -> list[tuple[list[dict[int, float] | None] | None, torch.Tensor | None]]:
+    """Per request, its prompt logprob entries due this step, and with full_prompt_logprobs the whole log-softmax
+    behind them ([n, V] float32 on CPU, one row per non-None entry); (None, None) when nothing is due. `logits`
+    [sum of rows, V] holds the requests' prompt rows in order (StepPlan.logit_rows after the sample rows)."""
+    out = []
+    first_row = 0
+    for req, due in zip(requests, rows):
+        if due is None:
+            out.append((None, None))
+            continue
         k = req.sampling_params.prompt_logprobs
-        if k is None:
-            return None, None
+        entries: list[dict[int, float] | None] = [None] if due.with_first else []
         full = None
-        start = req.num_computed_tokens
-        first_entry = len(req.prompt_logprobs)  # next prompt index to record
-        last_entry = min(start + num_new, req.num_prompt_tokens - 1)  # positions < P-1 score a prompt token
-        entries: list[dict[int, float] | None] = []
-        if first_entry == 0 and start == 0:
-            entries.append(None)
-            first_entry = 1
-        # entry j comes from position j-1, which must lie in this chunk [start, start + num_new)
-        first_entry = max(first_entry, start + 1)
-        if first_entry <= last_entry:
-            positions = torch.arange(first_entry - 1, last_entry, device=self.device)
-            rows = row_start + (positions - start)
-            logits = self.model.compute_logits(hidden[rows]).float()  # [Np, V]
-            targets = torch.tensor(req.prompt_token_ids[first_entry : last_entry + 1], device=self.device)
-            all_logprobs = torch.log_softmax(logits, dim=-1)  # [Np, V]
-            lp = gather_logprobs(all_logprobs, targets, k)
-            entries.extend(logprobs_to_dicts(lp, [k] * len(targets)))
+        if due.num_rows:
+            all_logprobs = torch.log_softmax(logits[first_row : first_row + due.num_rows].float(), dim=-1)  # [Np, V]
+            first_row += due.num_rows
+            targets = torch.tensor(req.prompt_token_ids[due.first_entry : due.last_entry + 1], device=logits.device)
+            entries.extend(logprobs_to_dicts(gather_logprobs(all_logprobs, targets, k), [k] * len(targets)))
             if req.sampling_params.full_prompt_logprobs:
                 full = all_logprobs.cpu()
-        return entries or None, full
+        out.append((entries or None, full))
+    return out

@@ -75,10 +75,10 @@ class Linear(KernelDispatch, nn.Linear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.detach().float()
 
-    def shard(self, axis: int, rank: int, world: int) -> Linear:
+    def shard(self, axis: int, rank: int, world: int, sizes: tuple[int, ...] | None = None) -> Linear:
         """As RuntimeLinear.shard: rank's slice of the outputs (COLUMN) or of the inputs (ROW; rank 0: the bias)."""
         check_axis(axis)
-        cut = part(self.weight.shape[axis], axis, rank, world, 1, "bf16 linear")
+        cut = part(self.weight.shape[axis], axis, rank, world, 1, "dense linear", sizes)
         weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()
         if axis == COLUMN:
             weight, bias = weight[cut], None if bias is None else bias[cut]

@@ -112,13 +112,13 @@ class RuntimeLinear(KernelDispatch, nn.Module, ABC):
     def shard_tensors(self, axis: int, cut: slice) -> dict[str, torch.Tensor]:
         """This layer's saved tensors (bias aside) for the features `cut` along `axis`, whole units of shard_unit."""
 
-    def shard(self, axis: int, rank: int, world: int) -> RuntimeLinear:
-        """Rank `rank` of `world` equal shards along `axis`: COLUMN keeps a slice of the outputs (the shards' outputs
-        concatenated are this layer's), ROW a slice of the inputs (their outputs summed are; rank 0 keeps the bias).
-        ValueError when the format's units would be cut or it cannot split that way."""
+    def shard(self, axis: int, rank: int, world: int, sizes: tuple[int, ...] | None = None) -> RuntimeLinear:
+        """Rank `rank` of `world` shards along `axis` (equal, or of `sizes` features each): COLUMN keeps a slice of
+        the outputs (the shards' outputs concatenated are this layer's), ROW a slice of the inputs (their outputs
+        summed are; rank 0 keeps the bias). ValueError when the format's units would be cut or it cannot split so."""
         check_axis(axis)
         size = self.out_features if axis == COLUMN else self.in_features
-        cut = part(size, axis, rank, world, self.shard_unit(axis), self.format)
+        cut = part(size, axis, rank, world, self.shard_unit(axis), self.format, sizes)
         tensors = self.shard_tensors(axis, cut)
         bias = row_bias(self.bias, rank) if axis != COLUMN or self.bias is None else self.bias[cut]
         if bias is not None:

@@ -9,13 +9,26 @@ import torch
 COLUMN, ROW = 0, 1  # the weight [N, K]'s axis a shard splits: out_features (column-parallel) or in_features (row)
 
 
-def part(size: int, axis: int, rank: int, world: int, unit: int, fmt: str) -> slice:
-    """rank's equal slice of `size` features along `axis`, cut only at multiples of `unit` (a quant group, a
-    2:4 group, a packed byte); ValueError saying why when it cannot be cut so."""
+def part(
+    size: int, axis: int, rank: int, world: int, unit: int, fmt: str, sizes: tuple[int, ...] | None = None
+) -> slice:
+    """rank's slice of `size` features along `axis`: equal parts, or `sizes[rank]` features after the ranks before
+    it (uneven parts, as attention heads split by KV group need); cut only at multiples of `unit` (a quant group, a
+    2:4 group, a packed byte). ValueError saying why when it cannot be cut so."""
     check_axis(axis)
     if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"shard needs 0 <= rank < world, got rank={rank!r}, world={world!r}")
     what = "out_features" if axis == COLUMN else "in_features"
+    if sizes is not None:
+        if len(sizes) != world or sum(sizes) != size or any(n <= 0 for n in sizes):
+            raise ValueError(f"{fmt}: shard sizes {sizes} must be {world} positive parts summing to {what}={size}")
+        if any(n % unit for n in sizes):
+            raise ValueError(
+                f"{fmt}: shard sizes {sizes} of {what} cut the format's indivisible block of {unit} features: "
+                f"choose parts that are multiples of {unit}"
+            )
+        start = sum(sizes[:rank])
+        return slice(start, start + sizes[rank])
     if size % world or (size // world) % unit:
         raise ValueError(
             f"{fmt}: {what}={size} does not split into {world} equal parts of a multiple of {unit} (the format's "

@@ -1,0 +1,2 @@
+"""Beyond one process: tensor and pipeline parallelism on torch.distributed (gloo on CPU, NCCL on GPU), the
+step broadcast from the scheduler's rank, and data-parallel replicas behind a cache-aware router."""

@@ -1,0 +1,121 @@
+"""The driver: rank 0 of a parallel engine, in the caller's process. It starts the other ranks (or joins the ones
+torchrun started), loads its own slice, and runs each step by broadcasting the plans and its part of the forward.
+A rank that exits, hangs past parallel_timeout_s or fails raises EngineDeadError: the engine stops, never hangs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+from torch.distributed import DistError
+
+from leanlm.engine.errors import EngineDeadError
+from leanlm.engine.model_runner import ModelRunner
+from leanlm.engine.step_plan import StepPlan
+from leanlm.parallel.rank import RankModel, RankSpec, build_rank, run_plans, send_plans
+from leanlm.parallel.world import DRIVER_RANK, close_world
+
+logger = logging.getLogger(__name__)
+
+SPEC_ENV = "LEANLM_RANK_SPEC"  # a worker's RankSpec, as JSON
+RANK_ENV = "LEANLM_RANK"  # a worker's rank
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(world_size: int) -> int:
+    """This machine's cores shared evenly by the ranks (each rank a process of its own)."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+def spawn_workers(spec: RankSpec) -> list[subprocess.Popen]:
+    """Ranks 1..world-1 as `python -m leanlm.parallel.worker`, each with its share of the cores."""
+    world = spec.layout.world_size
+    env = dict(os.environ, **{SPEC_ENV: spec.to_json(), "OMP_NUM_THREADS": str(threads_per_rank(world))})
+    return [
+        subprocess.Popen([sys.executable, "-m", "leanlm.parallel.worker"], env=dict(env, **{RANK_ENV: str(rank)}))
+        for rank in range(1, world)
+    ]
+
+
+class ParallelDriver:
+    """Rank 0's side of the engine: `forward(plans)` is the model runner's step_forward."""
+
+    def __init__(self, spec: RankSpec, progress: bool = True) -> None:
+        self.spec = spec
+        self.workers: list[subprocess.Popen] = []
+        self.closed = False
+        if spec.init_method.startswith("tcp://"):
+            self.workers = spawn_workers(spec)
+        torch.set_num_threads(threads_per_rank(spec.layout.world_size))
+        try:
+            self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress)
+        except BaseException:
+            for p in self.workers:  # they may wait on a collective this rank will never join
+                p.terminate()
+            self._stop_workers()
+            close_world()
+            raise
+        self.runner: ModelRunner | None = None
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Make `runner` (the engine's, on this rank's slice) run its steps through every rank."""
+        layout = self.spec.layout
+        runner.step_forward = self.forward
+        runner.num_microbatches = self.rank_model.engine_config.pipeline_microbatches or layout.pipeline_parallel_size
+        if layout.pipeline_parallel_size == 1:
+            runner.num_microbatches = 1
+        self.runner = runner
+
+    def forward(self, plans: list[StepPlan]) -> list[torch.Tensor]:
+        if self.closed:
+            raise EngineDeadError("the parallel engine was closed; create a new LLM")
+        self.check_workers()
+        try:
+            send_plans(self.rank_model.rank, plans)
+            return run_plans(self.rank_model, self.runner, plans)
+        except (RuntimeError, DistError) as exc:  # gloo/NCCL: a peer closed its connection, or a timeout
+            self.check_workers()
+            raise EngineDeadError(
+                f"a collective between the ranks failed ({type(exc).__name__}: {exc}); a rank died or hung for "
+                f"longer than parallel_timeout_s={self.rank_model.engine_config.parallel_timeout_s}"
+            ) from exc
+
+    def check_workers(self) -> None:
+        """Raise EngineDeadError if a worker this driver started has exited."""
+        dead = [(i + 1, p.returncode) for i, p in enumerate(self.workers) if p.poll() is not None]
+        if dead:
+            self.closed = True
+            ranks = ", ".join(f"rank {r} (exit status {code})" for r, code in dead)
+            raise EngineDeadError(f"{ranks} of the parallel engine exited; see its log above. Restart the engine")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Tell every rank to stop, wait for them, leave the process group. Idempotent."""
+        if self.closed and not self.workers:
+            return
+        try:
+            if not self.closed and all(p.poll() is None for p in self.workers):
+                send_plans(self.rank_model.rank, None)
+        except (RuntimeError, DistError):
+            logger.warning("a rank did not take the shutdown message; stopping it")
+        finally:
+            self.closed = True
+            self._stop_workers(timeout_s)
+            close_world()
+
+    def _stop_workers(self, timeout_s: float = 30.0) -> None:
+        for p in self.workers:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.workers = []

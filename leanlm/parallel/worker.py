@@ -1,0 +1,57 @@
+"""`python -m leanlm.parallel.worker`: a non-driver rank. It loads its slice as the driver does, then runs the
+forward of every step the driver broadcasts until the driver says stop (exit 0); an error, or the driver's
+process going away, ends it with exit 1."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from leanlm.engine.model_runner import ModelRunner
+from leanlm.parallel.driver import RANK_ENV, SPEC_ENV
+from leanlm.parallel.rank import RankModel, RankSpec, build_rank, receive_plans, run_plans
+from leanlm.parallel.world import close_world
+
+logger = logging.getLogger("leanlm.parallel.worker")
+
+
+def serve_steps(rank_model: RankModel) -> None:
+    """Run the driver's steps on this rank until it sends None."""
+    runner = ModelRunner(rank_model.model, rank_model.engine_config, rank_model.rank.device, rank_model.dtype)
+    with torch.inference_mode():
+        while (plans := receive_plans(rank_model.rank)) is not None:
+            run_plans(rank_model, runner, plans)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker whose driver died (killed, no shutdown message) must not linger holding memory."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    spec = RankSpec.from_json(os.environ[SPEC_ENV])
+    rank = int(os.environ.get(RANK_ENV) or os.environ["RANK"])  # ours, or torchrun's
+    if spec.init_method.startswith("tcp://"):
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    try:
+        serve_steps(build_rank(spec, rank))
+    except Exception:
+        logger.exception("rank %d failed", rank)
+        return 1
+    finally:
+        close_world()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
