@@ -22,7 +22,8 @@ def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """[start, stop) layers of each stage: as even as the count allows, earlier stages one more."""
     if not 1 <= num_stages <= num_layers:
         raise ValueError(
-            f"pipeline_parallel_size={num_stages} needs at least one decoder layer per stage; the model has {num_layers}"
+            f"pipeline_parallel_size={num_stages} needs at least one decoder layer per stage; "
+            f"the model has {num_layers}"
         )
     bounds, start = [], 0
     for s in range(num_stages):

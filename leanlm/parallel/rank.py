@@ -39,7 +39,9 @@ class RankSpec:
     init_method: str  # tcp://host:port, or env:// under torchrun
 
     @classmethod
-    def of(cls, model: str, dtype: str | torch.dtype, device: torch.device, engine_config: EngineConfig, **kw) -> RankSpec:
+    def of(
+        cls, model: str, dtype: str | torch.dtype, device: torch.device, engine_config: EngineConfig, **kw
+    ) -> RankSpec:
         fields = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)}
         engine = {k: v for k, v in fields.items() if k not in _TYPED}
         dtype = str(dtype).removeprefix("torch.")
@@ -100,11 +102,13 @@ def parallel_num_kv_blocks(config: ModelConfig, engine_config: EngineConfig, kv_
     heads, most layers), so that all ranks' pools have the same block ids."""
     if engine_config.num_kv_blocks is not None:
         return engine_config.num_kv_blocks
-    heads = kv_heads_per_rank(config.num_attention_heads, config.num_key_value_heads, engine_config.tensor_parallel_size)
-    bounds = stage_bounds(config.num_hidden_layers, engine_config.pipeline_parallel_size)
-    layers = max(stop - start for start, stop in bounds)
-    largest = dataclasses.replace(config, num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=layers)
-    num_blocks = engine_config.kv_cache_memory_bytes // kv_cache_bytes_per_block(largest, engine_config.block_size, kv_dtype)
+    tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
+    heads = kv_heads_per_rank(config.num_attention_heads, config.num_key_value_heads, tp)
+    layers = max(stop - start for start, stop in stage_bounds(config.num_hidden_layers, pp))
+    largest = dataclasses.replace(config, num_attention_heads=heads, num_key_value_heads=heads)
+    largest = dataclasses.replace(largest, num_hidden_layers=layers)
+    per_block = kv_cache_bytes_per_block(largest, engine_config.block_size, kv_dtype)
+    num_blocks = engine_config.kv_cache_memory_bytes // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={engine_config.kv_cache_memory_bytes} holds no KV block on a rank")
     return num_blocks

@@ -145,7 +145,8 @@ def shard_model(model: LlamaForCausalLM, tp: TensorGroup) -> LlamaForCausalLM:
         shard_mlp(layer.mlp, tp)
     shard_vocab(model, tp)
     mine = heads[tp.rank]
-    model.config = dataclasses.replace(config, num_attention_heads=mine.num_heads, num_key_value_heads=mine.num_kv_heads)
+    heads_of_rank = dict(num_attention_heads=mine.num_heads, num_key_value_heads=mine.num_kv_heads)
+    model.config = dataclasses.replace(config, **heads_of_rank)
     model.allow_native_decode = False  # the native loop runs whole layers: it has no all-reduce between them
     model._native_plan = None
     return model
