@@ -65,6 +65,7 @@ class ParallelDriver:
             close_world()
             raise
         self.runner: ModelRunner | None = None
+        self.num_steps = 0  # steps broadcast so far: the next one's number
 
     def attach(self, runner: ModelRunner) -> None:
         """Make `runner` (the engine's, on this rank's slice) run its steps through every rank."""
@@ -80,10 +81,12 @@ class ParallelDriver:
             raise EngineDeadError("the parallel engine was closed; create a new LLM")
         self.check_workers()
         try:
-            send_plans(self.rank_model.rank, plans)
+            send_plans(self.rank_model.rank, self.num_steps, plans)
+            self.num_steps += 1
             return run_plans(self.rank_model, self.runner, plans)
         except (RuntimeError, DistError) as exc:  # gloo/NCCL: a peer closed its connection, or a timeout
             self.check_workers()
+            self.closed = True  # the groups are in an unknown state: no collective may run on them again
             raise EngineDeadError(
                 f"a collective between the ranks failed ({type(exc).__name__}: {exc}); a rank died or hung for "
                 f"longer than parallel_timeout_s={self.rank_model.engine_config.parallel_timeout_s}"
@@ -103,7 +106,7 @@ class ParallelDriver:
             return
         try:
             if not self.closed and all(p.poll() is None for p in self.workers):
-                send_plans(self.rank_model.rank, None)
+                send_plans(self.rank_model.rank, self.num_steps, None)
         except (RuntimeError, DistError):
             logger.warning("a rank did not take the shutdown message; stopping it")
         finally:

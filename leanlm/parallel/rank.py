@@ -4,6 +4,7 @@ its slice of the model (tensor shard, then pipeline stage), and the forward it r
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import DistStoreError
 
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -121,11 +123,11 @@ def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False) -> RankMod
     rank = init_rank(rank_idx, layout, spec.init_method, torch.device(spec.device), engine_config.parallel_timeout_s)
     options = dict(attention_backend=spec.attention_backend, progress=progress, gguf_codes=spec.gguf_codes)
     checkpoint = load_checkpoint(spec.model, spec.dtype, rank.device, **options)
-    model = checkpoint.model
+    model, config = checkpoint.model, checkpoint.model.config  # the whole model's: sharding replaces model.config
     dtype = model.model.norm.weight.dtype
     facts = {
         "model": spec.model,
-        "config": repr(checkpoint.config),
+        "config": repr(config),
         "engine config": repr(engine_config),
         "dtype": str(dtype),
         "weights": weights_digest(model),
@@ -133,12 +135,12 @@ def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False) -> RankMod
     check_agreement(rank, facts)
     shard_model(model, rank.tp)
     if layout.pipeline_parallel_size > 1:
-        start, stop = stage_bounds(checkpoint.config.num_hidden_layers, layout.pipeline_parallel_size)[rank.stage]
+        start, stop = stage_bounds(config.num_hidden_layers, layout.pipeline_parallel_size)[rank.stage]
         cut_stage(model, start, stop, rank.is_first_stage, rank.is_last_stage)
     kv_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, dtype)
-    blocks = parallel_num_kv_blocks(checkpoint.config, engine_config, kv_dtype)
+    blocks = parallel_num_kv_blocks(config, engine_config, kv_dtype)
     engine_config = dataclasses.replace(engine_config, num_kv_blocks=blocks)
-    return RankModel(rank, checkpoint.config, model, checkpoint.tokenizer, engine_config, dtype)
+    return RankModel(rank, config, model, checkpoint.tokenizer, engine_config, dtype)
 
 
 def run_plans(rank_model: RankModel, runner: ModelRunner, plans: list[StepPlan]) -> list[torch.Tensor]:
@@ -148,12 +150,28 @@ def run_plans(rank_model: RankModel, runner: ModelRunner, plans: list[StepPlan])
     return run_pipeline(runner, rank_model.rank, plans, rank_model.config.hidden_size, rank_model.dtype)
 
 
-def receive_plans(rank: RankContext) -> list[StepPlan] | None:
-    """The driver's next step (None: shut down)."""
+IDLE_POLL = datetime.timedelta(seconds=30)  # how long a worker waits on the store before it asks again
+
+
+def receive_plans(rank: RankContext, step: int) -> list[StepPlan] | None:
+    """The driver's step number `step` (None: shut down). The worker waits for the step's key on the store, as long
+    as the engine idles, then joins the broadcast (which, like every collective, times out)."""
+    while True:
+        try:
+            rank.store.wait([str(step)], IDLE_POLL)
+            break
+        except DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise  # the driver's store is gone: the driver died
     box: list[list[StepPlan] | None] = [None]
     dist.broadcast_object_list(box, src=DRIVER_RANK, group=rank.control)
     return box[0]
 
 
-def send_plans(rank: RankContext, plans: list[StepPlan] | None) -> None:
+def send_plans(rank: RankContext, step: int, plans: list[StepPlan] | None) -> None:
+    """Announce step `step`, broadcast its plans (None: shut down), and drop the key of the step before it (every
+    worker has passed it: each joined this broadcast)."""
+    rank.store.set(str(step), b"")
     dist.broadcast_object_list([plans], src=DRIVER_RANK, group=rank.control)
+    if step > 0:
+        rank.store.delete_key(str(step - 1))

@@ -24,8 +24,10 @@ def serve_steps(rank_model: RankModel) -> None:
     """Run the driver's steps on this rank until it sends None."""
     runner = ModelRunner(rank_model.model, rank_model.engine_config, rank_model.rank.device, rank_model.dtype)
     with torch.inference_mode():
-        while (plans := receive_plans(rank_model.rank)) is not None:
+        step = 0
+        while (plans := receive_plans(rank_model.rank, step)) is not None:
             run_plans(rank_model, runner, plans)
+            step += 1
 
 
 def _exit_with_parent(parent_pid: int) -> None:

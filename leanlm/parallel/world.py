@@ -1,6 +1,7 @@
 """The process groups of one parallel engine: world ranks laid out as [pipeline stage][tensor rank], a tensor group
-per stage, and a control group for the step broadcast. Every collective of the compute groups has a timeout
-(parallel_timeout_s); the control group waits as long as the engine may idle."""
+per stage, and a gloo control group for the step broadcast. Every collective has a timeout (parallel_timeout_s):
+a rank that hangs fails the step. An idle engine runs no collective; its ranks wait on the rendezvous store for the
+next step's key instead, which can wait for days."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch.distributed as dist
 from leanlm.parallel.tensor import TensorGroup
 
 DRIVER_RANK = 0  # the caller's process: it loads first, runs the scheduler and stage 0
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group's: a server may wait for requests for days
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class RankContext:
     layout: Layout
     tp: TensorGroup  # the ranks of this stage
     control: dist.ProcessGroup | None  # gloo, every rank: the step broadcast and startup checks (None: one process)
+    store: dist.Store | None  # the rendezvous store: the driver announces each step there before broadcasting it
     device: torch.device
     timeout_s: float
 
@@ -88,14 +89,16 @@ def init_rank(rank: int, layout: Layout, init_method: str, device: torch.device,
     dist.init_process_group(
         backend_for(device), init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timeout
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    # torch keeps the store init_process_group rendezvoused through (ours, or torchrun's) only privately
+    store = dist.PrefixStore("leanlm/steps/", dist.distributed_c10d._get_default_store())
     tp = TensorGroup(layout.tensor_rank_of(rank), layout.tensor_parallel_size, None)
     for stage in range(layout.pipeline_parallel_size):  # every rank creates every group, in the same order
         ranks = [layout.rank_at(stage, t) for t in range(layout.tensor_parallel_size)]
         group = dist.new_group(ranks, timeout=timeout) if layout.tensor_parallel_size > 1 else None
         if stage == layout.stage_of(rank):
             tp = TensorGroup(layout.tensor_rank_of(rank), layout.tensor_parallel_size, group)
-    return RankContext(rank, layout, tp, control, device, timeout_s)
+    return RankContext(rank, layout, tp, control, store, device, timeout_s)
 
 
 def close_world() -> None:

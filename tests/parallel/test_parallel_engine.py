@@ -1,0 +1,119 @@
+"""Tensor x pipeline parallel engines on local gloo processes give the one-process engine's greedy tokens and
+logprobs (float32), for a dense, an int4 and a 2:4 checkpoint of a tiny model whose 6 heads in 3 KV groups split
+unevenly over 2 ranks, and whose 3 layers split 2 + 1 over 2 stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from leanlm import LLM, SamplingParams
+from leanlm.compress import MagnitudeConfig, RTNConfig, compress
+from leanlm.engine.errors import EngineDeadError
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.native import save_checkpoint
+from leanlm.model.llama import build_model
+from tests.conftest import tiny_config, tiny_state_dict
+
+PROMPTS = [[5, 17, 99, 3, 250, 7, 8], [400, 12], list(range(30, 70))]  # a decode, a short and a chunked prompt
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tensor_parallel_size, pipeline_parallel_size)
+
+
+def _tiny_checkpoint(path, tokenizer, recipe=None):
+    config = dataclasses.replace(
+        tiny_config(tokenizer.vocab_size),
+        hidden_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=32,
+        intermediate_size=256,
+        num_hidden_layers=3,
+    )
+    model = build_model(config, tiny_state_dict(config, seed=4), torch.float32)
+    if recipe is not None:
+        compress(model, recipe, progress=False)
+    save_checkpoint(Checkpoint(model, tokenizer), path, dtype=torch.float32)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tests.tiny_tokenizer import tiny_tokenizer
+
+    tokenizer, root = tiny_tokenizer(), tmp_path_factory.mktemp("parallel")
+    return {
+        "dense": _tiny_checkpoint(root / "dense", tokenizer),
+        "int4": _tiny_checkpoint(root / "int4", tokenizer, [RTNConfig(bits=4, group_size=32)]),
+        "2:4": _tiny_checkpoint(root / "sparse", tokenizer, [MagnitudeConfig(pattern="2:4")]),
+    }
+
+
+def _run(path: str, **options):
+    with LLM(path, dtype="float32", progress=False, **options) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        scored = llm.generate(PROMPTS, SCORE, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    prompt = [[max(d.values()) for d in o.prompt_logprobs[1:]] for o in scored]
+    return tokens, torch.tensor(sum(logprobs, [])), torch.tensor(sum(prompt, []))
+
+
+def _assert_same(got, want):
+    assert got[0] == want[0]
+    assert torch.allclose(got[1], want[1], atol=1e-4, rtol=0)
+    assert torch.allclose(got[2], want[2], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_dense_parallel_layouts_equal_one_process(checkpoints, tp, pp):
+    want = _run(checkpoints["dense"])
+    _assert_same(_run(checkpoints["dense"], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "2:4"])
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_quantized_and_sparse_checkpoints_shard_through_their_formats(checkpoints, fmt, tp, pp):
+    want = _run(checkpoints[fmt])
+    _assert_same(_run(checkpoints[fmt], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
+
+
+def test_more_micro_batches_than_stages_give_the_same_tokens(checkpoints):
+    want = _run(checkpoints["dense"])
+    _assert_same(_run(checkpoints["dense"], pipeline_parallel_size=2, pipeline_microbatches=3), want)
+
+
+def test_a_dead_rank_fails_the_engine_fast_with_a_clear_error(checkpoints):
+    llm = LLM(checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2)
+    try:
+        worker = llm.parallel.workers[0]
+        worker.kill()
+        worker.wait()
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1 .* exited"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 10
+        assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kv_blocks  # nothing leaked
+    finally:
+        llm.close()
+
+
+def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(checkpoints):
+    llm = LLM(checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2, parallel_timeout_s=3)
+    worker = llm.parallel.workers[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="parallel_timeout_s=3"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.kill()
+        llm.close()
