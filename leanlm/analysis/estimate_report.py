@@ -9,6 +9,7 @@ from pathlib import Path
 from leanlm.analysis import estimate as est
 from leanlm.analysis.hardware_profiles import Hardware
 from leanlm.analysis.model_shape import ModelShape
+from leanlm.analysis.parallel_estimate import CPU_LINK, LINKS, ParallelLayout, parallel_cost
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,17 @@ class EstimateSettings:
     tokens_per_s: float | None = field(
         default=None, metadata={"help": "measured decode throughput, summed over the batch: reports MBU and MFU"}
     )
+    tensor_parallel_size: int = field(default=1, metadata={"help": "devices each layer is split across"})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline stages the layers are split into"})
+    pipeline_microbatches: int | None = field(
+        default=None, metadata={"help": "micro-batches in flight through the stages (default: the stages)"}
+    )
+    link_bandwidth_gbs: float | None = field(
+        default=None, metadata={"help": "GB/s between two devices (default: NVLink of the GPU profile, or loopback)"}
+    )
+    link_latency_us: float | None = field(
+        default=None, metadata={"help": "microseconds one collective takes however small (default: per profile)"}
+    )
 
     def __post_init__(self) -> None:
         est.weight_format(self.dtype)  # raises with the list of formats
@@ -48,6 +60,20 @@ class EstimateSettings:
             raise ValueError(f"--memory-budget-gb must be > 0, got {self.memory_budget_gb}")
         if self.tokens_per_s is not None and self.tokens_per_s <= 0:
             raise ValueError(f"--tokens-per-s must be > 0, got {self.tokens_per_s}")
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_microbatches or 1) < 1:
+            raise ValueError("--tensor-parallel-size, --pipeline-parallel-size, --pipeline-microbatches must be >= 1")
+
+    def parallel_layout(self, hw: Hardware) -> ParallelLayout | None:
+        if self.tensor_parallel_size * self.pipeline_parallel_size == 1:
+            return None
+        bandwidth, latency = next((v for k, v in LINKS.items() if k in hw.name.lower()), CPU_LINK)
+        return ParallelLayout(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.pipeline_microbatches or self.pipeline_parallel_size,
+            self.link_bandwidth_gbs * 1e9 if self.link_bandwidth_gbs else bandwidth,
+            self.link_latency_us * 1e-6 if self.link_latency_us is not None else latency,
+        )
 
     def formats(self, shape: ModelShape) -> tuple[est.NumberFormat, est.NumberFormat]:
         weights = est.weight_format(self.dtype, self.group_size, self.zero_bits)
@@ -110,6 +136,11 @@ def build_report(shape: ModelShape, source: str, hw: Hardware, settings: Estimat
             for b in decode_batches(s, largest)
         ],
     }
+    layout = s.parallel_layout(hw)
+    if layout is not None:
+        act_bytes = 4 if weights.name == "fp32" else 2
+        cost = parallel_cost(shape, weights, kv, hw, layout, s.batch, s.context, act_bytes)
+        report["parallel"] = {**asdict(layout), **asdict(cost)}
     if s.tokens_per_s is not None:
         u = est.decode_utilization(shape, weights, kv, hw, s.batch, s.context, s.tokens_per_s)
         report["utilization"] = {
@@ -209,6 +240,8 @@ def format_report(r: dict) -> str:
         for st in r["steps"]
     ]
     lines.append(_table(["step (roofline)", "FLOPs", "bytes", "FLOP/B", "ms", "bound", "tokens/s"], rows))
+    if "parallel" in r:
+        lines += ["", *_parallel_lines(r["parallel"], s)]
     if "utilization" in r:
         u = r["utilization"]
         lines += [
@@ -217,6 +250,23 @@ def format_report(r: dict) -> str:
             f"MBU {u['mbu']:.1%}, MFU {u['mfu']:.2%}",
         ]
     return "\n".join(lines)
+
+
+def _parallel_lines(par: dict, s: dict) -> list[str]:
+    tp, pp = par["tensor_parallel_size"], par["pipeline_parallel_size"]
+    rows = [
+        ["weights per device (largest)", _si(par["weight_bytes_per_device"], "B")],
+        ["KV cache per token per device", _si(par["kv_bytes_per_token_per_device"], "B")],
+        ["all-reduce payload per token (a stage)", _si(par["all_reduce_bytes_per_token"], "B")],
+        ["all-reduces per micro-batch (a stage)", str(par["all_reduces_per_microbatch"])],
+        ["stage-to-stage bytes per token", _si(par["p2p_bytes_per_token"], "B")],
+        [f"pipeline bubble ({par['microbatches']} micro-batches)", f"{par['bubble']:.1%}"],
+        [f"decode step b={s['batch']} @ {s['context']}", _ms(par["decode_step_s"])],
+        ["the same step on one device", _ms(par["one_device_step_s"])],
+        ["speedup", f"{par['speedup']:.2f}x"],
+    ]
+    link = f"links {_si(par['link_bandwidth'], 'B/s')}, {par['link_latency_s'] * 1e6:g} us per collective"
+    return [_table([f"TP={tp} x PP={pp} ({link})", "value"], rows)]
 
 
 # ---------------------------------------------------------------------------------------------- plot

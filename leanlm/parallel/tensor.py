@@ -6,7 +6,7 @@ a cut its format cannot make."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,16 @@ from leanlm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from leanlm.parallel.heads import HeadShard, split_heads
 
 
+@dataclass
+class CommStats:
+    """What a rank's tensor group moved since start (the estimate's byte counts are checked against these)."""
+
+    num_all_reduces: int = 0
+    all_reduce_bytes: int = 0  # payload: the reduced tensors' bytes
+    num_all_gathers: int = 0
+    all_gather_bytes: int = 0  # this rank's contribution
+
+
 @dataclass(frozen=True)
 class TensorGroup:
     """The ranks one layer is split across: this process's place among them, and their process group (None when
@@ -26,6 +36,7 @@ class TensorGroup:
     rank: int
     size: int
     group: dist.ProcessGroup | None
+    stats: CommStats = field(default_factory=CommStats, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x, in float32 for half-precision x (the partial sums are rounded once, at the end)."""
@@ -33,6 +44,8 @@ class TensorGroup:
             return x
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x.contiguous()
         dist.all_reduce(wide, group=self.group)
+        self.stats.num_all_reduces += 1
+        self.stats.all_reduce_bytes += wide.numel() * wide.element_size()
         return wide.to(x.dtype) if wide is not x else wide
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +53,8 @@ class TensorGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        self.stats.num_all_gathers += 1
+        self.stats.all_gather_bytes += x.numel() * x.element_size()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)

@@ -4,7 +4,6 @@ unevenly over 2 ranks, and whose 3 layers split 2 + 1 over 2 stages."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -13,46 +12,12 @@ import pytest
 import torch
 
 from leanlm import LLM, SamplingParams
-from leanlm.compress import MagnitudeConfig, RTNConfig, compress
 from leanlm.engine.errors import EngineDeadError
-from leanlm.formats.checkpoint import Checkpoint
-from leanlm.formats.native import save_checkpoint
-from leanlm.model.llama import build_model
-from tests.conftest import tiny_config, tiny_state_dict
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8], [400, 12], list(range(30, 70))]  # a decode, a short and a chunked prompt
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
 SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tensor_parallel_size, pipeline_parallel_size)
-
-
-def _tiny_checkpoint(path, tokenizer, recipe=None):
-    config = dataclasses.replace(
-        tiny_config(tokenizer.vocab_size),
-        hidden_size=192,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        head_dim=32,
-        intermediate_size=256,
-        num_hidden_layers=3,
-    )
-    model = build_model(config, tiny_state_dict(config, seed=4), torch.float32)
-    if recipe is not None:
-        compress(model, recipe, progress=False)
-    save_checkpoint(Checkpoint(model, tokenizer), path, dtype=torch.float32)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from tests.tiny_tokenizer import tiny_tokenizer
-
-    tokenizer, root = tiny_tokenizer(), tmp_path_factory.mktemp("parallel")
-    return {
-        "dense": _tiny_checkpoint(root / "dense", tokenizer),
-        "int4": _tiny_checkpoint(root / "int4", tokenizer, [RTNConfig(bits=4, group_size=32)]),
-        "2:4": _tiny_checkpoint(root / "sparse", tokenizer, [MagnitudeConfig(pattern="2:4")]),
-    }
 
 
 def _run(path: str, **options):
@@ -72,25 +37,25 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("tp, pp", LAYOUTS)
-def test_dense_parallel_layouts_equal_one_process(checkpoints, tp, pp):
-    want = _run(checkpoints["dense"])
-    _assert_same(_run(checkpoints["dense"], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
+def test_dense_parallel_layouts_equal_one_process(parallel_checkpoints, tp, pp):
+    want = _run(parallel_checkpoints["dense"])
+    _assert_same(_run(parallel_checkpoints["dense"], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "2:4"])
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_quantized_and_sparse_checkpoints_shard_through_their_formats(checkpoints, fmt, tp, pp):
-    want = _run(checkpoints[fmt])
-    _assert_same(_run(checkpoints[fmt], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
+def test_quantized_and_sparse_checkpoints_shard_through_their_formats(parallel_checkpoints, fmt, tp, pp):
+    want = _run(parallel_checkpoints[fmt])
+    _assert_same(_run(parallel_checkpoints[fmt], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
 
 
-def test_more_micro_batches_than_stages_give_the_same_tokens(checkpoints):
-    want = _run(checkpoints["dense"])
-    _assert_same(_run(checkpoints["dense"], pipeline_parallel_size=2, pipeline_microbatches=3), want)
+def test_more_micro_batches_than_stages_give_the_same_tokens(parallel_checkpoints):
+    want = _run(parallel_checkpoints["dense"])
+    _assert_same(_run(parallel_checkpoints["dense"], pipeline_parallel_size=2, pipeline_microbatches=3), want)
 
 
-def test_a_dead_rank_fails_the_engine_fast_with_a_clear_error(checkpoints):
-    llm = LLM(checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2)
+def test_a_dead_rank_fails_the_engine_fast_with_a_clear_error(parallel_checkpoints):
+    llm = LLM(parallel_checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2)
     try:
         worker = llm.parallel.workers[0]
         worker.kill()
@@ -104,8 +69,9 @@ def test_a_dead_rank_fails_the_engine_fast_with_a_clear_error(checkpoints):
         llm.close()
 
 
-def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(checkpoints):
-    llm = LLM(checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2, parallel_timeout_s=3)
+def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(parallel_checkpoints):
+    options = dict(tensor_parallel_size=2, parallel_timeout_s=3)
+    llm = LLM(parallel_checkpoints["dense"], dtype="float32", progress=False, **options)
     worker = llm.parallel.workers[0]
     try:
         os.kill(worker.pid, signal.SIGSTOP)
