@@ -92,7 +92,7 @@ class LLM:
         self.engine_config, self.device, self.dtype = rank.engine_config, rank.rank.device, rank.dtype
         self.model_config, self.tokenizer = rank.config, rank.tokenizer
         self.llm_engine = LLMEngine(rank.model, self.tokenizer, self.engine_config, self.device, self.dtype)
-        self.parallel.attach(self.llm_engine.model_runner)
+        self.parallel.attach(self.llm_engine)
 
     def close(self) -> None:
         """Stop the other ranks of a parallel engine (a one-process engine has nothing to stop). Idempotent."""

@@ -6,7 +6,9 @@ batch and returns the RequestOutputs that changed.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ from leanlm.engine.outputs import RequestOutput
 from leanlm.engine.request import Request
 from leanlm.engine.scheduler import Scheduler, SchedulerStats
 from leanlm.engine.spec_decode import SpecStats
+from leanlm.engine.step_plan import StepPlan
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.sampling_params import SamplingParams
@@ -192,6 +195,14 @@ class LLMEngine:
     def unfinished_request_ids(self) -> list[str]:
         """Ids given to add_request whose outputs have not all finished."""
         return list(self.output_processor.parent_ids())
+
+    def set_step_forward(
+        self, forward: Callable[[ModelRunner, list[StepPlan]], list[torch.Tensor]], num_microbatches: int = 1
+    ) -> None:
+        """Run each step's forward through `forward(runner, plans)` (leanlm.parallel: the plans go to every rank
+        first), with the step's requests split into `num_microbatches` plans (a pipeline's micro-batches)."""
+        self.model_runner.step_forward = functools.partial(forward, self.model_runner)
+        self.model_runner.num_microbatches = num_microbatches
 
     # -- what the engine holds ----------------------------------------------------------------------
 

@@ -13,9 +13,7 @@ import sys
 import torch
 from torch.distributed import DistError
 
-from leanlm.engine.errors import EngineDeadError
-from leanlm.engine.model_runner import ModelRunner
-from leanlm.engine.step_plan import StepPlan
+from leanlm.engine import EngineDeadError, LLMEngine, ModelRunner, StepPlan
 from leanlm.parallel.rank import RankModel, RankSpec, build_rank, run_plans, send_plans
 from leanlm.parallel.world import DRIVER_RANK, close_world
 
@@ -64,26 +62,23 @@ class ParallelDriver:
             self._stop_workers()
             close_world()
             raise
-        self.runner: ModelRunner | None = None
         self.num_steps = 0  # steps broadcast so far: the next one's number
 
-    def attach(self, runner: ModelRunner) -> None:
-        """Make `runner` (the engine's, on this rank's slice) run its steps through every rank."""
+    def attach(self, engine: LLMEngine) -> None:
+        """Make `engine` (built over this rank's slice) run its steps through every rank."""
         layout = self.spec.layout
-        runner.step_forward = self.forward
-        runner.num_microbatches = self.rank_model.engine_config.pipeline_microbatches or layout.pipeline_parallel_size
-        if layout.pipeline_parallel_size == 1:
-            runner.num_microbatches = 1
-        self.runner = runner
+        microbatches = self.rank_model.engine_config.pipeline_microbatches or layout.pipeline_parallel_size
+        engine.set_step_forward(self.forward, microbatches if layout.pipeline_parallel_size > 1 else 1)
 
-    def forward(self, plans: list[StepPlan]) -> list[torch.Tensor]:
+    def forward(self, runner: ModelRunner, plans: list[StepPlan]) -> list[torch.Tensor]:
+        """The step on every rank: announce and broadcast the plans, then run this rank's part on `runner`."""
         if self.closed:
             raise EngineDeadError("the parallel engine was closed; create a new LLM")
         self.check_workers()
         try:
             send_plans(self.rank_model.rank, self.num_steps, plans)
             self.num_steps += 1
-            return run_plans(self.rank_model, self.runner, plans)
+            return run_plans(self.rank_model, runner, plans)
         except (RuntimeError, DistError) as exc:  # gloo/NCCL: a peer closed its connection, or a timeout
             self.check_workers()
             self.closed = True  # the groups are in an unknown state: no collective may run on them again

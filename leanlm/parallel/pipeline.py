@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanlm.engine.model_runner import ModelRunner
-from leanlm.engine.step_plan import StepPlan
+from leanlm.engine import ModelRunner, StepPlan
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.parallel.world import DRIVER_RANK, RankContext

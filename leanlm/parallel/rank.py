@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch.distributed import DistStoreError
 
 from leanlm.config import EngineConfig, ModelConfig
-from leanlm.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
-from leanlm.engine.step_plan import StepPlan
+from leanlm.engine import ModelRunner, StepPlan, kv_cache_bytes_per_block
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.kv_quant import kv_storage_dtype

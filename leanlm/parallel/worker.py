@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from leanlm.engine.model_runner import ModelRunner
+from leanlm.engine import ModelRunner
 from leanlm.parallel.driver import RANK_ENV, SPEC_ENV
 from leanlm.parallel.rank import RankModel, RankSpec, build_rank, receive_plans, run_plans
 from leanlm.parallel.world import close_world
