@@ -1,5 +1,6 @@
 """Configuration as frozen dataclasses, validated on construction with messages that say what to do: the model
-(model.py), the engine and speculative decoding (engine.py), the server (serve.py) and its data-parallel router (router.py)."""
+(model.py), the engine and speculative decoding (engine.py), the server (serve.py) and its
+data-parallel router (router.py)."""
 
 from leanlm.config.engine import (
     EXIT_MEASURES,

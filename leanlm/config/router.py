@@ -39,13 +39,13 @@ class RouterConfig:
     balance_abs_threshold: int = dataclasses.field(
         default=4,
         metadata={
-            "help": "cache_aware goes least-loaded when the busiest replica has this many more requests in flight "
-            "than the idlest (and balance_rel_threshold holds too)"
+            "help": "cache_aware sends a prompt to the least-loaded replica instead of the one holding its prefix when "
+            "that one has more than this many requests in flight above the least-loaded (and the relative gap holds)"
         },
     )
     balance_rel_threshold: float = dataclasses.field(
         default=1.5,
-        metadata={"help": "... and the busiest has more than this times the idlest's requests in flight"},
+        metadata={"help": "... and more than this times the least-loaded replica's requests in flight"},
     )
     router_prefix_blocks: int = dataclasses.field(
         default=4, metadata={"help": "leading KV blocks of a prompt (--block-size tokens each) hashed for affinity"}
