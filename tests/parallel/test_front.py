@@ -1,5 +1,6 @@
-"""`leanlm serve --data-parallel-size 2` as users run it: a front process over two real SmolLM2 replica processes
-on loopback, driven by the real `openai` client. The last test kills a replica."""
+"""The data-parallel front. Fast tier: the front app in this process over two tiny-engine servers (remote
+replicas). Real tier: `leanlm serve --data-parallel-size 2` as users run it, a front process over two real SmolLM2
+replica processes on loopback, driven by the real `openai` client; its last test kills a replica."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import openai
 import pytest
 
 from leanlm.analysis.peers import ServerProcess, leanlm_server
+from leanlm.config import ServeConfig
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.parallel.replicas import free_port
-
-pytestmark = pytest.mark.real_model
+from leanlm.parallel.affinity import PromptKeyer
+from leanlm.parallel.front import Front, build_front_app
+from leanlm.parallel.replicas import Replica, free_port, wait_until_ready
+from leanlm.parallel.router import Router
+from tests.server.conftest import MODEL, LiveServer, serve_engine
 
 KEY = "front-test-key"
 # A system prompt of well over 4 KV blocks (64 tokens), so requests that share it share their affinity key.
@@ -31,6 +35,7 @@ SYSTEM = {
 
 @pytest.fixture(scope="module")
 def front():
+    """The front process (and its two replica processes), shared by the module's real-model tests."""
     port = free_port()
     flags = "--data-parallel-size 2 --threads 1 --dtype float32 --max-model-len 512 --num-kv-blocks 64"
     flags += f" --api-key {KEY} --health-check-interval-s 0.5 --router-policy cache_aware"
@@ -69,6 +74,70 @@ def chat(system: str, question: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
+# ------------------------------------------------------------------------------ fast: tiny engines in-process
+
+
+@pytest.fixture
+def tiny_front(make_tiny_engine, tokenizer):
+    """A front (key "k") in this process over two tiny-engine servers; yields (front server, Front, replica servers)."""
+    options = dict(dtype=__import__("torch").float32, kv_cache_memory_bytes=16 << 20, block_size=4)
+    with serve_engine(make_tiny_engine(**options)) as one, serve_engine(make_tiny_engine(**options)) as two:
+        replicas = [Replica(one.url), Replica(two.url)]
+        wait_until_ready(replicas, timeout_s=10)
+        state = Front(replicas, Router("cache_aware"), PromptKeyer(tokenizer, 4, 4), health_interval_s=0.2)
+        with LiveServer(build_front_app(state, ServeConfig(api_key="k"))) as server:
+            yield server, state, (one, two)
+
+
+def post(url: str, path: str, body: dict | bytes, key: str = "k") -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_tiny_front_routes_by_prefix_and_passes_answers_through(tiny_front):
+    server, state, _ = tiny_front
+    shared = "the quick brown fox jumps over the lazy dog " * 4
+    bodies = [{"model": MODEL, "prompt": shared + tail, "max_tokens": 2} for tail in ("a", "b", "c")]
+    answers = [post(server.url, "/v1/completions", body) for body in bodies]
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert all(json.loads(body)["usage"]["completion_tokens"] == 2 for _, body in answers)
+    assert sorted((r.num_routed, r.num_prefix_hits) for r in state.replicas) == [(0, 0), (3, 2)]
+    status, streamed = post(server.url, "/v1/completions", {**bodies[0], "stream": True})
+    assert status == 200 and streamed.endswith(b"data: [DONE]\n\n") and streamed.count(b"data: {") >= 2
+    # the client's errors come back from the replica with their status and body
+    status, body = post(server.url, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    status, body = post(server.url, "/v1/completions", b"[1, 2")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    assert post(server.url, "/v1/completions", bodies[0], key="wrong")[0] == 401
+    assert all(r.num_in_flight == 0 and r.num_failed == 0 for r in state.replicas)
+
+
+def test_tiny_front_skips_a_replica_that_refuses_and_reports_it(tiny_front):
+    server, state, replica_servers = tiny_front
+    replica_servers[0].__exit__(None, None, None)  # the first replica stops listening
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+    assert [post(server.url, "/v1/completions", body)[0] for _ in range(3)] == [200, 200, 200]
+    first, second = state.replicas
+    assert (first.is_healthy, first.num_failed, second.is_healthy, second.num_routed) == (False, 1, True, 3)
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+        states = [r["state"] for r in json.loads(response.read())["replicas"]]
+    assert states == ["unhealthy", "healthy"]
+    replica_servers[1].__exit__(None, None, None)
+    status, answer = post(server.url, "/v1/completions", body)
+    assert status == 503 and json.loads(answer)["error"]["code"] == "unavailable"
+
+
+# ---------------------------------------------------------------------- real: SmolLM2 replica processes
+
+
+@pytest.mark.real_model
 def test_chat_completion_and_streams_pass_through(client):
     model = client.models.list().data[0].id
     assert model == DEFAULT_MODEL
@@ -96,6 +165,7 @@ def test_chat_completion_and_streams_pass_through(client):
     assert "".join(choice.text for p in pieces for choice in p.choices) == completion.choices[0].text
 
 
+@pytest.mark.real_model
 def test_auth_and_bad_requests_get_their_errors(front, client):
     wrong = openai.OpenAI(base_url=front.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -117,6 +187,7 @@ def test_auth_and_bad_requests_get_their_errors(front, client):
     assert status == 200 and [r["state"] for r in json.loads(body)["replicas"]] == ["healthy", "healthy"]
 
 
+@pytest.mark.real_model
 def test_same_prefix_goes_to_the_same_replica(front, client):
     before = routed(front)
     for question in ("Do you sell rye?", "When do you open?", "Is there coffee?"):
@@ -137,6 +208,7 @@ def test_same_prefix_goes_to_the_same_replica(front, client):
     assert rate > 0  # the replica's own prefix cache served the shared system prompt
 
 
+@pytest.mark.real_model
 def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(front, client):
     before = routed(front)
     client.chat.completions.create(model=DEFAULT_MODEL, messages=chat(SYSTEM["kill"], "Hello"), max_tokens=1)
