@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import secrets
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -39,21 +40,28 @@ logger = logging.getLogger("leanlm.router")
 PASSED_HEADERS = ("content-type", "retry-after", "cache-control")  # of a replica's answer, to the client
 
 
+def _end_exchange(replica: Replica, response: aiohttp.ClientResponse) -> None:
+    if response.content.at_eof():
+        response.release()  # the connection goes back to the pool
+    else:
+        response.close()  # the replica sees a hang-up and aborts the request (frees its KV blocks)
+    replica.num_in_flight -= 1
+
+
 class _Upstream:
     """One request's exchange with its replica: sends it, keeps the in-flight count, and ends it once."""
 
     def __init__(self, front: Front, replica: Replica, response: aiohttp.ClientResponse) -> None:
         self.front, self.replica, self.response = front, replica, response
+        # Runs once: from finish(), or when this object is collected unfinished (a stream whose client hung up
+        # before its first chunk: Starlette never starts the generator, so its `finally` never runs).
+        self._end = weakref.finalize(self, _end_exchange, replica, response)
 
     def headers(self) -> dict[str, str]:
         return {k: v for k, v in self.response.headers.items() if k.lower() in PASSED_HEADERS}
 
     def finish(self) -> None:
-        if self.response.content.at_eof():
-            self.response.release()  # the connection goes back to the pool
-        else:
-            self.response.close()  # the replica sees a hang-up and aborts the request (frees its KV blocks)
-        self.replica.num_in_flight -= 1
+        self._end()
 
     def broke(self, exc: BaseException) -> str:
         self.replica.num_failed += 1

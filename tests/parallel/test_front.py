@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socketserver
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -108,8 +110,11 @@ def test_tiny_front_routes_by_prefix_and_passes_answers_through(tiny_front):
     assert [status for status, _ in answers] == [200, 200, 200]
     assert all(json.loads(body)["usage"]["completion_tokens"] == 2 for _, body in answers)
     assert sorted((r.num_routed, r.num_prefix_hits) for r in state.replicas) == [(0, 0), (3, 2)]
-    status, streamed = post(server.url, "/v1/completions", {**bodies[0], "stream": True})
-    assert status == 200 and streamed.endswith(b"data: [DONE]\n\n") and streamed.count(b"data: {") >= 2
+    stream = {**bodies[0], "stream": True, "stream_options": {"include_usage": True}}
+    status, streamed = post(server.url, "/v1/completions", stream)
+    events = streamed.decode().split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+    assert json.loads(events[-3].removeprefix("data: "))["usage"]["completion_tokens"] == 2
     # the client's errors come back from the replica with their status and body
     status, body = post(server.url, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
@@ -132,6 +137,65 @@ def test_tiny_front_skips_a_replica_that_refuses_and_reports_it(tiny_front):
     replica_servers[1].__exit__(None, None, None)
     status, answer = post(server.url, "/v1/completions", body)
     assert status == 503 and json.loads(answer)["error"]["code"] == "unavailable"
+
+
+class BreakingReplica(socketserver.ThreadingTCPServer):
+    """A replica that answers /health, then breaks every answer halfway: a stream after its first event, a whole
+    answer after 10 of its 100 announced bytes."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _BreakingHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _BreakingHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        request_line = self.rfile.readline().decode()
+        length = 0
+        while (line := self.rfile.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = self.rfile.read(length)
+        if request_line.startswith("GET /health"):
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        elif b'"stream": true' in body:
+            event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            self.wfile.write(head + b"%x\r\n" % len(event) + event + b"\r\n")
+            self.wfile.flush()
+            time.sleep(0.3)  # as a replica dying mid-stream: the first event went out well before
+        else:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        self.wfile.flush()
+
+
+def test_a_replica_breaking_mid_answer_fails_that_request_clearly(tokenizer):
+    broken = BreakingReplica()
+    replicas = [Replica(broken.url)]
+    wait_until_ready(replicas, timeout_s=10)
+    state = Front(replicas, Router("round_robin"), PromptKeyer(tokenizer, 4, 4), health_interval_s=60)
+    with LiveServer(build_front_app(state, ServeConfig())) as server:
+        status, body = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True})
+        events = [e for e in body.decode().split("\n\n") if e]
+        assert status == 200 and events[0] == 'data: {"choices": [{"index": 0, "text": "a"}]}'
+        error = json.loads(events[1].removeprefix("data: "))["error"]
+        assert error["code"] == "replica_failed" and "failed while answering" in error["message"]
+        assert events[2:] == ["data: [DONE]"]
+        assert (replicas[0].is_healthy, replicas[0].num_failed, replicas[0].num_in_flight) == (False, 1, 0)
+        replicas[0].is_healthy = True  # let the non-streamed request reach it as well
+        status, body = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert status == 502 and json.loads(body)["error"]["code"] == "replica_failed"
+        assert (replicas[0].num_failed, replicas[0].num_in_flight) == (2, 0)
+        status, body = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert status == 503 and "no replica is in rotation" in json.loads(body)["error"]["message"]
+    broken.shutdown()
+    broken.server_close()
 
 
 # ---------------------------------------------------------------------- real: SmolLM2 replica processes
