@@ -87,7 +87,7 @@ def tiny_front(make_tiny_engine, tokenizer):
         replicas = [Replica(one.url), Replica(two.url)]
         wait_until_ready(replicas, timeout_s=10)
         state = Front(replicas, Router("cache_aware"), PromptKeyer(tokenizer, 4, 4), health_interval_s=0.2)
-        with LiveServer(build_front_app(state, ServeConfig(api_key="k"))) as server:
+        with LiveServer(build_front_app(state, ServeConfig(api_key="k", max_body_bytes=4096))) as server:
             yield server, state, (one, two)
 
 
@@ -121,6 +121,13 @@ def test_tiny_front_routes_by_prefix_and_passes_answers_through(tiny_front):
     status, body = post(server.url, "/v1/completions", b"[1, 2")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     assert post(server.url, "/v1/completions", bodies[0], key="wrong")[0] == 401
+    assert post(server.url, "/v1/completions", {**bodies[0], "prompt": "x" * 5000})[0] == 413  # the front's limit
+    plain = urllib.request.Request(
+        server.url + "/v1/completions", data=b"{}", headers={"Authorization": "Bearer k", "Content-Type": "text/plain"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(plain, timeout=30)
+    assert refused.value.code == 415
     assert all(r.num_in_flight == 0 and r.num_failed == 0 for r in state.replicas)
 
 
