@@ -81,12 +81,13 @@ def chat(system: str, question: str) -> list[dict]:
 
 @pytest.fixture
 def tiny_front(make_tiny_engine, tokenizer):
-    """A front (key "k") in this process over two tiny-engine servers; yields (front server, Front, replica servers)."""
+    """A front (key "k") in this process over two tiny-engine servers; yields (front server, Front, replica servers).
+    No periodic health checks here (they would race the refusals the tests make); test_replicas.py has those."""
     options = dict(dtype=__import__("torch").float32, kv_cache_memory_bytes=16 << 20, block_size=4)
     with serve_engine(make_tiny_engine(**options)) as one, serve_engine(make_tiny_engine(**options)) as two:
         replicas = [Replica(one.url), Replica(two.url)]
         wait_until_ready(replicas, timeout_s=10)
-        state = Front(replicas, Router("cache_aware"), PromptKeyer(tokenizer, 4, 4), health_interval_s=0.2)
+        state = Front(replicas, Router("cache_aware"), PromptKeyer(tokenizer, 4, 4), health_interval_s=60)
         with LiveServer(build_front_app(state, ServeConfig(api_key="k", max_body_bytes=4096))) as server:
             yield server, state, (one, two)
 
