@@ -167,11 +167,14 @@ class HealthMonitor:
         return [r for r in self.replicas if r.is_healthy]
 
     def mark_down(self, replica: Replica, reason: str) -> None:
-        if replica.process is not None and replica.process.poll() is not None and not replica.is_dead:
+        """Out of rotation (logged once per fall); a local replica whose process exited is dead for good."""
+        is_newly_dead = replica.process is not None and replica.process.poll() is not None and not replica.is_dead
+        if is_newly_dead:
             replica.is_dead = True
             reason = f"its process (pid {replica.process.pid}) exited with status {replica.process.returncode}"
-        if replica.is_healthy:
+        if replica.is_healthy or is_newly_dead:
             logger.error("replica %s is out of rotation: %s", replica.url, reason)
+        if replica.is_healthy:
             replica.is_healthy = False
             self.on_down(replica)
 
@@ -182,7 +185,6 @@ class HealthMonitor:
     async def _check_one(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         if replica.process is not None and replica.process.poll() is not None:
             self.mark_down(replica, "its process exited")
-            replica.is_dead = True
             return
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
