@@ -1,4 +1,5 @@
-"""`leanlm serve`: the OpenAI-compatible HTTP server."""
+"""`leanlm serve`: the OpenAI-compatible HTTP server, or (--data-parallel-size N, --replicas) a routing front over
+engine replicas (leanlm/parallel/front.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from leanlm.cli.common import (
     add_model_args,
     load_llm,
 )
-from leanlm.config import ServeConfig
+from leanlm.config import DecodingOptions, EngineConfig, RouterConfig, ServeConfig
+
+# ServeConfig fields the front keeps for itself: each local replica listens on loopback with a key of its own.
+FRONT_ONLY = frozenset({"host", "port", "api_key", "metrics_key", "allowed_hosts", "forwarded_allow_ips", "threads"})
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -25,10 +29,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if options["metrics_key"] is None:
         options["metrics_key"] = os.environ.get("LEANLM_METRICS_KEY") or None
     config = ServeConfig(**options)  # validate before the (slow) model load
+    router_config = RouterConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)})
     check_port_free(config.host, config.port)  # likewise: a taken port fails in a second, not after the load
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+    if router_config.is_routed:
+        return serve_front(args, config, router_config)
+    if config.threads is not None:
+        import torch
+
+        torch.set_num_threads(config.threads)
     started = time.perf_counter()
     llm = load_llm(args)
     logging.getLogger("leanlm.serve").info(
@@ -38,8 +49,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_front(args: argparse.Namespace, config: ServeConfig, router_config: RouterConfig) -> int:
+    from leanlm.formats.stored import load_tokenizer
+    from leanlm.parallel.front import serve_routed
+
+    tokenizer = load_tokenizer(args.model)  # the front tokenizes prompts for prefix affinity; no weights
+    if not config.served_model_name:  # every replica answers to the name the user would see without a front
+        config = dataclasses.replace(config, served_model_name=args.model)
+    serve_routed(replica_args(args, config), tokenizer, args.block_size, config, router_config)
+    return 0
+
+
+def replica_args(args: argparse.Namespace, config: ServeConfig) -> list[str]:
+    """The flags each local replica gets: the model and engine flags as given, the ServeConfig flags but the
+    front's own (FRONT_ONLY); the front adds host, port, threads and the key."""
+    names = ["model", "dtype", "device", "dequantize_gguf"]
+    names += [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _decoding_names()]
+    names += [f.name for f in dataclasses.fields(DecodingOptions)]
+    values = {name: getattr(args, name) for name in names}
+    values |= {f.name: getattr(config, f.name) for f in dataclasses.fields(ServeConfig) if f.name not in FRONT_ONLY}
+    argv: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if name == "dequantize_gguf":  # a store_true flag: no --no- form
+                argv += [flag] if value else []
+            else:
+                argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _decoding_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(DecodingOptions)}
+
+
 def add_parser(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     add_model_args(srv)
     add_dataclass_args(srv, ServeConfig)
+    add_dataclass_args(srv, RouterConfig)
     srv.set_defaults(func=cmd_serve)

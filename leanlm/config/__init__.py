@@ -1,5 +1,6 @@
 """Configuration as frozen dataclasses, validated on construction with messages that say what to do: the model
-(model.py), the engine and speculative decoding (engine.py), the server (serve.py)."""
+(model.py), the engine and speculative decoding (engine.py), the server (serve.py) and its
+data-parallel router (router.py)."""
 
 from leanlm.config.engine import (
     EXIT_MEASURES,
@@ -18,6 +19,7 @@ from leanlm.config.model import (
     RopeScaling,
     parse_dtype,
 )
+from leanlm.config.router import ROUTER_POLICIES, RouterConfig
 from leanlm.config.serve import ServeConfig
 
 __all__ = [
@@ -31,7 +33,9 @@ __all__ = [
     "EarlyExitConfig",
     "EngineConfig",
     "ModelConfig",
+    "ROUTER_POLICIES",
     "RopeScaling",
+    "RouterConfig",
     "ServeConfig",
     "SpeculativeConfig",
     "parse_dtype",

@@ -90,6 +90,14 @@ class ServeConfig:
         },
     )
 
+    threads: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "torch threads of each engine process (default: torch's choice; with --data-parallel-size N: "
+            "this machine's CPUs / N)"
+        },
+    )
+
     @property
     def trusted_proxy_ips(self) -> tuple[str, ...]:
         return tuple(ip.strip() for ip in self.forwarded_allow_ips.split(",") if ip.strip())
@@ -121,6 +129,8 @@ class ServeConfig:
             raise ValueError(
                 f"chat_control_tokens must be 'text', 'reject' or 'parse', got {self.chat_control_tokens!r}"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or unset (torch's choice), got {self.threads}")
         if self.metrics_key is not None and not self.metrics_key.strip():
             raise ValueError("metrics_key is empty; give a real key or leave it unset")
         if self.api_key is not None and not self.api_key.strip():

@@ -1,0 +1,272 @@
+"""The data-parallel front: an OpenAI-compatible proxy on the user's --host/--port that sends each request to one
+replica (router.py) over plain HTTP (aiohttp), passing answers and SSE streams through unchanged. A replica that
+breaks fails only the requests it held: 502 with an OpenAI error body, or an `error` event in a started stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import weakref
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+import aiohttp
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from leanlm.config import RouterConfig, ServeConfig
+from leanlm.loading.tokenizer import Tokenizer
+from leanlm.parallel import front_metrics
+from leanlm.parallel.affinity import PromptKeyer
+from leanlm.parallel.replicas import (
+    HealthMonitor,
+    Replica,
+    default_threads,
+    free_port,
+    start_local,
+    stop_local,
+    wait_until_ready,
+)
+from leanlm.parallel.router import NoReplicaError, Router
+from leanlm.server.api import GuardMiddleware, error_response
+from leanlm.server.launcher import uvicorn_config
+
+logger = logging.getLogger("leanlm.router")
+
+PASSED_HEADERS = ("content-type", "retry-after", "cache-control")  # of a replica's answer, to the client
+
+
+def _end_exchange(replica: Replica, response: aiohttp.ClientResponse) -> None:
+    if response.content.at_eof():
+        response.release()  # the connection goes back to the pool
+    else:
+        response.close()  # the replica sees a hang-up and aborts the request (frees its KV blocks)
+    replica.num_in_flight -= 1
+
+
+class _Upstream:
+    """One request's exchange with its replica: sends it, keeps the in-flight count, and ends it once."""
+
+    def __init__(self, front: Front, replica: Replica, response: aiohttp.ClientResponse) -> None:
+        self.front, self.replica, self.response = front, replica, response
+        # Runs once: from finish(), or when this object is collected unfinished (a stream whose client hung up
+        # before its first chunk: Starlette never starts the generator, so its `finally` never runs).
+        self._end = weakref.finalize(self, _end_exchange, replica, response)
+
+    def headers(self) -> dict[str, str]:
+        return {k: v for k, v in self.response.headers.items() if k.lower() in PASSED_HEADERS}
+
+    def finish(self) -> None:
+        self._end()
+
+    def broke(self, exc: BaseException) -> str:
+        self.replica.num_failed += 1
+        self.front.monitor.mark_down(self.replica, f"a request's connection broke ({type(exc).__name__}: {exc})")
+        return f"replica {self.replica.url} failed while answering ({type(exc).__name__}: {exc}); retry the request"
+
+
+class Front:
+    """The state behind the app: the replicas, their health monitor, the router and the prompt keyer."""
+
+    def __init__(self, replicas: list[Replica], router: Router, keyer: PromptKeyer, health_interval_s: float) -> None:
+        self.replicas = replicas
+        self.by_url = {r.url: r for r in replicas}
+        self.router = router
+        self.keyer = keyer
+        self.health_interval_s = health_interval_s
+        self.monitor = HealthMonitor(replicas, on_down=lambda replica: router.forget(replica.url))
+        self.metrics = front_metrics.FrontMetrics(replicas)
+        self.session: aiohttp.ClientSession | None = None
+        self._keying = ThreadPoolExecutor(2, thread_name_prefix="leanlm-route")  # tokenizing off the event loop
+
+    async def open(self) -> None:
+        # No total timeout: a long generation may stream for minutes; connecting must be quick (loopback or LAN).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        await self.session.close()
+        self._keying.shutdown(wait=False, cancel_futures=True)
+
+    async def send(self, path: str, raw: bytes, client: str | None) -> _Upstream | Response:
+        """Route and send; a replica refusing the connection (never reached) is taken out and the next one tried."""
+        hashes = await asyncio.get_running_loop().run_in_executor(self._keying, self.keyer, path, raw)
+        headers = {"Content-Type": "application/json", **({"X-Forwarded-For": client} if client else {})}
+        while True:
+            loads = {r.url: r.num_in_flight for r in self.monitor.in_rotation()}
+            try:
+                route = self.router.choose(hashes, loads)
+            except NoReplicaError as exc:
+                return error_response(503, str(exc), "server_error", None, "unavailable", {"Retry-After": "5"})
+            replica = self.by_url[route.replica]
+            replica.num_routed += 1
+            replica.num_prefix_hits += route.matched_blocks > 0
+            replica.num_in_flight += 1
+            try:
+                response = await self.session.post(replica.url + path, data=raw, headers={**headers, **replica.headers})
+            except asyncio.CancelledError:  # the client hung up while the request was being sent
+                replica.num_in_flight -= 1
+                raise
+            except aiohttp.ClientConnectorError as exc:  # not delivered: safe to send elsewhere
+                replica.num_in_flight -= 1
+                replica.num_failed += 1
+                self.monitor.mark_down(replica, f"connection refused ({exc})")
+                continue
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                replica.num_in_flight -= 1
+                replica.num_failed += 1
+                self.monitor.mark_down(replica, f"a request's connection broke ({type(exc).__name__}: {exc})")
+                message = f"replica {replica.url} failed before answering ({type(exc).__name__}: {exc}); retry"
+                return error_response(502, message, "server_error", None, "replica_failed")
+            return _Upstream(self, replica, response)
+
+    async def answer(self, upstream: _Upstream) -> Response:
+        """A whole (non-streamed) answer, passed through with its status."""
+        try:
+            body = await upstream.response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return error_response(502, upstream.broke(exc), "server_error", None, "replica_failed")
+        finally:
+            upstream.finish()
+        return Response(body, status_code=upstream.response.status, headers=upstream.headers())
+
+    async def stream(self, upstream: _Upstream) -> AsyncIterator[bytes]:
+        """The replica's SSE bytes as they come; a break becomes an `error` event and `[DONE]` (the status is sent)."""
+        tail = b""
+        try:
+            async for chunk in upstream.response.content.iter_any():
+                tail = (tail + chunk)[-64:]
+                yield chunk
+            if b"[DONE]" not in tail:
+                raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            error = {"message": upstream.broke(exc), "type": "server_error", "param": None, "code": "replica_failed"}
+            yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            upstream.finish()
+
+
+async def _cancel_on_disconnect(request: Request, task: asyncio.Future) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    task.cancel()
+
+
+def build_front_app(front: Front, config: ServeConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await front.open()
+        checks = asyncio.ensure_future(front.monitor.run(front.session, front.health_interval_s))
+        try:
+            yield
+        finally:
+            checks.cancel()
+            await front.close()
+
+    app = FastAPI(title="LeanLM router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.front = front
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=config.api_key,
+        max_bytes=config.max_body_bytes,
+        metrics_key=config.metrics_key,
+        allowed_hosts=config.allowed_host_names,
+    )
+
+    @app.get("/health")
+    async def health() -> Response:
+        replicas = [r.describe() for r in front.replicas]
+        if not front.monitor.in_rotation():
+            return JSONResponse({"status": "unavailable", "replicas": replicas}, status_code=503)
+        return JSONResponse({"status": "ok", "replicas": replicas})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        pages = await front_metrics.scrape(front.session, front.replicas)
+        return PlainTextResponse(front_metrics.render(front.metrics, pages), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for replica in sorted(front.monitor.in_rotation(), key=lambda r: r.num_in_flight):
+            try:
+                async with front.session.get(replica.url + "/v1/models", headers=replica.headers) as response:
+                    body = await response.read()
+                    return Response(body, status_code=response.status, media_type="application/json")
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                front.monitor.mark_down(replica, f"/v1/models failed ({type(exc).__name__}: {exc})")
+        return error_response(503, "no replica is in rotation", "server_error", None, "unavailable")
+
+    async def proxy(request: Request, path: str) -> Response:
+        raw = await request.body()  # GuardMiddleware has limited its size
+        client = request.client.host if request.client else None
+        sending = asyncio.ensure_future(front.send(path, raw, client))
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, sending))
+        try:
+            upstream = await sending
+            if isinstance(upstream, Response):
+                return upstream
+            if upstream.response.headers.get("content-type", "").startswith("text/event-stream"):
+                watcher.cancel()  # StreamingResponse watches for the hang-up itself
+                return StreamingResponse(
+                    front.stream(upstream), status_code=upstream.response.status, headers=upstream.headers()
+                )
+            answering = asyncio.ensure_future(front.answer(upstream))
+            watcher.cancel()
+            watcher = asyncio.ensure_future(_cancel_on_disconnect(request, answering))
+            return await answering
+        except asyncio.CancelledError:
+            return Response(status_code=499)  # the client hung up: nobody to answer
+        finally:
+            watcher.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions")
+
+    return app
+
+
+def serve_routed(
+    serve_args: list[str], tokenizer: Tokenizer, block_size: int, config: ServeConfig, router_config: RouterConfig
+) -> None:
+    """Start the local replicas (`leanlm serve SERVE_ARGS` each), wait for them, serve the front until SIGINT/SIGTERM
+    (uvicorn's graceful shutdown), then stop the replicas. RuntimeError (exit 1) when no replica comes up."""
+    num_local = router_config.data_parallel_size
+    threads = config.threads or default_threads(num_local)
+    internal_key = secrets.token_urlsafe(24)  # local replicas answer only the front (and who reads its memory)
+    replicas: list[Replica] = []
+    try:
+        for _ in range(num_local):
+            replicas.append(start_local(serve_args, free_port(), threads, internal_key, config.log_level))
+        replicas += [Replica(url, api_key=router_config.replica_api_key) for url in router_config.replica_urls]
+        logger.info("starting %d local replica(s) with %d thread(s) each", num_local, threads)
+        wait_until_ready(replicas, router_config.replica_start_timeout_s)
+        router = Router(
+            router_config.router_policy,
+            router_config.balance_abs_threshold,
+            router_config.balance_rel_threshold,
+            router_config.router_cache_entries,
+        )
+        keyer = PromptKeyer(tokenizer, block_size, router_config.router_prefix_blocks)
+        front = Front(replicas, router, keyer, router_config.health_check_interval_s)
+        server = uvicorn.Server(uvicorn_config(build_front_app(front, config), config))
+        logger.info(
+            "routing (%s) over %s at http://%s:%d/v1",
+            router.policy,
+            ", ".join(r.url for r in replicas),
+            config.host,
+            config.port,
+        )
+        server.run()
+        if not server.started:
+            raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port}; see the log")
+    finally:
+        stop_local(replicas, config.shutdown_timeout_s)
