@@ -65,3 +65,24 @@ def test_serve_exits_1_when_a_rank_dies():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_tp2_x_dp2_serves_the_one_process_greedy_answers():
+    """Two replicas, each a TP=2 engine (4 ranks), behind the front: the one-process float32 text and logprobs."""
+    from leanlm import SamplingParams
+    from leanlm.analysis.peers import leanlm_server
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    with LLM(MODEL, dtype="float32", progress=False) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, logprobs=0), use_tqdm=False)
+    want = [(o.outputs[0].text, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+    flags = "--data-parallel-size 2 --tensor-parallel-size 2 --threads 1 --dtype float32 --num-kv-blocks 64"
+    server = leanlm_server(MODEL, _free_port(), tuple(flags.split()))
+    server.startup_timeout_s = 300
+    openai = pytest.importorskip("openai")
+    with server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt, (text, logprobs) in zip(prompts, want):
+            got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.0, logprobs=0)
+            assert got.choices[0].text == text
+            assert max(abs(a - b) for a, b in zip(got.choices[0].logprobs.token_logprobs, logprobs)) < 1e-4
