@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.config import EngineConfig, ModelConfig
-from leanlm.engine.draft_proposer import model_proposer
+from leanlm.engine.draft_proposer import DraftProposer, model_proposer
 from leanlm.engine.early_exit import EarlyExit
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.engine.spec_decode import SpecDecoder
+from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
@@ -114,6 +115,9 @@ class ModelRunner:
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
         exits = engine_config.early_exit
         self.early_exit = EarlyExit(model, exits) if exits is not None else None  # CALM, decode steps only
+        # Swap preemption's host copies of every cache indexed by this runner's block ids (a separate draft's too)
+        swap_bytes = engine_config.swap_space_bytes
+        self.host_kv_pool = HostKVPool.sized(self.own_caches(), swap_bytes) if engine_config.can_swap else None
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
@@ -129,6 +133,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         requests = scheduler_output.scheduled_requests
+        self._swap_blocks(scheduler_output)  # swap preemption's copies, before copy-on-write reuses a freed block
         self._copy_blocks(scheduler_output.blocks_to_copy)  # copy-on-write, before the forward writes
         if not requests:
             return ModelRunnerOutput([], [], [])
@@ -211,6 +216,17 @@ class ModelRunner:
         self.kv_cache.copy_blocks(src, dst)
         if self.spec_decoder is not None:
             self.spec_decoder.proposer.copy_blocks(src, dst)  # a draft model's own cache mirrors the block ids
+
+    def own_caches(self) -> tuple[PagedKVCache, ...]:
+        """The caches this runner allocated over its block ids: its own, and a separate draft model's."""
+        proposer = self.spec_decoder.proposer if self.spec_decoder is not None else None
+        draft = (proposer.kv_cache,) if isinstance(proposer, DraftProposer) and proposer.owns_cache else ()
+        return (self.kv_cache, *draft)
+
+    def _swap_blocks(self, so: SchedulerOutput) -> None:
+        """Preempted requests' private blocks out to host memory, swapped ones back (every cache, scales too)."""
+        if so.blocks_to_swap_out or so.blocks_to_swap_in:
+            self.host_kv_pool.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)
 
     def _layout(self, so: SchedulerOutput) -> _BatchLayout:
         ids: list[int] = []
