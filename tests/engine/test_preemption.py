@@ -4,6 +4,7 @@ the fake runner of test_scheduler, which moves its simulated KV through the swap
 from __future__ import annotations
 
 import pytest
+import torch
 
 from leanlm.config import EngineConfig
 from leanlm.engine.block_pool import BlockPool
@@ -19,6 +20,9 @@ from leanlm.engine.preemption import (
 from leanlm.engine.request import RequestStatus
 from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.swap_space import SwapSpace
+from leanlm.sampling_params import SamplingParams
+from tests.conftest import run_to_completion
+from tests.engine.test_engine import _prompts
 from tests.engine.test_scheduler import FakeRunner, assert_all_blocks_free, make_request, run, step
 
 # recompute: 2e8 FLOPs a token at 1e11 FLOP/s = 2 ms a token; swap: 1 MB a block out and back at 1e10 B/s = 0.2 ms
@@ -221,3 +225,88 @@ def test_swap_preemption_needs_host_memory():
         EngineConfig(swap_space_bytes=-1)
     assert not EngineConfig().can_swap and not EngineConfig(preemption_mode="recompute", swap_space_bytes=1).can_swap
     assert EngineConfig(swap_space_bytes=1).can_swap
+
+
+# ---- the engine end to end -------------------------------------------------------------------------------
+
+TIGHT = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=6)  # forces preemption
+MODES = {
+    "none": dict(TIGHT, num_kv_blocks=256),
+    "recompute": dict(TIGHT, preemption_mode="recompute"),
+    "swap": dict(TIGHT, preemption_mode="swap", swap_space_bytes=1 << 20),
+}
+
+
+def _greedy_tokens(engine, prompts, max_tokens=20):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = run_to_completion(engine)
+    return [outputs[i].outputs[0].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_swap_recompute_and_no_preemption_give_the_same_greedy_tokens(make_tiny_engine, tokenizer, kv_cache_dtype):
+    """float32 weights; an 8-bit cache is swapped with its scales (wrong scales would change the tokens)."""
+    prompts = _prompts(tokenizer.vocab_size)
+    tokens = {}
+    for mode, options in MODES.items():
+        engine = make_tiny_engine(dtype=torch.float32, kv_cache_dtype=kv_cache_dtype, **options)
+        tokens[mode] = _greedy_tokens(engine, prompts)
+        stats = engine.scheduler.stats()
+        recomputed, swapped = stats.num_preemptions > 0, stats.num_swaps_out > 0
+        assert (recomputed, swapped) == {"none": (False, False), "recompute": (True, False), "swap": (False, True)}[
+            mode
+        ]
+        assert stats.num_swaps_in == stats.num_swaps_out and stats.num_swapped == 0
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+        if engine.scheduler.swapper is not None:
+            assert_swap_space_free(engine.scheduler)
+    assert tokens["swap"] == tokens["none"] == tokens["recompute"]
+
+
+def test_auto_swaps_on_this_cpu_and_the_host_pool_is_sized_from_its_bytes(make_tiny_engine, tokenizer):
+    engine = make_tiny_engine(dtype=torch.float32, **dict(TIGHT, swap_space_bytes=1 << 20))
+    pool = engine.model_runner.host_kv_pool
+    per_block = 2 * 2 * 4 * 2 * 16 * 4  # L, K/V, block size, Hkv, D, float32
+    assert pool.num_blocks == (1 << 20) // per_block and engine.scheduler.swapper.costs.bytes_per_block == per_block
+    _greedy_tokens(engine, _prompts(tokenizer.vocab_size))
+    stats = engine.scheduler.stats()
+    assert stats.num_swaps_out > 0 and stats.num_preemptions == 0  # a CPU copy is far cheaper than a prefill
+    assert make_tiny_engine(**TIGHT).model_runner.host_kv_pool is None  # swap_space_bytes 0: recompute only
+
+
+def test_a_separate_draft_models_cache_is_swapped_with_the_targets(tokenizer):
+    """A swapped request keeps its draft KV (num_preemptions stays 0, so the draft trusts what it wrote): each block
+    of the draft's cache must come back as it left. A draft with the target's weights is then always accepted."""
+    from tests.engine.test_spec_decode import GREEDY, _draft_engine, _repetitive_prompts
+
+    engine = _draft_engine(
+        tokenizer,
+        noise=0.0,
+        adaptive=False,
+        block_size=4,
+        num_kv_blocks=20,
+        max_num_batched_tokens=12,
+        preemption_mode="swap",
+        swap_space_bytes=1 << 20,
+    )
+    runner = engine.model_runner
+    pool = runner.host_kv_pool
+    draft_cache = runner.spec_decoder.proposer.kv_cache
+    assert pool.device_caches == (runner.kv_cache, draft_cache)
+    left, checked = {}, []  # host block -> the draft block's KV when it left; blocks compared on return
+    swap = pool.swap
+
+    def checking_swap(swap_out, swap_in):
+        left.update({host: draft_cache.kv[:, :, device].clone() for device, host in swap_out})
+        swap(swap_out, swap_in)
+        checked.extend(torch.equal(draft_cache.kv[:, :, device], left.pop(host)) for host, device in swap_in)
+
+    pool.swap = checking_swap
+    for prompt in _repetitive_prompts(tokenizer.vocab_size):
+        engine.add_request(prompt, GREEDY)
+    run_to_completion(engine)
+    assert checked and all(checked)
+    stats = runner.spec_decoder.stats()
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert engine.scheduler.stats().num_swaps_out > 0 and engine.scheduler.stats().num_preemptions == 0
