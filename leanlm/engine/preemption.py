@@ -36,9 +36,9 @@ class PreemptionCosts:
                 raise ValueError(f"PreemptionCosts.{name} must be > 0, got {getattr(self, name)}")
 
     @classmethod
-    def estimate(cls, model: torch.nn.Module, bytes_per_block: int, device: torch.device) -> PreemptionCosts:
+    def estimate(cls, model: torch.nn.Module, bytes_per_block: int, device: torch.device | str) -> PreemptionCosts:
         """From the model's size and the device type's assumed throughputs (DEVICE_THROUGHPUT)."""
-        flops, bandwidth = DEVICE_THROUGHPUT.get(device.type, DEVICE_THROUGHPUT["cpu"])
+        flops, bandwidth = DEVICE_THROUGHPUT.get(torch.device(device).type, DEVICE_THROUGHPUT["cpu"])
         return cls(2.0 * count_layer_weights(model), flops, bytes_per_block, bandwidth)
 
 

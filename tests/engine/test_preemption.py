@@ -8,6 +8,7 @@ import torch
 
 from leanlm.config import EngineConfig
 from leanlm.engine.block_pool import BlockPool
+from leanlm.engine.engine import LLMEngine
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.preemption import (
     PreemptionCosts,
@@ -20,6 +21,7 @@ from leanlm.engine.preemption import (
 from leanlm.engine.request import RequestStatus
 from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.swap_space import SwapSpace
+from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 from tests.engine.test_engine import _prompts
@@ -216,17 +218,6 @@ def test_aborting_a_swapped_request_releases_its_kept_shared_blocks():
     assert_swap_space_free(sched)
 
 
-def test_swap_preemption_needs_host_memory():
-    with pytest.raises(ValueError, match="swap_space_bytes > 0"):
-        EngineConfig(preemption_mode="swap")
-    with pytest.raises(ValueError, match="unknown preemption_mode"):
-        EngineConfig(preemption_mode="spill")
-    with pytest.raises(ValueError, match="swap_space_bytes must be >= 0"):
-        EngineConfig(swap_space_bytes=-1)
-    assert not EngineConfig().can_swap and not EngineConfig(preemption_mode="recompute", swap_space_bytes=1).can_swap
-    assert EngineConfig(swap_space_bytes=1).can_swap
-
-
 # ---- the engine end to end -------------------------------------------------------------------------------
 
 TIGHT = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=6)  # forces preemption
@@ -310,3 +301,25 @@ def test_a_separate_draft_models_cache_is_swapped_with_the_targets(tokenizer):
     stats = runner.spec_decoder.stats()
     assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert engine.scheduler.stats().num_swaps_out > 0 and engine.scheduler.stats().num_preemptions == 0
+
+
+@pytest.mark.real_model
+def test_real_model_swap_recompute_and_no_preemption_give_the_same_greedy_tokens(smollm):
+    """SmolLM2 in float32, three prompts in a 6-block pool of 16-token blocks (each needs 3 blocks by the end)."""
+    model = build_model(smollm.config, smollm.state_dict, torch.float32, quantized=smollm.quantized)
+    texts = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,")
+    prompts = [smollm.tokenizer.encode(t) for t in texts]
+    tight = dict(block_size=16, num_kv_blocks=6, max_num_batched_tokens=64)
+    modes = {
+        "none": dict(tight, num_kv_blocks=64),
+        "recompute": dict(tight, preemption_mode="recompute"),
+        "swap": dict(tight, preemption_mode="swap", swap_space_bytes=64 << 20),
+    }
+    tokens, stats = {}, {}
+    for mode, options in modes.items():
+        engine = LLMEngine(model, smollm.tokenizer, EngineConfig.from_options(**options), "cpu", torch.float32)
+        tokens[mode] = _greedy_tokens(engine, prompts, max_tokens=24)
+        stats[mode] = engine.scheduler.stats()
+    assert stats["recompute"].num_preemptions > 0 and stats["swap"].num_swaps_out > 0
+    assert stats["swap"].num_preemptions == 0 and stats["none"].num_preemptions == 0
+    assert tokens["swap"] == tokens["none"] == tokens["recompute"]
