@@ -18,7 +18,7 @@ from leanlm.engine.swap_space import SwapSpace
 # Throughputs the estimate assumes, by device type: (prefill FLOP/s, device <-> host copy bytes/s). CPU: measured
 # here (benchmarks/kv_swap_bench.py, SmolLM2 prefill and KV block copies, docs/kv_swap.md); CUDA: ~40% of an
 # H100's dense bf16 peak for prefill and a PCIe 4 x16 link's pinned-memory rate (datasheets, not measured).
-DEVICE_THROUGHPUT = {"cpu": (60e9, 4e9), "cuda": (4e14, 2e10)}
+DEVICE_THROUGHPUT = {"cpu": (300e9, 5e9), "cuda": (4e14, 2e10)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ class PreemptionCosts:
         flops, bandwidth = DEVICE_THROUGHPUT.get(torch.device(device).type, DEVICE_THROUGHPUT["cpu"])
         return cls(2.0 * count_layer_weights(model), flops, bytes_per_block, bandwidth)
 
+    def recompute_seconds(self, num_tokens: int) -> float:
+        """Prefilling `num_tokens` again."""
+        return self.flops_per_token * num_tokens / self.prefill_flops_per_s
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Copying `num_blocks` blocks out and back in."""
+        return 2.0 * num_blocks * self.bytes_per_block / self.swap_bytes_per_s
+
 
 def count_layer_weights(model: torch.nn.Module) -> int:
     """Weights a token's prefill multiplies through: the decoder layers' parameters and buffers (quantized layers
@@ -51,16 +59,6 @@ def count_layer_weights(model: torch.nn.Module) -> int:
     return sum(t.numel() for t in {id(t): t for t in tensors}.values())
 
 
-def recompute_seconds(costs: PreemptionCosts, num_tokens: int) -> float:
-    """Prefilling `num_tokens` again."""
-    return costs.flops_per_token * num_tokens / costs.prefill_flops_per_s
-
-
-def swap_seconds(costs: PreemptionCosts, num_blocks: int) -> float:
-    """Copying `num_blocks` blocks out and back in."""
-    return 2.0 * num_blocks * costs.bytes_per_block / costs.swap_bytes_per_s
-
-
 def should_swap(mode: str, costs: PreemptionCosts, num_computed_tokens: int, num_private_blocks: int) -> bool:
     """Swap (True) or recompute a request with this much KV, of which `num_private_blocks` blocks would be copied.
     A request without computed tokens has nothing to keep; 'auto' swaps only when it is estimated cheaper."""
@@ -68,7 +66,7 @@ def should_swap(mode: str, costs: PreemptionCosts, num_computed_tokens: int, num
         return False
     if mode == "swap":
         return True
-    return swap_seconds(costs, num_private_blocks) < recompute_seconds(costs, num_computed_tokens)
+    return costs.swap_seconds(num_private_blocks) < costs.recompute_seconds(num_computed_tokens)
 
 
 class Swapper:

@@ -14,9 +14,7 @@ from leanlm.engine.preemption import (
     PreemptionCosts,
     Swapper,
     count_layer_weights,
-    recompute_seconds,
     should_swap,
-    swap_seconds,
 )
 from leanlm.engine.request import RequestStatus
 from leanlm.engine.scheduler import Scheduler
@@ -49,8 +47,8 @@ def assert_swap_space_free(sched):
 
 
 def test_costs_are_flops_over_throughput_and_twice_the_bytes_over_bandwidth():
-    assert recompute_seconds(COSTS, 100) == pytest.approx(0.2)
-    assert swap_seconds(COSTS, 10) == pytest.approx(2e-3)
+    assert COSTS.recompute_seconds(100) == pytest.approx(0.2)
+    assert COSTS.swap_seconds(10) == pytest.approx(2e-3)
     assert should_swap("auto", COSTS, num_computed_tokens=100, num_private_blocks=10)
     # 1000 blocks cost 0.2 s to swap, exactly as much as recomputing 100 tokens: a tie recomputes
     assert not should_swap("auto", COSTS, num_computed_tokens=100, num_private_blocks=1000)
