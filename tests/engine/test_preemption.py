@@ -154,6 +154,26 @@ def test_a_full_swap_space_falls_back_to_recompute():
     assert_swap_space_free(sched)
 
 
+def test_swapped_requests_that_cannot_come_back_with_nothing_running_fall_back_to_recompute():
+    """Blocks held outside the queues (taken from the pool here) leave no room and nothing runs to free any: the
+    swapped requests are recomputed instead of waiting forever, and then fail as any request that can never fit."""
+    sched = make_swap_scheduler()
+    runner = FakeRunner(4)
+    a, b, c = _three_requests(sched)
+    for _ in range(3):
+        step(sched, runner)
+    pool = sched.kv_cache_manager.block_pool
+    sched.abort_request("a")
+    taken = pool.get_new_blocks(pool.num_free_blocks)
+    trace, out, changed = step(sched, runner)
+    assert trace == [] and out.blocks_to_swap_in == [] and {r.request_id for r in changed} == {"b", "c"}
+    assert b.status == c.status == RequestStatus.FINISHED_ERROR and "KV blocks" in c.error
+    assert (b.num_swaps, b.num_preemptions, sched.stats().num_preemptions) == (1, 1, 2)
+    assert_swap_space_free(sched)
+    pool.free_blocks(taken)
+    assert_all_blocks_free(sched)
+
+
 def test_auto_recomputes_when_the_estimate_says_swapping_costs_more():
     slow_link = PreemptionCosts(2e8, 1e11, 10**6, swap_bytes_per_s=1e6)
     sched = make_swap_scheduler(mode="auto", costs=slow_link)
