@@ -62,7 +62,7 @@ def run_once(engine: LLMEngine, prompts: list[list[int]]) -> tuple[float, list[l
     return time.perf_counter() - t0, [final[i] for i in ids]
 
 
-def calibrate(engine: LLMEngine, swap_engine: LLMEngine, prompt: list[int], reps: int) -> tuple[float, float]:
+def calibrate(engine: LLMEngine, swap_engine: LLMEngine, prompt: list[int], reps: int = 5) -> tuple[float, float]:
     """(prefill seconds of `prompt` alone, seconds of a swap round trip of its blocks), best of `reps`."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prefill = []
@@ -98,7 +98,7 @@ def measure(net, tokenizer, lengths: list[int], reps: int, threshold: float) -> 
                 samples[mode].append((elapsed, monitor.sample.other_share))
         clean = {mode: [t for t, other in samples[mode] if other <= threshold] for mode in MODES}
         stats = {mode: engines[mode].scheduler.stats() for mode in MODES}
-        prefill_s, swap_s = calibrate(engines["none"], engines["swap"], prompts[0], reps=3)
+        prefill_s, swap_s = calibrate(engines["none"], engines["swap"], prompts[0])
         costs = engines["swap"].scheduler.swapper.costs  # what 'auto' weighs on this device
         num_blocks = length // BLOCK  # the preempted request's KV: L computed tokens in full blocks
         row = dict(
@@ -109,7 +109,7 @@ def measure(net, tokenizer, lengths: list[int], reps: int, threshold: float) -> 
             kept=sum(len(v) for v in clean.values()),
             discarded=sum(len(v) for v in samples.values()) - sum(len(v) for v in clean.values()),
             other_share=median([other for values in samples.values() for _, other in values]),
-            same=all(tokens[mode] == tokens["none"] for mode in MODES),
+            differ=[mode for mode in MODES if tokens[mode] != tokens["none"]],
             auto_swapped=stats["auto"].num_swaps_out > 0 and stats["auto"].num_preemptions == 0,
             preempted={mode: (stats[mode].num_preemptions, stats[mode].num_swaps_out) for mode in MODES},
             prefill_s=prefill_s,
@@ -133,8 +133,8 @@ def format_report(rows: list[dict], args) -> str:
         f"(discarded: other processes above {args.threshold:.0%} of the CPU; other agents were running on this "
         f"machine). {describe_machine()}. Command: `python benchmarks/kv_swap_bench.py --reps {args.reps}`.",
         "",
-        "| L | no preemption s | recompute s | swap s | auto s | faster | auto picked | same tokens | "
-        "kept / discarded | other processes' CPU (median) |",
+        "| L | no preemption s | recompute s | swap s | auto s | faster | auto picked "
+        "| tokens differ from no preemption | kept / discarded | other processes' CPU (median) |",
         "|---:|---:|---:|---:|---:|---|---|---|---:|---:|",
     ]
     for r in rows:
@@ -144,14 +144,15 @@ def format_report(rows: list[dict], args) -> str:
         picked = "swap" if r["auto_swapped"] else "recompute"
         lines.append(
             f"| {r['length']} | {s['none']} | {s['recompute']} | {s['swap']} | {s['auto']} | {faster} "
-            f"| {picked} ({'the faster' if picked == faster else 'the slower'}) | {'yes' if r['same'] else 'NO'} "
+            f"| {picked} ({'the faster' if picked == faster else 'the slower'}) | {', '.join(r['differ']) or 'none'} "
             f"| {r['kept']} / {r['discarded']} | {r['other_share']:.0%} |"
         )
     lines += [
         "",
         "*: every repetition of this mode was contaminated; the median of all of them.",
         "",
-        "Calibration (best of 3): a prefill of L tokens alone, and a swap of its L/16 blocks out and back in "
+        "Calibration (best of 5, not screened for contamination): a prefill of L tokens alone, and a swap of its "
+        "L/16 blocks out and back in "
         "(HostKVPool.swap); what they cost the preempted request, measured and as `PreemptionCosts` estimates it "
         f"with the CPU constants ({flops / 1e9:.0f} GFLOP/s prefill, {bandwidth / 1e9:.0f} GB/s copies).",
         "",
