@@ -83,7 +83,20 @@ def calibrate(engine: LLMEngine, swap_engine: LLMEngine, prompt: list[int], reps
     return min(prefill), min(swaps[1:])
 
 
-def measure(net, tokenizer, lengths: list[int], reps: int, threshold: float) -> list[dict]:
+def timed(engine: LLMEngine, prompts: list[list[int]], threshold: float, retries: int) -> list[tuple[float, float]]:
+    """(seconds, other processes' CPU share) of one repetition, re-run while contaminated, up to `retries` times:
+    every attempt, the clean one last if any."""
+    attempts = []
+    for _ in range(1 + retries):
+        with CpuMonitor() as monitor:
+            elapsed, _ = run_once(engine, prompts)
+        attempts.append((elapsed, monitor.sample.other_share))
+        if monitor.sample.other_share <= threshold:
+            break
+    return attempts
+
+
+def measure(net, tokenizer, lengths: list[int], reps: int, threshold: float, retries: int) -> list[dict]:
     rng = random.Random(0)
     rows = []
     for length in lengths:
@@ -93,9 +106,7 @@ def measure(net, tokenizer, lengths: list[int], reps: int, threshold: float) -> 
         samples = {mode: [] for mode in MODES}  # (seconds, other processes' CPU share) per repetition
         for _ in range(reps):
             for mode, engine in engines.items():
-                with CpuMonitor() as monitor:
-                    elapsed, _ = run_once(engine, prompts)
-                samples[mode].append((elapsed, monitor.sample.other_share))
+                samples[mode] += timed(engine, prompts, threshold, retries)
         clean = {mode: [t for t, other in samples[mode] if other <= threshold] for mode in MODES}
         stats = {mode: engines[mode].scheduler.stats() for mode in MODES}
         prefill_s, swap_s = calibrate(engines["none"], engines["swap"], prompts[0])
@@ -130,8 +141,8 @@ def format_report(rows: list[dict], args) -> str:
         f"SmolLM2-135M (bf16), two requests of L prompt tokens and {MAX_TOKENS} greedy tokens each in a pool of "
         f"2L/{BLOCK} + 1 blocks of {BLOCK} tokens: the newer request is preempted once and comes back after the "
         f"older one finishes. Median wall time of the whole run over {args.reps} alternating repetitions per mode "
-        f"(discarded: other processes above {args.threshold:.0%} of the CPU; other agents were running on this "
-        f"machine). {describe_machine()}. Command: `python benchmarks/kv_swap_bench.py --reps {args.reps}`.",
+        f"(discarded: other processes above {args.threshold:.0%} of the CPU, each re-run up to {args.retries} times "
+        f"while contaminated; other agents were running on this machine). {describe_machine()}. Command: `python benchmarks/kv_swap_bench.py --reps {args.reps} --retries {args.retries}`.",
         "",
         "| L | no preemption s | recompute s | swap s | auto s | faster | auto picked "
         "| tokens differ from no preemption | kept / discarded | other processes' CPU (median) |",
@@ -174,11 +185,13 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,256,1024")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threshold", type=float, default=0.10, help="discard repetitions above this other-CPU share")
+    ap.add_argument("--retries", type=int, default=2, help="re-runs of a contaminated repetition")
     ap.add_argument("--doc", default=None, help="replace the kv-swap section of this markdown file")
     args = ap.parse_args()
     torch.manual_seed(0)
     net, tokenizer = load_net(args.model)
-    rows = measure(net, tokenizer, [int(n) for n in args.lengths.split(",")], args.reps, args.threshold)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    rows = measure(net, tokenizer, lengths, args.reps, args.threshold, args.retries)
     report = format_report(rows, args)
     print(report)
     if args.doc:

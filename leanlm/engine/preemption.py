@@ -18,7 +18,7 @@ from leanlm.engine.swap_space import SwapSpace
 # Throughputs the estimate assumes, by device type: (prefill FLOP/s, device <-> host copy bytes/s). CPU: measured
 # here (benchmarks/kv_swap_bench.py, SmolLM2 prefill and KV block copies, docs/kv_swap.md); CUDA: ~40% of an
 # H100's dense bf16 peak for prefill and a PCIe 4 x16 link's pinned-memory rate (datasheets, not measured).
-DEVICE_THROUGHPUT = {"cpu": (300e9, 5e9), "cuda": (4e14, 2e10)}
+DEVICE_THROUGHPUT = {"cpu": (450e9, 6e9), "cuda": (4e14, 2e10)}
 
 
 @dataclass(frozen=True)
