@@ -142,7 +142,8 @@ def format_report(rows: list[dict], args) -> str:
         f"2L/{BLOCK} + 1 blocks of {BLOCK} tokens: the newer request is preempted once and comes back after the "
         f"older one finishes. Median wall time of the whole run over {args.reps} alternating repetitions per mode "
         f"(discarded: other processes above {args.threshold:.0%} of the CPU, each re-run up to {args.retries} times "
-        f"while contaminated; other agents were running on this machine). {describe_machine()}. Command: `python benchmarks/kv_swap_bench.py --reps {args.reps} --retries {args.retries}`.",
+        f"while contaminated; other agents were running on this machine). {describe_machine()}. Command: "
+        f"`python benchmarks/kv_swap_bench.py --reps {args.reps} --retries {args.retries}`.",
         "",
         "| L | no preemption s | recompute s | swap s | auto s | faster | auto picked "
         "| tokens differ from no preemption | kept / discarded | other processes' CPU (median) |",
