@@ -11,6 +11,8 @@ from dataclasses import dataclass
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (leanlm.engine.early_exit)
+# What a preempted request loses: its KV, recomputed later, or nothing, its blocks copied to host memory and back
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,20 @@ class EngineConfig:
         default=300.0,
         metadata={"help": "a collective (or a rank's start) that takes longer fails the engine with an error"},
     )
+    # leanlm.engine.preemption: auto picks per request whichever its cost estimate says is cheaper
+    preemption_mode: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "choices": PREEMPTION_MODES,
+            "help": "when KV blocks run out the newest running request is preempted: recompute (drop its KV, "
+            "prefill again later) | swap (copy its blocks to host memory and back; needs --swap-space-bytes) | "
+            "auto (whichever is estimated cheaper; recompute while --swap-space-bytes is 0)",
+        },
+    )
+    swap_space_bytes: int = dataclasses.field(
+        default=0,
+        metadata={"help": "host memory for swapped-out KV blocks (pinned on a GPU); 0 disables swapping"},
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -85,6 +101,7 @@ class EngineConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        self._check_preemption()
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes < 1:
@@ -115,6 +132,21 @@ class EngineConfig:
                 "speculative decoding and early exit run in one process: drop them, or set tensor_parallel_size "
                 "and pipeline_parallel_size to 1"
             )
+
+    def _check_preemption(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"unknown preemption_mode {self.preemption_mode!r}; use one of {', '.join(PREEMPTION_MODES)}"
+            )
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0 (0 disables swapping), got {self.swap_space_bytes}")
+        if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
+            raise ValueError("preemption_mode 'swap' needs host memory to swap to: set swap_space_bytes > 0")
+
+    @property
+    def can_swap(self) -> bool:
+        """Preemption may swap KV to host memory."""
+        return self.preemption_mode != "recompute" and self.swap_space_bytes > 0
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

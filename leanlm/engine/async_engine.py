@@ -28,9 +28,8 @@ from leanlm.engine.beam_search import BeamSearch, BeamSearchParams
 from leanlm.engine.beam_search_driver import BeamSearchDriver
 from leanlm.engine.engine import LLMEngine
 from leanlm.engine.errors import EngineDeadError, EngineStoppedError, QueueFullError, RequestFailedError
-from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.outputs import RequestOutput, SchedulerStats
 from leanlm.engine.request_stream import RequestStream
-from leanlm.engine.scheduler import SchedulerStats
 from leanlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -20,11 +20,13 @@ from leanlm.engine.executor import IsolatingExecutor
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
-from leanlm.engine.outputs import RequestOutput
+from leanlm.engine.outputs import RequestOutput, SchedulerStats
+from leanlm.engine.preemption import PreemptionCosts, Swapper
 from leanlm.engine.request import Request
-from leanlm.engine.scheduler import Scheduler, SchedulerStats
+from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.spec_decode import SpecStats
 from leanlm.engine.step_plan import StepPlan
+from leanlm.engine.swap_space import SwapSpace
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.sampling_params import SamplingParams
@@ -74,9 +76,20 @@ class LLMEngine:
             self.max_model_len,
             eos_ids,
             stop_checker=self.output_processor.check_stop,
+            swapper=self._swapper(),
         )
         self.executor = IsolatingExecutor(self.model_runner, self.scheduler)
         self._ids = itertools.count()
+
+    def _swapper(self) -> Swapper | None:
+        """Swap preemption over the runner's host pool, when the config allows it."""
+        pool = self.model_runner.host_kv_pool
+        if pool is None:
+            return None
+        per_block = pool.bytes_per_block(pool.device_caches)
+        costs = PreemptionCosts.estimate(self.model_runner.model, per_block, self.device)
+        mode = self.engine_config.preemption_mode
+        return Swapper(mode, self.kv_cache_manager, SwapSpace(pool.num_blocks), costs)
 
     # -- requests -----------------------------------------------------------------------------------
 

@@ -41,6 +41,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
         # (src, dst) block ids whose KV the runner must copy before the next forward; take_block_copies drains it
         self._block_copies: list[tuple[int, int]] = []
+        # Swapped-out requests: their block lists with None where a private block went to host memory (swap_out);
+        # the shared blocks stay held. A request is in _req_to_blocks or here, never both.
+        self._swapped: dict[str, list[KVBlock | None]] = {}
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -61,6 +64,14 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return cdiv(num_tokens, self.block_size)
+
+    def too_big_message(self, request_id: str, num_tokens: int) -> str:
+        """Why a request of `num_tokens` tokens can never run on this pool, and what to do."""
+        return (
+            f"request {request_id!r} needs {self.num_blocks_for(num_tokens)} KV blocks for {num_tokens} "
+            f"tokens but the pool has only {self.block_pool.num_blocks} blocks of {self.block_size} tokens; "
+            f"give the engine more KV cache memory (num_kv_blocks) or lower max_model_len / the prompt length"
+        )
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
@@ -148,11 +159,54 @@ class KVCacheManager:
         copies, self._block_copies = self._block_copies, []
         return copies
 
+    def swap_out(self, request: Request) -> list[int]:
+        """Release the request's private blocks (ref count 1), whose KV the caller copies to host memory, and keep
+        its references on shared ones (prefix hits, forks: their KV stays on the device, held by others and by it).
+        Returns the private block ids in block order; swap_in gives it fresh blocks in their places."""
+        blocks = self._req_to_blocks.pop(request.request_id, [])
+        private = [block for block in blocks if not self.block_pool.is_shared(block)]
+        self._swapped[request.request_id] = [block if self.block_pool.is_shared(block) else None for block in blocks]
+        # Freed blocks keep their hashes: until handed out again, a prefix hit may still revive them.
+        self.block_pool.free_blocks(reversed(private))
+        return [block.block_id for block in private]
+
+    def num_blocks_to_swap_in(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks a swapped-out request needs to come back and compute `num_new_tokens` more: fresh blocks for
+        its private ones, the blocks those tokens add, and a copy of a shared block they would write into."""
+        layout = self._swapped[request.request_id]
+        num_grow = max(0, self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(layout))
+        block_idx, offset = divmod(request.num_computed_tokens, self.block_size)
+        kept = layout[block_idx] if block_idx < len(layout) else None
+        cow = offset > 0 and kept is not None and self.block_pool.is_shared(kept)
+        return layout.count(None) + num_grow + int(cow)
+
+    def num_private_blocks(self, request: Request) -> int:
+        """Blocks only this request holds: what a swap-out would copy to host memory."""
+        blocks = self._req_to_blocks.get(request.request_id, ())
+        return sum(1 for block in blocks if not self.block_pool.is_shared(block))
+
+    def swap_in(self, request: Request) -> list[int] | None:
+        """Give a swapped-out request fresh blocks where its private ones were; returns their ids (the order of
+        swap_out's), or None (changing nothing) when the pool has too few free blocks. They carry no hash: the
+        blocks swapped out may still hold their hashes, and a hash names one block."""
+        layout = self._swapped[request.request_id]
+        num_fresh = layout.count(None)
+        if num_fresh > self.block_pool.num_free_blocks:
+            return None
+        fresh = self.block_pool.get_new_blocks(num_fresh)
+        fresh_iter = iter(fresh)
+        self._req_to_blocks[request.request_id] = [next(fresh_iter) if b is None else b for b in layout]
+        del self._swapped[request.request_id]
+        # The fresh blocks are not registered; leading ones counted as registered simply stay unshared.
+        return [block.block_id for block in fresh]
+
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
         """Release the request's blocks tail-first (its tail is evicted before its shareable head) and
-        forget it. `keep_hashes` keeps its block hashes for a preempted request that will resume."""
+        forget it; a swapped-out request releases the shared blocks it kept. `keep_hashes` keeps its block
+        hashes for a preempted request that will resume."""
         request_id = request.request_id
-        blocks = self._req_to_blocks.pop(request_id, [])
+        swapped = self._swapped.pop(request_id, [])
+        blocks = self._req_to_blocks.pop(request_id, [block for block in swapped if block is not None])
         self.block_pool.free_blocks(reversed(blocks))
         self._num_cached_blocks.pop(request_id, None)
         if not keep_hashes:

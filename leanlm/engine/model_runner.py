@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from leanlm.config import EngineConfig, ModelConfig
-from leanlm.engine.draft_proposer import model_proposer
+from leanlm.engine.draft_proposer import DraftProposer, model_proposer
 from leanlm.engine.early_exit import EarlyExit
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
@@ -20,6 +20,7 @@ from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.engine.spec_decode import SpecDecoder
 from leanlm.engine.step_plan import PromptRows, StepPlan, plan_step, split_microbatches
+from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
@@ -84,6 +85,9 @@ class ModelRunner:
         # plans -> their logits [R, V] each: this process's forwards, or (leanlm.parallel) the plans run by every rank
         self.step_forward: Callable[[list[StepPlan]], list[torch.Tensor]] = self.forward_all
         self.num_microbatches = 1  # parts a step is split into (a pipeline keeps several in flight)
+        # Swap preemption's host copies of every cache indexed by this runner's block ids (a separate draft's too)
+        swap_bytes = engine_config.swap_space_bytes
+        self.host_kv_pool = HostKVPool.sized(self.own_caches(), swap_bytes) if engine_config.can_swap else None
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
@@ -100,7 +104,9 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         requests = scheduler_output.scheduled_requests
         if not requests:
-            self.copy_blocks(scheduler_output.blocks_to_copy)
+            so = scheduler_output
+            if so.blocks_to_copy or so.blocks_to_swap_out or so.blocks_to_swap_in:  # on every rank
+                self.step_forward([StepPlan.copies_only(so, self.device)])
             return ModelRunnerOutput([], [], [])
         # one part, or (pipeline parallelism) micro-batches of consecutive requests, in flight together
         parts = split_microbatches(scheduler_output, self.num_microbatches)
@@ -136,7 +142,9 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run one step's forward on this process's model and cache: the copy-on-write copies, the layers, and the
         logits of plan.logit_rows [R, V]. Every rank of a parallel model runs it on the same plan."""
-        self.copy_blocks(plan.blocks_to_copy)  # before the forward writes
+        self.move_blocks(plan)
+        if not plan.num_tokens:
+            return torch.zeros(0, self.config.vocab_size, device=self.device)
         ctx = build_forward_context(plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache)
         started = time.perf_counter()
         with forward_context(ctx):
@@ -194,6 +202,21 @@ class ModelRunner:
         self.kv_cache.copy_blocks(src, dst)
         if self.spec_decoder is not None:
             self.spec_decoder.proposer.copy_blocks(src, dst)  # a draft model's own cache mirrors the block ids
+
+    def own_caches(self) -> tuple[PagedKVCache, ...]:
+        """The caches this runner allocated over its block ids: its own, and a separate draft model's."""
+        proposer = self.spec_decoder.proposer if self.spec_decoder is not None else None
+        draft = (proposer.kv_cache,) if isinstance(proposer, DraftProposer) and proposer.owns_cache else ()
+        return (self.kv_cache, *draft)
+
+    def move_blocks(self, plan: StepPlan) -> None:
+        """Before the forward writes: preempted requests' private blocks out to host memory and swapped ones back
+        (every cache, scales too), then the copy-on-write copies (which may reuse a block just swapped out). On a
+        parallel engine each rank moves its own slice: rank 0 has the largest blocks, so its host pool, which the
+        scheduler's host block ids count, is the smallest."""
+        if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
+            self.host_kv_pool.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+        self.copy_blocks(plan.blocks_to_copy)
 
 
 def _prompt_logprobs(

@@ -25,6 +25,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # finished since the last schedule()
     # (src, dst) KV block ids to copy before the forward: copy-on-write of blocks shared by forks
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (device, host) block ids to copy to the swap space, then (host, device) ids to copy back, before the copies
+    # above and the forward: swap preemption (engine/preemption.py)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def num_spec_tokens(self, idx: int) -> int:
         return len(self.spec_token_ids[idx]) if self.spec_token_ids else 0
@@ -36,6 +40,21 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled_requests
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    prefix_cache_hit_rate: float  # hit tokens / looked-up tokens, since start or the last reset
+    num_preemptions: int  # recompute preemptions (KV dropped) since start
+    num_swapped: int = 0  # requests swapped out to host memory now
+    num_swaps_out: int = 0  # swap preemptions (KV copied to host memory) since start
+    num_swaps_in: int = 0  # swapped requests brought back since start
+    num_finished: dict[str, int] = field(default_factory=dict)  # finish reason ('stop', ...) -> count
 
 
 @dataclass

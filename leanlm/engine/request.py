@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again after its blocks were freed; recomputes on resume
+    SWAPPED = "swapped"  # preempted with its private KV blocks in host memory; swapped back in to resume
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"  # cancelled by the user, or failed on its own
@@ -60,7 +61,8 @@ class Request:
         # of held KV, forks: Scheduler.fork_request takes the count); everything else only reads it.
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # preemptions that dropped its KV (recompute)
+        self.num_swaps = 0  # preemptions that swapped its KV out to host memory (kept)
         # Speculative decoding: draft tokens for the next step (they follow all_token_ids, unverified), and
         # how many drafts were verified / accepted so far.
         self.spec_token_ids: list[int] = []

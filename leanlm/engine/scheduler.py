@@ -1,6 +1,7 @@
 """Scheduler: vLLM v1's single rule. Each step hands a token budget to running requests first, then to
 waiting ones after a prefix-cache lookup; chunked prefill and decode are the same case with different
-counts. When blocks run out, the newest running request is preempted and later recomputed.
+counts. When blocks run out, the newest running request is preempted: swapped out to host memory (Swapper) or
+recomputed later, whichever is estimated cheaper (EngineConfig.preemption_mode).
 
 The scheduler is the only writer of Request.num_computed_tokens. Shared KV (held blocks, sampling groups)
 is its collaborator SharedKV; whether a request stops is the function check_stop."""
@@ -10,31 +11,20 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from leanlm.config import EngineConfig
 from leanlm.engine.kv_cache import KVCacheManager
-from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from leanlm.engine.preemption import Swapper
 from leanlm.engine.request import Request, RequestStatus
 from leanlm.engine.shared_kv import SharedKV
-from leanlm.engine.stop_check import StopChecker, check_stop
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot for metrics and logs."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests
-    prefix_cache_hit_rate: float  # hit tokens / looked-up tokens, since start or the last reset
-    num_preemptions: int  # total since start
-    num_finished: dict[str, int] = field(default_factory=dict)  # finish reason ('stop', ...) -> count
+from leanlm.engine.stop_check import StopChecker, append_tokens
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list. Invariants: every unfinished request is in exactly one
-    of them; only running requests hold KV blocks; running keeps admission order (newest last)."""
+    """Owns the waiting queue and the running list (and, through its Swapper, the swapped queue). Invariants: every
+    unfinished request is in exactly one of them; only running requests hold KV blocks (and swapped ones the shared
+    blocks they kept); running keeps admission order (newest last)."""
 
     def __init__(
         self,
@@ -43,6 +33,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int],
         stop_checker: StopChecker | None = None,
+        swapper: Swapper | None = None,  # swap preemption over the same KVCacheManager; None: recompute only
     ) -> None:
         self.config = engine_config
         self.kv_cache_manager = kv_cache_manager
@@ -61,6 +52,7 @@ class Scheduler:
         # the siblings are in self.requests but in no queue.
         self.shared = SharedKV(kv_cache_manager)
         self.num_preemptions = 0
+        self.swapper = swapper
         self.num_finished: Counter[str] = Counter()
 
     # ---- queries -------------------------------------------------------------------------------------
@@ -72,6 +64,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapper.swapped) if self.swapper is not None else 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -86,6 +82,9 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_hit_rate=self.kv_cache_manager.prefix_cache_hit_rate,
             num_preemptions=self.num_preemptions,
+            num_swapped=self.num_swapped,
+            num_swaps_out=self.swapper.num_swaps_out if self.swapper is not None else 0,
+            num_swaps_in=self.swapper.num_swaps_in if self.swapper is not None else 0,
             num_finished=dict(self.num_finished),
         )
 
@@ -150,13 +149,7 @@ class Scheduler:
             raise ValueError(f"request id {child.request_id!r} is already in the engine; use a unique id")
         if child.is_finished:
             raise ValueError(f"request {child.request_id!r} is already finished ({child.status.name})")
-        if not self.shared.is_held(parent.request_id) and parent.status != RequestStatus.RUNNING:
-            raise ValueError(
-                f"request {parent.request_id!r} holds no KV to fork ({parent.status.name}); fork a running request "
-                f"or a finished one made with keeps_kv=True"
-            )
-        if not 0 <= num_computed_tokens < child.num_tokens:
-            raise ValueError(f"a fork shares 0..{child.num_tokens - 1} computed tokens, not {num_computed_tokens}")
+        self.shared.check_fork(parent, child, num_computed_tokens)
         self.requests[child.request_id] = child
         if parent.num_computed_tokens == 0 or num_computed_tokens == 0:
             # Nothing to share (the parent's blocks were evicted): it recomputes, like a preempted request.
@@ -179,11 +172,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(scheduled_requests=[], num_scheduled_tokens=[], block_ids=[])
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # A step that preempted is short of blocks: admitting new work would only preempt again.
+        # A step that preempted is short of blocks: admitting new work would only preempt again. Swapped requests
+        # come back before any waiting one is admitted.
         if not output.preempted_request_ids:
-            self._schedule_waiting(output, budget)
+            budget = self._schedule_swapped(output, budget)
+            if not self.num_swapped:
+                self._schedule_waiting(output, budget)
         output.finished_request_ids = self._finished_ids
         output.blocks_to_copy = self.kv_cache_manager.take_block_copies()
+        if self.swapper is not None:
+            output.blocks_to_swap_out, output.blocks_to_swap_in = self.swapper.take_swaps()
         self._finished_ids = []
         return output
 
@@ -240,6 +238,27 @@ class Scheduler:
             return []
         return spec[: max(0, min(len(spec), request.draft_room(self.max_model_len), budget_left))]
 
+    def _schedule_swapped(self, output: SchedulerOutput, budget: int) -> int:
+        """Swap requests back in, oldest first, while their blocks and next tokens fit (none preempts in the step that
+        copies its KV back); with nothing running, held KV goes, then the head recomputes. Returns the budget left."""
+        kv = self.kv_cache_manager
+        while self.num_swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapper.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if kv.num_blocks_to_swap_in(request, num_new) > kv.num_free_blocks:
+                if self.running:
+                    break  # running requests free blocks as they finish
+                if not self._evict_held():
+                    self.swapper.drop(request)
+                    kv.free(request, keep_hashes=True)
+                    self._requeue(request)
+                continue
+            self.swapper.swap_in(request)
+            self.running.append(request)
+            self._add_to_output(output, request, num_new, kv.allocate_slots(request, num_new))
+            budget -= num_new
+        return budget
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FIFO while the budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
@@ -255,7 +274,8 @@ class Scheduler:
                     continue  # look up again: the freed blocks may hold its prefix
                 if not self.running:
                     # Nothing will ever free a block for it: fail it rather than wait forever.
-                    self._fail_in_schedule(request, self._too_big_message(request, num_hit_tokens + num_new))
+                    message = kv.too_big_message(request.request_id, num_hit_tokens + num_new)
+                    self._fail_in_schedule(request, message)
                     continue
                 break  # FIFO: later requests wait behind the head
             self.waiting.popleft()
@@ -273,16 +293,8 @@ class Scheduler:
         chunked in, run out of blocks, preempt itself and start over forever)."""
         if self.kv_cache_manager.num_blocks_for(request.num_tokens) <= self.kv_cache_manager.block_pool.num_blocks:
             return False
-        self._fail_in_schedule(request, self._too_big_message(request, request.num_tokens))
+        self._fail_in_schedule(request, self.kv_cache_manager.too_big_message(request.request_id, request.num_tokens))
         return True
-
-    def _too_big_message(self, request: Request, num_tokens: int) -> str:
-        kv = self.kv_cache_manager
-        return (
-            f"request {request.request_id!r} needs {kv.num_blocks_for(num_tokens)} KV blocks for {num_tokens} "
-            f"tokens but the pool has only {kv.block_pool.num_blocks} blocks of {kv.block_size} tokens; "
-            f"give the engine more KV cache memory (num_kv_blocks) or lower max_model_len / the prompt length"
-        )
 
     def _fail_in_schedule(self, request: Request, message: str) -> None:
         request.error = message
@@ -300,9 +312,15 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: drop its KV and put it at the front of the waiting queue."""
-        self.kv_cache_manager.free(request, keep_hashes=True)
+        """Swap it out when the Swapper finds that cheaper and has room (its KV comes back as it was); otherwise drop
+        its KV and put it at the front of the waiting queue, to be recomputed."""
         request.spec_token_ids = []
+        if self.swapper is not None and self.swapper.swap_out(request):
+            return
+        self.kv_cache_manager.free(request, keep_hashes=True)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -350,40 +368,24 @@ class Scheduler:
             if full is not None:
                 request.prompt_logprobs_full.append(full)  # same rows as the entries just recorded
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
-            finished = self._append_tokens(request, sampled, logprobs)
+            status = append_tokens(
+                request, sampled, logprobs, self.eos_token_ids, self.max_model_len, self.stop_checker
+            )
+            finished = status is not None
+            if finished:
+                self._finish(request, status)
             if not finished and runner_output.spec_token_ids is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[idx]
             if sampled or finished:
                 changed.append(request)
         return changed
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list | None) -> bool:
-        """Append sampled tokens one by one, stopping at the first stop condition. Returns True if the
-        request finished."""
-        for token_idx, token_id in enumerate(token_ids):
-            request.append_output_token_ids(token_id)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs[token_idx])
-            now = time.monotonic()
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            try:
-                stop = check_stop(request, token_id, self.eos_token_ids, self.max_model_len, self.stop_checker)
-            except Exception as exc:  # a stop check (detokenization) that fails fails its request alone
-                request.error = f"stop check failed: {type(exc).__name__}: {exc}"
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                return True
-            if stop is not None:
-                request.stop_reason = stop[1]
-                self._finish(request, stop[0])
-                return True  # later tokens (speculative ones) are dropped
-        return False
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Move an unfinished request out of the queues, free its blocks and record it."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapper.drop(request)  # its kept shared blocks are freed below
         elif not self.shared.drop_sibling(request):
             self.waiting.remove(request)
         self._release_siblings(request)

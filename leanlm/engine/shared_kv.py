@@ -8,7 +8,7 @@ first request to compute the prompt they fork. The scheduler owns one and applie
 from __future__ import annotations
 
 from leanlm.engine.kv_cache import KVCacheManager
-from leanlm.engine.request import Request
+from leanlm.engine.request import Request, RequestStatus
 
 
 class SharedKV:
@@ -36,6 +36,16 @@ class SharedKV:
             return False
         self.kv_cache_manager.free(request)
         return True
+
+    def check_fork(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
+        """Refuse a fork from a parent without KV (neither running nor held) or of a count outside the child."""
+        if not self.is_held(parent.request_id) and parent.status != RequestStatus.RUNNING:
+            raise ValueError(
+                f"request {parent.request_id!r} holds no KV to fork ({parent.status.name}); fork a running request "
+                f"or a finished one made with keeps_kv=True"
+            )
+        if not 0 <= num_computed_tokens < child.num_tokens:
+            raise ValueError(f"a fork shares 0..{child.num_tokens - 1} computed tokens, not {num_computed_tokens}")
 
     def evict_oldest(self) -> Request | None:
         """Free the blocks of the oldest held request that has any (idle KV goes before running requests are

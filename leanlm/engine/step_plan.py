@@ -39,12 +39,22 @@ class StepPlan:
     seq_lens: list[int]  # per attention entry: tokens with KV after its rows
     block_ids: list[list[int]]  # per attention entry: its KV block ids
     blocks_to_copy: list[tuple[int, int]]  # (src, dst) copy-on-write copies, done before the forward writes
+    # swap preemption's copies (device block, host block) out and (host, device) in, done before the copies above
+    blocks_to_swap_out: list[tuple[int, int]]
+    blocks_to_swap_in: list[tuple[int, int]]
     logit_rows: torch.Tensor  # [R] long: hidden rows whose logits the step needs, sample rows first, then prompt rows
     num_sample_rows: int  # the first rows of logit_rows: each sampling request's last row (and its drafts' rows)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @classmethod
+    def copies_only(cls, so: SchedulerOutput, device: torch.device) -> StepPlan:
+        """A step that runs no token but must still move KV blocks (everything it scheduled was preempted)."""
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(empty, empty, [], [], [], list(so.blocks_to_copy), list(so.blocks_to_swap_out),
+                   list(so.blocks_to_swap_in), empty, 0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
         seq_lens=entry_seq_lens,
         block_ids=block_ids,
         blocks_to_copy=list(so.blocks_to_copy),
+        blocks_to_swap_out=list(so.blocks_to_swap_out),
+        blocks_to_swap_in=list(so.blocks_to_swap_in),
         logit_rows=torch.tensor(sample_idx + prompt_idx, **as_long),
         num_sample_rows=len(sample_idx),
     )
@@ -94,7 +106,7 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
 
 def split_microbatches(so: SchedulerOutput, num_parts: int) -> list[SchedulerOutput]:
     """`so` as up to `num_parts` outputs of consecutive requests with about equal token counts (a pipeline's
-    micro-batches); the copy-on-write copies and the finished ids go with the first. One part: `so` itself."""
+    micro-batches); the block copies and swaps and the finished ids go with the first. One part: `so` itself."""
     num_parts = min(num_parts, len(so.scheduled_requests))
     if num_parts <= 1:
         return [so]
@@ -119,6 +131,8 @@ def split_microbatches(so: SchedulerOutput, num_parts: int) -> list[SchedulerOut
                 spec_token_ids=so.spec_token_ids[lo:hi] if so.spec_token_ids else [],
                 finished_request_ids=so.finished_request_ids if k == 0 else [],
                 blocks_to_copy=so.blocks_to_copy if k == 0 else [],
+                blocks_to_swap_out=so.blocks_to_swap_out if k == 0 else [],
+                blocks_to_swap_in=so.blocks_to_swap_in if k == 0 else [],
             )
         )
     return parts

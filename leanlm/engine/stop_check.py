@@ -3,6 +3,7 @@ request and the engine's limits; the scheduler applies its answer."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from leanlm.engine.request import Request, RequestStatus
@@ -33,4 +34,34 @@ def check_stop(
                 return RequestStatus.FINISHED_STOPPED, stop_str
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+def append_tokens(
+    request: Request,
+    token_ids: list[int],
+    logprobs: list | None,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+    stop_checker: StopChecker | None = None,
+) -> RequestStatus | None:
+    """Append sampled tokens one by one (with their logprobs and times), stopping at the first stop condition.
+    Returns the status the request finishes with (its stop_reason or error set), or None while it goes on; tokens
+    after a stop (speculative ones) are dropped."""
+    for token_idx, token_id in enumerate(token_ids):
+        request.append_output_token_ids(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs[token_idx])
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        try:
+            stop = check_stop(request, token_id, eos_token_ids, max_model_len, stop_checker)
+        except Exception as exc:  # a stop check (detokenization) that fails fails its request alone
+            request.error = f"stop check failed: {type(exc).__name__}: {exc}"
+            return RequestStatus.FINISHED_ERROR
+        if stop is not None:
+            request.stop_reason = stop[1]
+            return stop[0]
     return None

@@ -53,7 +53,7 @@ def stage_forward(runner: ModelRunner, rank: RankContext, plan: StepPlan, x: tor
     """This stage's layers over one micro-batch: from the token ids (first stage) or the hidden states x [T, hidden]
     the stage before sent; returns the hidden states for the next stage, or (last stage) the logits [R, V]."""
     model = runner.model
-    runner.copy_blocks(plan.blocks_to_copy)
+    runner.move_blocks(plan)
     ctx = build_forward_context(plan.query_lens, plan.seq_lens, plan.block_ids, runner.kv_cache)
     with forward_context(ctx):
         if rank.is_first_stage:

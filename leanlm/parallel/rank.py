@@ -144,8 +144,8 @@ def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False) -> RankMod
 
 def run_plans(rank_model: RankModel, runner: ModelRunner, plans: list[StepPlan]) -> list[torch.Tensor]:
     """This rank's part of the step: each plan's forward (tensor parallel), or the micro-batches through its stage."""
-    if rank_model.rank.layout.pipeline_parallel_size == 1:
-        return [runner.forward(plan) for plan in plans]
+    if rank_model.rank.layout.pipeline_parallel_size == 1 or not any(plan.num_tokens for plan in plans):
+        return [runner.forward(plan) for plan in plans]  # a plan of no tokens only moves blocks
     return run_pipeline(runner, rank_model.rank, plans, rank_model.config.hidden_size, rank_model.dtype)
 
 

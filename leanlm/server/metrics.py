@@ -94,6 +94,7 @@ class ServerMetrics(Collector):
         for name, help_text, value in (
             ("leanlm_num_requests_running", "Sequences in the running batch.", stats.num_running),
             ("leanlm_num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
+            ("leanlm_num_requests_swapped", "Sequences swapped out to host memory.", stats.num_swapped),
             (
                 "leanlm_num_requests_in_flight",
                 "HTTP-level requests accepted and not yet finished.",
@@ -123,6 +124,8 @@ class ServerMetrics(Collector):
         yield finished
         for name, help_text, value in (
             ("leanlm_num_preemptions", "Requests preempted (KV dropped, to be recomputed).", stats.num_preemptions),
+            ("leanlm_num_swaps_out", "Requests preempted by swapping their KV to host memory.", stats.num_swaps_out),
+            ("leanlm_num_swaps_in", "Swapped-out requests brought back to the KV cache.", stats.num_swaps_in),
             ("leanlm_prompt_tokens", "Prompt tokens of requests that produced a token.", self.prompt_tokens),
             ("leanlm_generation_tokens", "Generated tokens.", self.generation_tokens),
             ("leanlm_engine_steps", "Engine steps run.", snap.num_steps),

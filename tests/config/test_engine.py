@@ -50,3 +50,22 @@ def test_typed_configs_pass_through_and_strings_are_refused_by_the_config():
         EngineConfig(speculative=spec, early_exit=EarlyExitConfig(((2, 0.5),)))
     with pytest.raises(TypeError, match=r"unknown engine option\(s\) \['speculation'\]"):
         EngineConfig.from_options(speculation="ngram")
+
+
+def test_swap_preemption_needs_host_memory():
+    with pytest.raises(ValueError, match="swap_space_bytes > 0"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="unknown preemption_mode"):
+        EngineConfig(preemption_mode="spill")
+    with pytest.raises(ValueError, match="swap_space_bytes must be >= 0"):
+        EngineConfig(swap_space_bytes=-1)
+    assert not EngineConfig().can_swap and not EngineConfig(preemption_mode="recompute", swap_space_bytes=1).can_swap
+    assert EngineConfig(swap_space_bytes=1).can_swap
+
+
+def test_the_preemption_flags_parse():
+    args = build_parser().parse_args(["serve", "--preemption-mode", "swap", "--swap-space-bytes", "4096"])
+    config = EngineConfig.from_options(**engine_options(args))
+    assert (config.preemption_mode, config.swap_space_bytes, config.can_swap) == ("swap", 4096, True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--preemption-mode", "spill"])

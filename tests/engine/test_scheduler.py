@@ -24,12 +24,24 @@ class FakeRunner:
     def __init__(self, block_size):
         self.block_size = block_size
         self.slots = {}  # (block_id, offset) -> token id
+        self.host_slots = {}  # (host block id, offset) -> token id: the swap space
+
+    def _move(self, src, dst, src_block, dst_block):
+        for offset in range(self.block_size):
+            if (src_block, offset) in src:
+                dst[(dst_block, offset)] = src[(src_block, offset)]
+            else:
+                dst.pop((dst_block, offset), None)
 
     def _slot(self, block_ids, pos):
         return block_ids[pos // self.block_size], pos % self.block_size
 
     def execute(self, out):
         batch = list(zip(out.scheduled_requests, out.num_scheduled_tokens, out.block_ids))
+        for device, host in out.blocks_to_swap_out:  # like the real runner: swaps out, swaps in, then copies
+            self._move(self.slots, self.host_slots, device, host)
+        for host, device in out.blocks_to_swap_in:
+            self._move(self.host_slots, self.slots, host, device)
         for src, dst in out.blocks_to_copy:  # copy-on-write, before any write
             for offset in range(self.block_size):
                 if (src, offset) in self.slots:
