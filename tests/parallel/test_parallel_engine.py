@@ -83,3 +83,17 @@ def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(parallel_chec
         os.kill(worker.pid, signal.SIGCONT)
         worker.kill()
         llm.close()
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_swap_preemption_moves_every_ranks_slice(parallel_checkpoints, tp, pp):
+    """A KV pool too small for the batch: requests are swapped out and back on every rank, and the tokens are the
+    one-process tokens without preemption."""
+    tight = dict(num_kv_blocks=8, block_size=4, preemption_mode="swap", swap_space_bytes=16 << 20)
+    want = _run(parallel_checkpoints["dense"])
+    with LLM(parallel_checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=tp,
+             pipeline_parallel_size=pp, **tight) as llm:  # fmt: skip
+        outs = llm.generate(PROMPTS[:2] * 2, GREEDY, use_tqdm=False)
+        stats = llm.llm_engine.stats().scheduler
+    assert stats.num_swaps_out > 0 and stats.num_swaps_in == stats.num_swaps_out
+    assert [o.outputs[0].token_ids for o in outs] == want[0][:2] * 2
