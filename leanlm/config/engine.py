@@ -6,6 +6,7 @@ spell those two, and EngineConfig.from_options parses them."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
@@ -46,6 +47,16 @@ class EngineConfig:
             "help": "KV storage: auto (the model dtype), or 8-bit int8 | fp8_e4m3 | fp8_e5m2 with per-token scales",
         },
     )
+    # weight offloading (leanlm.model.offload): decoder layers beyond this many bytes of resident weights stream
+    # in from a file (CPU) or pinned host memory (GPU) one at a time; None keeps every weight resident
+    max_weight_memory: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "parse": lambda text: parse_bytes(text, "--max-weight-memory"),
+            "help": "bytes of weights kept resident (e.g. 800000000 or 1.5GB); decoder layers beyond it stream in "
+            "one at a time, the next prefetched (default: every weight resident)",
+        },
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -61,6 +72,13 @@ class EngineConfig:
                 )
         if self.early_exit is not None and self.speculative is not None:
             raise ValueError("early_exit and speculative decoding do not combine: choose one")
+        if self.max_weight_memory is not None:
+            object.__setattr__(self, "max_weight_memory", parse_bytes(self.max_weight_memory, "max_weight_memory"))
+            if self.early_exit is not None:
+                raise ValueError(
+                    "early_exit fills skipped layers' K/V through their weights, which weight offloading streams "
+                    "in only as each layer runs: drop --early-exit or --max-weight-memory"
+                )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -152,6 +170,26 @@ class DecodingOptions:
 
 
 _DEFAULTS = DecodingOptions()
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_BYTE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTE_COUNT = re.compile(r"(\d+(?:\.\d*)?)\s*([A-Za-z]*)")  # a number, then a unit (or none)
+
+
+def parse_bytes(value: int | str, name: str = "size") -> int:
+    """A byte count from an int or a string: 800000000, '800MB', '1.5GB', '2GiB' (KB/MB/GB/TB are powers of
+    1000, KiB/MiB/GiB/TiB of 1024). ValueError, naming `name`, for anything else or a count below 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{name} takes a byte count (an int, or a string like '1.5GB'), got {value!r}")
+    if isinstance(value, str):
+        match = _BYTE_COUNT.fullmatch(value.strip().replace("_", ""))
+        if match is None or match.group(2).upper() not in _BYTE_UNITS:
+            raise ValueError(f"{name} takes a byte count like 800000000, 800MB, 1.5GB or 2GiB; got {value!r}")
+        number, unit = match.group(1), _BYTE_UNITS[match.group(2).upper()]
+        value = int(float(number) * unit) if "." in number else int(number) * unit
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value}")
+    return value
 
 
 def option_names() -> set[str]:
