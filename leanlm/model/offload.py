@@ -5,6 +5,7 @@ memory copied on a side CUDA stream (leanlm.model.layer_store)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -138,7 +139,8 @@ class OffloadedLayers:
     and after the last streamed layer the first one's read overlaps the resident layers and the next step.
 
     Invariant: at most WINDOW_LAYERS streamed layers are materialized or being read at once, so the model's
-    materialized weight bytes stay within plan.peak_bytes <= plan.max_weight_memory (`live_bytes` tracks them).
+    materialized weight bytes stay within plan.peak_bytes <= plan.max_weight_memory (`live_bytes` tracks them);
+    beyond that only the running layer's derived copy (its packed GEMM panels, in a step of 9+ rows) exists.
     The native decode loop holds every layer's weight pointers at once, so it is turned off for the model.
     """
 
@@ -161,6 +163,11 @@ class OffloadedLayers:
         for i, layer in self._layers.items():
             self._hooks.append(layer.register_forward_pre_hook(self._make_before(i)))
             self._hooks.append(layer.register_forward_hook(self._make_after(i)))
+        # A resident layer's packed GEMM copy (made at 9+ rows) would add up to its weight bytes again, outside the
+        # budget: dropped after each run, so only the running layer's ever exists (re-packed the next such step).
+        for i in plan.resident_idx:
+            layer = model.model.layers[i]
+            self._hooks.append(layer.register_forward_hook(lambda module, args, output: _clear_derived(module)))
         model.allow_native_decode = False  # its plan would read every layer's weights at once
 
     def _make_before(self, idx: int):
@@ -248,5 +255,16 @@ def offload_layers(model: nn.Module, max_weight_memory: int, directory: str | No
         return None
     device = model.model.norm.weight.device
     offloaded = OffloadedLayers(model, plan, make_store(device, directory))
+    _return_freed_memory()
     logger.info(offloaded.describe())
     return offloaded
+
+
+def _return_freed_memory() -> None:
+    """Hand the released layers' heap pages back to the OS (glibc keeps freed chunks below its mmap threshold,
+    which grows to 32 MiB, in the heap: without this the process's RSS would not shrink). No-op elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -14,6 +14,7 @@ from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
 from leanlm.model.offload import module_tensors, offload_layers, plan_offload, weight_bytes
+from leanlm.model.packed_cache import PackedCache
 from leanlm.model.paged_kv import PagedKVCache
 from tests.conftest import tiny_config, tiny_state_dict
 
@@ -126,7 +127,17 @@ def test_window_never_exceeds_the_budget(tmp_path):
     assert streamer.peak_live_bytes == plan.window_bytes
     streamed = [model.model.layers[i] for i in plan.streamed_idx]
     assert all(t.is_meta for block in streamed for t in module_tensors(block))  # released after the step
+    # the 12-row prefill packed each layer's weights for the GEMM; no copy outlived its layer's run
+    resident = _model("bf16")
+    _logits(resident, torch.arange(12), [12])
+    assert all(_packed_copies(resident.model.layers[i]) for i in range(NUM_LAYERS))
+    assert not any(_packed_copies(model.model.layers[i]) for i in range(NUM_LAYERS))
     streamer.close()
+
+
+def _packed_copies(layer) -> list:
+    caches = [c for m in layer.modules() for c in vars(m).values() if isinstance(c, PackedCache)]
+    return [c.value for c in caches if c.value is not None]
 
 
 def test_out_of_order_layers_read_on_the_spot(tmp_path):
@@ -183,3 +194,30 @@ def test_offloaded_forward_on_cuda_equals_resident():
     assert torch.equal(outs[0], outs[1])
     assert streamer.num_prefetch_hits > 0
     streamer.close()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("dequantize", [True, False], ids=["bf16", "gguf_codes"])
+def test_smollm2_offloaded_at_half_its_weights_generates_the_same_tokens(dequantize):
+    """Dense bf16: a budget of half the weight bytes. GGUF codes: the embedding and head (bf16 + int8) are more
+    than half of SmolLM2's 4-bit weights, so the budget is them plus half of the decoder layers."""
+    from leanlm import LLM, SamplingParams
+
+    options = dict(progress=False, kv_cache_memory_bytes=64 << 20, dequantize_gguf=dequantize, dtype="bfloat16")
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    plain = LLM(**options)
+    model = plain.llm_engine.model_runner.model
+    total = _total_bytes(model)
+    layers = sum(weight_bytes(module_tensors(block)) for block in model.model.layers)
+    limit = total // 2 if dequantize else total - layers // 2
+    want = [out.outputs[0].token_ids for out in plain.generate(prompts, params, use_tqdm=False)]
+    del plain, model
+    half = LLM(**options, max_weight_memory=limit)
+    plan = half.offloaded.plan
+    assert len(plan.streamed_idx) >= half.model_config.num_hidden_layers // 3
+    assert plan.peak_bytes <= limit
+    got = [out.outputs[0].token_ids for out in half.generate(prompts, params, use_tqdm=False)]
+    assert got == want and len(want[0]) == 16
+    assert half.offloaded.peak_live_bytes <= plan.window_bytes
+    assert half.offloaded.num_prefetch_hits > 0
