@@ -1,8 +1,11 @@
-"""Where offloaded decoder layers live while they are not resident (leanlm.model.offload): a safetensors file read
-back with pread on a background thread (CPU), or pinned host memory copied to the GPU on a side stream."""
+"""Where offloaded decoder layers live while they are not resident (leanlm.model.offload): a memory-mapped
+safetensors file whose pages are mapped in on a background thread and out after use (CPU), or pinned host memory
+copied to the GPU on a side stream."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +33,10 @@ class LayerStore(Protocol):
         """Keep layer idx's tensors (called once per layer, before its resident copies are released)."""
 
     def start(self, idx: int) -> Pending:
-        """Begin materializing layer idx's tensors on the model's device; fresh tensors every call."""
+        """Begin materializing layer idx's tensors on the model's device."""
+
+    def free(self, idx: int) -> None:
+        """Layer idx's tensors from its last read are no longer used (the model holds placeholders)."""
 
     def close(self) -> None: ...
 
@@ -46,12 +52,47 @@ class _Entry:
     nbytes: int
 
 
+_MADV_DONTNEED, _MADV_WILLNEED, _MADV_POPULATE_READ = 4, 3, 22  # <sys/mman.h>; POPULATE_READ: Linux 5.14+
+
+
+class _Madvise:
+    """madvise through ctypes, which drops the GIL for the call (mmap.madvise holds it): populating a layer's
+    page tables on the prefetch thread then overlaps the compute thread's work."""
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self.can_populate = True
+
+    def __call__(self, address: int, length: int, advice: int) -> bool:
+        return length == 0 or self._libc.madvise(address, length, advice) == 0
+
+    def populate(self, address: int, length: int) -> None:
+        """Map the range's pages now, reading them from the file where the page cache lacks them."""
+        if self.can_populate and self(address, length, _MADV_POPULATE_READ):
+            return
+        self.can_populate = False  # an older kernel: ask for readahead; the pages then map as the layer runs
+        self(address, length, _MADV_WILLNEED)
+
+
+@dataclass
+class _MappedLayer:
+    """One layer's file, mapped: its entries' views are made per read, from `base` (the whole mapping)."""
+
+    mapping: mmap.mmap
+    base: torch.Tensor  # uint8 [file bytes] over the mapping: the address madvise takes
+    entries: list[_Entry]
+    aliases: dict[str, str]  # name -> stored name, for a tensor the layer holds under two names
+
+
 class FileStore:
-    """CPU: each layer written once as a safetensors file, opened and unlinked at once (the data lives as long as
-    the descriptor, and nothing is left on disk however the process ends). A read allocates fresh tensors and
-    fills them with pread on one background thread, which drops the GIL while the kernel copies, so the read of
-    layer i+1 overlaps the compute of layer i. pread, not mmap: the page cache holds the file, and the process's
-    resident set holds only the layers materialized now."""
+    """CPU: each layer written once as a safetensors file, opened, unlinked at once (the data lives as long as its
+    mapping, and nothing is left on disk however the process ends) and memory-mapped copy-on-write. A read runs
+    on one background thread: madvise(MADV_POPULATE_READ) maps the layer's pages (from the page cache, or the
+    disk), so layer i+1's faults overlap layer i's compute; the tensors are then views of the mapping, read in
+    place, never copied. Releasing a layer unmaps its pages from the process (MADV_DONTNEED): the page cache keeps
+    them, the process's resident set does not. safetensors lays tensors out by decreasing alignment, so every
+    view is aligned to its element size."""
 
     def __init__(self, directory: str | Path | None = None) -> None:
         if directory is None:
@@ -60,8 +101,8 @@ class FileStore:
             directory = cache_dir() / "offload"
         self._dir = Path(directory)
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._files: dict[int, tuple[int, list[_Entry]]] = {}  # layer -> (fd, entries)
-        self._aliases: dict[int, dict[str, str]] = {}  # layer -> {name: stored name} for tensors stored once
+        self._layers: dict[int, _MappedLayer] = {}
+        self._madvise = _Madvise()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leanlm-offload")
 
     def write(self, idx: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -74,45 +115,45 @@ class FileStore:
             seen[same] = key
             stored[key] = t.detach().to("cpu").contiguous()
         fd, name = tempfile.mkstemp(prefix=f"layer_{idx}-", suffix=".safetensors", dir=self._dir)  # private, 0600
-        os.close(fd)
-        path = Path(name)
-        save_file(stored, name)
-        header = check_safetensors_header(path)
-        with path.open("rb") as f:
-            data_start = 8 + int.from_bytes(f.read(8), "little")  # the header length, then the header
+        try:
+            os.close(fd)
+            save_file(stored, name)
+            header = check_safetensors_header(name)
+            with open(name, "rb") as f:
+                data_start = 8 + int.from_bytes(f.read(8), "little")  # the header length, then the header
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.unlink(name)
         entries = []
         for key, t in stored.items():
             begin, end = header[key]["data_offsets"]
-            entries.append(_Entry(key, t.dtype, tuple(t.shape), data_start + begin, end - begin))
-        fd = os.open(path, os.O_RDONLY)
-        path.unlink()
-        self._files[idx] = (fd, entries)
-        self._aliases[idx] = aliases
+            entry = _Entry(key, t.dtype, tuple(t.shape), data_start + begin, end - begin)
+            if entry.offset % t.element_size():
+                raise RuntimeError(f"offloaded {key} sits at byte {entry.offset}, not aligned to its {t.dtype}")
+            entries.append(entry)
+        base = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._layers[idx] = _MappedLayer(mapping, base, entries, aliases)
+        self.free(idx)  # writing left the pages mapped
 
     def start(self, idx: int) -> Future:
         return self._pool.submit(self._read, idx)
 
     def _read(self, idx: int) -> dict[str, torch.Tensor]:
-        fd, entries = self._files[idx]
-        tensors = {}
-        for e in entries:
-            raw = torch.empty(e.nbytes, dtype=torch.uint8)
-            view, done = memoryview(raw.numpy()), 0
-            while done < e.nbytes:  # pread may return fewer bytes than asked
-                got = os.preadv(fd, [view[done:]], e.offset + done)
-                if got <= 0:
-                    raise OSError(f"offloaded layer {idx}: the read of {e.key} stopped at byte {done} of {e.nbytes}")
-                done += got
-            tensors[e.key] = raw.view(e.dtype).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
-        for key, source in self._aliases[idx].items():
+        layer = self._layers[idx]
+        self._madvise.populate(layer.base.data_ptr(), layer.base.numel())
+        tensors = {e.key: layer.base[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layer.entries}
+        for key, source in layer.aliases.items():
             tensors[key] = tensors[source]
         return tensors
 
+    def free(self, idx: int) -> None:
+        """Layer idx's views are gone: take its pages out of the process's resident set."""
+        layer = self._layers[idx]
+        self._madvise(layer.base.data_ptr(), layer.base.numel(), _MADV_DONTNEED)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for fd, _ in self._files.values():
-            os.close(fd)
-        self._files.clear()
+        self._layers.clear()  # each mapping closes with the last view of it
 
 
 class _CudaPending:
@@ -157,6 +198,9 @@ class PinnedStore:
                     done[id(t)] = t.to(self._device, non_blocking=True)
                 copies[key] = done[id(t)]
         return _CudaPending(copies, self._stream)
+
+    def free(self, idx: int) -> None:
+        pass  # the device copies go when their last reference does (the allocator saw record_stream)
 
     def close(self) -> None:
         self._stream.synchronize()

@@ -202,6 +202,7 @@ class OffloadedLayers:
             else:
                 if pending is not None:  # a prefetch of another layer: finish it and let it go
                     pending[1].result()
+                    self.store.free(pending[0])
                     self.live_bytes -= self.plan.layer_bytes[pending[0]]
                 tensors = self._start_read(idx).result()
             for slot in self._slots[idx]:
@@ -225,6 +226,7 @@ class OffloadedLayers:
             _put(slot, torch.empty(t.shape, dtype=t.dtype, device="meta"))
         _clear_derived(self._layers[idx])
         if not force:
+            self.store.free(idx)
             self._materialized.discard(idx)
             self.live_bytes -= self.plan.layer_bytes[idx]
 
