@@ -124,11 +124,14 @@ def _put(slot: _Slot, tensor: torch.Tensor) -> None:
 
 def _clear_derived(layer: nn.Module) -> None:
     """Drop every copy a layer's modules derived from their tensors (packed GEMM panels, dense copies): they hold
-    the released tensors' storage and would keep the layer resident."""
-    for module in layer.modules():
-        for value in vars(module).values():
-            if isinstance(value, PackedCache):
-                value.clear()
+    the released tensors' storage and would keep the layer resident. Where one was dropped (a step of 9+ rows),
+    its heap pages go back to the OS at once: glibc would keep them, and the next layer's copy would not reuse
+    them all, so the resident set would grow by up to the model's size over one prefill."""
+    caches = [v for module in layer.modules() for v in vars(module).values() if isinstance(v, PackedCache)]
+    if any(c.value is not None for c in caches):
+        for cache in caches:
+            cache.clear()
+        _return_freed_memory()
 
 
 class OffloadedLayers:
@@ -263,10 +266,17 @@ def offload_layers(model: nn.Module, max_weight_memory: int, directory: str | No
 
 
 def _return_freed_memory() -> None:
-    """Hand the released layers' heap pages back to the OS (glibc keeps freed chunks below its mmap threshold,
-    which grows to 32 MiB, in the heap: without this the process's RSS would not shrink). No-op elsewhere."""
+    """Hand freed heap pages back to the OS (glibc keeps freed chunks below its mmap threshold, which grows to
+    32 MiB, in the heap: without this the process's RSS would not shrink). No-op without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim():
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
