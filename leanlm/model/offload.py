@@ -1,7 +1,7 @@
 """Weight offloading (FlexGen, Sheng et al. 2023; llama.cpp's partial offload): the decoder layers that do not fit a
 byte budget leave the resident set and stream back in as they run, one at a time, the next layer's load overlapping
-the current layer's compute. On CPU they live in a safetensors file read with pread; on a GPU, in pinned host
-memory copied on a side CUDA stream (leanlm.model.layer_store)."""
+the current layer's compute. On CPU they live in a memory-mapped safetensors file whose pages are mapped in before
+a layer runs and out after; on a GPU, in pinned host memory copied on a side CUDA stream (model/layer_store.py)."""
 
 from __future__ import annotations
 
@@ -253,8 +253,8 @@ class OffloadedLayers:
 
 def offload_layers(model: nn.Module, max_weight_memory: int, directory: str | None = None) -> OffloadedLayers | None:
     """Offload the decoder layers of `model` that do not fit `max_weight_memory` bytes (see plan_offload): None
-    when every weight fits (nothing changes). `directory`: where the CPU store writes its file (default: a
-    private temp directory under the LeanLM cache; the file is unlinked once open, so nothing is left behind)."""
+    when every weight fits (nothing changes). `directory`: where the CPU store writes its files (default:
+    $LEANLM_CACHE/offload; each is a private temp file, unlinked once mapped, so nothing is left behind)."""
     plan = plan_offload(model, max_weight_memory)
     if not plan.streamed_idx:
         return None

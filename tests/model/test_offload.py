@@ -221,3 +221,11 @@ def test_smollm2_offloaded_at_half_its_weights_generates_the_same_tokens(dequant
     assert got == want and len(want[0]) == 16
     assert half.offloaded.peak_live_bytes <= plan.window_bytes
     assert half.offloaded.num_prefetch_hits > 0
+
+
+@pytest.mark.real_model
+def test_llm_with_a_budget_below_the_window_names_the_minimum():
+    from leanlm import LLM
+
+    with pytest.raises(ValueError, match=r"max_weight_memory=1,000,000 bytes cannot hold .* give at least"):
+        LLM(progress=False, kv_cache_memory_bytes=16 << 20, max_weight_memory="1MB")
