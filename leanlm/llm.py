@@ -15,6 +15,7 @@ from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.device import resolve_device
+from leanlm.model.offload import OffloadedLayers, offload_layers
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
 from leanlm.selection import (
     Extractor,
@@ -76,6 +77,9 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         net = checkpoint.model
         del checkpoint
+        # layers beyond --max-weight-memory stream from a file / pinned memory from here on (None: all fit)
+        limit = self.engine_config.max_weight_memory
+        self.offloaded: OffloadedLayers | None = None if limit is None else offload_layers(net, limit)
         draft = None
         spec = self.engine_config.speculative
         if spec is not None and spec.method == "draft":

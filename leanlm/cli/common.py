@@ -29,8 +29,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tupl
             action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         elif "choices" in field.metadata:  # a closed set of names: argparse lists them in --help and errors
             action = group.add_argument(flag, type=base, choices=field.metadata["choices"], **options)
-        else:
-            action = group.add_argument(flag, type=base, metavar=base.__name__.upper(), **options)
+        else:  # a field's own `parse` (e.g. byte counts with units) reads the flag's text where it has one
+            parse = field.metadata.get("parse", base)
+            action = group.add_argument(flag, type=parse, metavar=base.__name__.upper(), **options)
         # BooleanOptionalAction appends the default itself on some Python versions: never twice.
         if action.help and field.default not in (None, "") and "%(default)" not in action.help:
             action.help += " (default: %(default)s)"

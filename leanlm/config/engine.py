@@ -6,6 +6,7 @@ spell those two, and EngineConfig.from_options parses them."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
@@ -13,6 +14,32 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (leanlm.engine.early_exit)
 # What a preempted request loses: its KV, recomputed later, or nothing, its blocks copied to host memory and back
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+
+
+def byte_count(text: str) -> int:
+    """The CLI's reading of a byte-count flag (argparse names this function in its error: 'invalid byte_count')."""
+    return parse_bytes(text, "the byte count")
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_BYTE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTE_COUNT = re.compile(r"(\d+(?:\.\d*)?)\s*([A-Za-z]*)")  # a number, then a unit (or none)
+
+
+def parse_bytes(value: int | str, name: str = "size") -> int:
+    """A byte count from an int or a string: 800000000, '800MB', '1.5GB', '2GiB' (KB/MB/GB/TB are powers of
+    1000, KiB/MiB/GiB/TiB of 1024). ValueError, naming `name`, for anything else or a count below 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{name} takes a byte count (an int, or a string like '1.5GB'), got {value!r}")
+    if isinstance(value, str):
+        match = _BYTE_COUNT.fullmatch(value.strip().replace("_", ""))
+        if match is None or match.group(2).upper() not in _BYTE_UNITS:
+            raise ValueError(f"{name} takes a byte count like 800000000, 800MB, 1.5GB or 2GiB; got {value!r}")
+        number, unit = match.group(1), _BYTE_UNITS[match.group(2).upper()]
+        value = int(float(number) * unit) if "." in number else int(number) * unit
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,16 @@ class EngineConfig:
         default=0,
         metadata={"help": "host memory for swapped-out KV blocks (pinned on a GPU); 0 disables swapping"},
     )
+    # weight offloading (leanlm.model.offload): decoder layers beyond this many bytes of resident weights stream
+    # in from a file (CPU) or pinned host memory (GPU) one at a time; None keeps every weight resident
+    max_weight_memory: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "parse": byte_count,
+            "help": "bytes of weights kept resident (e.g. 800000000 or 1.5GB); decoder layers beyond it stream in "
+            "one at a time, the next prefetched (default: every weight resident)",
+        },
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -94,6 +131,13 @@ class EngineConfig:
         if self.early_exit is not None and self.speculative is not None:
             raise ValueError("early_exit and speculative decoding do not combine: choose one")
         self._check_parallel()
+        if self.max_weight_memory is not None:
+            object.__setattr__(self, "max_weight_memory", parse_bytes(self.max_weight_memory, "max_weight_memory"))
+            if self.early_exit is not None:
+                raise ValueError(
+                    "early_exit fills skipped layers' K/V through their weights, which weight offloading streams "
+                    "in only as each layer runs: drop --early-exit or --max-weight-memory"
+                )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
@@ -127,6 +171,11 @@ class EngineConfig:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         if not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be > 0, got {self.parallel_timeout_s}")
+        if self.world_size > 1 and self.max_weight_memory is not None:
+            raise ValueError(
+                "weight offloading streams one process's layers; a parallel engine already splits the weights over "
+                "its ranks: drop --max-weight-memory, or set tensor_parallel_size and pipeline_parallel_size to 1"
+            )
         if self.world_size > 1 and (self.speculative is not None or self.early_exit is not None):
             raise ValueError(
                 "speculative decoding and early exit run in one process: drop them, or set tensor_parallel_size "

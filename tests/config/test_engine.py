@@ -69,3 +69,25 @@ def test_the_preemption_flags_parse():
     assert (config.preemption_mode, config.swap_space_bytes, config.can_swap) == ("swap", 4096, True)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--preemption-mode", "spill"])
+
+
+@pytest.mark.parametrize(
+    "given,want",
+    [(800_000_000, 800_000_000), ("800000000", 800_000_000), ("1.5GB", 1_500_000_000), ("2GiB", 2 << 30)]
+    + [("10 MB", 10_000_000), ("64kib", 64 << 10)],
+)
+def test_max_weight_memory_takes_ints_and_units(given, want):
+    assert EngineConfig(max_weight_memory=given).max_weight_memory == want
+    args = build_parser().parse_args(["generate", "hi", "--max-weight-memory", str(given)])
+    assert EngineConfig.from_options(**engine_options(args)).max_weight_memory == want
+
+
+@pytest.mark.parametrize("given", ["1.5XB", "GB", "-3", 0, 1.5, True])
+def test_a_bad_max_weight_memory_says_how_to_write_one(given):
+    with pytest.raises(ValueError, match="max_weight_memory (takes a byte count|must be at least 1 byte)"):
+        EngineConfig(max_weight_memory=given)
+
+
+def test_weight_offloading_refuses_early_exit():
+    with pytest.raises(ValueError, match="drop --early-exit or --max-weight-memory"):
+        EngineConfig.from_options(max_weight_memory="1GB", early_exit="2:0.9")
