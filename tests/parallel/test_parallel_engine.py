@@ -97,3 +97,24 @@ def test_swap_preemption_moves_every_ranks_slice(parallel_checkpoints, tp, pp):
         stats = llm.llm_engine.stats().scheduler
     assert stats.num_swaps_out > 0 and stats.num_swaps_in == stats.num_swaps_out
     assert [o.outputs[0].token_ids for o in outs] == want[0][:2] * 2
+
+
+def test_under_torchrun_rank_0_drives_and_the_others_serve(parallel_checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\nfrom leanlm import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], dtype='float32', progress=False, tensor_parallel_size=2)\n"
+        "out = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))\n"
+        "print('TOKENS', out[0].outputs[0].token_ids, flush=True)\nllm.close()\n"
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run([*torchrun, parallel_checkpoints["dense"]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with LLM(parallel_checkpoints["dense"], dtype="float32", progress=False) as llm:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        want = llm.generate([[5, 17, 99]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert done.stdout.count("TOKENS") == 1  # only rank 0 returns from LLM(...)
+    assert f"TOKENS {want}" in done.stdout
