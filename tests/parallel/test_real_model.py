@@ -41,3 +41,18 @@ def test_smollm2_parallel_greedy_equals_one_process(layout):
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["tp2", "pp2"])
 def test_qwen_05b_parallel_greedy_equals_one_process(layout):
     _assert_equal("qwen2.5-coder-0.5b-instruct", layout)
+
+
+def test_a_2_4_sparse_smollm2_checkpoint_under_tp2_equals_one_process(tmp_path):
+    """The bundled model pruned 2:4 (magnitude) and saved: its Sparse24 layers shard through their own unit."""
+    import torch
+
+    from leanlm.compress import MagnitudeConfig, compress
+    from leanlm.formats.loader import load_checkpoint
+    from leanlm.formats.native import save_checkpoint
+
+    checkpoint = load_checkpoint(MODEL, "float32", progress=False, gguf_codes=False)
+    compress(checkpoint.model, [MagnitudeConfig(pattern="2:4")], progress=False)
+    save_checkpoint(checkpoint, tmp_path, dtype=torch.float32)
+    assert '"sparse24"' in (tmp_path / "quantization_config.json").read_text()
+    _assert_equal(str(tmp_path), dict(tensor_parallel_size=2))
