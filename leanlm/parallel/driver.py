@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 from torch.distributed import DistError
 
 from leanlm.engine import EngineDeadError, LLMEngine, ModelRunner, StepPlan
+from leanlm.parallel.machine import cores_per_process, spawn_child
 from leanlm.parallel.rank import RankModel, RankSpec, build_rank, run_plans, send_plans
 from leanlm.parallel.world import DRIVER_RANK, close_world
 
@@ -23,25 +23,12 @@ SPEC_ENV = "LEANLM_RANK_SPEC"  # a worker's RankSpec, as JSON
 RANK_ENV = "LEANLM_RANK"  # a worker's rank
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def threads_per_rank(world_size: int) -> int:
-    """This machine's cores shared evenly by the ranks (each rank a process of its own)."""
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
-
-
 def spawn_workers(spec: RankSpec) -> list[subprocess.Popen]:
     """Ranks 1..world-1 as `python -m leanlm.parallel.worker`, each with its share of the cores."""
     world = spec.layout.world_size
-    env = dict(os.environ, **{SPEC_ENV: spec.to_json(), "OMP_NUM_THREADS": str(threads_per_rank(world))})
-    return [
-        subprocess.Popen([sys.executable, "-m", "leanlm.parallel.worker"], env=dict(env, **{RANK_ENV: str(rank)}))
-        for rank in range(1, world)
-    ]
+    env = dict(os.environ, **{SPEC_ENV: spec.to_json(), "OMP_NUM_THREADS": str(cores_per_process(world))})
+    command = [sys.executable, "-m", "leanlm.parallel.worker"]
+    return [spawn_child(command, dict(env, **{RANK_ENV: str(rank)})) for rank in range(1, world)]
 
 
 class ParallelDriver:
@@ -53,7 +40,7 @@ class ParallelDriver:
         self.closed = False
         if spec.init_method.startswith("tcp://"):
             self.workers = spawn_workers(spec)
-        torch.set_num_threads(threads_per_rank(spec.layout.world_size))
+        torch.set_num_threads(cores_per_process(spec.layout.world_size))
         try:
             self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress)
         except BaseException:

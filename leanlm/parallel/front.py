@@ -22,11 +22,10 @@ from leanlm.config import RouterConfig, ServeConfig
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.parallel import front_metrics
 from leanlm.parallel.affinity import PromptKeyer
+from leanlm.parallel.machine import cores_per_process, free_port
 from leanlm.parallel.replicas import (
     HealthMonitor,
     Replica,
-    default_threads,
-    free_port,
     start_local,
     stop_local,
     wait_until_ready,
@@ -240,7 +239,7 @@ def serve_routed(
     """Start the local replicas (`leanlm serve SERVE_ARGS` each), wait for them, serve the front until SIGINT/SIGTERM
     (uvicorn's graceful shutdown), then stop the replicas. RuntimeError (exit 1) when no replica comes up."""
     num_local = router_config.data_parallel_size
-    threads = config.threads or default_threads(num_local)
+    threads = config.threads or cores_per_process(num_local)
     internal_key = secrets.token_urlsafe(24)  # local replicas answer only the front (and who reads its memory)
     replicas: list[Replica] = []
     try:

@@ -11,7 +11,8 @@ import sys
 import torch
 
 from leanlm.config import EngineConfig
-from leanlm.parallel.driver import SPEC_ENV, ParallelDriver, free_port
+from leanlm.parallel.driver import SPEC_ENV, ParallelDriver
+from leanlm.parallel.machine import free_port
 from leanlm.parallel.rank import RankSpec
 
 

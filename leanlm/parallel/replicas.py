@@ -4,11 +4,8 @@ is given, their health (process exit, GET /health) and the per-replica counters 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+
+from leanlm.parallel.machine import spawn_child
 
 logger = logging.getLogger("leanlm.router")
 
@@ -57,28 +56,6 @@ class Replica:
         return info
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (the kernel's pick; a race with other programs is possible but harmless: the
-    replica then fails to start and says so)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def default_threads(num_local: int) -> int:
-    """Torch threads per local replica: this process's CPUs shared out evenly (at least one each)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // max(num_local, 1))
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the front dies, even by SIGKILL, so no engine is orphaned."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_local(serve_args: list[str], port: int, threads: int, api_key: str, log_level: str) -> Replica:
     """`leanlm serve SERVE_ARGS` on 127.0.0.1:port with `threads` torch threads. Its API key goes through the
     environment (not the command line other users can read in ps); it trusts the front's X-Forwarded-For, so its
@@ -94,8 +71,7 @@ def start_local(serve_args: list[str], port: int, threads: int, api_key: str, lo
     ]
     env = {**os.environ, "LEANLM_API_KEY": api_key, "OMP_NUM_THREADS": str(threads)}
     env.pop("LEANLM_METRICS_KEY", None)  # /metrics takes the same key
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec)  # noqa: PLW1509
+    process = spawn_child(command, env)
     return Replica(f"http://127.0.0.1:{port}", process=process, api_key=api_key)
 
 

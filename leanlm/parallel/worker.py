@@ -1,14 +1,12 @@
 """`python -m leanlm.parallel.worker`: a non-driver rank. It loads its slice as the driver does, then runs the
-forward of every step the driver broadcasts until the driver says stop (exit 0); an error, or the driver's
-process going away, ends it with exit 1."""
+forward of every step the driver broadcasts until the driver says stop (exit 0); an error ends it with exit 1, and
+the driver's process going away with SIGTERM (machine.spawn_child)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import threading
-import time
 
 import torch
 
@@ -30,20 +28,10 @@ def serve_steps(rank_model: RankModel) -> None:
             step += 1
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker whose driver died (killed, no shutdown message) must not linger holding memory."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
     spec = RankSpec.from_json(os.environ[SPEC_ENV])
     rank = int(os.environ.get(RANK_ENV) or os.environ["RANK"])  # ours, or torchrun's
-    if spec.init_method.startswith("tcp://"):
-        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         serve_steps(build_rank(spec, rank))

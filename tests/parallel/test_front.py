@@ -22,7 +22,8 @@ from leanlm.config import ServeConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.parallel.affinity import PromptKeyer
 from leanlm.parallel.front import Front, build_front_app
-from leanlm.parallel.replicas import Replica, free_port, wait_until_ready
+from leanlm.parallel.machine import free_port
+from leanlm.parallel.replicas import Replica, wait_until_ready
 from leanlm.parallel.router import Router
 from tests.server.conftest import MODEL, LiveServer, serve_engine
 

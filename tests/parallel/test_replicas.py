@@ -8,15 +8,16 @@ import os
 import aiohttp
 import pytest
 
-from leanlm.parallel.replicas import HealthMonitor, Replica, default_threads, free_port, wait_until_ready
+from leanlm.parallel.machine import cores_per_process, free_port
+from leanlm.parallel.replicas import HealthMonitor, Replica, wait_until_ready
 from tests.server.conftest import serve_engine
 
 
 def test_default_threads_share_the_cpus():
     cpus = len(os.sched_getaffinity(0))
-    assert default_threads(1) == cpus
-    assert default_threads(cpus * 4) == 1
-    assert default_threads(0) == cpus
+    assert cores_per_process(1) == cpus
+    assert cores_per_process(cpus * 4) == 1
+    assert cores_per_process(0) == cpus
 
 
 def test_monitor_takes_a_failing_replica_out_and_back(make_tiny_engine):
