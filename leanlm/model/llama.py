@@ -163,6 +163,12 @@ class LlamaForCausalLM(nn.Module):
                 return hidden
         return self.model(x, positions, self.rotary_emb)
 
+    def disable_native_decode(self) -> None:
+        """Keep every step on the per-layer path from now on, and drop a plan built before: for a model whose layers
+        the one native call cannot run (a tensor shard needs all-reduces between them, offloaded layers come and go)."""
+        self.allow_native_decode = False
+        self._native_plan = None
+
     def native_decode_plan(self) -> NativeDecodePlan:
         """The native decode loop over the current weights: the one built before while nothing it read has
         changed (leanlm.model.native_decode), else a new one."""

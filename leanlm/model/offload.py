@@ -171,7 +171,7 @@ class OffloadedLayers:
         for i in plan.resident_idx:
             layer = model.model.layers[i]
             self._hooks.append(layer.register_forward_hook(lambda module, args, output: _clear_derived(module)))
-        model.allow_native_decode = False  # its plan would read every layer's weights at once
+        model.disable_native_decode()  # its plan would read every layer's weights at once
 
     def _make_before(self, idx: int):
         def before(module, args):

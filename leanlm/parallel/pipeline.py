@@ -44,8 +44,7 @@ def cut_stage(model: LlamaForCausalLM, start: int, stop: int, is_first: bool, is
     if not is_last:
         model.model.norm, model.lm_head = None, None
     model.config = dataclasses.replace(model.config, num_hidden_layers=stop - start, exit_layers=())
-    model.allow_native_decode = False
-    model._native_plan = None
+    model.disable_native_decode()  # its plan reads the layers this stage no longer holds
     return model
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from leanlm.model.layers import Linear
 from leanlm.model.linear.shard import COLUMN, ROW, part
 from leanlm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from leanlm.parallel.heads import HeadShard, split_heads
@@ -140,7 +141,7 @@ def shard_vocab(model: LlamaForCausalLM, tp: TensorGroup) -> None:
     rows = part(config.vocab_size, COLUMN, tp.rank, tp.size, 1, "vocabulary-parallel embedding")
     weight = model.model.embed_tokens.weight.detach()[rows].clone()  # [V / tp, hidden]
     model.model.embed_tokens = VocabParallelEmbedding(weight, rows.start, tp)
-    if config.tie_word_embeddings and type(model.lm_head).__name__ == "Linear":
+    if config.tie_word_embeddings and isinstance(model.lm_head, Linear):  # a dense head reads the embedding's rows
         head = model.lm_head.shard(COLUMN, tp.rank, tp.size)
         head.weight = model.model.embed_tokens.weight
     else:
@@ -162,8 +163,7 @@ def shard_model(model: LlamaForCausalLM, tp: TensorGroup) -> LlamaForCausalLM:
     mine = heads[tp.rank]
     heads_of_rank = dict(num_attention_heads=mine.num_heads, num_key_value_heads=mine.num_kv_heads)
     model.config = dataclasses.replace(config, **heads_of_rank)
-    model.allow_native_decode = False  # the native loop runs whole layers: it has no all-reduce between them
-    model._native_plan = None
+    model.disable_native_decode()  # the native loop runs whole layers: it has no all-reduce between them
     return model
 
 
