@@ -105,8 +105,16 @@ def _workloads():
 
 
 def bench_layout(options: dict, repeats: int, threshold: float) -> dict:
+    """One layout's workloads. `per_layer_threads` in options: one process on that many threads, on the per-layer
+    path a sharded model runs (the native decode loop off): what a rank's own compute costs without the links."""
     rows = {}
+    threads = options.pop("per_layer_threads", None)
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     with LLM(MODEL, progress=False, enable_prefix_caching=False, **options) as llm:
+        if threads is not None:
+            llm.llm_engine.model.disable_native_decode()
         pids = tuple(p.pid for p in llm.parallel.workers) if llm.parallel is not None else ()
         for name, (prompts, params, tokens) in _workloads().items():
             llm.generate(prompts, params, use_tqdm=False)  # warm-up: packs, first-use compiles
@@ -118,6 +126,7 @@ def bench_layout(options: dict, repeats: int, threshold: float) -> dict:
                     seconds = time.perf_counter() - t0
                 runs.append((tokens / seconds, monitor.sample.other_share))
             rows[name] = runs
+    torch.set_num_threads(saved_threads)  # a parallel driver gives its own process a rank's share
     return rows
 
 
@@ -142,6 +151,7 @@ def main() -> None:
         "one process, all cores": {},
         "TP=2": {"tensor_parallel_size": 2},
         "PP=2": {"pipeline_parallel_size": 2},
+        "one process, 1 thread, per-layer path": {"per_layer_threads": 1},
     }
     results = {label: bench_layout(options, args.repeats, args.max_other_cpu) for label, options in layouts.items()}
     write_report(args, link, norms, results)

@@ -40,6 +40,7 @@ class ParallelDriver:
         self.closed = False
         if spec.init_method.startswith("tcp://"):
             self.workers = spawn_workers(spec)
+        self.caller_threads = torch.get_num_threads()  # given back by close()
         torch.set_num_threads(cores_per_process(spec.layout.world_size))
         try:
             self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress)
@@ -48,6 +49,7 @@ class ParallelDriver:
                 p.terminate()
             self._stop_workers()
             close_world()
+            torch.set_num_threads(self.caller_threads)
             raise
         self.num_steps = 0  # steps broadcast so far: the next one's number
 
@@ -95,6 +97,7 @@ class ParallelDriver:
             self.closed = True
             self._stop_workers(timeout_s)
             close_world()
+            torch.set_num_threads(self.caller_threads)
 
     def _stop_workers(self, timeout_s: float = 30.0) -> None:
         for p in self.workers:
