@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+from leanlm.config.moe import MoEConfig, check_hf_expressible, moe_from_hf, moe_to_hf
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mixtral", "qwen2_moe", "olmoe")
+# HF's class for each architecture (what `architectures` in config.json names)
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+              "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}  # fmt: skip
+_BIAS_DEFAULT = {"qwen2": True, "qwen2_moe": True}  # q/k/v bias when config.json does not say
 # The longest context we build rotary tables for: 2^20 positions x D/2 x cos/sin in float32 is already 512 MiB
 # at head_dim 128. A larger value in a file is damage (or a model we cannot serve), never something to allocate.
 MAX_POSITION_EMBEDDINGS = 1 << 20
@@ -53,7 +59,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder, with HF field names."""
+    """Shape and hyper-parameters of a Llama-family decoder, with HF field names. Mixtral, Qwen2-MoE and OLMoE are
+    this decoder with a sparse MLP (`moe`); OLMoE adds `qk_norm` and `clip_qkv`."""
 
     architecture: str  # one of SUPPORTED_ARCHITECTURES; qwen2 = llama + q/k/v bias
     vocab_size: int
@@ -76,6 +83,9 @@ class ModelConfig:
     # and the rank of their adapters (0 = an RMSNorm only); saved in config.json as "leanlm_exits"
     exit_layers: tuple[int, ...] = ()
     exit_adapter_rank: int = 0
+    moe: MoEConfig | None = None  # the sparse MLP of the layers it names (leanlm.model.moe); None: dense
+    qk_norm: bool = False  # RMSNorm over the whole q and k projections before rotary (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after projection (OLMoE, OLMo)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -115,6 +125,16 @@ class ModelConfig:
             raise ValueError(
                 f"exit_layers must be increasing layer counts in 1..{self.num_hidden_layers - 1}, got {layers}"
             )
+        if self.moe is not None and self.moe.sparse_layers and max(self.moe.sparse_layers) >= self.num_hidden_layers:
+            raise ValueError(f"moe.sparse_layers {self.moe.sparse_layers} name layers past {self.num_hidden_layers}")
+        if self.architecture in ("mixtral", "qwen2_moe", "olmoe") and self.moe is None:
+            raise ValueError(f"a {self.architecture} model needs its MoEConfig (moe=)")
+        if self.moe is not None:
+            check_hf_expressible(self.architecture, self.moe)
+        if self.qk_norm and self.architecture != "olmoe":
+            raise ValueError("qk_norm (a norm over the whole q and k projections) is OLMoE's; use architecture='olmoe'")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
         if self.exit_adapter_rank < 0 or (self.exit_adapter_rank and not layers):
             raise ValueError(f"exit_adapter_rank must be >= 0 and needs exit_layers, got {self.exit_adapter_rank}")
 
@@ -135,8 +155,16 @@ class ModelConfig:
             "down_proj": (hidden, inter),
             "embed_tokens": (self.vocab_size, hidden),
             "lm_head": (self.vocab_size, hidden),
+            "q_norm": (q_rows,),
+            "k_norm": (kv_rows,),
         }
         module, kind = hf_name.rsplit(".", 2)[-2:]
+        if self.moe is not None:
+            width = self.moe.expert_intermediate_size if ".mlp.experts." in hf_name else None
+            width = self.moe.shared_expert_intermediate_size if ".mlp.shared_expert." in hf_name else width
+            if width is not None:
+                shapes |= {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+            shapes |= {"gate": (self.moe.num_experts, hidden), "shared_expert_gate": (1, hidden)}
         shape = shapes.get(module, (hidden,))  # the rest are norms: [hidden]
         return shape[:1] if kind == "bias" else shape
 
@@ -169,6 +197,11 @@ class ModelConfig:
                     high_freq_factor=float(raw_scaling.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=int(raw_scaling.get("original_max_position_embeddings", 8192)),
                 )
+        num_layers = int(cfg["num_hidden_layers"])
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window") if model_type == "mixtral" else None
+        if window:  # attention over the window is full attention up to it: serve that much context, exactly
+            max_positions = min(max_positions, int(window))
         exits = cfg.get("leanlm_exits") or {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -177,27 +210,30 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", _BIAS_DEFAULT.get(model_type, False)))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=str(cfg.get("_name_or_path", "")),
             exit_layers=tuple(int(k) for k in exits.get("layers", ())),
             exit_adapter_rank=int(exits.get("adapter_rank", 0)),
+            moe=moe_from_hf(model_type, cfg, num_layers),
+            qk_norm=model_type == "olmoe",
+            clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` a Hugging Face loader reads for this model."""
         cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM" if self.architecture == "llama" else "Qwen2ForCausalLM"],
+            "architectures": [HF_CLASSES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -214,9 +250,16 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "olmoe"):
             cfg["attention_bias"] = self.attention_bias
+        if self.architecture == "llama":
             cfg["mlp_bias"] = False
+        if self.architecture == "qwen2_moe":
+            cfg["qkv_bias"] = self.attention_bias
+        if self.moe is not None:
+            cfg |= moe_to_hf(self.architecture, self.moe, self.num_hidden_layers)
+        if self.clip_qkv is not None:
+            cfg["clip_qkv"] = self.clip_qkv
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         if self.exit_layers:  # HF loaders ignore the key (and the exits' tensors)

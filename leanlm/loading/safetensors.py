@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.moe_names import to_file_names, to_model_names
 from leanlm.loading.safetensors_header import check_safetensors_header
 
 SINGLE_FILE = "model.safetensors"
@@ -42,27 +43,31 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_path} is invalid ({type(e).__name__}: {e}); fix or re-download it") from e
 
 
+def _mlp_modules(config: ModelConfig, layer: int) -> list[str]:
+    """The MLP's modules of one layer: a dense SwiGLU, or the router, the experts and the shared expert."""
+    swiglu = ("gate_proj", "up_proj", "down_proj")
+    moe = config.moe
+    if moe is None or not moe.is_sparse(layer):
+        return [f"mlp.{p}" for p in swiglu]
+    names = ["mlp.gate"] + [f"mlp.experts.{e}.{p}" for e in range(moe.num_experts) for p in swiglu]
+    if moe.shared_expert_intermediate_size:
+        names += [f"mlp.shared_expert.{p}" for p in swiglu]
+    if moe.shared_expert_gate:
+        names.append("mlp.shared_expert_gate")
+    return names
+
+
 def expected_tensor_names(config: ModelConfig) -> list[str]:
-    """Every HF tensor name a dense model with `config` must have."""
+    """Every HF tensor name a model with `config` must have (MoE layers as the model names them: moe_names)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
+    attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        names += [
-            prefix + p + ".weight"
-            for p in (
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-                "input_layernorm",
-                "post_attention_layernorm",
-            )
-        ]
+        names += [prefix + p + ".weight" for p in attention + _mlp_modules(config, i) + norms]
         if config.attention_bias:
             names += [prefix + f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
     return names
@@ -140,6 +145,10 @@ def load_hf_dir(
         state_dict.update(_read_shard(shard, dtype))
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # the same tensor as the embedding; the model ties it
+    try:
+        state_dict = to_model_names(config, state_dict)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}; the checkpoint does not match its config") from e
     # Before anything walks the config's layers (a config claiming 2**31 layers made the name check below spin).
     num_layers = 1 + max((int(m.group(1)) for n in state_dict if (m := _LAYER_INDEX.match(n))), default=-1)
     if config.num_hidden_layers > num_layers:
@@ -171,6 +180,10 @@ def save_hf_dir(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    if all(t.is_floating_point() for t in state_dict.values()):
+        # a float model in its architecture's own names (Mixtral's w1/w2/w3), so HF and vLLM read it as theirs; a
+        # quantized one keeps the model's names, which its layers' metadata uses
+        state_dict = to_file_names(config, state_dict)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state_dict.items():

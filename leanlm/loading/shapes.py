@@ -13,7 +13,10 @@ from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
 
 # The HF names of a decoder's tensors: the config decides each one's shape (ModelConfig.tensor_shape).
-_LAYER_MODULES = "self_attn.(?:q|k|v|o)_proj|mlp.(?:gate|up|down)_proj|input_layernorm|post_attention_layernorm"
+_LAYER_MODULES = (
+    r"self_attn\.(?:q|k|v|o)_proj|self_attn\.(?:q|k)_norm|mlp\.(?:experts\.\d+\.|shared_expert\.)?(?:gate|up|down)_proj"
+    r"|mlp\.gate|mlp\.shared_expert_gate|input_layernorm|post_attention_layernorm"
+)
 _MODEL_TENSOR = re.compile(rf"(?:model\.layers\.(\d+)\.(?:{_LAYER_MODULES})|model\.embed_tokens|model\.norm|lm_head)")
 
 

@@ -46,6 +46,8 @@ class ForwardContext:
     decode_seq_lens: torch.Tensor  # [Bd] long
     decode_max_seq_len: int  # 0 when there is no decode
     prefills: tuple[PrefillSpan, ...]
+    # [T, E] bool: the experts each token may use (static task routing: requests that pin an expert subset); None: all
+    expert_mask: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -85,6 +87,16 @@ def get_forward_context() -> ForwardContext:
     if ctx is None:
         raise RuntimeError("no forward context: run the model through ModelRunner (or inside forward_context)")
     return ctx
+
+
+def current_expert_mask(num_tokens: int) -> torch.Tensor | None:
+    """The forward context's expert mask for a batch of `num_tokens` rows; None outside a forward (training,
+    calibration) or when no request pins its experts."""
+    ctx = getattr(_state, "ctx", None)
+    mask = None if ctx is None else ctx.expert_mask
+    if mask is not None and mask.shape[0] != num_tokens:
+        raise RuntimeError(f"the expert mask covers {mask.shape[0]} tokens, the forward {num_tokens}")
+    return mask
 
 
 def build_forward_context(

@@ -9,16 +9,16 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.kernels import cpu_rows
 from leanlm.model.attention import AttentionBackend, get_backend
 from leanlm.model.context import get_forward_context
 from leanlm.model.exit_head import build_exits
 from leanlm.model.kv_quant import store_kv
 from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from leanlm.model.mlp import LlamaMLP
+from leanlm.model.moe import SparseMoeBlock
 from leanlm.model.native_decode import NativeDecodePlan
 
 
@@ -35,14 +35,27 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
+        # OLMoE: RMSNorm over the whole q and k projections (all heads at once), then q, k, v clamped
+        self.q_norm = RMSNorm(q_size, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(kv_size, config.rms_norm_eps) if config.qk_norm else None
+        self.clip_qkv = config.clip_qkv
         self.backend = backend
+
+    def _project(self, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None, heads: int) -> torch.Tensor:
+        """x [T, hidden] -> [T, heads, D] through `proj`, then `norm` and the clamp where the model has them."""
+        y = proj(x)
+        if norm is not None:
+            y = norm(y)
+        if self.clip_qkv is not None:
+            y = y.clamp(-self.clip_qkv, self.clip_qkv)
+        return y.view(x.shape[0], heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = self._project(x, self.q_proj, self.q_norm, self.num_heads)  # [T, H, D]
+        k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)  # [T, Hkv, D]
+        v = self._project(x, self.v_proj, None, self.num_kv_heads)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, ctx.kv_cache.layer(self.layer_idx), self.scale, ctx)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -51,26 +64,11 @@ class LlamaAttention(nn.Module):
         """Store the K/V of normed inputs x [T, hidden] in this layer's cache at the forward context's slots,
         attending to nothing: CALM's state propagation for a token that left the network before this layer."""
         ctx = get_forward_context()
-        num_tokens = x.shape[0]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)  # [T, Hkv, D]
+        v = self._project(x, self.v_proj, None, self.num_kv_heads)
         kv = ctx.kv_cache.layer(self.layer_idx)
         store_kv(kv.k_cache, kv.k_scales, apply_rotary(k, *rope), ctx.kv_write_index)
         store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if cpu_rows.should_use_rows(gate) and up.is_contiguous():  # the native loop's arithmetic
-            return self.down_proj(cpu_rows.silu_and_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
 
 
 @dataclass(frozen=True)
@@ -92,24 +90,46 @@ class LinearGroup:
             object.__setattr__(self, "block", self.linears[0])
 
 
+def mlp_groups(prefix: str, producer: str, can_fold: bool = True) -> tuple[LinearGroup, ...]:
+    """The two groups of the SwiGLU MLP at `prefix`: gate/up fed by `producer`, down fed by up."""
+    return (
+        LinearGroup(producer, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), prefix, can_fold=can_fold),
+        LinearGroup(f"{prefix}.up_proj", (f"{prefix}.down_proj",)),
+    )
+
+
+def layer_groups(config: ModelConfig, sparse: bool) -> tuple[LinearGroup, ...]:
+    """A decoder layer's linear groups. In a sparse layer each expert is its own group (each sees only the tokens
+    routed to it); the norm feeds the router and every expert, so no scale folds into it (can_fold False); the
+    router is no linear of any group: it stays float."""
+    # v_proj's output channels reach o_proj one-to-one only without grouped-query attention; OLMoE's k/q norms
+    # and clamps stand between the input norm and the attention, so nothing folds there either.
+    attention = (
+        LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn",
+                    can_fold=not config.qk_norm and config.clip_qkv is None),  # fmt: skip
+        LinearGroup(
+            "self_attn.v_proj",
+            ("self_attn.o_proj",),
+            can_fold=config.num_attention_heads == config.num_key_value_heads and config.clip_qkv is None,
+        ),
+    )
+    if not sparse:
+        return attention + mlp_groups("mlp", "post_attention_layernorm")
+    experts = [f"mlp.experts.{e}" for e in range(config.moe.num_experts)]
+    if config.moe.shared_expert_intermediate_size:
+        experts.append("mlp.shared_expert")
+    return attention + sum((mlp_groups(p, "post_attention_layernorm", can_fold=False) for p in experts), ())
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
-        # v_proj's output channels reach o_proj one-to-one only without grouped-query attention.
-        self.linear_groups = (
-            LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-            LinearGroup(
-                "self_attn.v_proj",
-                ("self_attn.o_proj",),
-                can_fold=config.num_attention_heads == config.num_key_value_heads,
-            ),
-            LinearGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-            LinearGroup("mlp.up_proj", ("mlp.down_proj",)),
-        )
+        sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
+        self.linear_groups = layer_groups(config, sparse)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoeBlock(config) if sparse else LlamaMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope)

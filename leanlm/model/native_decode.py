@@ -75,6 +75,9 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     norm = model.model.norm.weight
     if (
         not len(layers)
+        or cfg.moe is not None  # a router and k of E experts per token: the per-layer path dispatches them
+        or cfg.qk_norm
+        or cfg.clip_qkv is not None
         or rotary is None
         or layers[0].self_attn.backend.name != "cpu"
         or not cpu_decode.is_available()

@@ -1,0 +1,169 @@
+"""MoEConfig: the sparse MLP of a mixture-of-experts decoder (Mixtral, Qwen2-MoE, OLMoE, and the MoEs LeanLM builds
+from dense models), read from and written to HF `config.json` keys; RoutingPolicy: the engine's capacity and
+priority options for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# How a token's chosen experts are weighted:
+#   softmax        - their softmax probabilities over all E (Qwen2-MoE / OLMoE with norm_topk_prob false)
+#   softmax_renorm - those probabilities renormalised to sum to 1 over the k chosen (Mixtral; norm_topk_prob true)
+#   ones           - every chosen expert counts 1: the experts partition one dense FFN (MoEfication), so top-k = E
+#                    is the dense model exactly
+SCORINGS = ("softmax", "softmax_renorm", "ones")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int  # E
+    top_k: int  # experts per token
+    expert_intermediate_size: int  # each expert's FFN width
+    scoring: str = "softmax_renorm"
+    shared_expert_intermediate_size: int = 0  # an always-on expert (Qwen2-MoE, DeepSeek; PR-MoE's dense MLP); 0: none
+    shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared expert (Qwen2-MoE); False: added as is
+    sparse_layers: tuple[int, ...] | None = None  # the layers with experts; None: every layer
+    router_aux_loss_coef: float = 0.0  # Switch's load-balancing loss weight, for training
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"MoEConfig.scoring {self.scoring!r} is not one of {SCORINGS}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("MoEConfig.shared_expert_intermediate_size must be >= 0")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("MoEConfig.shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        if self.sparse_layers is not None and any(i < 0 for i in self.sparse_layers):
+            raise ValueError(f"MoEConfig.sparse_layers must be layer indices >= 0, got {self.sparse_layers}")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.sparse_layers is None or layer_idx in self.sparse_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["sparse_layers"] = None if self.sparse_layers is None else list(self.sparse_layers)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MoEConfig:
+        """The `leanlm_moe` block of a config.json written by to_dict (MoEs built from llama / qwen2 models)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"leanlm_moe has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        layers = raw.get("sparse_layers")
+        return cls(**{**raw, "sparse_layers": None if layers is None else tuple(int(i) for i in layers)})
+
+
+def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """The MoEConfig of an HF mixtral / qwen2_moe / olmoe config.json, or of a llama / qwen2 one carrying
+    `leanlm_moe`; None for a dense model."""
+    if model_type == "mixtral":
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg["intermediate_size"]),
+            scoring="softmax_renorm",  # MixtralTopKRouter always renormalises
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        )
+    if model_type == "olmoe":
+        return MoEConfig(
+            num_experts=int(cfg["num_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg["intermediate_size"]),
+            scoring="softmax_renorm" if cfg.get("norm_topk_prob") else "softmax",
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        )
+    if model_type == "qwen2_moe":
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        sparse = tuple(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        return MoEConfig(
+            num_experts=int(cfg["num_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+            scoring="softmax_renorm" if cfg.get("norm_topk_prob") else "softmax",
+            shared_expert_intermediate_size=shared,
+            shared_expert_gate=shared > 0,
+            sparse_layers=None if len(sparse) == num_layers else sparse,
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        )
+    raw = cfg.get("leanlm_moe")
+    return None if raw is None else MoEConfig.from_dict(raw)
+
+
+def moe_to_hf(model_type: str, moe: MoEConfig, num_layers: int) -> dict[str, Any]:
+    """The config.json keys HF's own class for `model_type` reads (`leanlm_moe` for llama / qwen2 MoEs)."""
+    if model_type == "mixtral":
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "intermediate_size": moe.expert_intermediate_size, "router_aux_loss_coef": moe.router_aux_loss_coef,
+                "router_jitter_noise": 0.0, "output_router_logits": False}  # fmt: skip
+    common = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+              "norm_topk_prob": moe.scoring == "softmax_renorm", "router_aux_loss_coef": moe.router_aux_loss_coef,
+              "output_router_logits": False}  # fmt: skip
+    if model_type == "olmoe":
+        return common | {"intermediate_size": moe.expert_intermediate_size}
+    if model_type == "qwen2_moe":
+        sparse = set(range(num_layers) if moe.sparse_layers is None else moe.sparse_layers)
+        return common | {
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(num_layers) if i not in sparse],
+        }
+    return {"leanlm_moe": moe.to_dict()}
+
+
+def check_hf_expressible(model_type: str, moe: MoEConfig) -> None:
+    """ValueError when HF's class for `model_type` could not run `moe` as configured (it would load other numbers)."""
+    wants = {
+        "mixtral": dict(scoring=("softmax_renorm",), shared=False, gate=False, layers=False),
+        "olmoe": dict(scoring=("softmax", "softmax_renorm"), shared=False, gate=False, layers=False),
+        "qwen2_moe": dict(scoring=("softmax", "softmax_renorm"), shared=True, gate=True, layers=True),
+    }.get(model_type)
+    if wants is None:
+        return
+    shared = moe.shared_expert_intermediate_size > 0
+    if (
+        moe.scoring not in wants["scoring"]
+        or (shared and not wants["shared"])
+        or (shared and moe.shared_expert_gate != wants["gate"])
+        or (model_type == "qwen2_moe" and not shared)
+        or (moe.sparse_layers is not None and not wants["layers"])
+    ):
+        raise ValueError(
+            f"a {model_type} model cannot express this MoE ({moe}); save it as llama or qwen2 with a leanlm_moe block"
+        )
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How the engine routes a step's tokens: expert capacity (Switch Transformer) and batch priority routing
+    (V-MoE). Capacity per expert = ceil(capacity_factor * tokens * top_k / E) over the step's tokens; an
+    assignment beyond it is dropped (the token keeps its residual stream and any shared expert) and counted."""
+
+    capacity_factor: float | None = None  # None: no capacity limit, no token is dropped
+    # False: capacity goes to first choices before second ones, in token order (Switch / GShard);
+    # True: to first choices before second ones, most confident token first (V-MoE's BPR)
+    batch_priority: bool = False
+
+    def __post_init__(self) -> None:
+        cf = self.capacity_factor
+        if cf is not None and (not math.isfinite(cf) or cf <= 0):
+            raise ValueError(f"moe capacity_factor must be a positive number or None, got {cf}")
+        if self.batch_priority and cf is None:
+            raise ValueError("batch priority routing orders tokens for a capacity; set a capacity_factor too")
+
+    def capacity(self, num_tokens: int, top_k: int, num_experts: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * num_tokens * top_k / num_experts))

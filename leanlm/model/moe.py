@@ -1,0 +1,168 @@
+"""The sparse MLP of a mixture-of-experts layer: a router picks top-k of E experts per token (Shazeer et al. 2017;
+Switch, GShard, Mixtral), tokens are grouped per expert so that each expert runs one product over its rows,
+and an optional shared expert (Qwen2-MoE, DeepSeek; PR-MoE's dense MLP) runs on every token.
+
+Module and weight names follow HF's Qwen2-MoE / OLMoE: `mlp.gate` (the router), `mlp.experts.{e}.{gate,up,down}_proj`,
+`mlp.shared_expert.*`, `mlp.shared_expert_gate`. Every expert is an ordinary SwiGLU MLP of runtime linears, so the
+compression loop quantizes, prunes and shards experts through the same units as a dense MLP, and a decode step of
+one token reads only its k experts' bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leanlm.config.model import ModelConfig
+from leanlm.config.moe import MoEConfig, RoutingPolicy
+from leanlm.model.context import current_expert_mask
+from leanlm.model.mlp import LlamaMLP
+
+
+class Router(nn.Module):
+    """logits [T, E] = x W^T with W [E, hidden]. Not an nn.Linear: quantizers, pruners and shards leave the router
+    in float (llm-compressor and vLLM keep `mlp.gate` unquantized: it is tiny, and its argmax decides everything)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's chosen experts and their weights; `probs` for the load-balancing loss and BPR."""
+
+    experts: torch.Tensor  # [T, k] long, best first
+    weights: torch.Tensor  # [T, k] float32
+    probs: torch.Tensor  # [T, E] float32: softmax of the router logits (masked experts: 0)
+
+
+@dataclass
+class ExpertLoad:
+    """What one MoE layer routed since the counters were last reset (plain ints: no device sync of their own)."""
+
+    num_experts: int
+    load: list[int] = field(default_factory=list)  # [E] assignments each expert ran
+    tokens: int = 0  # tokens through the layer
+    assignments: int = 0  # tokens x k: what the router asked for
+    dropped: int = 0  # assignments beyond an expert's capacity (the token kept its residual path)
+    experts_read: int = 0  # sum over forwards of the distinct experts run: whose weights were read
+
+    def __post_init__(self) -> None:
+        self.load = self.load or [0] * self.num_experts
+
+    def add(self, counts: list[int], tokens: int, assignments: int) -> None:
+        self.load = [a + b for a, b in zip(self.load, counts, strict=True)]
+        self.tokens += tokens
+        self.assignments += assignments
+        self.dropped += assignments - sum(counts)
+        self.experts_read += sum(1 for c in counts if c)
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, mask: torch.Tensor | None = None) -> Routing:
+    """Top-k of softmax(logits [T, E]) in float32 (as HF's routers), weighted by `moe.scoring`; `mask` [T, E] bool
+    keeps each token to its allowed experts (static task routing)."""
+    logits = logits.float()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.scoring == "softmax_renorm":
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif moe.scoring == "ones":
+        weights = torch.ones_like(weights)
+    return Routing(experts, weights, probs)
+
+
+def capacity_keep(experts: torch.Tensor, capacity: int, num_experts: int, priority: torch.Tensor | None) -> torch.Tensor:
+    """keep [T, k] bool: which assignments fit `capacity` rows per expert. Capacity goes to every token's first
+    choice before any second choice (GShard); within a choice rank, in token order, or by descending `priority` [T]
+    (batch priority routing: the router's top probability, V-MoE)."""
+    num_tokens, k = experts.shape
+    order = (
+        torch.arange(num_tokens, device=experts.device)
+        if priority is None
+        else torch.argsort(priority, descending=True, stable=True)
+    )
+    ordered = experts[order].T.reshape(-1)  # [k*T]: choice rank major, then token priority
+    hits = F.one_hot(ordered, num_experts)  # [k*T, E]
+    position = (hits.cumsum(0) * hits).sum(1) - 1  # each assignment's place in its expert's queue
+    keep = torch.empty(k, num_tokens, dtype=torch.bool, device=experts.device)
+    keep[:, order] = (position < capacity).view(k, num_tokens)
+    return keep.T
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss E * sum_e f_e * P_e over probs [T, E] and experts [T, k]: f_e the share of
+    assignments expert e got, P_e its mean router probability; 1.0 when routing is uniform."""
+    num_experts = probs.shape[-1]
+    share = F.one_hot(experts.reshape(-1), num_experts).float().mean(0)  # [E]
+    return num_experts * (share * probs.mean(0)).sum()
+
+
+class SparseMoeBlock(nn.Module):
+    """x [T, hidden] -> sum over its k experts of weight * expert(x), plus the shared expert (gated or not)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.moe = moe
+        hidden = config.hidden_size
+        self.gate = Router(hidden, moe.num_experts)
+        self.experts = nn.ModuleList(LlamaMLP(hidden, moe.expert_intermediate_size) for _ in range(moe.num_experts))
+        self.shared_expert = (
+            LlamaMLP(hidden, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
+        )
+        self.shared_expert_gate = Router(hidden, 1) if moe.shared_expert_gate else None
+        self.policy = RoutingPolicy()  # the engine's capacity / priority options (LlamaForCausalLM.set_routing_policy)
+        self.stats = ExpertLoad(moe.num_experts)
+        self.last_routing: Routing | None = None  # kept while autograd records: the trainer's balancing loss reads it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        routing = route(self.gate(x), self.moe, current_expert_mask(x.shape[0]))
+        self.last_routing = routing if torch.is_grad_enabled() else None
+        keep = None
+        capacity = self.policy.capacity(x.shape[0], self.moe.top_k, self.moe.num_experts)
+        if capacity is not None:
+            priority = routing.probs.max(dim=-1).values if self.policy.batch_priority else None
+            keep = capacity_keep(routing.experts, capacity, self.moe.num_experts, priority)
+        out = self.dispatch(x, routing.experts, routing.weights, keep)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def dispatch(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Group the kept (token, expert) assignments by expert; each expert runs once over its rows (a GEMV or GEMM
+        on its format's kernels), and its weighted rows are added back to their tokens."""
+        num_tokens, k = experts.shape
+        flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1)  # [T*k]
+        flat_tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(k)
+        if keep is not None:
+            kept = keep.reshape(-1)
+            flat_experts, flat_weights, flat_tokens = flat_experts[kept], flat_weights[kept], flat_tokens[kept]
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()
+        rows, row_weights = flat_tokens[order], flat_weights[order]  # [A]
+        grouped = x[rows]  # [A, hidden], expert by expert
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                y = self.experts[e](grouped[start : start + n])  # [n, hidden]
+                y = (y * row_weights[start : start + n, None]).to(x.dtype)
+                out.index_add_(0, rows[start : start + n], y)
+            start += n
+        self.stats.add(counts, num_tokens, num_tokens * k)
+        return out
