@@ -105,8 +105,12 @@ def layer_groups(config: ModelConfig, sparse: bool) -> tuple[LinearGroup, ...]:
     # v_proj's output channels reach o_proj one-to-one only without grouped-query attention; OLMoE's k/q norms
     # and clamps stand between the input norm and the attention, so nothing folds there either.
     attention = (
-        LinearGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn",
-                    can_fold=not config.qk_norm and config.clip_qkv is None),  # fmt: skip
+        LinearGroup(
+            "input_layernorm",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn",
+            can_fold=not config.qk_norm and config.clip_qkv is None,
+        ),  # fmt: skip
         LinearGroup(
             "self_attn.v_proj",
             ("self_attn.o_proj",),

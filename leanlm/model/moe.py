@@ -80,7 +80,9 @@ def route(logits: torch.Tensor, moe: MoEConfig, mask: torch.Tensor | None = None
     return Routing(experts, weights, probs)
 
 
-def capacity_keep(experts: torch.Tensor, capacity: int, num_experts: int, priority: torch.Tensor | None) -> torch.Tensor:
+def capacity_keep(
+    experts: torch.Tensor, capacity: int, num_experts: int, priority: torch.Tensor | None
+) -> torch.Tensor:
     """keep [T, k] bool: which assignments fit `capacity` rows per expert. Capacity goes to every token's first
     choice before any second choice (GShard); within a choice rank, in token order, or by descending `priority` [T]
     (batch priority routing: the router's top probability, V-MoE)."""

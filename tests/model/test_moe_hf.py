@@ -20,14 +20,25 @@ CASES = {
     "qwen2_moe": (
         "Qwen2MoeForCausalLM",
         "Qwen2MoeConfig",
-        dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=80,
-             mlp_only_layers=[1], norm_topk_prob=False),  # fmt: skip
+        dict(
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=80,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),  # fmt: skip
     ),
     "qwen2_moe_norm": (
         "Qwen2MoeForCausalLM",
         "Qwen2MoeConfig",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-             norm_topk_prob=True),  # fmt: skip
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+        ),  # fmt: skip
     ),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, clip_qkv=0.5)),
 }
@@ -79,9 +90,11 @@ def test_our_writer_round_trips_to_hf(case, tmp_path):
     hf = hf_model(case)
     config, state = load_hf_dir(_saved(hf, tmp_path / "hf"), dtype=torch.float64, progress=False)
     save_hf_dir(tmp_path / "ours", config, state)
-    again = getattr(transformers, CASES[case][0]).from_pretrained(
-        tmp_path / "ours", dtype=torch.float64, experts_implementation="eager"
-    ).eval()
+    again = (
+        getattr(transformers, CASES[case][0])
+        .from_pretrained(tmp_path / "ours", dtype=torch.float64, experts_implementation="eager")
+        .eval()
+    )
     ids = torch.arange(10)
     torch.testing.assert_close(hf_logits(again, ids), hf_logits(hf, ids), atol=1e-10, rtol=0)
 
