@@ -59,6 +59,9 @@ class SamplingParams:
     # mapping is accepted and stored sorted (a tuple keeps the dataclass hashable).
     logit_bias: tuple[tuple[int, float], ...] = ()
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each streamed output holds
+    # static task routing (Kudugunta et al. 2021): a mixture-of-experts model routes this request's tokens only among
+    # these experts, in every MoE layer, so only their weights are read for it; None: all experts
+    experts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +69,11 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.experts is not None:
+            experts = tuple(sorted({int(e) for e in self.experts}))
+            if not experts or experts[0] < 0:
+                raise ValueError(f"experts pins a non-empty set of expert indices >= 0, got {self.experts!r}")
+            object.__setattr__(self, "experts", experts)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.top_k in (0, -1):

@@ -9,6 +9,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from leanlm.config.moe import RoutingPolicy
+
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (leanlm.engine.early_exit)
@@ -115,6 +117,25 @@ class EngineConfig:
             "one at a time, the next prefetched (default: every weight resident)",
         },
     )
+    # mixture-of-experts routing (leanlm.model.moe): Switch's expert capacity and V-MoE's batch priority routing
+    moe_capacity_factor: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "MoE models: each expert takes at most ceil(factor x step tokens x top-k / experts) tokens a "
+            "step; the rest skip it (residual path) and are counted as dropped (default: no limit)"
+        },
+    )
+    moe_batch_priority: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "with --moe-capacity-factor: capacity goes to the tokens the router is surest of first"},
+    )
+    enable_expert_parallel: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "MoE models with --tensor-parallel-size N: each rank holds E/N whole experts and tokens reach "
+            "them by all-to-all, instead of every expert split N ways"
+        },
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -146,6 +167,10 @@ class EngineConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self._check_preemption()
+        self.routing_policy()  # validates the MoE options
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel spreads experts over the tensor-parallel ranks: set "
+                             "tensor_parallel_size > 1")  # fmt: skip
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes < 1:
@@ -191,6 +216,13 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0 (0 disables swapping), got {self.swap_space_bytes}")
         if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
             raise ValueError("preemption_mode 'swap' needs host memory to swap to: set swap_space_bytes > 0")
+
+    def routing_policy(self) -> RoutingPolicy:
+        """The MoE layers' capacity and priority options."""
+        try:
+            return RoutingPolicy(self.moe_capacity_factor, self.moe_batch_priority)
+        except ValueError as e:
+            raise ValueError(f"{e} (--moe-capacity-factor / --moe-batch-priority)") from None
 
     @property
     def can_swap(self) -> bool:

@@ -29,6 +29,7 @@ from leanlm.engine.step_plan import StepPlan
 from leanlm.engine.swap_space import SwapSpace
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.model.moe import MoEStats, moe_stats
 from leanlm.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class EngineStats:
     num_running_slots: int  # KV slots their blocks hold (block_size per block): running_tokens / slots = KV use
     spec_decode: SpecStats | None  # totals of speculative decoding; None when it is off
     early_exit: EarlyExitStats | None = None  # totals of CALM's early exit; None when it is off
+    moe: MoEStats | None = None  # expert load, dropped tokens and expert bytes read; None for a dense model
 
 
 class LLMEngine:
@@ -127,6 +129,17 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if params.experts is not None:
+            self._validate_experts(params.experts)
+
+    def _validate_experts(self, experts: tuple[int, ...]) -> None:
+        moe = self.model_config.moe
+        if moe is None:
+            raise ValueError("experts pins a request to experts of a mixture-of-experts model; this model is dense")
+        if experts[-1] >= moe.num_experts or len(experts) < moe.top_k:
+            raise ValueError(
+                f"experts must name at least top-k = {moe.top_k} experts in [0, {moe.num_experts}), got {list(experts)}"
+            )
 
     def add_request(
         self,
@@ -231,6 +244,7 @@ class LLMEngine:
             num_running_slots=sum(len(kv.get_block_ids(r.request_id)) for r in running) * self.engine_config.block_size,
             spec_decode=spec.stats() if spec is not None else None,
             early_exit=self.model_runner.early_exit.stats() if self.model_runner.early_exit is not None else None,
+            moe=moe_stats(self.model),
         )
 
     @property

@@ -6,6 +6,7 @@ from the same forward (logits at position p against prompt token p+1).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.model.moe import set_routing_policy
 from leanlm.model.paged_kv import PagedKVCache
 
 
@@ -60,6 +62,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.config: ModelConfig = model.config
+        set_routing_policy(model, engine_config.routing_policy())  # capacity / BPR; no-op on a dense model
         self.block_size = engine_config.block_size
         self.device = device
         self.kv_cache_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, model_dtype)
@@ -146,6 +149,8 @@ class ModelRunner:
         if not plan.num_tokens:
             return torch.zeros(0, self.config.vocab_size, device=self.device)
         ctx = build_forward_context(plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache)
+        if plan.expert_subsets:
+            ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
         started = time.perf_counter()
         with forward_context(ctx):
             if self.early_exit is not None and ctx.is_all_decode:

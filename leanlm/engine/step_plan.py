@@ -7,6 +7,7 @@ pipeline-parallel model (leanlm.parallel), and what the local runner forwards to
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,16 @@ class StepPlan:
     blocks_to_swap_in: list[tuple[int, int]]
     logit_rows: torch.Tensor  # [R] long: hidden rows whose logits the step needs, sample rows first, then prompt rows
     num_sample_rows: int  # the first rows of logit_rows: each sampling request's last row (and its drafts' rows)
+    # static task routing: (first row, end row, experts) of each request that pins an MoE model's expert subset
+    expert_subsets: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+
+    def expert_mask(self, num_experts: int) -> torch.Tensor:
+        """[T, E] bool: the experts each row may use (all, but in the pinned requests' rows)."""
+        mask = torch.ones(self.num_tokens, num_experts, dtype=torch.bool, device=self.input_ids.device)
+        for start, end, experts in self.expert_subsets:
+            mask[start:end] = False
+            mask[start:end, list(experts)] = True
+        return mask
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +81,7 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
     """Lay the scheduled requests out as one flat batch, in order."""
     ids: list[int] = []
     positions: list[int] = []
-    seq_lens, sample_rows, sample_idx, prompt_idx, prompt_rows = [], [], [], [], []
+    seq_lens, sample_rows, sample_idx, prompt_idx, prompt_rows, subsets = [], [], [], [], [], []
     for i, (req, n) in enumerate(zip(so.scheduled_requests, so.num_scheduled_tokens)):
         row_start = len(ids)
         start = req.num_computed_tokens
@@ -83,6 +94,8 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
         if start + n - num_drafts == req.num_tokens:
             sample_rows.append(i)
             sample_idx.extend(range(len(ids) - 1 - num_drafts, len(ids)))
+        if req.sampling_params.experts is not None:
+            subsets.append((row_start, len(ids), req.sampling_params.experts))
         rows = _prompt_rows(req, n)
         prompt_rows.append(rows)
         if rows is not None:  # entry j comes from position j-1 of this chunk
@@ -100,6 +113,7 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
         blocks_to_swap_in=list(so.blocks_to_swap_in),
         logit_rows=torch.tensor(sample_idx + prompt_idx, **as_long),
         num_sample_rows=len(sample_idx),
+        expert_subsets=subsets,
     )
     return PlannedStep(plan, sample_rows, prompt_rows)
 

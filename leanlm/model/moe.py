@@ -168,3 +168,61 @@ class SparseMoeBlock(nn.Module):
             start += n
         self.stats.add(counts, num_tokens, num_tokens * k)
         return out
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What the MoE layers of a model routed since the engine started (EngineStats.moe)."""
+
+    expert_load: tuple[tuple[int, ...], ...]  # [MoE layer][expert]: assignments run
+    tokens: int  # tokens through the model's first MoE layer
+    assignments: int  # tokens x k, summed over MoE layers
+    dropped: int  # assignments beyond an expert's capacity, summed over MoE layers
+    expert_bytes_per_token: float  # weight bytes of the experts run per token (distinct experts a forward read)
+    dense_weight_bytes: int  # every other weight read per step: attention, norms, routers, shared experts, head
+
+    @property
+    def drop_rate(self) -> float:
+        return self.dropped / self.assignments if self.assignments else 0.0
+
+    @property
+    def weight_bytes_per_token(self) -> float:
+        """Weight bytes read per token at the batch sizes seen: the dense part once per token plus the experts."""
+        return self.dense_weight_bytes + self.expert_bytes_per_token
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def set_routing_policy(model: nn.Module, policy: RoutingPolicy) -> None:
+    for block in moe_blocks(model):
+        block.policy = policy
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers (packed runtime formats: their stored codes and scales)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def moe_stats(model: nn.Module) -> MoEStats | None:
+    """The model's MoE counters (None for a dense model); `dense_weight_bytes` leaves out an untied embedding table,
+    of which a step reads only its tokens' rows."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    expert_read = sum(b.stats.experts_read * module_bytes(b.experts[0]) for b in blocks)  # experts share one shape
+    tokens = blocks[0].stats.tokens
+    every = module_bytes(model)
+    embed = model.get_submodule("model.embed_tokens")
+    tied = any(p is embed.weight for p in model.get_submodule("lm_head").parameters())
+    experts = sum(module_bytes(b.experts) for b in blocks)
+    return MoEStats(
+        expert_load=tuple(tuple(b.stats.load) for b in blocks),
+        tokens=tokens,
+        assignments=sum(b.stats.assignments for b in blocks),
+        dropped=sum(b.stats.dropped for b in blocks),
+        expert_bytes_per_token=expert_read / tokens if tokens else 0.0,
+        dense_weight_bytes=every - experts - (0 if tied else module_bytes(embed)),
+    )
