@@ -132,7 +132,7 @@ def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False) -> RankMod
         "weights": weights_digest(model),
     }
     check_agreement(rank, facts)
-    shard_model(model, rank.tp)
+    shard_model(model, rank.tp, engine_config.enable_expert_parallel)
     if layout.pipeline_parallel_size > 1:
         start, stop = stage_bounds(config.num_hidden_layers, layout.pipeline_parallel_size)[rank.stage]
         cut_stage(model, start, stop, rank.is_first_stage, rank.is_last_stage)

@@ -16,6 +16,7 @@ from torch import nn
 from leanlm.model.layers import Linear
 from leanlm.model.linear.shard import COLUMN, ROW, part
 from leanlm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from leanlm.model.moe import SparseMoeBlock
 from leanlm.parallel.heads import HeadShard, split_heads
 
 
@@ -27,6 +28,8 @@ class CommStats:
     all_reduce_bytes: int = 0  # payload: the reduced tensors' bytes
     num_all_gathers: int = 0
     all_gather_bytes: int = 0  # this rank's contribution
+    num_all_to_alls: int = 0  # expert parallelism's dispatch and combine (leanlm.parallel.expert)
+    all_to_all_bytes: int = 0  # rows this rank sent
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class VocabParallelHead(nn.Module):
         return self.tp.all_gather_last(self.shard(hidden))
 
 
-def _own(layer: nn.Module) -> nn.Module:
+def own_shard(layer: nn.Module) -> nn.Module:
     """A shard holding its own memory: a slice of a dense weight is a view that would keep the whole tensor alive."""
     for name, p in list(layer.named_parameters(recurse=False)):
         setattr(layer, name, nn.Parameter(p.detach().clone(), requires_grad=False))
@@ -113,26 +116,26 @@ def shard_attention(attn: LlamaAttention, heads: list[HeadShard], tp: TensorGrou
     """Cut attn in place to rank tp.rank's heads (see leanlm.parallel.heads)."""
     mine, d = heads[tp.rank], attn.head_dim
     q_sizes = tuple(h.num_heads * d for h in heads)
-    attn.q_proj = _own(attn.q_proj.shard(COLUMN, tp.rank, tp.size, q_sizes))
+    attn.q_proj = own_shard(attn.q_proj.shard(COLUMN, tp.rank, tp.size, q_sizes))
     if len({(h.kv_start, h.kv_stop) for h in heads}) == len(heads):  # KV groups partitioned
         kv_sizes = tuple(h.num_kv_heads * d for h in heads)
-        attn.k_proj = _own(attn.k_proj.shard(COLUMN, tp.rank, tp.size, kv_sizes))
-        attn.v_proj = _own(attn.v_proj.shard(COLUMN, tp.rank, tp.size, kv_sizes))
+        attn.k_proj = own_shard(attn.k_proj.shard(COLUMN, tp.rank, tp.size, kv_sizes))
+        attn.v_proj = own_shard(attn.v_proj.shard(COLUMN, tp.rank, tp.size, kv_sizes))
     else:  # each KV head replicated on the ranks that split its query heads
         num_kv = attn.num_kv_heads
-        attn.k_proj = _own(attn.k_proj.shard(COLUMN, mine.kv_start, num_kv))
-        attn.v_proj = _own(attn.v_proj.shard(COLUMN, mine.kv_start, num_kv))
+        attn.k_proj = own_shard(attn.k_proj.shard(COLUMN, mine.kv_start, num_kv))
+        attn.v_proj = own_shard(attn.v_proj.shard(COLUMN, mine.kv_start, num_kv))
     hidden = attn.o_proj.out_features
-    attn.o_proj = RowParallelLinear(_own(attn.o_proj.shard(ROW, tp.rank, tp.size, q_sizes)), tp, hidden)
+    attn.o_proj = RowParallelLinear(own_shard(attn.o_proj.shard(ROW, tp.rank, tp.size, q_sizes)), tp, hidden)
     attn.num_heads, attn.num_kv_heads = mine.num_heads, mine.num_kv_heads
 
 
 def shard_mlp(mlp: LlamaMLP, tp: TensorGroup) -> None:
     """gate/up column-parallel, down row-parallel: the FFN's intermediate features split evenly."""
     hidden = mlp.down_proj.out_features
-    mlp.gate_proj = _own(mlp.gate_proj.shard(COLUMN, tp.rank, tp.size))
-    mlp.up_proj = _own(mlp.up_proj.shard(COLUMN, tp.rank, tp.size))
-    mlp.down_proj = RowParallelLinear(_own(mlp.down_proj.shard(ROW, tp.rank, tp.size)), tp, hidden)
+    mlp.gate_proj = own_shard(mlp.gate_proj.shard(COLUMN, tp.rank, tp.size))
+    mlp.up_proj = own_shard(mlp.up_proj.shard(COLUMN, tp.rank, tp.size))
+    mlp.down_proj = RowParallelLinear(own_shard(mlp.down_proj.shard(ROW, tp.rank, tp.size)), tp, hidden)
 
 
 def shard_vocab(model: LlamaForCausalLM, tp: TensorGroup) -> None:
@@ -145,20 +148,31 @@ def shard_vocab(model: LlamaForCausalLM, tp: TensorGroup) -> None:
         head = model.lm_head.shard(COLUMN, tp.rank, tp.size)
         head.weight = model.model.embed_tokens.weight
     else:
-        head = _own(model.lm_head.shard(COLUMN, tp.rank, tp.size))
+        head = own_shard(model.lm_head.shard(COLUMN, tp.rank, tp.size))
     model.lm_head = VocabParallelHead(head, tp)
 
 
-def shard_model(model: LlamaForCausalLM, tp: TensorGroup) -> LlamaForCausalLM:
+def shard_model(model: LlamaForCausalLM, tp: TensorGroup, expert_parallel: bool = False) -> LlamaForCausalLM:
     """Cut `model` in place to rank tp.rank's part of every layer. Its config becomes the rank's shape (its query and
-    KV heads: what its KV cache holds); vocabulary, hidden and FFN sizes stay the whole model's."""
+    KV heads: what its KV cache holds); vocabulary, hidden and FFN sizes stay the whole model's. MoE layers split
+    every expert (or, with `expert_parallel`, hand each rank whole experts: leanlm.parallel.expert)."""
+    from leanlm.parallel.expert import shard_moe  # expert.py builds on this module's groups and shards
+
     if tp.size == 1:
         return model
     config = model.config
+    if config.qk_norm:
+        raise ValueError(
+            "OLMoE's q/k norms run over every head at once, which a tensor shard holds only part of: serve it with "
+            "tensor_parallel_size 1 (pipeline_parallel_size splits its layers instead)"
+        )
     heads = split_heads(config.num_attention_heads, config.num_key_value_heads, tp.size)
     for layer in model.model.layers:
         shard_attention(layer.self_attn, heads, tp)
-        shard_mlp(layer.mlp, tp)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = shard_moe(layer.mlp, tp, expert_parallel)
+        else:
+            shard_mlp(layer.mlp, tp)
     shard_vocab(model, tp)
     mine = heads[tp.rank]
     heads_of_rank = dict(num_attention_heads=mine.num_heads, num_key_value_heads=mine.num_kv_heads)

@@ -27,6 +27,7 @@ MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
 # logit_bias at 300 entries and stop at 4 strings; we keep vLLM's looser stop count.
 MAX_LOGIT_BIAS = 300  # logit_bias entries
 MAX_STOP = 16  # stop strings
+MAX_EXPERTS = 1024  # experts a request may pin (more than any released MoE has per layer)
 MAX_STOP_CHARS = 256  # characters per stop string (each is searched in a window this wide per token)
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids entries
 # Prompts in one /v1/completions request and messages in one chat: each prompt is tokenized and each sequence
@@ -99,6 +100,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # static task routing on a mixture-of-experts model: only these experts serve the request (SamplingParams.experts)
+    experts: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_EXPERTS)] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -145,6 +148,7 @@ class _SamplingFields(_Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=logit_bias,
+            experts=None if self.experts is None else tuple(self.experts),
             # Increments: a stream sends them as they come, and a whole response is merged from them once, so a
             # long or slowly read request costs O(its text), not a copy of everything so far per step.
             output_kind=RequestOutputKind.DELTA,
