@@ -28,7 +28,20 @@ _KERNEL = NativeKernel(
     restype=_INT,
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
+MAX_EXPERTS = 1024  # experts per MoE layer the loop routes (MOE_MAX_EXPERTS)
 _BF16, _F32 = torch.bfloat16, torch.float32
+
+
+class _MoE(ctypes.Structure):
+    _fields_ = [
+        ("router", _P),
+        ("num_experts", _I64),
+        ("top_k", _I64),
+        ("scoring", _I64),
+        ("experts", ctypes.POINTER(_Linear)),
+        ("shared", ctypes.POINTER(_Linear)),
+        ("counts", _P),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -40,7 +53,45 @@ class _Layer(ctypes.Structure):
         ("v_cache", _P),
         ("k_scales", _P),
         ("v_scales", _P),
+        ("moe", _MoE),
     ]
+
+
+SCORINGS = ("softmax", "softmax_renorm", "ones")  # the C loop's scoring codes 0, 1, 2 (MoEConfig.scoring)
+
+
+@dataclass(frozen=True)
+class NativeMoE:
+    """A sparse MLP as the loop runs it: the router, each expert's (gate, up, down), an ungated shared expert, and
+    the counters the loop adds its routing to ([E + 2] int64: assignments per expert, tokens, experts run)."""
+
+    router: torch.Tensor  # bf16 [E, hidden]
+    top_k: int
+    scoring: str
+    experts: tuple[tuple[NativeLinear, NativeLinear, NativeLinear], ...]
+    shared: tuple[NativeLinear, NativeLinear, NativeLinear] | None
+    counts: torch.Tensor
+
+    def linears(self) -> list[NativeLinear]:
+        return [lin for mlp in self.experts + ((self.shared,) if self.shared else ()) for lin in mlp]
+
+    def is_supported(self) -> bool:
+        r = self.router
+        return (
+            r.dtype == _BF16 and r.is_cpu and r.is_contiguous() and r.shape[0] == len(self.experts)
+            and r.shape[0] <= MAX_EXPERTS and self.scoring in SCORINGS
+            and self.counts.dtype == torch.int64 and self.counts.shape == (r.shape[0] + 2,)
+            and all(lin.is_supported() for lin in self.linears())
+        )  # fmt: skip
+
+    def to_struct(self, keep: list) -> _MoE:
+        experts = (_Linear * (3 * len(self.experts)))(*[lin.to_struct() for mlp in self.experts for lin in mlp])
+        shared = None if self.shared is None else (_Linear * 3)(*[lin.to_struct() for lin in self.shared])
+        keep += [experts, shared]  # the struct points into them
+        cast = ctypes.POINTER(_Linear)
+        return _MoE(self.router.data_ptr(), len(self.experts), self.top_k, SCORINGS.index(self.scoring),
+                    ctypes.cast(experts, cast), None if shared is None else ctypes.cast(shared, cast),
+                    self.counts.data_ptr())  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -76,7 +127,8 @@ class NativeLayer:
 
     input_norm: torch.Tensor  # bf16 [hidden]
     post_norm: torch.Tensor
-    linears: tuple[NativeLinear, ...]  # q, k, v, o, gate, up, down
+    linears: tuple[NativeLinear, ...]  # q, k, v, o, gate, up, down (a MoE layer: its first expert's)
+    moe: NativeMoE | None = None
 
     def shapes(self) -> tuple[tuple[int, int], ...]:
         """(out_features, in_features) of each linear, in LINEAR_ORDER."""
@@ -85,9 +137,14 @@ class NativeLayer:
     def is_supported(self) -> bool:
         """bf16 contiguous CPU norms and linears the kernels take."""
         norms = (self.input_norm, self.post_norm)
-        return all(t.is_cpu and t.is_contiguous() and t.dtype == _BF16 for t in norms) and all(
-            s.is_supported() for s in self.linears
+        return (
+            all(t.is_cpu and t.is_contiguous() and t.dtype == _BF16 for t in norms)
+            and all(s.is_supported() for s in self.linears)
+            and (self.moe is None or self.moe.is_supported())
         )
+
+    def all_linears(self) -> list[NativeLinear]:
+        return list(self.linears) + ([] if self.moe is None else self.moe.linears())
 
 
 def kv_is_supported(
@@ -158,12 +215,19 @@ class DecodeLayers:
         # caller (model/native_decode.py) calls the loop only while the bound caches are the forward's own.
         self._has_kv = False
         hidden = final_norm.shape[0]
-        intermediate = _check_shapes(layers, hidden, num_heads * head_dim, num_kv_heads * head_dim)
+        _check_shapes(layers, hidden, num_heads * head_dim, num_kv_heads * head_dim)
+        # the gate/up scratch holds the widest MLP of any layer: dense, expert or shared
+        intermediate = max(
+            lin.out_features for layer in layers for lin in layer.all_linears()[4:] if lin.in_features == hidden
+        )
         self._layers = (_Layer * len(layers))()
+        self._moe_keep: list = []
         for dst, layer in zip(self._layers, layers):
             dst.input_norm, dst.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             for i, linear in enumerate(layer.linears):
                 dst.linears[i] = linear.to_struct()
+            if layer.moe is not None:
+                dst.moe = layer.moe.to_struct(self._moe_keep)
         self._model = _Model(
             len(layers),
             hidden,
@@ -185,12 +249,13 @@ class DecodeLayers:
         )
         self.hidden = hidden
         # Sized from the largest linear of any layer (not layer 0's): the C loop writes out_features rows of each.
-        widest_output = max(n for layer in layers for n, _ in layer.shapes())
-        widest_input = max(k for layer in layers for _, k in layer.shapes())  # room for a permuted input
+        every = [lin for layer in layers for lin in layer.all_linears()]
+        widest_output = max(lin.out_features for lin in every)
+        widest_input = max(lin.in_features for lin in every)  # room for a permuted input
         self._per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * widest_output
-        self._per_row += widest_input
+        self._per_row += widest_input + 3 * hidden  # and a MoE layer's gathered rows, their output and its sum
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=_BF16)  # grown for larger batches
-        packed = all(linear.many_rows is not None for layer in layers for linear in layer.linears)
+        packed = all(linear.many_rows is not None for linear in every)
         self.max_rows: int | None = None if packed else MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 

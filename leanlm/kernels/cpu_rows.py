@@ -23,7 +23,11 @@ _SILU_MUL = NativeKernel(source=_SOURCE, symbol="leanlm_silu_mul_bf16", argtypes
 _ARGMAX = NativeKernel(
     source=_SOURCE, symbol="leanlm_argmax_bf16", argtypes=[_P] * 2 + [_I64] * 2 + [_INT], restype=None
 )
+_ROUTE = NativeKernel(
+    source=_SOURCE, symbol="leanlm_moe_route_bf16", argtypes=[_P] * 2 + [_I64] * 5 + [_P] * 2, restype=_INT
+)
 _BF16 = torch.bfloat16
+ROUTE_SCORINGS = ("softmax", "softmax_renorm", "ones")  # the C codes 0, 1, 2
 
 
 def should_use_rows(x: torch.Tensor) -> bool:
@@ -63,3 +67,23 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     fn(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
+
+
+def can_route(x: torch.Tensor, router: torch.Tensor) -> bool:
+    """Whether moe_route takes these rows: the native loop's own routing, for contiguous bf16 CPU rows."""
+    return should_use_rows(x) and router.dtype is _BF16 and router.is_contiguous() and _ROUTE.is_available()
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [M, k] int64 in ascending index order, weights [M, k] float32) of bf16 rows x [M, hidden] under a bf16
+    router [E, hidden], as the native decode loop routes: logits rounded to bf16, softmax in fp32, ties to the lower
+    index."""
+    if not can_route(x, router) or router.shape[1] != x.shape[1]:
+        raise ValueError("moe_route takes contiguous bf16 CPU rows [M, hidden] and a bf16 router [E, hidden]")
+    experts = torch.empty(x.shape[0], top_k, dtype=torch.int64)
+    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32)
+    rc = _ROUTE.fn()(x.data_ptr(), router.data_ptr(), x.shape[0], x.shape[1], router.shape[0], top_k,
+                     ROUTE_SCORINGS.index(scoring), experts.data_ptr(), weights.data_ptr())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"moe_route failed (code {rc}): at most 1024 experts and 1 <= top_k <= experts")
+    return experts, weights

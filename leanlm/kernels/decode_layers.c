@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -43,11 +44,21 @@ typedef struct {
     leanlm_linear_call many_rows;  /* min_gemm_rows rows and more; fn NULL where the loop takes at most 8 */
 } decode_linear;
 
+/* A mixture-of-experts MLP (leanlm/model/moe.py): router NULL in a dense layer. */
+typedef struct {
+    const uint16_t *router;         /* bf16 [E, hidden] */
+    int64_t num_experts, top_k, scoring; /* scoring: 0 softmax, 1 softmax renormalised over the k, 2 ones */
+    const decode_linear *experts;   /* [E * 3]: each expert's gate, up, down */
+    const decode_linear *shared;    /* [3]: an ungated shared expert, or NULL */
+    int64_t *counts;                /* [E + 2], added to: assignments per expert, tokens, experts run */
+} decode_moe;
+
 typedef struct {
     const uint16_t *input_norm, *post_norm; /* bf16 [hidden] RMSNorm weights */
-    decode_linear linears[NUM_LINEARS];
+    decode_linear linears[NUM_LINEARS]; /* a MoE layer's gate/up/down slots are unused */
     void *k_cache, *v_cache; /* [num_blocks, Hkv, block_size, D]: bf16, or int8 with scales */
     float *k_scales, *v_scales; /* an int8 cache's per-(token, KV head) scales [num_blocks, Hkv, block_size]; else NULL */
+    decode_moe moe;
 } decode_layer;
 
 typedef struct {
@@ -243,15 +254,112 @@ static void store_kv(const decode_model *m, const decode_layer *layer, const uin
     }
 }
 
+/* ---------------------------------------------------------------- mixture of experts
+ * The PyTorch path routes bf16 CPU rows with leanlm_moe_route_bf16 too, and its grouped dispatch sums the same way
+ * (each expert's rows weighted in fp32, rounded, then added to the token's bf16 sum in ascending expert order), so
+ * both paths agree bit for bit. */
+
+#define MOE_MAX_EXPERTS 1024
+
+/* Top-k experts and weights of M bf16 rows h [M, hidden] under a bf16 router [E, hidden]: logits are fp32 dot
+ * products rounded to bf16 (a bf16 linear's output), softmax in fp32; experts [M, k] in ascending index order with
+ * their weights [M, k] (scoring 0: the probability; 1: renormalised over the k; 2: one). Ties go to the lower
+ * index. Returns 0, or -30 for more than MOE_MAX_EXPERTS experts. */
+int leanlm_moe_route_bf16(const uint16_t *h, const uint16_t *router, int64_t M, int64_t hidden, int64_t E, int64_t k,
+                          int64_t scoring, int64_t *experts, float *weights) {
+    if (E > MOE_MAX_EXPERTS || k > E || k < 1) return -30;
+    float p[MOE_MAX_EXPERTS];
+    unsigned char taken[MOE_MAX_EXPERTS];
+    for (int64_t t = 0; t < M; t++) {
+        const uint16_t *x = h + t * hidden;
+        float top = -FLT_MAX, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            const uint16_t *w = router + e * hidden;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < hidden; i += 16) {
+                const __mmask16 m = tail16(hidden - i);
+                acc = _mm512_fmadd_ps(load16(x + i, m), load16(w + i, m), acc);
+            }
+            p[e] = bf16_to_f32(f32_to_bf16(_mm512_reduce_add_ps(acc)));
+            top = p[e] > top ? p[e] : top;
+            taken[e] = 0;
+        }
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - top));
+        float chosen = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
+            chosen += p[best] / sum;
+        }
+        for (int64_t e = 0, j = 0; e < E; e++) {
+            if (!taken[e]) continue;
+            const float prob = p[e] / sum;
+            experts[t * k + j] = e;
+            weights[t * k + j] = scoring == 2 ? 1.0f : scoring == 1 ? prob / chosen : prob;
+            j++;
+        }
+    }
+    return 0;
+}
+
+/* y [n, hidden] = one SwiGLU MLP (gate, up, down) of rows x [n, hidden]; gate, up: [n, I] scratch. */
+static int run_mlp(const decode_model *m, const decode_linear *mlp, const uint16_t *x, uint16_t *y, int64_t n,
+                   uint16_t *gate, uint16_t *up, uint16_t *permuted, int threads) {
+    int rc;
+    if ((rc = run_linear(m, mlp + 0, x, gate, n, threads, permuted)) ||
+        (rc = run_linear(m, mlp + 1, x, up, n, threads, permuted)))
+        return rc;
+    leanlm_silu_mul_bf16(gate, up, gate, n * mlp[0].out_features, threads);
+    return run_linear(m, mlp + 2, gate, y, n, threads, permuted);
+}
+
+/* out [M, hidden] = the MoE MLP of normed rows h [M, hidden]: each expert runs once over the rows routed to it.
+ * work: rows [M, hidden], y [M, hidden]; route: M * k experts, weights and members. */
+static int moe_mlp(const decode_model *m, const decode_moe *moe, const uint16_t *h, uint16_t *out, int64_t M,
+                   uint16_t *rows, uint16_t *y, uint16_t *gate, uint16_t *up, uint16_t *permuted, int64_t *experts,
+                   float *weights, int64_t *members, int threads) {
+    const int64_t hid = m->hidden, k = moe->top_k;
+    int rc = leanlm_moe_route_bf16(h, moe->router, M, hid, moe->num_experts, k, moe->scoring, experts, weights);
+    if (rc) return rc;
+    moe->counts[moe->num_experts] += M;
+    memset(out, 0, (size_t)(M * hid) * sizeof(uint16_t));
+    for (int64_t e = 0; e < moe->num_experts; e++) {
+        int64_t n = 0;
+        for (int64_t a = 0; a < M * k; a++)
+            if (experts[a] == e) members[n++] = a;
+        if (n == 0) continue;
+        moe->counts[e] += n;
+        moe->counts[moe->num_experts + 1] += 1;
+        for (int64_t i = 0; i < n; i++) memcpy(rows + i * hid, h + (members[i] / k) * hid, (size_t)hid * sizeof(uint16_t));
+        if ((rc = run_mlp(m, moe->experts + 3 * e, rows, y, n, gate, up, permuted, threads))) return rc;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t *o = out + (members[i] / k) * hid;
+            const uint16_t *yi = y + i * hid;
+            const __m512 w = _mm512_set1_ps(weights[members[i]]);
+            for (int64_t c = 0; c < hid; c += 16) {
+                const __mmask16 mk = tail16(hid - c);
+                store16(o + c, _mm512_add_ps(load16(o + c, mk), round16(_mm512_mul_ps(load16(yi + c, mk), w))), mk);
+            }
+        }
+    }
+    if (moe->shared != NULL) {
+        if ((rc = run_mlp(m, moe->shared, h, y, M, gate, up, permuted, threads))) return rc;
+        add_rows(out, y, M, hid, threads);
+    }
+    return 0;
+}
+
 /* M decode tokens, one per request, through every layer and the final norm.
  * x [M, hidden] bf16: the embeddings in, the residual stream after the last layer out; out [M, hidden]: the
  * final norm of it. positions, slots, seq_lens [M]; block_tables [M, max_blocks] int64. scratch: bf16,
  * at least M * (hidden + 2 * num_heads * D + 2 * num_kv_heads * D + 2 * intermediate + the widest linear
  * input) elements.
  * Returns 0, a negative kernel status, or -20 for a position outside the rotary table. */
-int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
-                         const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
-                         int64_t max_seq_len, uint16_t *scratch, int threads) {
+static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
+                      const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
+                      int64_t max_seq_len, uint16_t *scratch, int threads, int64_t *route) {
     const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, hid = m->hidden, I = m->intermediate;
     uint16_t *h = scratch;          /* [M, hidden]: normed input, then o_proj / down_proj output */
     uint16_t *q = h + M * hid;      /* [M, H, D] */
@@ -260,7 +368,10 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
     uint16_t *attn = v + M * Hkv * D; /* [M, H, D] */
     uint16_t *gate = attn + M * H * D; /* [M, I] */
     uint16_t *up = gate + M * I;    /* [M, I] */
-    uint16_t *permuted = up + M * I; /* [M, K] of a permuted linear */
+    uint16_t *rows = up + M * I;    /* [M, hidden]: a MoE layer's rows for one expert */
+    uint16_t *ey = rows + M * hid;  /* [M, hidden]: its output */
+    uint16_t *acc = ey + M * hid;   /* [M, hidden]: the MoE layer's output */
+    uint16_t *permuted = acc + M * hid; /* [M, K] of a permuted linear */
     for (int64_t t = 0; t < M; t++)
         if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
     for (int64_t li = 0; li < m->num_layers; li++) {
@@ -290,6 +401,14 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
         if ((rc = run_linear(m, lin + O_PROJ, attn, h, M, threads, permuted))) return rc;
         add_rows(x, h, M, hid, threads);
         leanlm_rms_norm_bf16(x, layer->post_norm, h, M, hid, m->eps, threads);
+        if (layer->moe.router != NULL) {
+            const int64_t a = M * layer->moe.top_k; /* route holds M * (the largest k) of each of its three arrays */
+            if ((rc = moe_mlp(m, &layer->moe, h, acc, M, rows, ey, gate, up, permuted, route,
+                              (float *)(route + 2 * a), route + a, threads)))
+                return rc;
+            add_rows(x, acc, M, hid, threads);
+            continue;
+        }
         if ((rc = run_linear(m, lin + GATE_PROJ, h, gate, M, threads, permuted)) ||
             (rc = run_linear(m, lin + UP_PROJ, h, up, M, threads, permuted)))
             return rc;
@@ -299,4 +418,21 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
     }
     leanlm_rms_norm_bf16(x, m->final_norm, out, M, hid, m->eps, threads);
     return 0;
+}
+
+/* M decode tokens, one per request, through every layer and the final norm (see run_layers); MoE layers' routing
+ * arrays are allocated here, once per call. Returns 0, a negative kernel status, -20 for a position outside the
+ * rotary table, -30 for a router the loop cannot take, -31 when memory runs out. */
+int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
+                         const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
+                         int64_t max_seq_len, uint16_t *scratch, int threads) {
+    int64_t k = 0;
+    for (int64_t li = 0; li < m->num_layers; li++)
+        if (m->layers[li].moe.router != NULL && m->layers[li].moe.top_k > k) k = m->layers[li].moe.top_k;
+    int64_t *route = NULL;
+    if (k && (route = malloc((size_t)(M * k) * (2 * sizeof(int64_t) + sizeof(float)))) == NULL) return -31;
+    const int rc = run_layers(m, x, out, M, positions, slots, block_tables, seq_lens, max_blocks, max_seq_len, scratch,
+                              threads, route);
+    free(route);
+    return rc;
 }

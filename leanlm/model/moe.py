@@ -10,7 +10,7 @@ one token reads only its k experts' bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 
 from leanlm.config.model import ModelConfig
 from leanlm.config.moe import MoEConfig, RoutingPolicy
+from leanlm.kernels import cpu_rows
 from leanlm.model.context import current_expert_mask
 from leanlm.model.mlp import LlamaMLP
 
@@ -43,26 +44,45 @@ class Routing:
     probs: torch.Tensor  # [T, E] float32: softmax of the router logits (masked experts: 0)
 
 
-@dataclass
 class ExpertLoad:
-    """What one MoE layer routed since the counters were last reset (plain ints: no device sync of their own)."""
+    """What one MoE layer routed since it was built: counted here on the PyTorch path (plain ints: no device sync of
+    their own), and in `native` by the native decode loop ([E + 2] int64: per expert, tokens, experts run)."""
 
-    num_experts: int
-    load: list[int] = field(default_factory=list)  # [E] assignments each expert ran
-    tokens: int = 0  # tokens through the layer
-    assignments: int = 0  # tokens x k: what the router asked for
-    dropped: int = 0  # assignments beyond an expert's capacity (the token kept its residual path)
-    experts_read: int = 0  # sum over forwards of the distinct experts run: whose weights were read
-
-    def __post_init__(self) -> None:
-        self.load = self.load or [0] * self.num_experts
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._load = [0] * num_experts  # assignments each expert ran
+        self._tokens = 0  # tokens through the layer
+        self.assignments_requested = 0  # tokens x k on the PyTorch path
+        self._experts_read = 0  # sum over forwards of the distinct experts run: whose weights were read
+        self.native = torch.zeros(num_experts + 2, dtype=torch.int64, device="cpu")  # not meta: models build there
 
     def add(self, counts: list[int], tokens: int, assignments: int) -> None:
-        self.load = [a + b for a, b in zip(self.load, counts, strict=True)]
-        self.tokens += tokens
-        self.assignments += assignments
-        self.dropped += assignments - sum(counts)
-        self.experts_read += sum(1 for c in counts if c)
+        self._load = [a + b for a, b in zip(self._load, counts, strict=True)]
+        self._tokens += tokens
+        self.assignments_requested += assignments
+        self._experts_read += sum(1 for c in counts if c)
+
+    @property
+    def load(self) -> list[int]:
+        return [a + b for a, b in zip(self._load, self.native[: self.num_experts].tolist(), strict=True)]
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens + int(self.native[self.num_experts])
+
+    @property
+    def experts_read(self) -> int:
+        return self._experts_read + int(self.native[self.num_experts + 1])
+
+    @property
+    def assignments(self) -> int:
+        """tokens x k: what the router asked for (the native loop never drops: it runs without a capacity)."""
+        return self.assignments_requested + int(self.native[: self.num_experts].sum())
+
+    @property
+    def dropped(self) -> int:
+        """Assignments beyond an expert's capacity (the token kept its residual path)."""
+        return self.assignments_requested - sum(self._load)
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, mask: torch.Tensor | None = None) -> Routing:
@@ -128,20 +148,31 @@ class SparseMoeBlock(nn.Module):
         self.last_routing: Routing | None = None  # kept while autograd records: the trainer's balancing loss reads it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        routing = route(self.gate(x), self.moe, current_expert_mask(x.shape[0]))
-        self.last_routing = routing if torch.is_grad_enabled() else None
-        keep = None
+        mask = current_expert_mask(x.shape[0])
         capacity = self.policy.capacity(x.shape[0], self.moe.top_k, self.moe.num_experts)
-        if capacity is not None:
-            priority = routing.probs.max(dim=-1).values if self.policy.batch_priority else None
-            keep = capacity_keep(routing.experts, capacity, self.moe.num_experts, priority)
-        out = self.dispatch(x, routing.experts, routing.weights, keep)
+        if mask is None and capacity is None and self.native_routing(x):
+            # bf16 CPU rows: the native decode loop's routing, so a step's bits do not depend on which path ran it
+            experts, weights = cpu_rows.moe_route(x, self.gate.weight, self.moe.top_k, self.moe.scoring)
+            out = self.dispatch(x, experts, weights, None)
+        else:
+            routing = route(self.gate(x), self.moe, mask)
+            self.last_routing = routing if torch.is_grad_enabled() else None
+            keep = None
+            if capacity is not None:
+                priority = routing.probs.max(dim=-1).values if self.policy.batch_priority else None
+                keep = capacity_keep(routing.experts, capacity, self.moe.num_experts, priority)
+            out = self.dispatch(x, routing.experts, routing.weights, keep)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+    def native_routing(self, x: torch.Tensor) -> bool:
+        """bf16 CPU rows autograd need not see (the kernel has no backward): the native loop's routing."""
+        grad = torch.is_grad_enabled() and (self.gate.weight.requires_grad or x.requires_grad)
+        return not grad and cpu_rows.can_route(x, self.gate.weight)
 
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None

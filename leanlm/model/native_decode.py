@@ -18,6 +18,7 @@ from torch import nn
 
 from leanlm.kernels import cpu_decode, paged_attention
 from leanlm.model.context import ForwardContext
+from leanlm.model.moe import SparseMoeBlock
 from leanlm.model.paged_kv import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ def _modules_read(model: nn.Module) -> list[nn.Module]:
     if model.rotary_emb is not None:
         modules.append(model.rotary_emb)
     for layer in model.model.layers:
-        modules += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
-        modules += list(layer.self_attn.children()) + list(layer.mlp.children())
+        modules += [layer, layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm]
+        modules += list(layer.self_attn.children()) + list(layer.mlp.modules())  # a MoE's experts and their linears
     return modules
 
 
@@ -75,7 +76,6 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     norm = model.model.norm.weight
     if (
         not len(layers)
-        or cfg.moe is not None  # a router and k of E experts per token: the per-layer path dispatches them
         or cfg.qk_norm
         or cfg.clip_qkv is not None
         or rotary is None
@@ -92,11 +92,15 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
         return None
     native: list[cpu_decode.NativeLayer] = []
     for layer in layers:
-        modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
-        specs = tuple(_native_linear(modules[n], packed) for n in cpu_decode.LINEAR_ORDER)
+        moe = _native_moe(layer.mlp, packed) if isinstance(layer.mlp, SparseMoeBlock) else None
+        mlp = layer.mlp.experts[0] if moe is not None else layer.mlp
+        modules = {**dict(layer.self_attn.named_children()), **dict(mlp.named_children())}
+        specs = tuple(_native_linear(modules.get(n), packed) for n in cpu_decode.LINEAR_ORDER)
         if any(s is None or (packed and s.many_rows is None) for s in specs):
             return None
-        spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs)
+        if isinstance(layer.mlp, SparseMoeBlock) and moe is None:
+            return None
+        spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs, moe)
         if not spec.is_supported():
             return None
         native.append(spec)
@@ -114,6 +118,25 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     except ValueError as e:  # a layer the loop cannot size (the loaders refuse such checkpoints first)
         logger.warning("native decode loop off: %s", e)
         return None
+
+
+def _native_mlp(mlp: nn.Module, packed: bool) -> tuple | None:
+    """(gate, up, down) of a SwiGLU MLP as the loop runs them; None where one has no native path."""
+    specs = tuple(_native_linear(getattr(mlp, n, None), packed) for n in ("gate_proj", "up_proj", "down_proj"))
+    return None if any(s is None or (packed and s.many_rows is None) for s in specs) else specs
+
+
+def _native_moe(block: SparseMoeBlock, packed: bool) -> cpu_decode.NativeMoE | None:
+    """The block as the loop runs it; None where it cannot: a gated shared expert, or an expert off the kernels. The
+    loop counts its routing into the block's own counters."""
+    if block.shared_expert_gate is not None:
+        return None
+    experts = tuple(_native_mlp(e, packed) for e in block.experts)
+    shared = None if block.shared_expert is None else _native_mlp(block.shared_expert, packed)
+    if any(e is None for e in experts) or (block.shared_expert is not None and shared is None):
+        return None
+    router = block.gate.weight.detach()
+    return cpu_decode.NativeMoE(router, block.moe.top_k, block.moe.scoring, experts, shared, block.stats.native)
 
 
 def _native_linear(module: nn.Module, packed: bool) -> cpu_decode.NativeLinear | None:
@@ -153,6 +176,7 @@ class NativeDecodePlan:
         self.snapshot = ModuleSnapshot(_modules_read(model))
         self._model = weakref.ref(model)  # the plan lives on the model: no cycle
         self._layer_ids = [layer.self_attn.layer_idx for layer in model.model.layers]
+        self._moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self._few = _BoundLoop(_build_loop(model, packed=False), self._layer_ids)
         self._many: _BoundLoop | None = None
 
@@ -182,6 +206,10 @@ class NativeDecodePlan:
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """Final-normed hidden [M, hidden] for an all-decode batch of embeddings x [M, hidden] (overwritten), or
         None when no loop takes this model, this many rows or this forward's cache."""
+        if self._moe_blocks and (
+            ctx.expert_mask is not None or any(b.policy.capacity_factor for b in self._moe_blocks)
+        ):
+            return None  # pinned experts and capacities route on the PyTorch path
         bound = self._for_rows(x.shape[0])
         if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]):
             return None

@@ -17,6 +17,7 @@ import torch
 
 from leanlm.compress import ActivationSparsityConfig, MagnitudeConfig, RTNConfig, compress
 from leanlm.config import ModelConfig
+from leanlm.config.moe import MoEConfig, RoutingPolicy
 from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
 from leanlm.model.context import build_forward_context, forward_context
@@ -27,6 +28,7 @@ from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.linear.sparse24 import Sparse24Linear, to_sparse24
 from leanlm.model.linear.sparse24_quant import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.llama import build_model
+from leanlm.model.moe import moe_blocks, set_routing_policy
 from leanlm.model.paged_kv import PagedKVCache
 from tests.conftest import tiny_state_dict
 
@@ -437,3 +439,42 @@ def test_argmax_matches_torch_on_bf16_rows():
     long_rows[0, 77], long_rows[1, 3], long_rows[2, 97] = nan, -nan, 5.0
     assert cpu_rows.argmax(long_rows).tolist() == [77, 3, 97] == long_rows.argmax(dim=-1).tolist()
     assert torch.equal(cpu_rows.argmax(x.float()), x.float().argmax(dim=-1))  # other dtypes: torch's own
+
+
+MOE_CASES = {
+    "top2-renorm": MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=128),
+    "top1-shared": MoEConfig(
+        num_experts=3, top_k=1, expert_intermediate_size=128, scoring="softmax", shared_expert_intermediate_size=256
+    ),  # fmt: skip
+    "ones-top3": MoEConfig(num_experts=4, top_k=3, expert_intermediate_size=128, scoring="ones"),
+}
+
+
+def _moe_model(moe: MoEConfig, kind: str = "bf16"):
+    cfg = dataclasses.replace(_config(), moe=moe)
+    model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
+    if kind == "int4":
+        compress(model, [RTNConfig(bits=4, group_size=64)], progress=False)
+    return _to_bf16(model)
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+@pytest.mark.parametrize("batch", [1, 5, 12])
+def test_moe_layers_in_the_native_loop_are_bit_identical_to_the_pytorch_path(case, kind, batch):
+    model = _moe_model(MOE_CASES[case], kind)
+    native = _decode(model, native=True, batch=batch)
+    reads = [b.stats.native.clone() for b in moe_blocks(model)]
+    reference = _decode(model, native=False, batch=batch)
+    assert native.abs().max() > 0 and torch.equal(native, reference)
+    assert all(int(r[:-2].sum()) == 5 * batch * MOE_CASES[case].top_k for r in reads)  # the loop counted its routing
+    assert model.native_decode_plan().loop is not None
+
+
+def test_moe_capacity_and_gated_shared_experts_stay_on_pytorch():
+    model = _moe_model(MOE_CASES["top2-renorm"])
+    set_routing_policy(model, RoutingPolicy(capacity_factor=1.0))
+    _decode(model, native=True, batch=2)
+    assert all(int(b.stats.native.sum()) == 0 for b in moe_blocks(model))  # the plan stepped aside
+    gated = dataclasses.replace(MOE_CASES["top1-shared"], shared_expert_gate=True)
+    assert _moe_model(gated).native_decode_plan().loop is None
