@@ -346,7 +346,7 @@ class AsyncLLMEngine:
                 pass
 
     def _take_snapshot(self, num_steps: int) -> EngineSnapshot:
-        stats = self.engine.stats()
+        stats = self.engine.stats(include_moe=False)
         return EngineSnapshot(
             scheduler=stats.scheduler,
             num_kv_blocks=stats.num_kv_blocks,

@@ -29,7 +29,7 @@ from leanlm.engine.step_plan import StepPlan
 from leanlm.engine.swap_space import SwapSpace
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.llama import LlamaForCausalLM
-from leanlm.model.moe import MoEStats, moe_stats
+from leanlm.model.moe import MoESizes, MoEStats, moe_stats
 from leanlm.sampling_params import SamplingParams
 
 
@@ -67,6 +67,7 @@ class LLMEngine:
         context = self.model_config.max_position_embeddings
         self.max_model_len = min(engine_config.max_model_len or context, context)
         self.model_runner = ModelRunner(model, engine_config, device, model_dtype, draft_model, self.max_model_len)
+        self._moe_sizes = MoESizes.of(model)  # weight bytes the MoE counters are read against (None: dense)
         pool = BlockPool(self.model_runner.num_blocks, enable_prefix_caching=engine_config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, engine_config.block_size)
         self.output_processor = OutputProcessor(tokenizer)
@@ -232,7 +233,12 @@ class LLMEngine:
 
     # -- what the engine holds ----------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
+    def moe_stats(self) -> MoEStats | None:
+        """The MoE counters alone (read-only: safe to call from another thread while the engine steps)."""
+        return moe_stats(self.model, self._moe_sizes)
+
+    def stats(self, include_moe: bool = True) -> EngineStats:
+        """`include_moe` False skips the MoE counters (a per-step snapshot need not walk every layer)."""
         running = self.scheduler.running
         kv = self.kv_cache_manager
         spec = self.model_runner.spec_decoder
@@ -244,7 +250,7 @@ class LLMEngine:
             num_running_slots=sum(len(kv.get_block_ids(r.request_id)) for r in running) * self.engine_config.block_size,
             spec_decode=spec.stats() if spec is not None else None,
             early_exit=self.model_runner.early_exit.stats() if self.model_runner.early_exit is not None else None,
-            moe=moe_stats(self.model),
+            moe=self.moe_stats() if include_moe else None,
         )
 
     @property

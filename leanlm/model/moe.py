@@ -237,23 +237,44 @@ def module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def moe_stats(model: nn.Module) -> MoEStats | None:
-    """The model's MoE counters (None for a dense model); `dense_weight_bytes` leaves out an untied embedding table,
-    of which a step reads only its tokens' rows."""
+@dataclass(frozen=True)
+class MoESizes:
+    """Weight bytes a model's MoE counters are read against, measured once (walking every tensor per step would
+    cost a batch-1 step some of its time)."""
+
+    expert_bytes: tuple[int, ...]  # one expert of each MoE layer (a layer's experts share one shape and format)
+    dense_weight_bytes: int  # every weight but the experts and an untied embedding table (a step reads its rows)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> MoESizes | None:
+        blocks = moe_blocks(model)
+        if not blocks:
+            return None
+        embed = model.get_submodule("model.embed_tokens")
+        tied = any(p is embed.weight for p in model.get_submodule("lm_head").parameters())
+        experts = sum(module_bytes(b.experts) for b in blocks)
+        dense = module_bytes(model) - experts - (0 if tied else module_bytes(embed))
+        return cls(tuple(module_bytes(_local_expert(b)) for b in blocks), dense)
+
+
+def _local_expert(block: SparseMoeBlock) -> nn.Module:
+    """An expert this process holds (under expert parallelism the others are placeholders without weights)."""
+    return max(block.experts, key=module_bytes)
+
+
+def moe_stats(model: nn.Module, sizes: MoESizes | None = None) -> MoEStats | None:
+    """The model's MoE counters (None for a dense model), against `sizes` (measured now when not given)."""
     blocks = moe_blocks(model)
-    if not blocks:
+    sizes = sizes if sizes is not None else MoESizes.of(model)
+    if not blocks or sizes is None:
         return None
-    expert_read = sum(b.stats.experts_read * module_bytes(b.experts[0]) for b in blocks)  # experts share one shape
     tokens = blocks[0].stats.tokens
-    every = module_bytes(model)
-    embed = model.get_submodule("model.embed_tokens")
-    tied = any(p is embed.weight for p in model.get_submodule("lm_head").parameters())
-    experts = sum(module_bytes(b.experts) for b in blocks)
+    expert_read = sum(b.stats.experts_read * n for b, n in zip(blocks, sizes.expert_bytes, strict=True))
     return MoEStats(
         expert_load=tuple(tuple(b.stats.load) for b in blocks),
         tokens=tokens,
         assignments=sum(b.stats.assignments for b in blocks),
         dropped=sum(b.stats.dropped for b in blocks),
         expert_bytes_per_token=expert_read / tokens if tokens else 0.0,
-        dense_weight_bytes=every - experts - (0 if tied else module_bytes(embed)),
+        dense_weight_bytes=sizes.dense_weight_bytes,
     )

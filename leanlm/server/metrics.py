@@ -133,12 +133,36 @@ class ServerMetrics(Collector):
             counter = CounterMetricFamily(name, help_text, labels=["model_name"])
             counter.add_metric(model, value)
             yield counter
+        yield from self._moe_families()
         for histogram in (self.ttft, self.itl, self.e2e):
             for family in histogram.collect():
                 # The series of the page are the buckets, _sum and _count; _created (when prometheus_client
                 # adds it) would be a new series per histogram that no dashboard of ours reads.
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family
+
+    def _moe_families(self) -> Iterator[Metric]:
+        """A mixture-of-experts model's routing: per layer and expert load, drops, expert bytes read per token."""
+        moe = self.engine.engine.moe_stats()
+        if moe is None:
+            return
+        load = CounterMetricFamily("leanlm_moe_expert_assignments", "Tokens each expert ran, per MoE layer.",
+                                   labels=["model_name", "layer", "expert"])  # fmt: skip
+        for layer, counts in enumerate(moe.expert_load):
+            for expert, count in enumerate(counts):
+                load.add_metric([self.model_name, str(layer), str(expert)], count)
+        yield load
+        for name, help_text, value in (
+            ("leanlm_moe_assignments", "Token-expert assignments the routers asked for.", moe.assignments),
+            ("leanlm_moe_dropped", "Assignments beyond an expert's capacity (the token skipped it).", moe.dropped),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
+        gauge = GaugeMetricFamily("leanlm_moe_expert_bytes_per_token", "Expert weight bytes read per token so far.",
+                                  labels=["model_name"])  # fmt: skip
+        gauge.add_metric([self.model_name], moe.expert_bytes_per_token)
+        yield gauge
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
