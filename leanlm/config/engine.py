@@ -6,9 +6,9 @@ spell those two, and EngineConfig.from_options parses them."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
+from leanlm.config.byte_count import byte_count, parse_bytes
 from leanlm.config.moe import RoutingPolicy
 
 # KV-cache storage: the model dtype, or 8-bit values with a per-(token, KV head) scale (leanlm.model.kv_quant)
@@ -16,32 +16,6 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (leanlm.engine.early_exit)
 # What a preempted request loses: its KV, recomputed later, or nothing, its blocks copied to host memory and back
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-
-
-def byte_count(text: str) -> int:
-    """The CLI's reading of a byte-count flag (argparse names this function in its error: 'invalid byte_count')."""
-    return parse_bytes(text, "the byte count")
-
-
-_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_BYTE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_BYTE_COUNT = re.compile(r"(\d+(?:\.\d*)?)\s*([A-Za-z]*)")  # a number, then a unit (or none)
-
-
-def parse_bytes(value: int | str, name: str = "size") -> int:
-    """A byte count from an int or a string: 800000000, '800MB', '1.5GB', '2GiB' (KB/MB/GB/TB are powers of
-    1000, KiB/MiB/GiB/TiB of 1024). ValueError, naming `name`, for anything else or a count below 1."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{name} takes a byte count (an int, or a string like '1.5GB'), got {value!r}")
-    if isinstance(value, str):
-        match = _BYTE_COUNT.fullmatch(value.strip().replace("_", ""))
-        if match is None or match.group(2).upper() not in _BYTE_UNITS:
-            raise ValueError(f"{name} takes a byte count like 800000000, 800MB, 1.5GB or 2GiB; got {value!r}")
-        number, unit = match.group(1), _BYTE_UNITS[match.group(2).upper()]
-        value = int(float(number) * unit) if "." in number else int(number) * unit
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1 byte, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
