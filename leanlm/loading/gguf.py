@@ -32,6 +32,7 @@ from leanlm.loading.gguf_moe import (
     expert_parts,
     gguf_moe_config,
     is_expert_tensor,
+    legacy_expert_name,
     moe_architecture,
     moe_config_fields,
     moe_stored_shape,
@@ -257,6 +258,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (ModelLoadError when unknown)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if (expert := legacy_expert_name(gguf_name)) is not None:
+        return expert
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ModelLoadError(

@@ -8,6 +8,7 @@ llama.cpp's layout (gguf-py constants.py / tensor_mapping.py; convert_hf_to_gguf
   blk.N.ffn_gate_inp_shexp       its sigmoid gate [hidden]     -> model.layers.N.mlp.shared_expert_gate [1, hidden]
   blk.N.attn_{q,k}_norm          OLMoE's norms over q and k    -> model.layers.N.self_attn.{q,k}_norm
 Mixtral is `general.architecture = llama` with `llama.expert_count`; its expert width is `llama.feed_forward_length`.
+Early Mixtral files hold one 2-D tensor per expert, blk.N.ffn_{gate,up,down}.E.weight; they load too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ MOE_LAYER_NAMES = {
 # the 3-D tensors: one [E, out, in] per layer and projection
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+# llama.cpp's first Mixtral files (before the 3-D merge, early 2024; llama.cpp still loads them): one 2-D tensor
+# per expert, blk.N.ffn_{gate,up,down}.E.weight
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 # llama.cpp's graphs (src/models/*.cpp, build_moe_ffn's norm_w argument): Mixtral (llama) renormalises the top-k
 # softmax weights; qwen2moe and olmoe do not, whatever the HF config's norm_topk_prob said, unless the file says
@@ -115,6 +119,15 @@ def moe_config_fields(gguf_arch: str, field: Field) -> dict[str, Any]:
     (`{arch}.attention.clamp_kqv`; llama.cpp's converter writes it for OLMo, and its OLMoE graph does not clamp)."""
     clip = field(f"{gguf_arch}.attention.clamp_kqv")
     return {"qk_norm": gguf_arch == "olmoe", "clip_qkv": None if clip is None else float(clip)}
+
+
+def legacy_expert_name(gguf_name: str) -> str | None:
+    """'blk.3.ffn_up.5.weight' (a per-expert tensor of an early Mixtral file) -> its HF name; None for others."""
+    match = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
+    if match is None:
+        return None
+    layer, proj, expert = match.groups()
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
 
 
 def is_expert_tensor(gguf_name: str) -> bool:

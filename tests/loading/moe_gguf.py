@@ -39,13 +39,16 @@ def gguf_tokens(vocab_size: int) -> list[str]:
     return TINY_TOKENS + [f"[PAD{i}]" for i in range(len(TINY_TOKENS), vocab_size)]
 
 
-def write_moe_gguf(path: Path, hf, qtype: str = "F32", write_norm_key: bool = False) -> dict[str, torch.Tensor]:
+def write_moe_gguf(
+    path: Path, hf, qtype: str = "F32", write_norm_key: bool = False, legacy_experts: bool = False
+) -> dict[str, torch.Tensor]:
     """Write `hf` (a transformers Mixtral / Qwen2-MoE / OLMoE model) to `path`; return the per-expert HF-named
     float64 state dict the file encodes (the weights after `qtype`'s rounding, un-permuted).
 
     write_norm_key: also write `{arch}.expert_weights_norm` from norm_topk_prob; the converter does not write it
     for qwen2moe / olmoe (llama.cpp's graphs for them never renormalise), so a norm_topk_prob=true model
-    converted as convert does computes other numbers than HF's."""
+    converted as convert does computes other numbers than HF's.
+    legacy_experts: one 2-D tensor per expert, blk.N.ffn_{gate,up,down}.E.weight, as the first Mixtral files had."""
     import gguf
     from gguf.quants import dequantize, quantize
 

@@ -87,6 +87,18 @@ def test_quantized_experts_load_as_codes_per_expert(case, qtype, layer, tmp_path
     assert (dequantized - ref).norm() / ref.norm() < {"Q8_0": 0.02, "Q4_0": 0.3}[qtype]
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_early_mixtral_files_with_one_tensor_per_expert(qtype, tmp_path):
+    hf = hf_model("mixtral")
+    encoded = write_moe_gguf(tmp_path / "old.gguf", hf, qtype, legacy_experts=True)
+    config, state, _ = load_gguf(tmp_path / "old.gguf", dtype=torch.float64, progress=False)
+    assert config.architecture == "mixtral" and set(state) == set(encoded)
+    if qtype == "F32":
+        torch.testing.assert_close(_logits(config, state), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+    _, _, coded, _ = read_gguf(tmp_path / "old.gguf", torch.float64, progress=False, keep_codes=qtype != "F32")
+    assert (qtype != "F32") == isinstance(coded.get("model.layers.2.mlp.experts.5.down_proj"), Int8WeightOnlyLinear)
+
+
 def test_llama_file_with_experts_is_mixtral_and_others_are_refused():
     fields = {"llama.expert_count": 8}
     assert moe_architecture("llama", fields.get) == "mixtral"
@@ -137,3 +149,32 @@ def test_expert_tensor_must_match_the_metadata():
     with pytest.raises(ModelLoadError, match="gives layer 1 none"):
         dense = dataclasses.replace(config, architecture="llama", moe=MoEConfig(4, 2, 64, sparse_layers=(0,)))
         expert_parts("blk.1.ffn_up_exps.weight", (4, 64, 32), data, dense)
+
+
+def _greedy(logits_of, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(logits_of(torch.tensor(out))[-1].argmax()))
+    return out[len(ids) :]
+
+
+@pytest.mark.parametrize("case,qtype", [("mixtral", "F32"), ("qwen2_moe", "F32"), ("olmoe", "Q8_0")])
+def test_llm_serves_a_moe_gguf(case, qtype, tmp_path):
+    """The engine runs the file (experts as Q8_0 codes, when so written), batched, with HF's greedy tokens (F32)."""
+    from leanlm import LLM, SamplingParams
+
+    hf = hf_model(case)
+    path = tmp_path / f"{case}.gguf"
+    encoded = write_moe_gguf(path, hf, qtype)
+    llm = LLM(str(path), dtype="float32", progress=False)
+    prompts = [IDS[:7].tolist(), IDS[3:15].tolist(), IDS[10:12].tolist()]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def reference(ids):  # F32: HF's model; Q8_0: the file's weights dequantized, in float64
+        if qtype == "F32":
+            return hf_logits(hf, ids)
+        return _paged_logits(model, ids, [len(ids)], list(range(16)))
+
+    model = build_model(ModelConfig.from_hf_dict(hf.config.to_dict()), encoded, torch.float64)
+    assert got == [_greedy(reference, ids, 6) for ids in prompts]
