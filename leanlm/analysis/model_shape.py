@@ -182,6 +182,36 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=8,
         experts_per_token=2,
     ),
+    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 experts of 1024, top-8, in all 16 layers; q/k norms.
+    "olmoe-1b-7b": ModelShape(
+        name="olmoe-1b-7b",
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        num_experts=64,
+        experts_per_token=8,
+        qk_norm=True,
+    ),
+    # Qwen1.5-MoE-A2.7B: 60 experts of 1408, top-4, and a gated shared expert of 5632 in all 24 layers.
+    "qwen1.5-moe-a2.7b": ModelShape(
+        name="qwen1.5-moe-a2.7b",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=1408,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        attention_bias=True,
+        num_experts=60,
+        experts_per_token=4,
+        shared_expert_intermediate_size=5632,
+        shared_expert_gate=True,
+    ),
 }
 
 

@@ -64,7 +64,7 @@ def _expert_parallel_lines(ep: dict) -> list[str]:
             f"{c['hierarchical_messages_per_rank']} ({c['hierarchical_inter_node_messages_per_rank']} inter)",
             f"{c['flat_step_s'] * 1e3:.3g}", f"{c['hierarchical_step_s'] * 1e3:.3g}",
         ])  # fmt: skip
-    header = f"EP={p} on {g} node(s) x {n}: {ep['by_batch'][0]['experts_per_rank']:g} experts per rank"
+    header = f"EP={p} on {g} node(s) x {n}, {ep['by_batch'][0]['experts_per_rank']:g} expert(s) per rank"
     return [
         _table([header, "dispatch B/rank", "flat msgs", "hier. msgs", "flat ms", "hier. ms"], rows),
         "          per MoE layer and direction; ms: dispatch + combine of every MoE layer of a decode step",

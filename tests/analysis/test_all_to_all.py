@@ -107,7 +107,7 @@ def test_cli_reports_the_all_to_all(capsys):
     args = ["estimate", "--model", "mixtral-8x7b", "--expert-parallel-size", "8", "--expert-parallel-nodes", "2"]
     assert main([*args, "--batch", "32"]) == 0
     out = capsys.readouterr().out
-    assert "EP=8 on 2 node(s) x 4" in out and "7 (4 inter)" in out and "4 (1 inter)" in out
+    assert "EP=8 on 2 node(s) x 4, 1 expert(s) per rank" in out and "7 (4 inter)" in out and "4 (1 inter)" in out
     assert main([*args, "--json", "--inter-node-latency-us", "20"]) == 0
     ep = json.loads(capsys.readouterr().out)["moe"]["expert_parallel"]
     assert ep["inter_latency_s"] == pytest.approx(20e-6) and [c["num_tokens"] for c in ep["by_batch"]] == [1, 64]

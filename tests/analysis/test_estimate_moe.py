@@ -118,3 +118,13 @@ def test_cli_estimate_reads_a_moe_config_dir(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["moe"]["all_experts_batch"] == batch_for_coverage(load_shape(tmp_path)[0])
     assert 4 in [row["batch"] for row in r["moe"]["steps"]]
+
+
+@pytest.mark.parametrize(
+    "name,total,active",
+    [("mixtral-8x7b", 46.7e9, 12.9e9), ("olmoe-1b-7b", 6.9e9, 1.3e9), ("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9)],
+)
+def test_moe_presets_match_their_published_sizes(name, total, active):
+    """The model cards' totals: Mixtral "47B, 13B active", OLMoE "6.9B, 1.3B active", Qwen1.5-MoE "14.3B, 2.7B"."""
+    p = param_counts(PRESETS[name])
+    assert p.total == pytest.approx(total, rel=5e-3) and p.active == pytest.approx(active, rel=2.5e-2)
