@@ -210,6 +210,10 @@ def _ms(seconds: float) -> str:
 def format_report(r: dict) -> str:
     m, hw, s, p, mem = r["model"], r["hardware"], r["settings"], r["params"], r["memory"]
     moe = f", MoE {m['num_experts']} experts top-{m['experts_per_token']}" if m["num_experts"] > 1 else ""
+    if moe and m["shared_expert_intermediate_size"]:
+        moe += f" + a shared expert of {m['shared_expert_intermediate_size']}"
+    if moe and m["num_moe_layers"] is not None:
+        moe += f" in {m['num_moe_layers']} layers (the others: FFN {m['dense_intermediate_size']})"
     lines = [
         f"model     {m['name']} ({m['source']}): {m['num_hidden_layers']} layers, d={m['hidden_size']}, "
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads of {m['head_dim']}, "

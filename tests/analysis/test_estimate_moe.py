@@ -118,6 +118,9 @@ def test_cli_estimate_reads_a_moe_config_dir(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["moe"]["all_experts_batch"] == batch_for_coverage(load_shape(tmp_path)[0])
     assert 4 in [row["batch"] for row in r["moe"]["steps"]]
+    hf_model("qwen2_moe").config.save_pretrained(tmp_path / "qwen")
+    assert main(["estimate", "--model", str(tmp_path / "qwen")]) == 0
+    assert "top-3 + a shared expert of 80 in 2 layers (the others: FFN 96)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
