@@ -131,3 +131,18 @@ def test_moe_presets_match_their_published_sizes(name, total, active):
     """The model cards' totals: Mixtral "47B, 13B active", OLMoE "6.9B, 1.3B active", Qwen1.5-MoE "14.3B, 2.7B"."""
     p = param_counts(PRESETS[name])
     assert p.total == pytest.approx(total, rel=5e-3) and p.active == pytest.approx(active, rel=2.5e-2)
+
+
+def test_llama_config_with_a_leanlm_moe_block(tmp_path):
+    """A MoE we build from a dense llama (MoEfication, upcycling) saves as llama + `leanlm_moe`; estimate reads it."""
+    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 256,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+           "leanlm_moe": {"num_experts": 8, "top_k": 2, "expert_intermediate_size": 32, "scoring": "ones",
+                          "sparse_layers": [1, 2]}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape, _ = load_shape(tmp_path)
+    assert (shape.num_experts, shape.experts_per_token, shape.intermediate_size) == (8, 2, 32)
+    assert (shape.num_moe_layers, shape.dense_intermediate_size) == (2, 256)
+    p = param_counts(shape)
+    assert p.mlp == 2 * 8 * 3 * 64 * 32 + 2 * 3 * 64 * 256 and p.router == 2 * 64 * 8
+    assert p.mlp_active == 2 * 2 * 3 * 64 * 32 + 2 * 3 * 64 * 256
