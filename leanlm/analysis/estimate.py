@@ -81,10 +81,11 @@ class ParamCounts:
     position_embeddings: int  # learned absolute positions (GPT), else 0
     lm_head: int  # V * d when untied, 0 when tied (it reuses embed_tokens)
     attention: int  # q/k/v/o matrices of all layers: L * d * (H + 2 Hkv) * D + L * H * D * d
-    mlp: int  # MLP matrices of all layers and all experts: L * E * (3 or 2) * d * F
-    mlp_active: int  # the MLP matrices one token runs through: L * k * (3 or 2) * d * F
+    mlp: int  # MLP matrices of all layers, all experts and the shared ones: L * E * (3 or 2) * d * F for Mixtral
+    mlp_active: int  # the MLP matrices one token runs through: L * k * (3 or 2) * d * F for Mixtral
+    mlp_shared: int  # of `mlp` (and `mlp_active`): the shared experts and the dense MLPs of layers without experts
     biases: int  # attention and dense biases
-    router: int  # L * d * E for MoE, else 0
+    router: int  # Lm * d * E for Lm MoE layers (+ Lm * d for shared-expert gates), else 0
     norms: int  # two per layer and a final one; LayerNorm doubles them (weight + bias)
 
     @property
@@ -106,22 +107,35 @@ class ParamCounts:
         return self.total - self.mlp + self.mlp_active
 
 
+def expert_params(s: ModelShape) -> int:
+    """One routed expert's matrices in one layer: (3 or 2) * d * F (the whole MLP of a layer for a dense model)."""
+    return (3 if s.mlp_gated else 2) * s.hidden_size * s.intermediate_size
+
+
 def param_counts(s: ModelShape) -> ParamCounts:
-    d, L, F = s.hidden_size, s.num_hidden_layers, s.intermediate_size
-    matrices_per_expert = 3 if s.mlp_gated else 2  # gate, up, down | up, down
+    d, L = s.hidden_size, s.num_hidden_layers
+    per_width = (3 if s.mlp_gated else 2) * d  # an MLP's matrices per unit of its width
     attention_bias = (s.attention_width + 2 * s.kv_width) if s.attention_bias else 0  # q, k, v
-    dense_bias = (d + (2 if s.mlp_gated else 1) * F * s.num_experts + d * s.num_experts) if s.dense_bias else 0
+    dense_bias = (
+        (d + (2 if s.mlp_gated else 1) * s.intermediate_size * s.num_experts + d * s.num_experts) if s.dense_bias else 0
+    )
     norm_params = d * (2 if s.norm_bias else 1)
+    lm = s.moe_layers  # 0 for a dense model: every layer's MLP is one "expert" below
+    shared = lm * per_width * s.shared_expert_intermediate_size + (L - lm) * per_width * s.dense_intermediate_size
+    if not s.is_moe:
+        shared = 0
+    routed = (lm if s.is_moe else L) * expert_params(s)  # one expert in every layer that has experts
     return ParamCounts(
         embed_tokens=s.vocab_size * d,
         position_embeddings=s.num_position_embeddings * d,
         lm_head=0 if s.tie_word_embeddings else s.vocab_size * d,
         attention=L * (d * (s.attention_width + 2 * s.kv_width) + s.attention_width * d),
-        mlp=L * s.num_experts * matrices_per_expert * d * F,
-        mlp_active=L * s.experts_per_token * matrices_per_expert * d * F,
+        mlp=routed * s.num_experts + shared,
+        mlp_active=routed * s.experts_per_token + shared,
+        mlp_shared=shared,
         biases=L * (attention_bias + dense_bias),
-        router=L * d * s.num_experts if s.is_moe else 0,
-        norms=(2 * L + 1) * norm_params,
+        router=lm * d * (s.num_experts + (1 if s.shared_expert_gate else 0)),
+        norms=(2 * L + 1) * norm_params + (L * (s.attention_width + s.kv_width) if s.qk_norm else 0),
     )
 
 
@@ -149,13 +163,15 @@ def weight_bytes(s: ModelShape, fmt: NumberFormat) -> float:
 
 
 def streamed_weight_bytes(s: ModelShape, fmt: NumberFormat, num_tokens: int) -> float:
-    """Weight bytes one forward over `num_tokens` tokens reads from memory: every matrix it multiplies by
-    (only the experts its tokens touch), the norms and biases, and the lm_head (the embedding matrix when tied);
-    the embedding lookup reads only T rows, which is ignored."""
+    """Weight bytes one forward over `num_tokens` tokens reads from memory: every matrix it multiplies by (of the
+    routed experts only those its tokens touch, in expectation), the norms, biases and routers, the lm_head (the
+    embedding matrix when tied) and, untied, the T embedding rows it looks up."""
     p = param_counts(s)
-    per_expert = p.mlp / s.num_experts
-    mlp = per_expert * expected_experts_touched(s, num_tokens) if s.is_moe else p.mlp
-    small = p.biases + p.router + p.norms + s.vocab_size * s.hidden_size
+    mlp = p.mlp
+    if s.is_moe:  # the routed experts' share, E per layer, becomes the expected distinct experts touched
+        mlp = p.mlp_shared + s.moe_layers * expert_params(s) * expected_experts_touched(s, num_tokens)
+    rows = 0 if s.tie_word_embeddings else min(num_tokens, s.vocab_size) * s.hidden_size
+    small = p.biases + p.router + p.norms + s.vocab_size * s.hidden_size + rows
     return ((p.attention + mlp) * fmt.bits_per_value + small * other_format(fmt).bits_per_value) / 8
 
 
@@ -190,7 +206,8 @@ def peak_activation_bytes(
     attention = (T * (2 * s.attention_width + 2 * s.kv_width)) * activation_bytes
     if materialize_scores:
         attention += 2 * s.num_attention_heads * T * context * 4
-    mlp = (3 if s.mlp_gated else 2) * T * s.intermediate_size * activation_bytes
+    width = max(s.intermediate_size, s.shared_expert_intermediate_size, s.dense_intermediate_size)
+    mlp = (3 if s.mlp_gated else 2) * T * width * activation_bytes
     if s.is_moe:
         mlp += T * s.num_experts * 4 + T * d * 4  # router logits, fp32 accumulation of the expert outputs
     logits = logits_rows * s.vocab_size * 4

@@ -7,9 +7,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from leanlm.analysis import estimate as est
+from leanlm.analysis.all_to_all import INTER_NODE_LINK, ExpertParallelLayout
 from leanlm.analysis.hardware_profiles import Hardware
 from leanlm.analysis.model_shape import ModelShape
+from leanlm.analysis.moe_report import moe_lines, moe_report
 from leanlm.analysis.parallel_estimate import CPU_LINK, LINKS, ParallelLayout, parallel_cost
+from leanlm.analysis.text_table import si as _si
+from leanlm.analysis.text_table import table as _table
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,22 @@ class EstimateSettings:
     link_latency_us: float | None = field(
         default=None, metadata={"help": "microseconds one collective takes however small (default: per profile)"}
     )
+    expert_coverage: float = field(
+        default=0.99, metadata={"help": "MoE: share of each layer's experts a decode step must read to read them all"}
+    )
+    expert_parallel_size: int = field(
+        default=1, metadata={"help": "MoE: ranks the experts are split across (estimates the all-to-all)"}
+    )
+    expert_parallel_nodes: int = field(
+        default=1,
+        metadata={"help": "MoE: nodes those ranks span, each holding the same number (hierarchical all-to-all)"},
+    )
+    inter_node_bandwidth_gbs: float | None = field(
+        default=None, metadata={"help": "GB/s from one rank to another node (default 50: 400 Gb/s InfiniBand)"}
+    )
+    inter_node_latency_us: float | None = field(
+        default=None, metadata={"help": "microseconds one message to another node takes (default 10)"}
+    )
 
     def __post_init__(self) -> None:
         est.weight_format(self.dtype)  # raises with the list of formats
@@ -62,17 +82,38 @@ class EstimateSettings:
             raise ValueError(f"--tokens-per-s must be > 0, got {self.tokens_per_s}")
         if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_microbatches or 1) < 1:
             raise ValueError("--tensor-parallel-size, --pipeline-parallel-size, --pipeline-microbatches must be >= 1")
+        if not 0 < self.expert_coverage < 1:
+            raise ValueError(f"--expert-coverage must be in (0, 1), e.g. 0.99, got {self.expert_coverage}")
+        if min(self.expert_parallel_size, self.expert_parallel_nodes) < 1:
+            raise ValueError("--expert-parallel-size and --expert-parallel-nodes must be >= 1")
+
+    def _intra_link(self, hw: Hardware) -> tuple[float, float]:
+        bandwidth, latency = next((v for k, v in LINKS.items() if k in hw.name.lower()), CPU_LINK)
+        return (
+            self.link_bandwidth_gbs * 1e9 if self.link_bandwidth_gbs else bandwidth,
+            self.link_latency_us * 1e-6 if self.link_latency_us is not None else latency,
+        )
+
+    def expert_parallel_layout(self, hw: Hardware) -> ExpertParallelLayout | None:
+        if self.expert_parallel_size == 1 and self.expert_parallel_nodes == 1:
+            return None
+        bandwidth, latency = INTER_NODE_LINK
+        return ExpertParallelLayout(
+            self.expert_parallel_size,
+            self.expert_parallel_nodes,
+            *self._intra_link(hw),
+            self.inter_node_bandwidth_gbs * 1e9 if self.inter_node_bandwidth_gbs else bandwidth,
+            self.inter_node_latency_us * 1e-6 if self.inter_node_latency_us is not None else latency,
+        )
 
     def parallel_layout(self, hw: Hardware) -> ParallelLayout | None:
         if self.tensor_parallel_size * self.pipeline_parallel_size == 1:
             return None
-        bandwidth, latency = next((v for k, v in LINKS.items() if k in hw.name.lower()), CPU_LINK)
         return ParallelLayout(
             self.tensor_parallel_size,
             self.pipeline_parallel_size,
             self.pipeline_microbatches or self.pipeline_parallel_size,
-            self.link_bandwidth_gbs * 1e9 if self.link_bandwidth_gbs else bandwidth,
-            self.link_latency_us * 1e-6 if self.link_latency_us is not None else latency,
+            *self._intra_link(hw),
         )
 
     def formats(self, shape: ModelShape) -> tuple[est.NumberFormat, est.NumberFormat]:
@@ -136,9 +177,14 @@ def build_report(shape: ModelShape, source: str, hw: Hardware, settings: Estimat
             for b in decode_batches(s, largest)
         ],
     }
+    act_bytes = 4 if weights.name == "fp32" else 2
+    experts = s.expert_parallel_layout(hw)
+    if experts is not None and not shape.is_moe:
+        raise ValueError(f"--expert-parallel-size: {shape.name} has no experts; drop the flag or pick an MoE model")
+    if shape.is_moe:
+        report["moe"] = moe_report(shape, weights, s.batch, s.expert_coverage, experts, act_bytes)
     layout = s.parallel_layout(hw)
     if layout is not None:
-        act_bytes = 4 if weights.name == "fp32" else 2
         cost = parallel_cost(shape, weights, kv, hw, layout, s.batch, s.context, act_bytes)
         report["parallel"] = {**asdict(layout), **asdict(cost)}
     if s.tokens_per_s is not None:
@@ -156,32 +202,18 @@ def build_report(shape: ModelShape, source: str, hw: Hardware, settings: Estimat
 # ---------------------------------------------------------------------------------------------- text
 
 
-def _si(value: float, unit: str = "") -> str:
-    """1.35e11 -> '135.0 G'; plain below 1000."""
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.2f} {prefix}{unit}"
-    return f"{value:.3g} {unit}".rstrip()
-
-
 def _ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.3g}" if ms < 100 else f"{ms:,.0f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """Plain text, first column left-aligned, the others right-aligned."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
 def format_report(r: dict) -> str:
     m, hw, s, p, mem = r["model"], r["hardware"], r["settings"], r["params"], r["memory"]
     moe = f", MoE {m['num_experts']} experts top-{m['experts_per_token']}" if m["num_experts"] > 1 else ""
+    if moe and m["shared_expert_intermediate_size"]:
+        moe += f" + a shared expert of {m['shared_expert_intermediate_size']}"
+    if moe and m["num_moe_layers"] is not None:
+        moe += f" in {m['num_moe_layers']} layers (the others: FFN {m['dense_intermediate_size']})"
     lines = [
         f"model     {m['name']} ({m['source']}): {m['num_hidden_layers']} layers, d={m['hidden_size']}, "
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads of {m['head_dim']}, "
@@ -202,6 +234,7 @@ def format_report(r: dict) -> str:
         ("attention", "attention q/k/v/o"),
         ("mlp", "MLP (all experts)"),
         ("mlp_active", "MLP active per token"),
+        ("mlp_shared", "of which shared experts / dense MLPs"),
         ("router", "router"),
         ("biases", "biases"),
         ("norms", "norms"),
@@ -240,6 +273,8 @@ def format_report(r: dict) -> str:
         for st in r["steps"]
     ]
     lines.append(_table(["step (roofline)", "FLOPs", "bytes", "FLOP/B", "ms", "bound", "tokens/s"], rows))
+    if "moe" in r:
+        lines += ["", *moe_lines(r["moe"], m["num_experts"])]
     if "parallel" in r:
         lines += ["", *_parallel_lines(r["parallel"], s)]
     if "utilization" in r:

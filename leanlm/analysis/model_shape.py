@@ -2,7 +2,8 @@
 from our ModelConfig (bundled name, GGUF file, HF directory) or from a built-in preset of a well-known model.
 
 It is the estimator's own description because ModelConfig only describes models we can run (gated SiLU MLP,
-RMSNorm, RoPE, dense); GPT-3 (plain GELU MLP, LayerNorm, learned positions, biases) and Mixtral (MoE) are not.
+RMSNorm, RoPE); GPT-3 (plain GELU MLP, LayerNorm, learned positions, biases) is not. MoE shapes (Mixtral, Qwen2-MoE,
+OLMoE, our own) carry their experts, a shared expert and the layers without experts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class ModelShape:
     num_position_embeddings: int = 0  # learned absolute positions (GPT); 0 with RoPE
     num_experts: int = 1  # E routed experts per layer; 1 = dense MLP, no router
     experts_per_token: int = 1  # k experts each token runs through (top-k routing)
+    shared_expert_intermediate_size: int = 0  # an always-on expert in every MoE layer (Qwen2-MoE); 0: none
+    shared_expert_gate: bool = False  # its sigmoid gate, a [1, d] vector per MoE layer
+    num_moe_layers: int | None = None  # layers with experts; None: all of them (when is_moe)
+    dense_intermediate_size: int = 0  # FFN width of the layers without experts (Qwen2-MoE's mlp_only_layers)
+    qk_norm: bool = False  # norms over the whole q and k projections (OLMoE): (H + Hkv) * D weights per layer
 
     def __post_init__(self) -> None:
         for field in (
@@ -61,10 +67,33 @@ class ModelShape:
             )
         if self.num_position_embeddings < 0:
             raise ValueError(f"num_position_embeddings must be >= 0 (0 = RoPE), got {self.num_position_embeddings}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if min(self.shared_expert_intermediate_size, self.dense_intermediate_size) < 0:
+            raise ValueError("shared_expert_intermediate_size and dense_intermediate_size must be >= 0")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate needs a shared expert: set shared_expert_intermediate_size")
+        if self.num_moe_layers is None:
+            return
+        if not self.is_moe or not 1 <= self.num_moe_layers <= self.num_hidden_layers:
+            raise ValueError(
+                f"num_moe_layers ({self.num_moe_layers}) must be between 1 and num_hidden_layers "
+                f"({self.num_hidden_layers}) on a model with num_experts > 1; None means every layer"
+            )
+        if self.num_moe_layers < self.num_hidden_layers and not self.dense_intermediate_size:
+            raise ValueError("layers without experts need their FFN width: set dense_intermediate_size")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with experts: 0 for a dense model."""
+        if not self.is_moe:
+            return 0
+        return self.num_hidden_layers if self.num_moe_layers is None else self.num_moe_layers
 
     @property
     def attention_width(self) -> int:
@@ -78,18 +107,27 @@ class ModelShape:
 
 
 def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
-    """Our runnable models are all dense, gated-SiLU, RMSNorm, RoPE decoders."""
+    """Our runnable models are all gated-SiLU, RMSNorm, RoPE decoders; an MoE one carries its experts."""
+    moe = config.moe
+    sparse = None if moe is None or moe.sparse_layers is None else len(moe.sparse_layers)
     return ModelShape(
         name=name or config.name,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=config.intermediate_size if moe is None else moe.expert_intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
         tie_word_embeddings=config.tie_word_embeddings,
         attention_bias=config.attention_bias,
+        num_experts=1 if moe is None else moe.num_experts,
+        experts_per_token=1 if moe is None else moe.top_k,
+        shared_expert_intermediate_size=0 if moe is None else moe.shared_expert_intermediate_size,
+        shared_expert_gate=moe is not None and moe.shared_expert_gate,
+        num_moe_layers=None if sparse in (None, config.num_hidden_layers) else sparse,
+        dense_intermediate_size=config.intermediate_size if sparse not in (None, config.num_hidden_layers) else 0,
+        qk_norm=config.qk_norm,
     )
 
 
@@ -143,6 +181,36 @@ PRESETS: dict[str, ModelShape] = {
         head_dim=128,
         num_experts=8,
         experts_per_token=2,
+    ),
+    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 experts of 1024, top-8, in all 16 layers; q/k norms.
+    "olmoe-1b-7b": ModelShape(
+        name="olmoe-1b-7b",
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        num_experts=64,
+        experts_per_token=8,
+        qk_norm=True,
+    ),
+    # Qwen1.5-MoE-A2.7B: 60 experts of 1408, top-4, and a gated shared expert of 5632 in all 24 layers.
+    "qwen1.5-moe-a2.7b": ModelShape(
+        name="qwen1.5-moe-a2.7b",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=1408,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        attention_bias=True,
+        num_experts=60,
+        experts_per_token=4,
+        shared_expert_intermediate_size=5632,
+        shared_expert_gate=True,
     ),
 }
 

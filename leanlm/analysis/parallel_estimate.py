@@ -54,7 +54,7 @@ def device_weight_bytes(s: ModelShape, fmt: est.NumberFormat, tp: int, layers: i
     kv = max(h.num_kv_heads for h in heads) * s.head_dim
     d, per_layer_matrices = s.hidden_size, 0
     per_layer_matrices += d * (q + 2 * kv) + q * d  # q, k, v, o
-    per_layer_matrices += (3 if s.mlp_gated else 2) * d * s.intermediate_size * s.num_experts / tp
+    per_layer_matrices += est.param_counts(s).mlp / s.num_hidden_layers / tp  # every expert; MoE: a layer's average
     other = est.other_format(fmt).bits_per_value / 8
     vocab = s.vocab_size * d / tp
     small = layers * 2 * d + (d if last else 0)  # norms

@@ -2,7 +2,9 @@
 (and, on request, linears in the block formats our kernels compute on, kept as codes: gguf_codes.py).
 
 Every other quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the Q/K rows of *llama*
-models permuted for its interleaved rotary layout; we undo that so weights match HF's rotate-half convention.
+models (Mixtral included) permuted for its interleaved rotary layout; we undo that so weights match HF's
+rotate-half convention. MoE files (Mixtral, Qwen2-MoE, OLMoE: their metadata and [E, ...] expert tensors) are
+read through gguf_moe.py.
 """
 
 from __future__ import annotations
@@ -20,11 +22,21 @@ from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from leanlm.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from leanlm.config import ModelConfig, RopeScaling
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
-from leanlm.loading.gguf_file import GGUFFile, read_gguf
+from leanlm.loading.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from leanlm.loading.gguf_header import GGUF_MAGIC
+from leanlm.loading.gguf_moe import (
+    MOE_LAYER_NAMES,
+    expert_parts,
+    gguf_moe_config,
+    is_expert_tensor,
+    legacy_expert_name,
+    moe_architecture,
+    moe_config_fields,
+    moe_stored_shape,
+)
 from leanlm.model.linear.base import RuntimeLinear
 
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
@@ -41,6 +53,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    **MOE_LAYER_NAMES,
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,6 +63,9 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that carry no weights of their own (llama3 rope factors become RopeScaling instead).
 _SKIPPED_TENSORS = ("rope_freqs.weight",)
+# llama.cpp's LlamaModel converter (which converts Mixtral too) permutes Q/K rows for its interleaved rotary;
+# qwen2, qwen2moe and olmoe use the NEOX (rotate-half) layout and are written as they are.
+_PERMUTED_ARCHITECTURES = ("llama", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -131,26 +147,27 @@ def _required(reader: GGUFFile, key: str) -> Any:
 
 def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     """Build the ModelConfig from `general.*`, `{arch}.*` and `tokenizer.ggml.*` metadata."""
-    arch = _required(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = _required(reader, "general.architecture")  # GGUF's name: the prefix of its keys
+    architecture = moe_architecture(arch, reader.fields.get)  # ours
     tensor_names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     num_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    num_layers = int(_required(reader, f"{arch}.block_count"))
     head_dim = _field(reader, f"{arch}.rope.dimension_count") or _field(reader, f"{arch}.attention.key_length")
     vocab_size = _field(reader, f"{arch}.vocab_size") or len(tokens)
     if not vocab_size:
         raise ModelLoadError("GGUF metadata has neither a vocab_size nor a token list; the file is corrupt")
+    moe = gguf_moe_config(arch, reader.fields.get, tensor_names, num_layers)
+    if architecture == "mixtral" and moe.sparse_layers is not None:  # llama.cpp runs a dense MLP where no router is;
+        architecture = "llama"  # HF's Mixtral cannot, so it is a llama model with a leanlm_moe block
     try:
         return ModelConfig(
-            architecture=arch,
+            architecture=architecture,
             vocab_size=int(vocab_size),
             hidden_size=hidden,
             intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
-            num_hidden_layers=int(_required(reader, f"{arch}.block_count")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads),
             head_dim=int(head_dim or hidden // num_heads),
@@ -163,6 +180,8 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_eos_token_ids(_field(reader, "tokenizer.ggml.eos_token_id"), tokens),
             name=str(_field(reader, "general.name", "")),
+            moe=moe,
+            **moe_config_fields(arch, reader.fields.get),
         )
     except ValueError as e:  # ModelConfig validation
         raise ModelLoadError(f"GGUF metadata describes an invalid model: {e}") from e
@@ -239,11 +258,13 @@ def hf_tensor_name(gguf_name: str) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (ModelLoadError when unknown)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if (expert := legacy_expert_name(gguf_name)) is not None:
+        return expert
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ModelLoadError(
-            f"GGUF tensor {gguf_name!r} is not part of a llama/qwen2 model; the file holds an "
-            "architecture we do not support"
+            f"GGUF tensor {gguf_name!r} is not part of a llama, qwen2, mixtral, qwen2moe or olmoe model; the file "
+            "holds an architecture we do not support"
         )
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
@@ -260,6 +281,22 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _tensor_parts(tensor: GGUFTensor, config: ModelConfig) -> list[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """(HF name, data, [out, in] or [n]) of each weight a GGUF tensor holds: one, or E for an expert tensor."""
+    stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if is_expert_tensor(tensor.name):
+        return expert_parts(tensor.name, stored, tensor.data, config)
+    name = hf_tensor_name(tensor.name)
+    expected = config.tensor_shape(name)
+    # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
+    if moe_stored_shape(name, stored, expected) != expected:
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "
+            f"{list(expected)}; the file is corrupt, re-download it"
+        )
+    return [(name, tensor.data, expected)]
+
+
 def gguf_state_dict(
     reader: GGUFFile,
     config: ModelConfig,
@@ -267,49 +304,49 @@ def gguf_state_dict(
     progress: bool = True,
     keep_codes: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, RuntimeLinear]]:
-    """Every tensor under its HF name, in HF's [out, in] layout: dequantized to `dtype`, except, with
-    `keep_codes`, linears in a block format the kernels compute on (gguf_codes.CODE_TYPES), which come back as
-    runtime layers by module name. The embedding is a lookup table and always dequantized; a tied head in such
-    a format comes back as an "lm_head" layer on the embedding's codes (the caller unties the config)."""
+    """Every tensor under its HF name, in HF's [out, in] layout (a layer's [E, out, in] expert tensor as E
+    per-expert weights): dequantized to `dtype`, except, with `keep_codes`, linears in a block format the kernels
+    compute on (gguf_codes.CODE_TYPES), which come back as runtime layers by module name. The embedding is a
+    lookup table and always dequantized; a tied head in such a format comes back as an "lm_head" layer on the
+    embedding's codes (the caller unties the config). Routers stay float: they are no linear layer."""
     state_dict: dict[str, torch.Tensor] = {}
     coded: dict[str, tuple] = {}  # module name -> runtime_linear's arguments, built once the biases are read
     tensors = [t for t in reader.tensors if t.name not in _SKIPPED_TENSORS]
     for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
-        name = hf_tensor_name(tensor.name)
-        stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
-        expected = config.tensor_shape(name)
-        if stored != expected:
-            raise ModelLoadError(
-                f"GGUF tensor {tensor.name} has shape {list(stored)}, but the metadata describes "
-                f"{list(expected)}; the file is corrupt, re-download it"
-            )
-        heads = None
-        if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-        if keep_codes and tensor.tensor_type in CODE_TYPES and name.endswith(".weight"):
-            if name == "model.embed_tokens.weight":  # a lookup table: dequantized below; as the tied head, codes
-                if config.tie_word_embeddings:
-                    coded["lm_head"] = (tensor.tensor_type, tensor.data, expected, None)
-            else:
-                row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
-                coded[name.removesuffix(".weight")] = (tensor.tensor_type, tensor.data, expected, row_order)
-                continue
-        try:
-            # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
-            array = dequantize_tensor(tensor.data, tensor.tensor_type)
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(
-                f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: {e}"
-            ) from e
-        weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
-        weight = weight.reshape(expected)
-        if heads is not None:
-            weight = unpermute_rotary(weight, heads)
-        state_dict[name] = weight.to(dtype).contiguous()
+        for name, data, expected in _tensor_parts(tensor, config):
+            heads = None
+            if config.architecture in _PERMUTED_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
+                heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            if keep_codes and tensor.tensor_type in CODE_TYPES and _is_linear_weight(name):
+                if name == "model.embed_tokens.weight":  # a lookup table: dequantized below; as the tied head, codes
+                    if config.tie_word_embeddings:
+                        coded["lm_head"] = (tensor.tensor_type, data, expected, None)
+                else:
+                    row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
+                    coded[name.removesuffix(".weight")] = (tensor.tensor_type, data, expected, row_order)
+                    continue
+            state_dict[name] = _dequantized(tensor, data, expected, heads).to(dtype).contiguous()
     # a bias (qwen2's q/k/v) stays float, on the runtime layer
     quantized = {m: runtime_linear(*args, bias=state_dict.pop(m + ".bias", None)) for m, args in coded.items()}
     return state_dict, quantized
+
+
+def _is_linear_weight(name: str) -> bool:
+    """A weight that becomes a runtime linear: not a bias, a norm, the router or the shared expert's gate."""
+    return name.endswith(".weight") and not name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight"))
+
+
+def _dequantized(tensor: GGUFTensor, data: np.ndarray, expected: tuple[int, ...], heads: int | None) -> torch.Tensor:
+    try:
+        # dequantize returns numpy in row-major [out, in] order: GGUF lists dims innermost first.
+        array = dequantize_tensor(data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelLoadError(
+            f"cannot dequantize GGUF tensor {tensor.name} of type {tensor.tensor_type.name}: {e}"
+        ) from e
+    weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
+    weight = weight.reshape(expected)
+    return weight if heads is None else unpermute_rotary(weight, heads)
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer

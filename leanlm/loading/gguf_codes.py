@@ -81,7 +81,9 @@ def signed_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int,
         qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [R, B, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [R, B, 32]
         codes = ((_nibbles(blocks[..., 6:]) | high).astype(np.int16) - 16).astype(np.int8)
-    return codes.reshape(rows, cols), scales
+    codes = codes.reshape(rows, cols)
+    # one block per row (an expert 32 wide) reshapes as a view of the read-only file map: the layer gets its own copy
+    return (codes if codes.flags.writeable else codes.copy()), scales
 
 
 def _q6_k_codes(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
