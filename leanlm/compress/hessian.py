@@ -13,9 +13,13 @@ def prepare_hessian(
     hessian: torch.Tensor, weight: torch.Tensor, damp_percent: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(H dampened, W with dead columns zeroed): inputs that were always zero get H_ii = 1 and no weight,
-    then `damp_percent` of the mean diagonal is added to the diagonal (numerical stability)."""
+    then `damp_percent` of the mean diagonal is added to the diagonal (numerical stability). A Hessian with no
+    sample at all (an expert no calibration token was routed to) says nothing about any input: H = I, and the
+    method falls back to plain rounding or magnitude instead of zeroing the whole layer."""
     h = hessian.double().clone()
     w = weight.double().clone()
+    if not torch.any(torch.diag(h)):
+        return torch.eye(h.shape[0], dtype=h.dtype, device=h.device), w
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
