@@ -248,6 +248,17 @@ def check_peers(compare: list[str], throughput: bool) -> None:
         import llama_cpp  # noqa: F401
 
 
+def batch1_weight_elements(model) -> float:
+    """Weight elements a batch-1 decode step reads: all of them, but of each MoE layer's experts only the top-k."""
+    from leanlm.model.moe import moe_blocks
+
+    total = sum(p.numel() for p in model.parameters())
+    for block in moe_blocks(model):
+        experts = sum(p.numel() for p in block.experts.parameters())
+        total -= experts * (block.moe.num_experts - block.moe.top_k) / block.moe.num_experts
+    return total
+
+
 def build_runners(model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32):
     """Our runner plus the peers asked for, on the same model file; and, per in-process runner, the bytes one
     decode step reads at a given context (weights as that runner stores them, plus its KV cache)."""
@@ -261,7 +272,7 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)
     cfg = llm.model_config
     element = torch.empty(0, dtype=llm.dtype).element_size()
-    weights = sum(p.numel() for p in llm.llm_engine.model.parameters()) * element
+    weights = batch1_weight_elements(llm.llm_engine.model) * element
 
     def kv_bytes(context: int, kv_element: int) -> float:
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_element * context

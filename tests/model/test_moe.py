@@ -132,3 +132,12 @@ def test_expert_mask_from_the_forward_context_limits_experts_and_stats():
 def test_dense_model_has_no_moe_stats():
     config = tiny_config(97)
     assert moe_stats(build_model(config, tiny_state_dict(config), torch.float64)) is None
+
+
+def test_bench_counts_only_the_top_k_experts_a_batch1_step_reads():
+    from leanlm.analysis.bench_suite import batch1_weight_elements
+
+    model = moe_model()
+    experts = sum(p.numel() for b in (block_of(model, 0), block_of(model, 1)) for p in b.experts.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert batch1_weight_elements(model) == total - experts / 2  # top-2 of 4: half the experts stay unread
