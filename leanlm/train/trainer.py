@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from leanlm.compress.base import MethodConfig
 from leanlm.model.forward import causal_lm_loss
+from leanlm.train.balance import RoutingBalance, add_load
 from leanlm.train.data import TokenWindows
 from leanlm.train.recipes import build_sparse_training
 from leanlm.train.sparse import SparseTraining
@@ -110,6 +111,10 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # training loss of each step
     held_out: list[tuple[int, float | dict]] = field(default_factory=list)  # (step, held-out loss or measure)
     sparsity: dict[str, float] = field(default_factory=dict)  # the sparsity method's summary
+    # MoE models: each step's load-balancing loss (unweighted; 1.0 = uniform routing), and the assignments each
+    # sparse layer's router made to each expert over the run, {layer_idx: [E]} (leanlm.train.balance.layer_loads)
+    balance_losses: list[float] = field(default_factory=list)
+    expert_load: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -144,6 +149,8 @@ class Trainer:
             p.requires_grad_(True)
         if self.sparse is not None:
             self.sparse.attach(model)
+        # MoE layers: Switch's balancing loss joins the next-token loss (the objectives' own losses go without it)
+        self.balance = RoutingBalance.of(model) if objective is None else None
         self.optimizer = self._new_optimizer()
         self.result = TrainResult(0, 0, 0.0, 0)
 
@@ -202,11 +209,13 @@ class Trainer:
             ids = self.data.train[rows].to(self.model.model.norm.weight.device)
             with torch.autocast(ids.device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "float32"):
                 if self.objective is None:
-                    loss = causal_lm_loss(self.model, ids) / cfg.grad_accum
+                    loss = self.lm_loss(ids) / cfg.grad_accum
                     loss.backward()
                     total += float(loss.detach())
                 else:
                     total += self.objective.backward(self.model, ids, rows, 1 / cfg.grad_accum) / cfg.grad_accum
+        if self.balance is not None:
+            self.result.expert_load = add_load(self.result.expert_load, self.balance.take_counts())
         if cfg.grad_clip:
             nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip)
         self.optimizer.step()
@@ -214,6 +223,18 @@ class Trainer:
         if self.sparse is not None and self.sparse.refresh(step + 1, cfg.total_steps):
             self.optimizer = self._new_optimizer()  # weights were rewound: their moments no longer apply
         return total
+
+    def lm_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """The loss a plain run minimizes on ids [B, T]: next-token cross entropy, plus router_aux_loss_coef x the
+        balancing loss in a model with experts (whose unweighted value goes to result.balance_losses)."""
+        loss = causal_lm_loss(self.model, ids)
+        if self.balance is None:
+            return loss
+        aux = self.balance.loss()
+        if len(self.result.balance_losses) <= self.result.steps:
+            self.result.balance_losses.append(0.0)
+        self.result.balance_losses[-1] += float(aux.detach()) / self.config.grad_accum
+        return loss + self.balance.coef * aux
 
     @torch.no_grad()
     def held_out_loss(self) -> float | dict:
