@@ -53,6 +53,11 @@ class TrainConfig:
     eval_every: int = _opt(50, "steps between held-out losses (always at the end too); 0 = only at the end")
     save_every: int = _opt(20, "steps between writes of the resumable state; 0 = never")
     seed: int = _opt(0, "seeds the order of the training windows")
+    max_seconds: float = _opt(
+        0.0,
+        "wall-clock budget: stop after the step that reaches this many training seconds (0 = none); the "
+        "learning-rate schedule still follows --tokens",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,8 +72,8 @@ class TrainConfig:
             )
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup_steps >= 0 and self.grad_clip >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 and grad_clip >= 0")
-        if self.eval_every < 0 or self.save_every < 0 or self.weight_decay < 0:
-            raise ValueError("eval_every, save_every and weight_decay must be >= 0")
+        if self.eval_every < 0 or self.save_every < 0 or self.weight_decay < 0 or not self.max_seconds >= 0:
+            raise ValueError("eval_every, save_every, weight_decay and max_seconds must be >= 0")
 
     @property
     def tokens_per_step(self) -> int:
@@ -172,10 +177,11 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg = self.config
         start_step = self._resume()
+        out_of_time = 0 < cfg.max_seconds <= self.result.seconds  # a resumed run that had spent its budget
         if start_step == 0 and self.sparse is not None:
             self.sparse.refresh(0, cfg.total_steps)
         bar = tqdm(
-            range(start_step, cfg.total_steps),
+            range(start_step, start_step if out_of_time else cfg.total_steps),
             desc="training",
             unit="step",
             initial=start_step,
@@ -189,11 +195,14 @@ class Trainer:
             self.result.steps, self.result.tokens = step + 1, (step + 1) * cfg.tokens_per_step
             self.result.losses.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.result.tokens_per_second:.0f}")
-            done = step + 1 == cfg.total_steps
+            # a wall-clock budget counts the steps' seconds, a resumed run's included
+            done = step + 1 == cfg.total_steps or 0 < cfg.max_seconds <= self.result.seconds
             if done or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
                 self.result.held_out.append((step + 1, self.held_out_loss()))
             if self.state_path is not None and cfg.save_every and ((step + 1) % cfg.save_every == 0 or done):
                 self.save_state()
+            if done:
+                break
         if self.sparse is not None:
             self.result.sparsity = self.sparse.finish()
         self.model.eval().requires_grad_(False)
@@ -258,9 +267,11 @@ class Trainer:
 
     def _identity(self) -> dict:
         """What a saved state must match to be resumed: the run's settings and its sparsity method."""
-        sparsity = self.sparsity_config
+        sparsity, config = self.sparsity_config, dataclasses.asdict(self.config)
+        if not config["max_seconds"]:
+            del config["max_seconds"]  # as states written before the option say it
         identity = {
-            "config": dataclasses.asdict(self.config),
+            "config": config,
             "sparsity": None if sparsity is None else {"method": sparsity.name, **dataclasses.asdict(sparsity)},
         }
         if self.objective is not None:  # absent otherwise, so states written before objectives still resume
