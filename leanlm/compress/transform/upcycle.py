@@ -75,6 +75,14 @@ class UpcycleConfig(MethodConfig):
     def experts_per_token(self) -> int:
         return self.top_k if self.top_k is not None else (1 if self.residual else 2)
 
+    @property
+    def scoring(self) -> str:
+        """softmax_renorm: the chosen experts' weights sum to 1, so identical copies (or halves) add up to the dense
+        MLP. PR-MoE with zero-initialised experts needs no such sum (they add nothing either way), and takes Switch's
+        gate, the router's probability itself: renormalised over one expert it would be 1 whatever the router
+        said, and the router would learn nothing from the next-token loss."""
+        return "softmax" if self.residual and self.residual_init == "zero" else "softmax_renorm"
+
     def moe_config(self, intermediate_size: int, num_layers: int) -> MoEConfig:
         """The MoEConfig of the upcycled model, whose dense FFNs are `intermediate_size` wide."""
         if self.layers is not None and max(self.layers) >= num_layers:
@@ -84,7 +92,7 @@ class UpcycleConfig(MethodConfig):
             num_experts=self.num_experts,
             top_k=self.experts_per_token,
             expert_intermediate_size=intermediate_size,
-            scoring="softmax_renorm",  # the chosen experts' weights sum to 1: identical copies add up to one copy
+            scoring=self.scoring,
             shared_expert_intermediate_size=intermediate_size if self.residual else 0,
             shared_expert_gate=False,
             sparse_layers=None if every else self.layers,

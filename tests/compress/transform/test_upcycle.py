@@ -43,7 +43,8 @@ def test_the_upcycled_model_equals_the_dense_one(tiny_model, calib, variant):
     report = compress(model, [cfg], progress=False)
     assert report.linears == [] and report.recipe[0]["method"] == "upcycle"
     moe = model.config.moe
-    assert moe.num_experts == cfg.num_experts and moe.top_k == cfg.experts_per_token and moe.scoring == "softmax_renorm"
+    assert moe.num_experts == cfg.num_experts and moe.top_k == cfg.experts_per_token
+    assert moe.scoring == ("softmax" if variant == "pr_moe_zero" else "softmax_renorm")
     assert moe.router_aux_loss_coef == 0.01 and moe.shared_expert_gate is False
     assert moe.shared_expert_intermediate_size == (128 if cfg.residual else 0)
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
@@ -69,6 +70,23 @@ def test_pr_moe_initialisations_preserve_the_dense_mlp_differently(tiny_model):
         # copies, not views: training one expert leaves the others and the dense weight alone
         assert block.experts[0].gate_proj.weight.data_ptr() != block.experts[1].gate_proj.weight.data_ptr()
         assert block.experts[0].gate_proj.weight.data_ptr() != mlp.gate_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize("init,learns", [("zero", True), ("half", False)])
+def test_a_pr_moe_router_learns_from_the_next_token_loss_only_with_switch_gates(tiny_model, calib, init, learns):
+    """Top-1 weights renormalised over one expert are always 1: the router gets no gradient from the LM loss."""
+    from leanlm.model.forward import causal_lm_loss
+
+    model = tiny_model(torch.float64)
+    compress(model, [UpcycleConfig(num_experts=4, residual=True, residual_init=init)], progress=False)
+    with torch.no_grad():  # experts that have trained apart from the dense MLP
+        for layer in model.model.layers:
+            for expert in layer.mlp.experts:
+                expert.down_proj.weight.normal_(0, 0.1)
+    model.train().requires_grad_(True)
+    causal_lm_loss(model, calib[:2]).backward()
+    grad = max(float(layer.mlp.gate.weight.grad.abs().max()) for layer in model.model.layers)
+    assert (grad > 1e-4) == learns and (grad < 1e-6 or learns)  # 1e-6: float32 rounding of the weights
 
 
 def test_router_init_is_small_and_seeded(tiny_model):
