@@ -40,7 +40,9 @@ WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wik
 @dataclass
 class Run:
     name: str
-    budget_s: float
+    budget_s: float  # wall-clock budget (0: the token budget ends the run)
+    token_budget: int = 0  # tokens (0: the wall clock ends the run)
+    save_dir: str | None = None  # where the trained model goes for the decode benchmark
     ppl_before: float = 0.0
     ppl_after: float = 0.0
     tokens: int = 0
@@ -78,7 +80,8 @@ def train_run(run: Run, upcycle: UpcycleConfig | None, data, windows, args, work
     run.ppl_before = evaluate(model, tokenizer, windows, workdir)
     print(f"{run.name}: {run.params / 1e6:.0f}M parameters, WikiText-2 ppl before {run.ppl_before:.3f}", flush=True)
     config = TrainConfig(
-        tokens=10**9,  # the wall clock ends the run; the learning rate is constant after warmup (min_lr_ratio 1)
+        tokens=run.token_budget or 10**9,  # the learning rate is constant after warmup (min_lr_ratio 1): a run cut by
+        # its clock and one cut by its tokens follow the same schedule
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
@@ -87,7 +90,7 @@ def train_run(run: Run, upcycle: UpcycleConfig | None, data, windows, args, work
         warmup_steps=args.warmup_steps,
         eval_every=0,
         save_every=0,
-        max_seconds=run.budget_s,
+        max_seconds=run.budget_s,  # 0 for a token-budget run
     )
     trainer = Trainer(model, data, config, progress=False)
     before = trainer.held_out_loss()
@@ -108,10 +111,8 @@ def train_run(run: Run, upcycle: UpcycleConfig | None, data, windows, args, work
         f"WikiText-2 ppl {run.ppl_before:.3f} -> {run.ppl_after:.3f}",
         flush=True,
     )
-    if upcycle is not None and not upcycle.residual:  # the decode benchmark's model: the trained upcycled one
-        save_checkpoint(_ckpt(model, tokenizer), workdir / "upcycled")
-    if upcycle is None:
-        save_checkpoint(_ckpt(model, tokenizer), workdir / "dense")
+    if run.save_dir is not None:  # for the decode benchmark
+        save_checkpoint(_ckpt(model, tokenizer), workdir / run.save_dir)
     del model, ckpt
     gc.collect()
 
@@ -188,7 +189,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-other-cpu", type=float, default=0.10)
     p.add_argument("--workdir", default="bench-results/upcycle")
+    p.add_argument("--runs", default="dense,upcycled,pr-moe", help="of dense, upcycled, pr-moe, dense-tokens")
+    p.add_argument("--dense-tokens", type=int, default=0, help="token budget of the dense-tokens run")
     p.add_argument("--doc", default=None, help="write the results to this markdown file")
+    p.add_argument("--section", default="main", help="which marked part of the doc the results replace")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir)
@@ -202,19 +206,26 @@ def main() -> None:
     print(f"{describe_machine()}; {len(ids):,} training tokens, {len(windows)} x {args.eval_seq_len} eval", flush=True)
     upcycle = UpcycleConfig(num_experts=args.experts, top_k=args.top_k, layers=layers)
     pr_moe = UpcycleConfig(num_experts=args.experts, residual=True, layers=layers)
-    runs = [
-        (Run("dense fine-tune", args.minutes * 60), None),
-        (Run(f"upcycled {args.experts} experts top-{args.top_k}", args.minutes * 60), upcycle),
-        (Run(f"PR-MoE dense + {args.experts} experts top-1", args.pr_minutes * 60), pr_moe),
-    ]
+    every = {
+        "dense": (Run("dense fine-tune", args.minutes * 60, save_dir="dense"), None),
+        "upcycled": (
+            Run(f"upcycled {args.experts} experts top-{args.top_k}", args.minutes * 60, save_dir="upcycled"),
+            upcycle,
+        ),
+        "pr-moe": (Run(f"PR-MoE dense + {args.experts} experts top-1", args.pr_minutes * 60), pr_moe),
+        "dense-tokens": (Run("dense fine-tune, token budget", 0.0, token_budget=args.dense_tokens), None),
+    }
+    runs = [every[name] for name in args.runs.split(",")]
     for run, cfg in runs:
         train_run(run, cfg, data, windows, args, workdir)
-    bandwidth = measure_memory_bandwidth()
-    decode = {name: decode_rate(workdir / name, args) for name in ("dense", "upcycled")}
+    decode, bandwidth = {}, 0.0
+    if all(r.save_dir in {"dense", "upcycled"} for r, _ in runs[:2]) and len(runs) >= 2:
+        bandwidth = measure_memory_bandwidth()
+        decode = {name: decode_rate(workdir / name, args) for name in ("dense", "upcycled")}
     text = report(args, [r for r, _ in runs], decode, bandwidth, len(ids))
     print(text)
     if args.doc:
-        write_doc(Path(args.doc), text)
+        write_doc(Path(args.doc), text, args.section)
 
 
 def report(args, runs: list[Run], decode: dict, bandwidth: float, train_tokens: int) -> str:
@@ -230,8 +241,9 @@ def report(args, runs: list[Run], decode: dict, bandwidth: float, train_tokens: 
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        budget = f"{r.budget_s / 60:.0f} min" if r.budget_s else f"{r.token_budget:,} tokens"
         lines.append(
-            f"| {r.name} | {r.budget_s / 60:.0f} min | {r.steps} | {r.tokens:,} | {r.seconds:.0f} | "
+            f"| {r.name} | {budget} | {r.steps} | {r.tokens:,} | {r.seconds:.0f} | "
             f"{r.tokens / max(r.seconds, 1e-9):.0f} | {r.other_cpu:.0%} | {r.params / 1e6:.0f}M | "
             f"{r.held_out[0]:.3f} -> {r.held_out[1]:.3f} | {r.ppl_before:.3f} -> {r.ppl_after:.3f} |"
         )
@@ -244,6 +256,8 @@ def report(args, runs: list[Run], decode: dict, bandwidth: float, train_tokens: 
         for x in r.loads:
             shares = " ".join(f"{s:.2f}" for s in x.shares)
             lines.append(f"| {x.layer_idx} | {shares} | {x.max_over_mean:.2f} | {x.cv:.2f} |")
+    if not decode:
+        return "\n".join(lines)
     lines += ["", f"Decode, batch 1, bf16, {args.decode_tokens} tokens; memory bandwidth {bandwidth / 1e9:.1f} GB/s "
               "(leanlm.analysis.host.measure_memory_bandwidth, one thread's sum over 256 MiB):", "",
               "| model | active MB/token | total MB | bound tok/s | measured tok/s | of bound | other CPU per rep |",
@@ -260,9 +274,10 @@ def report(args, runs: list[Run], decode: dict, bandwidth: float, train_tokens: 
     return "\n".join(lines)
 
 
-def write_doc(path: Path, text: str) -> None:
-    """Replace the part of the doc between the result markers (the prose around them is hand-written)."""
-    begin, end = "<!-- upcycle_bench:begin -->", "<!-- upcycle_bench:end -->"
+def write_doc(path: Path, text: str, section: str) -> None:
+    """Replace the part of the doc between the section's markers (the prose around them is hand-written)."""
+    tag = "upcycle_bench" if section == "main" else f"upcycle_bench:{section}"
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
     doc = path.read_text() if path.exists() else f"{begin}\n{end}\n"
     head, _, rest = doc.partition(begin)
     _, _, tail = rest.partition(end)
