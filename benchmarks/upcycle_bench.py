@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from leanlm.analysis.eval import make_windows, perplexity, read_text
-from leanlm.analysis.host import CpuMonitor, cpu_name, describe_machine, measure_memory_bandwidth
+from leanlm.analysis.host import CpuMonitor, describe_machine, measure_memory_bandwidth
 from leanlm.compress import UpcycleConfig, compress, read_calibration_text
 from leanlm.formats import save_checkpoint
 from leanlm.llm import LLM
@@ -230,7 +230,7 @@ def main() -> None:
 
 def report(args, runs: list[Run], decode: dict, bandwidth: float, train_tokens: int) -> str:
     lines = [
-        f"Machine: {cpu_name()}; {describe_machine()}. Other agents were running on the same 2 cores throughout.",
+        f"Machine: {describe_machine()}. Other agents were running on the same 2 cores throughout.",
         "",
         f"Training: {args.seq_len}-token windows of gensim's Wikipedia articles ({train_tokens:,} tokens), batch "
         f"{args.batch_size} x {args.grad_accum}, AdamW lr {args.lr:g} constant after {args.warmup_steps} warmup steps, "
