@@ -39,7 +39,7 @@ class UpcycleConfig(MethodConfig):
     residual_init: str = "zero"
     router_std: float | None = None  # std of the router's normal init; None: sqrt(0.1 / hidden) (Switch's scale)
     router_aux_loss_coef: float = 0.01  # Switch's load-balancing loss weight, which leanlm.train applies
-    layers: tuple[int, ...] | None = None  # the layers to upcycle; None: every layer (the paper: every other one)
+    layers: tuple[int, ...] | None = None  # the layers to upcycle; None: every layer (Switch: every other one)
     # the saved architecture: "mixtral" (HF's MixtralForCausalLM loads it; plain upcycling of a bias-free llama
     # over every layer), "source" (the dense model's llama / qwen2 with a leanlm_moe block), "auto": mixtral where
     # it can express the model, else source
