@@ -5,6 +5,7 @@ budget, resumably, and save it as a checkpoint the engine loads (2:4 results pac
     leanlm train --model smol-24 --recipe sr-ste --pattern 2:4 --tokens 600000 --out smol-24-srste
     leanlm train --recipe teal --sparsity 0.4 --tokens 250000 --out smol-teal40   # activation sparsity
     leanlm train --exits 8,16,24 --lr 1e-3 --tokens 100000 --out smol-exits   # then --speculative self:24
+    leanlm train --upcycle-experts 8 --upcycle-top-k 2 --tokens 200000 --out smol-moe   # sparse upcycling
 
 Run the same command again after an interruption and it resumes from OUT/train_state.pt.
 """
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:
         "--kv-heads", type=int, default=None, help="convert to this many K/V heads first (GQA / MQA uptraining)"
     )
     p.add_argument("--kv-init", default="mean", help="with --kv-heads: mean | first | random (default mean)")
+    add_upcycle_args(p)
     p.add_argument(
         "--qat-bits", type=int, default=None, help="quantization-aware training: RTN to these bits first (2-4, 8)"
     )
@@ -54,6 +56,42 @@ def add_parser(sub) -> None:
     p.add_argument("--exit-ce-weight", type=float, default=0.0, help="with --exits: weight of next-token CE")
     add_run_args(p)
     p.set_defaults(func=cmd_train)
+
+
+def add_upcycle_args(p) -> None:
+    """Sparse upcycling (and PR-MoE) before training: docs/upcycling.md."""
+    p.add_argument(
+        "--upcycle-experts", type=int, default=None, help="make each dense MLP this many experts first (upcycling)"
+    )
+    p.add_argument("--upcycle-top-k", type=int, default=None, help="experts per token (default 2; 1 with --pr-moe)")
+    p.add_argument("--pr-moe", action="store_true", help="keep the dense MLP as a shared expert (residual MoE)")
+    p.add_argument("--pr-moe-init", default="zero", help="zero | half: how the routed experts start (docs)")
+    p.add_argument("--upcycle-layers", default=None, help="layers to upcycle, e.g. 1,3,5 (default: every layer)")
+    p.add_argument("--router-aux-loss-coef", type=float, default=0.01, help="weight of the load-balancing loss")
+    p.add_argument("--upcycle-save-as", default="auto", help="auto | mixtral | source (llama + leanlm_moe block)")
+
+
+def build_upcycle_config(args: argparse.Namespace):
+    """The UpcycleConfig behind --upcycle-experts (None without it); validates the flags."""
+    from leanlm.compress.transform.upcycle import UpcycleConfig
+
+    if args.upcycle_experts is None:
+        if args.pr_moe or args.upcycle_top_k is not None or args.upcycle_layers is not None:
+            raise ValueError("--pr-moe, --upcycle-top-k and --upcycle-layers need --upcycle-experts E")
+        return None
+    try:
+        layers = None if args.upcycle_layers is None else tuple(int(i) for i in args.upcycle_layers.split(","))
+    except ValueError:
+        raise ValueError(f"--upcycle-layers takes layer indices like 1,3,5; got {args.upcycle_layers!r}") from None
+    return UpcycleConfig(
+        num_experts=args.upcycle_experts,
+        top_k=args.upcycle_top_k,
+        residual=args.pr_moe,
+        residual_init=args.pr_moe_init,
+        router_aux_loss_coef=args.router_aux_loss_coef,
+        layers=layers,
+        save_as=args.upcycle_save_as,
+    )
 
 
 def add_run_args(p) -> None:
@@ -90,6 +128,7 @@ def build_train_job(args: argparse.Namespace):
         train=train_config(args),
         sparsity=sparsity,
         gqa=None if args.kv_heads is None else GQAConfig(num_key_value_heads=args.kv_heads, init=args.kv_init),
+        upcycle=build_upcycle_config(args),
         qat=None if args.qat_bits is None else RTNConfig(bits=args.qat_bits, group_size=args.qat_group_size or None),
         train_quantized=args.qat,
         exits=build_exits_config(args),

@@ -18,6 +18,7 @@ from leanlm.compress.transform.awq import AWQConfig
 from leanlm.compress.transform.gqa import GQAConfig
 from leanlm.compress.transform.lkd import LKDConfig
 from leanlm.compress.transform.smoothquant import SmoothQuantConfig
+from leanlm.compress.transform.upcycle import UpcycleConfig
 
 __all__ = [
     "compress",
@@ -36,6 +37,7 @@ __all__ = [
     "ActivationSparsityConfig",
     "GQAConfig",
     "LKDConfig",
+    "UpcycleConfig",
     "CompressionReport",
     "LinearReport",
 ]

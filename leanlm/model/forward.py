@@ -42,7 +42,8 @@ def attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple[torch.Tensor, t
 def decoder_layer(layer: LlamaDecoderLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """LlamaDecoderLayer.forward over sequences [B, T, hidden]."""
     x = x + attention(layer.self_attn, layer.input_layernorm(x), rope)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    h = layer.post_attention_layernorm(x)
+    return x + layer.mlp(h.reshape(-1, h.shape[-1])).view_as(h)  # flat rows [B*T, hidden]: a sparse MLP routes rows
 
 
 def residual_stream(model: nn.Module, input_ids: torch.Tensor, num_layers: int | None = None) -> Iterator[torch.Tensor]:

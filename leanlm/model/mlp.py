@@ -19,6 +19,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if cpu_rows.should_use_rows(gate) and up.is_contiguous():  # the native loop's arithmetic
+        # the native loop's arithmetic, which has no backward: not for rows autograd records (training)
+        if cpu_rows.should_use_rows(gate) and up.is_contiguous() and not gate.requires_grad:
             return self.down_proj(cpu_rows.silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)

@@ -10,6 +10,7 @@ from pathlib import Path
 from leanlm.compress.base import MethodConfig
 from leanlm.compress.quantize.rtn import RTNConfig
 from leanlm.compress.transform.gqa import GQAConfig
+from leanlm.compress.transform.upcycle import UpcycleConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.train.distill import DistillConfig
 from leanlm.train.exits import ExitHeadsConfig
@@ -54,13 +55,15 @@ def _check_data(data: str | None) -> None:
 @dataclass(frozen=True)
 class TrainJob:
     """One fine-tuning run: what it starts from, what it learns, where it goes. At most one of sparsity, QAT
-    (qat or train_quantized) and exits; gqa goes with anything but exits."""
+    (qat or train_quantized) and exits; gqa goes with anything but exits; upcycle with plain fine-tuning, GQA
+    and --qat-bits."""
 
     out: Path  # the checkpoint directory; the run's resumable state lives there too (STATE_FILE)
     model: str = DEFAULT_MODEL  # bundled model name, GGUF file or HF directory
     train: TrainConfig = field(default_factory=TrainConfig)  # token budget, optimizer, windows
     sparsity: MethodConfig | None = None  # a TRAINING_CONFIGS config (build_sparsity); None: dense fine-tuning
     gqa: GQAConfig | None = None  # convert to fewer K/V heads first (GQA / MQA uptraining)
+    upcycle: UpcycleConfig | None = None  # make the dense model a mixture of experts first (sparse upcycling, PR-MoE)
     qat: RTNConfig | None = None  # quantization-aware training: RTN to these bits first, then fake-quantized
     train_quantized: bool = False  # QAT of the checkpoint's own int8 / 2-4 bit layers (not with qat)
     exits: ExitHeadsConfig | None = None  # train early-exit heads on the frozen model instead
@@ -82,6 +85,11 @@ class TrainJob:
         _check_data(self.data)
         if self.exits is not None and (self.sparsity is not None or self.is_qat or self.gqa is not None):
             raise ValueError("--exits trains heads on a frozen model: it does not combine with a recipe, QAT or GQA")
+        if self.upcycle is not None and (self.exits is not None or self.train_quantized or self.sparsity is not None):
+            raise ValueError(
+                "--upcycle-experts copies the float MLPs into experts and trains them all: it does not combine with "
+                "--exits, --qat or a sparsity recipe (upcycle and fine-tune first, then prune or quantize the result)"
+            )
 
     @property
     def is_qat(self) -> bool:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from leanlm.compress.base import MethodConfig
 from leanlm.model.forward import causal_lm_loss
+from leanlm.train.balance import RoutingBalance, add_load
 from leanlm.train.data import TokenWindows
 from leanlm.train.recipes import build_sparse_training
 from leanlm.train.sparse import SparseTraining
@@ -52,6 +53,11 @@ class TrainConfig:
     eval_every: int = _opt(50, "steps between held-out losses (always at the end too); 0 = only at the end")
     save_every: int = _opt(20, "steps between writes of the resumable state; 0 = never")
     seed: int = _opt(0, "seeds the order of the training windows")
+    max_seconds: float = _opt(
+        0.0,
+        "wall-clock budget: stop after the step that reaches this many training seconds (0 = none); the "
+        "learning-rate schedule still follows --tokens",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,8 +72,8 @@ class TrainConfig:
             )
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup_steps >= 0 and self.grad_clip >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 and grad_clip >= 0")
-        if self.eval_every < 0 or self.save_every < 0 or self.weight_decay < 0:
-            raise ValueError("eval_every, save_every and weight_decay must be >= 0")
+        if self.eval_every < 0 or self.save_every < 0 or self.weight_decay < 0 or not self.max_seconds >= 0:
+            raise ValueError("eval_every, save_every, weight_decay and max_seconds must be >= 0")
 
     @property
     def tokens_per_step(self) -> int:
@@ -110,6 +116,10 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # training loss of each step
     held_out: list[tuple[int, float | dict]] = field(default_factory=list)  # (step, held-out loss or measure)
     sparsity: dict[str, float] = field(default_factory=dict)  # the sparsity method's summary
+    # MoE models: each step's load-balancing loss (unweighted; 1.0 = uniform routing), and the assignments each
+    # sparse layer's router made to each expert over the run, {layer_idx: [E]} (leanlm.train.balance.layer_loads)
+    balance_losses: list[float] = field(default_factory=list)
+    expert_load: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -144,6 +154,8 @@ class Trainer:
             p.requires_grad_(True)
         if self.sparse is not None:
             self.sparse.attach(model)
+        # MoE layers: Switch's balancing loss joins the next-token loss (the objectives' own losses go without it)
+        self.balance = RoutingBalance.of(model) if objective is None else None
         self.optimizer = self._new_optimizer()
         self.result = TrainResult(0, 0, 0.0, 0)
 
@@ -165,10 +177,11 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg = self.config
         start_step = self._resume()
+        out_of_time = 0 < cfg.max_seconds <= self.result.seconds  # a resumed run that had spent its budget
         if start_step == 0 and self.sparse is not None:
             self.sparse.refresh(0, cfg.total_steps)
         bar = tqdm(
-            range(start_step, cfg.total_steps),
+            range(start_step, start_step if out_of_time else cfg.total_steps),
             desc="training",
             unit="step",
             initial=start_step,
@@ -182,11 +195,14 @@ class Trainer:
             self.result.steps, self.result.tokens = step + 1, (step + 1) * cfg.tokens_per_step
             self.result.losses.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.result.tokens_per_second:.0f}")
-            done = step + 1 == cfg.total_steps
+            # a wall-clock budget counts the steps' seconds, a resumed run's included
+            done = step + 1 == cfg.total_steps or 0 < cfg.max_seconds <= self.result.seconds
             if done or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
                 self.result.held_out.append((step + 1, self.held_out_loss()))
             if self.state_path is not None and cfg.save_every and ((step + 1) % cfg.save_every == 0 or done):
                 self.save_state()
+            if done:
+                break
         if self.sparse is not None:
             self.result.sparsity = self.sparse.finish()
         self.model.eval().requires_grad_(False)
@@ -202,11 +218,13 @@ class Trainer:
             ids = self.data.train[rows].to(self.model.model.norm.weight.device)
             with torch.autocast(ids.device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "float32"):
                 if self.objective is None:
-                    loss = causal_lm_loss(self.model, ids) / cfg.grad_accum
+                    loss = self.lm_loss(ids) / cfg.grad_accum
                     loss.backward()
                     total += float(loss.detach())
                 else:
                     total += self.objective.backward(self.model, ids, rows, 1 / cfg.grad_accum) / cfg.grad_accum
+        if self.balance is not None:
+            self.result.expert_load = add_load(self.result.expert_load, self.balance.take_counts())
         if cfg.grad_clip:
             nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip)
         self.optimizer.step()
@@ -214,6 +232,18 @@ class Trainer:
         if self.sparse is not None and self.sparse.refresh(step + 1, cfg.total_steps):
             self.optimizer = self._new_optimizer()  # weights were rewound: their moments no longer apply
         return total
+
+    def lm_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """The loss a plain run minimizes on ids [B, T]: next-token cross entropy, plus router_aux_loss_coef x the
+        balancing loss in a model with experts (whose unweighted value goes to result.balance_losses)."""
+        loss = causal_lm_loss(self.model, ids)
+        if self.balance is None:
+            return loss
+        aux = self.balance.loss()
+        if len(self.result.balance_losses) <= self.result.steps:
+            self.result.balance_losses.append(0.0)
+        self.result.balance_losses[-1] += float(aux.detach()) / self.config.grad_accum
+        return loss + self.balance.coef * aux
 
     @torch.no_grad()
     def held_out_loss(self) -> float | dict:
@@ -237,9 +267,11 @@ class Trainer:
 
     def _identity(self) -> dict:
         """What a saved state must match to be resumed: the run's settings and its sparsity method."""
-        sparsity = self.sparsity_config
+        sparsity, config = self.sparsity_config, dataclasses.asdict(self.config)
+        if not config["max_seconds"]:
+            del config["max_seconds"]  # as states written before the option say it
         identity = {
-            "config": dataclasses.asdict(self.config),
+            "config": config,
             "sparsity": None if sparsity is None else {"method": sparsity.name, **dataclasses.asdict(sparsity)},
         }
         if self.objective is not None:  # absent otherwise, so states written before objectives still resume

@@ -1,8 +1,8 @@
 """run(TrainJob) and run_distill(DistillJob): the order a training run goes in, in one place.
 
-train: load -> GQA conversion -> RTN -> fake-quant stand-ins -> train (resumable) -> detach -> TEAL threshold
-calibration or 2:4 packing -> save. A resumed run repeats the deterministic steps before the training loop loads
-its state, so the state meets the same modules it was saved from.
+train: load -> GQA conversion -> sparse upcycling -> RTN -> fake-quant stand-ins -> train (resumable) -> detach ->
+TEAL threshold calibration or 2:4 packing -> save. A resumed run repeats the deterministic steps before the training
+loop loads its state, so the state meets the same modules it was saved from.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     model, tokenizer = ckpt.model, ckpt.tokenizer
     if job.gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
         ckpt = ckpt.with_recipe(compress(model, [job.gqa], progress=False).recipe)
+    if job.upcycle is not None:  # likewise (seeded routers): the MoE the state was saved from
+        ckpt = ckpt.with_recipe(compress(model, [job.upcycle], progress=False).recipe)
     if job.qat is not None:  # likewise: RTN, then the trainable stand-ins the state was saved from
         ckpt = ckpt.with_recipe(compress(model, [job.qat], progress=False).recipe)
     if job.is_qat:
@@ -84,6 +86,10 @@ def _describe(job: TrainJob) -> str:
         recipe = "quantization-aware training of the checkpoint's quantized layers"
     if job.gqa is not None:
         recipe += f", {job.gqa.num_key_value_heads} K/V heads ({job.gqa.init} init)"
+    if (up := job.upcycle) is not None:
+        kind = f"PR-MoE ({up.residual_init} init)" if up.residual else "sparse upcycling"
+        where = "every layer" if up.layers is None else f"layers {','.join(map(str, up.layers))}"
+        recipe += f", {kind}: {up.num_experts} experts top-{up.experts_per_token} in {where}"
     return recipe
 
 
@@ -228,5 +234,10 @@ def format_result(result, model: str, out, recipe: str, held_out_before: float |
         lines.append(f"held-out loss: {first}{result.held_out[-1][1]:.4f} (step {result.held_out[-1][0]})")
     if result.sparsity:
         lines += [f"{key} of the trained linears: {value:.1%}" for key, value in result.sparsity.items()]
+    if result.expert_load:
+        from leanlm.train.balance import describe_load, layer_loads
+
+        aux = f"balancing loss {result.balance_losses[0]:.3f} -> {result.balance_losses[-1]:.3f} (1.0 = uniform); "
+        lines.append(aux + describe_load(layer_loads(result.expert_load)))
     lines.append(f"saved in {save_s:.1f} s; evaluate with: leanlm eval ppl --model {out}")
     return "\n".join(lines)

@@ -137,6 +137,34 @@ def test_convert_to_multi_query_attention_and_uptrain(dense_and_text, tmp_path, 
     assert "divides 2" in capsys.readouterr().err
 
 
+def test_upcycle_to_experts_and_train_with_the_balancing_loss(dense_and_text, tmp_path, capsys):
+    from leanlm.llm import load_model
+    from leanlm.model.moe import SparseMoeBlock
+
+    cfg, dense, data = dense_and_text
+    out = tmp_path / "moe"
+    argv = ["train", "--model", str(dense), "--upcycle-experts", "4", "--data", str(data), "--seq-len", "32"]
+    argv += ["--tokens", str(32 * 8 * 2), "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "sparse upcycling: 4 experts top-2 in every layer" in printed and "expert load over 2 sparse layers" in printed
+    )
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == "mixtral" and saved["num_local_experts"] == 4
+    recipe = json.loads((out / "quantization_config.json").read_text())["recipe"]
+    assert [step["method"] for step in recipe] == ["upcycle", "train"] and recipe[0]["router_aux_loss_coef"] == 0.01
+    model = load_model(str(out), progress=False)
+    assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
+    pr = ["train", "--model", str(dense), "--upcycle-experts", "2", "--pr-moe", "--upcycle-layers", "1"]
+    pr += ["--data", str(data), "--seq-len", "32", "--tokens", "512", "--out", str(tmp_path / "pr"), "--device", "cpu"]
+    assert main(pr) == 0
+    assert "PR-MoE (zero init): 2 experts top-1 in layers 1" in capsys.readouterr().out
+    assert json.loads((tmp_path / "pr" / "config.json").read_text())["leanlm_moe"]["sparse_layers"] == [1]
+    assert main(["train", "--pr-moe", "--out", str(tmp_path / "bad")]) == 2
+    assert "need --upcycle-experts" in capsys.readouterr().err
+
+
 def test_quantization_aware_training_saves_trained_int4_layers(dense_and_text, tmp_path, capsys):
     from leanlm.compress import RTNConfig
     from leanlm.llm import load_model

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from leanlm.compress import GQAConfig, RTNConfig
+from leanlm.compress import GQAConfig, RTNConfig, UpcycleConfig
 from leanlm.formats import Checkpoint, save_checkpoint
 from leanlm.model.llama import build_model
 from leanlm.train import DistillJob, TrainJob, run, run_distill
@@ -69,6 +69,8 @@ def test_a_distill_job_runs_without_the_cli(dense_and_text, tmp_path):
         (dict(exits=ExitHeadsConfig((1,)), gqa=GQAConfig()), "trains heads on a frozen model"),
         (dict(data="/no/such/file"), "does not exist"),
         (dict(sparsity=RTNConfig(bits=4)), "one of the training configs"),
+        (dict(upcycle=UpcycleConfig(), sparsity=GMPConfig(sparsity=0.5)), "upcycle and fine-tune first"),
+        (dict(upcycle=UpcycleConfig(), train_quantized=True), "does not combine with"),
     ],
 )
 def test_an_inconsistent_train_job_is_refused(options, message, tmp_path):

@@ -63,6 +63,16 @@ def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_model, 
         assert torch.equal(a, b), name
 
 
+def test_a_wall_clock_budget_stops_the_run_and_a_resumed_run_keeps_to_it(tiny_model, windows, tmp_path):
+    state = tmp_path / "state.pt"
+    result = train(tiny_model(), windows, config(max_seconds=1e-9), None, state, progress=False)
+    assert result.steps == 1 and result.tokens == SEQ_LEN * 8 and result.held_out[-1][0] == 1
+    again = train(tiny_model(), windows, config(max_seconds=1e-9), None, state, progress=False)
+    assert again.resumed_from == 1 and again.steps == 1  # its time was spent: nothing more trains
+    with pytest.raises(ValueError, match="max_seconds must be >= 0"):
+        config(max_seconds=-1.0)
+
+
 def test_a_state_from_other_settings_is_not_resumed(tiny_model, windows, tmp_path):
     state = tmp_path / "state.pt"
     train(tiny_model(), windows, config(tokens=SEQ_LEN * 8 * 2), None, state, progress=False)
