@@ -17,6 +17,7 @@ from leanlm.compress.recipe import compress
 from leanlm.compress.transform.awq import AWQConfig
 from leanlm.compress.transform.gqa import GQAConfig
 from leanlm.compress.transform.lkd import LKDConfig
+from leanlm.compress.transform.moefy import MoefyConfig
 from leanlm.compress.transform.smoothquant import SmoothQuantConfig
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "ActivationSparsityConfig",
     "GQAConfig",
     "LKDConfig",
+    "MoefyConfig",
     "CompressionReport",
     "LinearReport",
 ]
