@@ -65,11 +65,17 @@ def test_balanced_kmeans_makes_equal_clusters_and_finds_separated_ones():
 
 def test_coactivation_split_groups_neurons_that_fire_together():
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.arange(40) % 4  # token t activates neuron family t % 4
-    family = torch.arange(16) % 4  # neuron i belongs to family i % 4
-    acts = (tokens[:, None] == family[None, :]).double() * (1 + torch.rand(40, 16, generator=gen, dtype=torch.float64))
-    groups = split_neurons("coactivation", 4, torch.randn(16, 8, generator=gen), acts, iters=15, seed=0)
-    assert sorted(tuple((g % 4).tolist()) for g in groups) == [(f,) * 4 for f in range(4)]
+    family = torch.arange(40) % 4  # 4 families of 10 neurons; a token of family f fires 4 of f's neurons
+    token_family = torch.arange(200) % 4
+    acts = 0.1 * torch.rand(200, 40, generator=gen, dtype=torch.float64)  # the rest: small, never exactly 0
+    for t, f in enumerate(token_family.tolist()):
+        members = torch.nonzero(family == f).flatten()
+        acts[t, members[torch.randperm(10, generator=gen)[:4]]] += 1.0
+    weights = torch.randn(40, 8, generator=gen)  # the weight split knows nothing of the families
+    groups = split_neurons("coactivation", 4, weights, acts, iters=15, seed=0)
+    assert sorted(tuple(set((g % 4).tolist())) for g in groups) == [(0,), (1,), (2,), (3,)]
+    by_weight = split_neurons("weight", 4, weights, acts, iters=15, seed=0)
+    assert any(len(set((g % 4).tolist())) > 1 for g in by_weight)
 
 
 def test_ridge_router_recovers_a_linear_map_and_predicts_the_used_experts(tiny_model, calib):
