@@ -39,13 +39,14 @@ from leanlm.model.moe import SparseMoeBlock
 TARGET_SPEEDUP = 1.3  # issue 37: batch-1 decode at 25% of the FFN per token
 
 
-def moefied(args, split: str, router: str, samples: torch.Tensor, experts: int | None = None):
+def moefied(args, split: str, router: str, samples: torch.Tensor, experts: int | None = None, shared: int = 0):
     """A bf16 engine whose model is MoEfied (set_top_k then picks the fraction), the method's
     summary (router agreement with the oracle and the dense activations' sparsity, on the calibration tokens)."""
     llm = leanlm_llm(args.model, 4, dequantize=True)
     # top-25% while compressing: the summary's router / oracle agreement is measured at that k
     experts = experts or args.experts
-    config = MoefyConfig(num_experts=experts, top_k=max(1, round(0.25 * experts)), split=split, router=router)
+    top_k = max(1, round(0.25 * experts)) if not shared else args.shared_top_k
+    config = MoefyConfig(num_experts=experts, top_k=top_k, split=split, router=router, shared_neurons=shared)
     start = time.perf_counter()
     report = compress(llm.llm_engine.model, config, samples, progress=False)
     return llm, report.details.get("moefy", {}), time.perf_counter() - start
@@ -162,7 +163,10 @@ def main() -> None:
     )
     # one torch thread needs one of the 2 cores: a repetition counts while the others left it free (<= half the CPU)
     ap.add_argument("--max-other-cpu", type=float, default=0.5)
-    ap.add_argument("--parts", default="quality,decode", help="quality (perplexity), decode (speed), or both")
+    ap.add_argument("--parts", default="quality,decode", help="quality (perplexity), decode (speed), shared")
+    ap.add_argument("--shared-neurons", type=int, default=192, help="shared part: neurons in the shared expert")
+    ap.add_argument("--shared-experts", type=int, default=14, help="shared part: routed experts")
+    ap.add_argument("--shared-top-k", type=int, default=2, help="shared part: routed experts run per token")
     ap.add_argument("--out", default=None, help="markdown file whose moefy-PART(-MODEL) sections get the tables")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -172,7 +176,7 @@ def main() -> None:
                                   args.calib_samples, args.calib_len, seed=0)  # fmt: skip
     text = wikitext2_test_path().read_text()
     suffix = "" if args.model == DEFAULT_MODEL else f"-{Path(args.model).name}"
-    parts = {"quality": quality, "decode": decode}
+    parts = {"quality": quality, "decode": decode, "shared": shared_expert}
     for part in args.parts.split(","):
         report = parts[part](args, dense, samples, text)
         print(report, flush=True)
@@ -202,6 +206,32 @@ def quality(args, dense, samples, text) -> str:
         gc.collect()
     stats.pop("weight, centroid router", None)  # no data: no statistics
     return render_quality(args, base, results, stats, seconds)
+
+
+def shared_expert(args, dense, samples, text) -> str:
+    """A shared always-on expert of the busiest neurons plus top-k of the rest, at the same FFN share as top-25%."""
+    windows = make_windows(dense.tokenizer.encode(text, add_special_tokens=False), args.seq_len,
+                           max_windows=args.windows)  # fmt: skip
+    base = perplexity(dense, windows, use_tqdm=False).perplexity
+    split, experts, shared, k = args.splits.split(",")[0], args.shared_experts, args.shared_neurons, args.shared_top_k
+    llm, stats, seconds = moefied(args, split, "ridge", samples, experts, shared)
+    width = llm.llm_engine.model.config.intermediate_size
+    share = (shared + k * (width - shared) // experts) / width
+    ((routed, oracle),) = sweep(llm, [k / experts], experts, windows, oracle=True).values()
+    return "\n".join(
+        [
+            f"Shared expert: the {shared} neurons with the largest mean squared activation on the calibration tokens "
+            f"always on, the other {width - shared} split ({split}) into {experts} experts of which the top {k} run: "
+            f"{share:.0%} of the FFN per token. Same perplexity protocol and calibration as above ({seconds:.0f} s). "
+            f"Command: `python benchmarks/moefy_bench.py {' '.join(sys.argv[1:])}`.",
+            "",
+            "| model | perplexity, ridge router | oracle routing | router recall of oracle top-k (calibration) |",
+            "|---|---:|---:|---:|",
+            f"| dense | {base:.2f} | | |",
+            f"| shared {shared} + top {k} of {experts} | {routed:.2f} ({routed / base - 1:+.0%}) | "
+            f"{oracle:.2f} ({oracle / base - 1:+.0%}) | {stats['router recall of oracle top-k']:.1%} |",
+        ]
+    )
 
 
 def decode(args, dense, samples, text) -> str:

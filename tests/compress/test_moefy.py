@@ -35,6 +35,18 @@ def test_all_experts_on_is_the_dense_model(tiny_model, calib, split, architectur
     assert not torch.allclose(dense_logits(model, calib[:2]), before, atol=1e-3)
 
 
+def test_a_shared_expert_runs_on_every_token_and_all_on_is_still_dense(tiny_model, calib):
+    model = tiny_model(torch.float64)
+    before = dense_logits(model, calib[:2])
+    compress(model, [MoefyConfig(num_experts=4, top_k=4, shared_neurons=32)], calib, progress=False)
+    block = model.model.layers[0].mlp
+    assert model.config.moe.shared_expert_intermediate_size == 32 and model.config.moe.expert_intermediate_size == 24
+    assert block.shared_expert.gate_proj.weight.shape == (32, 64) and block.shared_expert_gate is None
+    assert torch.allclose(dense_logits(model, calib[:2]), before, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="less 30 shared neurons does not split into 4"):
+        compress(tiny_model(), [MoefyConfig(num_experts=4, top_k=1, shared_neurons=30)], calib, progress=False)
+
+
 def test_experts_hold_the_ffn_neurons_once_each(tiny_model, calib):
     model = tiny_model(torch.float64)
     dense = model.model.layers[1].mlp

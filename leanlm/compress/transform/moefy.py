@@ -47,6 +47,9 @@ class MoefyConfig(MethodConfig):
     target: str = "log_norm"  # one of TARGETS
     ridge: float = 1e-2  # the ridge penalty, as a fraction of the inputs' mean squared norm
     kmeans_iters: int = 15  # rounds of balanced k-means at most
+    # neurons kept out of the experts in an always-on shared expert (DeepSeek-MoE's shared expert; here the ones with
+    # the largest mean squared activation on the calibration tokens); 0: none. The rest split into the E experts.
+    shared_neurons: int = 0
     seed: int = 0  # of k-means' initial centroids
 
     name = "moefy"
@@ -62,12 +65,14 @@ class MoefyConfig(MethodConfig):
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.shared_neurons < 0:
+            raise ValueError(f"shared_neurons must be >= 0, got {self.shared_neurons}")
         if self.ridge < 0 or self.kmeans_iters < 1:
             raise ValueError(f"need ridge >= 0 and kmeans_iters >= 1, got {self.ridge} and {self.kmeans_iters}")
 
     @property
     def needs_data(self) -> bool:
-        return self.split == "coactivation" or self.router == "ridge"
+        return self.split == "coactivation" or self.router == "ridge" or self.shared_neurons > 0
 
 
 # ------------------------------------------------------------------------------------------------ routers
@@ -98,18 +103,22 @@ def centroid_router(gate: torch.Tensor, groups: list[torch.Tensor]) -> torch.Ten
 # ------------------------------------------------------------------------------------------------ experts
 
 
-def moe_block(mlp: LlamaMLP, groups: list[torch.Tensor], router: torch.Tensor, model_config) -> SparseMoeBlock:
-    """The SparseMoeBlock whose expert e holds neurons groups[e] of `mlp` (gate/up rows, down columns) and whose
-    router weight is `router` [E, hidden]; in the MLP's dtype and device."""
+def moe_block(
+    mlp: LlamaMLP, groups: list[torch.Tensor], router: torch.Tensor, model_config, shared: torch.Tensor | None = None
+) -> SparseMoeBlock:
+    """The SparseMoeBlock whose expert e holds neurons groups[e] of `mlp` (gate/up rows, down columns), whose shared
+    expert holds neurons `shared` (when the config has one) and whose router weight is `router` [E, hidden]; in the
+    MLP's dtype and device."""
     weight = mlp.gate_proj.weight
     with torch.device("meta"):
         block = SparseMoeBlock(model_config)
     state = {"gate.weight": router.to(weight.dtype)}
-    for e, idx in enumerate(groups):
+    names = [f"experts.{e}" for e in range(len(groups))] + (["shared_expert"] if shared is not None else [])
+    for name, idx in zip(names, [*groups, *([shared] if shared is not None else [])], strict=True):
         idx = idx.to(weight.device)
-        state[f"experts.{e}.gate_proj.weight"] = mlp.gate_proj.weight.detach()[idx].clone()
-        state[f"experts.{e}.up_proj.weight"] = mlp.up_proj.weight.detach()[idx].clone()
-        state[f"experts.{e}.down_proj.weight"] = mlp.down_proj.weight.detach()[:, idx].contiguous()
+        state[f"{name}.gate_proj.weight"] = mlp.gate_proj.weight.detach()[idx].clone()
+        state[f"{name}.up_proj.weight"] = mlp.up_proj.weight.detach()[idx].clone()
+        state[f"{name}.down_proj.weight"] = mlp.down_proj.weight.detach()[:, idx].contiguous()
     block.load_state_dict({k: v.to(weight.device) for k, v in state.items()}, assign=True)
     return block.requires_grad_(mlp.gate_proj.weight.requires_grad)
 
@@ -176,13 +185,15 @@ class MoEfication(Method):
         cfg, config = self.config, model.config
         if config.moe is not None:
             raise ValueError("the model already has experts (config.moe is set): MoEfication splits a dense model")
-        width = config.intermediate_size
-        if width % cfg.num_experts:
+        width = config.intermediate_size - cfg.shared_neurons  # the routed neurons
+        if width < cfg.num_experts or width % cfg.num_experts:
             fits = [e for e in range(2, 65) if width % e == 0]
             raise ValueError(
-                f"intermediate_size {width} does not split into {cfg.num_experts} equal experts; try {fits}"
+                f"intermediate_size {config.intermediate_size} less {cfg.shared_neurons} shared neurons does not "
+                f"split into {cfg.num_experts} equal experts; try {fits}"
             )
-        moe = MoEConfig(cfg.num_experts, cfg.top_k, width // cfg.num_experts, scoring="ones")
+        moe = MoEConfig(cfg.num_experts, cfg.top_k, width // cfg.num_experts, scoring="ones",
+                        shared_expert_intermediate_size=cfg.shared_neurons)  # fmt: skip
         self.model_config = dataclasses.replace(config, moe=moe)
         model.config = self.model_config
 
@@ -193,24 +204,31 @@ class MoEfication(Method):
         x = None if inputs is None else inputs["mlp.gate_proj"].samples  # [n, hidden] float32
         if x is None and cfg.needs_data:
             raise ValueError(f"MoefyConfig(split={cfg.split!r}, router={cfg.router!r}) needs calibration samples")
-        acts = None if x is None else intermediate(x, gate, up)  # [n, I] float64
-        groups = split_neurons(cfg.split, cfg.num_experts, gate.cpu(), None if acts is None else acts.cpu(),
-                               cfg.kmeans_iters, cfg.seed)  # fmt: skip
-        norms = None if acts is None else expert_norms(acts.cpu(), groups)  # [n, E]
+        acts = None if x is None else intermediate(x, gate, up).cpu()  # [n, I] float64
+        shared, routed = None, torch.arange(gate.shape[0])
+        if cfg.shared_neurons:  # the busiest neurons on average go to the shared expert; the rest are routed
+            busy = torch.zeros(gate.shape[0], dtype=torch.bool)
+            busy[acts.pow(2).mean(0).topk(cfg.shared_neurons).indices] = True
+            shared, routed = torch.nonzero(busy).flatten(), torch.nonzero(~busy).flatten()
+        routed_acts = None if acts is None else acts[:, routed]
+        groups = split_neurons(cfg.split, cfg.num_experts, gate.cpu()[routed], routed_acts, cfg.kmeans_iters, cfg.seed)
+        groups = [routed[g] for g in groups]  # indices into the whole FFN
+        norms = None if acts is None else expert_norms(acts, groups)  # [n, E]
         if cfg.router == "ridge":
             targets = norms.clamp_min(1e-6).log() if cfg.target == "log_norm" else norms
             router = ridge_router(x.cpu(), targets, cfg.ridge)
         else:
             router = centroid_router(gate.cpu(), groups)
         if acts is not None:
-            self._record(x.cpu().double() @ router.T, norms, acts.cpu())
-        layer.mlp = moe_block(mlp, groups, router, self.model_config)
+            self._record(x.cpu().double() @ router.T, norms, acts)
+        layer.mlp = moe_block(mlp, groups, router, self.model_config, shared)
         layer.linear_groups = layer_groups(self.model_config, sparse=True)  # later methods see the experts
         return []
 
     def _record(self, scores: torch.Tensor, norms: torch.Tensor, acts: torch.Tensor) -> None:
         """How well the router's top-k (scores [n, E]) matches the oracle's (norms [n, E]) on the calibration
-        tokens it was fitted on, and how sparse the dense activations acts [n, I] are."""
+        tokens it was fitted on (the mass: of the routed neurons), and how sparse the dense activations acts [n, I]
+        are."""
         k = self.config.top_k
         chosen, best = scores.topk(k, dim=1).indices, norms.topk(k, dim=1).indices
         mass = norms.pow(2)  # [n, E]: each expert's squared activation norm
