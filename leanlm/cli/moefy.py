@@ -29,6 +29,12 @@ def add_parser(sub) -> None:
         default="ridge",
         help="ridge: fitted to predict each expert's activation norm; centroid: each expert's mean gate row",
     )
+    p.add_argument(
+        "--shared-neurons",
+        type=int,
+        default=0,
+        help="keep this many of the busiest neurons in an always-on shared expert; the rest are split and routed",
+    )
     add_calibration_args(p, "the coactivation split and the ridge router")
     add_output_args(p)
     p.set_defaults(func=cmd_moefy)
@@ -38,5 +44,11 @@ def cmd_moefy(args: argparse.Namespace) -> int:
     from leanlm.cli.quantize import run_job
     from leanlm.compress.transform.moefy import MoefyConfig
 
-    config = MoefyConfig(num_experts=args.experts, top_k=args.top_k, split=args.split, router=args.router)
+    config = MoefyConfig(
+        num_experts=args.experts,
+        top_k=args.top_k,
+        split=args.split,
+        router=args.router,
+        shared_neurons=args.shared_neurons,
+    )
     return run_job(args, [config], "leanlm")

@@ -155,7 +155,11 @@ def test_what_cannot_convert_says_what_to_do(tiny_model, calib):
 
 @pytest.mark.parametrize(
     "argv,message",
-    [(["--experts", "4", "--top-k", "5"], "top_k must be in"), (["--calib", "/no/such/file"], "does not exist")],
+    [
+        (["--experts", "4", "--top-k", "5"], "top_k must be in"),
+        (["--calib", "/no/such/file"], "does not exist"),
+        (["--shared-neurons", "-1"], "shared_neurons must be >= 0"),
+    ],
 )
 def test_the_command_refuses_bad_input_before_loading(argv, message, capsys, tmp_path):
     from leanlm.cli import main
