@@ -173,9 +173,9 @@ def test_the_command_refuses_bad_input_before_loading(argv, message, capsys, tmp
 def test_the_command_moefies_the_real_model_and_it_loads_as_the_dense_one(tmp_path):
     """`leanlm moefy` on SmolLM2 with every expert on, loaded back by LLM's loader, against the dense model in
     float32 (its weights rounded to bfloat16, as the checkpoint stores them). The experts' outputs are summed one
-    by one instead of inside one GEMM, so float32 rounding (2^-24 relative, on FFN outputs of size ~10 added into
-    a residual stream of ~100 over 30 layers) moves logits by ~1e-4; 2e-3 is far below any routing loss (top-k < E
-    moves them by whole units)."""
+    by one instead of inside one GEMM: float32 rounding (2^-24 relative per addition, on FFN outputs of size ~10 in
+    a residual stream of ~100, over 30 layers) stays far below 2e-3, while routing to fewer experts moves logits
+    by more than 0.1 (checked last)."""
     from leanlm.cli import main
     from leanlm.compress import calibration_samples, read_calibration_text
     from leanlm.formats import load_checkpoint
