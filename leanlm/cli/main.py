@@ -1,5 +1,5 @@
-"""The `leanlm` command: generate | chat | serve | models | bench | estimate | eval | quantize | prune | train |
-distill.
+"""The `leanlm` command: generate | chat | serve | models | bench | estimate | eval | quantize | prune | moefy |
+train | distill.
 Flags come from config dataclass fields (their `help` metadata is the flag's help). Every failure ends in one
 line on stderr, `leanlm: error: ...`, and a non-zero status (`main`); LEANLM_DEBUG=1 shows the traceback."""
 
@@ -11,7 +11,7 @@ import os
 import sys
 import typing
 
-from leanlm.cli import bench, chat, distill, estimate, evaluate, generate, models, prune, quantize, serve, train
+from leanlm.cli import bench, chat, distill, estimate, evaluate, generate, models, moefy, prune, quantize, serve, train
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="leanlm", description="Run, compress and explain language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, chat, serve, models, bench, estimate, evaluate, quantize, prune, train, distill):
+    for command in (generate, chat, serve, models, bench, estimate, evaluate, quantize, prune, moefy, train, distill):
         command.add_parser(sub)
     return parser
 

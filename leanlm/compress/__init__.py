@@ -17,6 +17,7 @@ from leanlm.compress.recipe import compress
 from leanlm.compress.transform.awq import AWQConfig
 from leanlm.compress.transform.gqa import GQAConfig
 from leanlm.compress.transform.lkd import LKDConfig
+from leanlm.compress.transform.moefy import MoefyConfig
 from leanlm.compress.transform.smoothquant import SmoothQuantConfig
 from leanlm.compress.transform.upcycle import UpcycleConfig
 
@@ -38,6 +39,7 @@ __all__ = [
     "GQAConfig",
     "LKDConfig",
     "UpcycleConfig",
+    "MoefyConfig",
     "CompressionReport",
     "LinearReport",
 ]
