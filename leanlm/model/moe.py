@@ -171,6 +171,8 @@ class SparseMoeBlock(nn.Module):
 
     def native_routing(self, x: torch.Tensor) -> bool:
         """bf16 CPU rows autograd need not see (the kernel has no backward): the native loop's routing."""
+        if not isinstance(self.gate, Router):  # a stand-in router (MoEfication's oracle) routes its own way
+            return False
         grad = torch.is_grad_enabled() and (self.gate.weight.requires_grad or x.requires_grad)
         return not grad and cpu_rows.can_route(x, self.gate.weight)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from leanlm.kernels import cpu_decode, paged_attention
 from leanlm.model.context import ForwardContext
-from leanlm.model.moe import SparseMoeBlock
+from leanlm.model.moe import Router, SparseMoeBlock
 from leanlm.model.paged_kv import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _native_mlp(mlp: nn.Module, packed: bool) -> tuple | None:
 def _native_moe(block: SparseMoeBlock, packed: bool) -> cpu_decode.NativeMoE | None:
     """The block as the loop runs it; None where it cannot: a gated shared expert, or an expert off the kernels. The
     loop counts its routing into the block's own counters."""
-    if block.shared_expert_gate is not None:
+    if block.shared_expert_gate is not None or not isinstance(block.gate, Router):
         return None
     experts = tuple(_native_mlp(e, packed) for e in block.experts)
     shared = None if block.shared_expert is None else _native_mlp(block.shared_expert, packed)
