@@ -247,7 +247,7 @@ def decode(args, dense, samples, text) -> str:
     runners = {
         "dense bf16 (native decode loop)": LeanLMRunner(dense),
         "dense bf16 (per-layer path)": LeanLMRunner(same_path),
-        f"MoE {quarter}/{args.experts} ({split} split)": LeanLMRunner(moe),
+        f"MoE {quarter}/{args.experts} ({split} split, native loop)": LeanLMRunner(moe),
         f"FFN cut to {quarter}/{args.experts}, no router (native loop)": LeanLMRunner(cut),
     }
     prompts = prompts_from_text(dense.tokenizer, text, [16] * (4 * args.reps + 2), seed=0)

@@ -315,38 +315,66 @@ static int run_mlp(const decode_model *m, const decode_linear *mlp, const uint16
     return run_linear(m, mlp + 2, gate, y, n, threads, permuted);
 }
 
-/* out [M, hidden] = the MoE MLP of normed rows h [M, hidden]: each expert runs once over the rows routed to it.
- * work: rows [M, hidden], y [M, hidden]; route: M * k experts, weights and members. */
+/* Work space of a MoE layer for M rows of top-k (leanlm_decode_layers allocates it once per call): each expert's rows,
+ * outputs and intermediates at its place in the assignments grouped by expert, so experts can run side by side. */
+typedef struct {
+    int64_t *experts, *members; /* [M * k]: routed experts; assignment indices grouped by expert */
+    float *weights;             /* [M * k] */
+    uint16_t *rows, *y;         /* [M * k, hidden] */
+    uint16_t *gate, *up;        /* [M * k, intermediate] */
+    uint16_t *permuted;         /* [M * k, max(hidden, intermediate)] */
+} moe_work;
+
+/* out [M, hidden] = the MoE MLP of normed rows h [M, hidden]. Each chosen expert runs once over its rows; the experts
+ * run side by side on the threads (a small expert's GEMV is too short to split), then their weighted rows are added
+ * to each token in ascending expert order, the PyTorch path's order. */
 static int moe_mlp(const decode_model *m, const decode_moe *moe, const uint16_t *h, uint16_t *out, int64_t M,
-                   uint16_t *rows, uint16_t *y, uint16_t *gate, uint16_t *up, uint16_t *permuted, int64_t *experts,
-                   float *weights, int64_t *members, int threads) {
-    const int64_t hid = m->hidden, k = moe->top_k;
-    int rc = leanlm_moe_route_bf16(h, moe->router, M, hid, moe->num_experts, k, moe->scoring, experts, weights);
+                   const moe_work *w, int threads) {
+    const int64_t hid = m->hidden, k = moe->top_k, E = moe->num_experts, I = m->intermediate;
+    const int64_t K = hid > I ? hid : I;
+    int rc = leanlm_moe_route_bf16(h, moe->router, M, hid, E, k, moe->scoring, w->experts, w->weights);
     if (rc) return rc;
-    moe->counts[moe->num_experts] += M;
+    int64_t offs[MOE_MAX_EXPERTS + 1], used[MOE_MAX_EXPERTS], num_used = 0;
+    memset(offs, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t a = 0; a < M * k; a++) offs[w->experts[a] + 1]++;
+    for (int64_t e = 0; e < E; e++) {
+        if (offs[e + 1]) used[num_used++] = e;
+        moe->counts[e] += offs[e + 1];
+        offs[e + 1] += offs[e];
+    }
+    moe->counts[E] += M;
+    moe->counts[E + 1] += num_used;
+    int64_t fill[MOE_MAX_EXPERTS];
+    memcpy(fill, offs, (size_t)E * sizeof(int64_t));
+    for (int64_t a = 0; a < M * k; a++) w->members[fill[w->experts[a]]++] = a; /* stable: tokens in order */
+    const int outer = num_used < threads ? (int)num_used : threads, inner = threads / (outer ? outer : 1);
+    int failed = 0;
+#pragma omp parallel for num_threads(outer) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t u = 0; u < num_used; u++) {
+        const int64_t e = used[u], base = offs[e], n = offs[e + 1] - base;
+        uint16_t *rows = w->rows + base * hid;
+        for (int64_t i = 0; i < n; i++)
+            memcpy(rows + i * hid, h + (w->members[base + i] / k) * hid, (size_t)hid * sizeof(uint16_t));
+        failed |= run_mlp(m, moe->experts + 3 * e, rows, w->y + base * hid, n, w->gate + base * I, w->up + base * I,
+                          w->permuted + base * K, inner) != 0;
+    }
+    if (failed) return -32;
     memset(out, 0, (size_t)(M * hid) * sizeof(uint16_t));
-    for (int64_t e = 0; e < moe->num_experts; e++) {
-        int64_t n = 0;
-        for (int64_t a = 0; a < M * k; a++)
-            if (experts[a] == e) members[n++] = a;
-        if (n == 0) continue;
-        moe->counts[e] += n;
-        moe->counts[moe->num_experts + 1] += 1;
-        for (int64_t i = 0; i < n; i++) memcpy(rows + i * hid, h + (members[i] / k) * hid, (size_t)hid * sizeof(uint16_t));
-        if ((rc = run_mlp(m, moe->experts + 3 * e, rows, y, n, gate, up, permuted, threads))) return rc;
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t *o = out + (members[i] / k) * hid;
-            const uint16_t *yi = y + i * hid;
-            const __m512 w = _mm512_set1_ps(weights[members[i]]);
+    for (int64_t u = 0; u < num_used; u++) {
+        const int64_t e = used[u];
+        for (int64_t i = offs[e]; i < offs[e + 1]; i++) {
+            uint16_t *o = out + (w->members[i] / k) * hid;
+            const uint16_t *yi = w->y + i * hid;
+            const __m512 wt = _mm512_set1_ps(w->weights[w->members[i]]);
             for (int64_t c = 0; c < hid; c += 16) {
                 const __mmask16 mk = tail16(hid - c);
-                store16(o + c, _mm512_add_ps(load16(o + c, mk), round16(_mm512_mul_ps(load16(yi + c, mk), w))), mk);
+                store16(o + c, _mm512_add_ps(load16(o + c, mk), round16(_mm512_mul_ps(load16(yi + c, mk), wt))), mk);
             }
         }
     }
     if (moe->shared != NULL) {
-        if ((rc = run_mlp(m, moe->shared, h, y, M, gate, up, permuted, threads))) return rc;
-        add_rows(out, y, M, hid, threads);
+        if ((rc = run_mlp(m, moe->shared, h, w->y, M, w->gate, w->up, w->permuted, threads))) return rc;
+        add_rows(out, w->y, M, hid, threads);
     }
     return 0;
 }
@@ -359,7 +387,7 @@ static int moe_mlp(const decode_model *m, const decode_moe *moe, const uint16_t 
  * Returns 0, a negative kernel status, or -20 for a position outside the rotary table. */
 static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
                       const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
-                      int64_t max_seq_len, uint16_t *scratch, int threads, int64_t *route) {
+                      int64_t max_seq_len, uint16_t *scratch, int threads, const moe_work *work) {
     const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, hid = m->hidden, I = m->intermediate;
     uint16_t *h = scratch;          /* [M, hidden]: normed input, then o_proj / down_proj output */
     uint16_t *q = h + M * hid;      /* [M, H, D] */
@@ -368,9 +396,7 @@ static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t
     uint16_t *attn = v + M * Hkv * D; /* [M, H, D] */
     uint16_t *gate = attn + M * H * D; /* [M, I] */
     uint16_t *up = gate + M * I;    /* [M, I] */
-    uint16_t *rows = up + M * I;    /* [M, hidden]: a MoE layer's rows for one expert */
-    uint16_t *ey = rows + M * hid;  /* [M, hidden]: its output */
-    uint16_t *acc = ey + M * hid;   /* [M, hidden]: the MoE layer's output */
+    uint16_t *acc = up + M * I;     /* [M, hidden]: a MoE layer's output */
     uint16_t *permuted = acc + M * hid; /* [M, K] of a permuted linear */
     for (int64_t t = 0; t < M; t++)
         if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
@@ -402,10 +428,7 @@ static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t
         add_rows(x, h, M, hid, threads);
         leanlm_rms_norm_bf16(x, layer->post_norm, h, M, hid, m->eps, threads);
         if (layer->moe.router != NULL) {
-            const int64_t a = M * layer->moe.top_k; /* route holds M * (the largest k) of each of its three arrays */
-            if ((rc = moe_mlp(m, &layer->moe, h, acc, M, rows, ey, gate, up, permuted, route,
-                              (float *)(route + 2 * a), route + a, threads)))
-                return rc;
+            if ((rc = moe_mlp(m, &layer->moe, h, acc, M, work, threads))) return rc;
             add_rows(x, acc, M, hid, threads);
             continue;
         }
@@ -429,10 +452,23 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
     int64_t k = 0;
     for (int64_t li = 0; li < m->num_layers; li++)
         if (m->layers[li].moe.router != NULL && m->layers[li].moe.top_k > k) k = m->layers[li].moe.top_k;
-    int64_t *route = NULL;
-    if (k && (route = malloc((size_t)(M * k) * (2 * sizeof(int64_t) + sizeof(float)))) == NULL) return -31;
+    moe_work work = {0};
+    void *block = NULL;
+    if (k) {
+        const int64_t a = M * k, hid = m->hidden, I = m->intermediate, K = hid > I ? hid : I;
+        const size_t ints = (size_t)a * (2 * sizeof(int64_t) + sizeof(float));
+        if ((block = malloc(ints + (size_t)a * (2 * hid + 2 * I + K) * sizeof(uint16_t))) == NULL) return -31;
+        work.experts = block;
+        work.members = work.experts + a;
+        work.weights = (float *)(work.members + a);
+        work.rows = (uint16_t *)((char *)block + ints);
+        work.y = work.rows + a * hid;
+        work.gate = work.y + a * hid;
+        work.up = work.gate + a * I;
+        work.permuted = work.up + a * I;
+    }
     const int rc = run_layers(m, x, out, M, positions, slots, block_tables, seq_lens, max_blocks, max_seq_len, scratch,
-                              threads, route);
-    free(route);
+                              threads, &work);
+    free(block);
     return rc;
 }
