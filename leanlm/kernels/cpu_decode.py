@@ -253,7 +253,9 @@ class DecodeLayers:
         widest_output = max(lin.out_features for lin in every)
         widest_input = max(lin.in_features for lin in every)  # room for a permuted input
         self._per_row = hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim + 2 * widest_output
-        self._per_row += widest_input + hidden  # and a MoE layer's output (its experts' work space is the C loop's)
+        self._per_row += widest_input
+        if any(layer.moe is not None for layer in layers):
+            self._per_row += hidden  # a MoE layer's output (its experts' work space is the C loop's)
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=_BF16)  # grown for larger batches
         packed = all(linear.many_rows is not None for linear in every)
         self.max_rows: int | None = None if packed else MAX_ROWS

@@ -383,7 +383,7 @@ static int moe_mlp(const decode_model *m, const decode_moe *moe, const uint16_t 
  * x [M, hidden] bf16: the embeddings in, the residual stream after the last layer out; out [M, hidden]: the
  * final norm of it. positions, slots, seq_lens [M]; block_tables [M, max_blocks] int64. scratch: bf16,
  * at least M * (hidden + 2 * num_heads * D + 2 * num_kv_heads * D + 2 * intermediate + the widest linear
- * input) elements.
+ * input, + hidden when a layer is MoE) elements.
  * Returns 0, a negative kernel status, or -20 for a position outside the rotary table. */
 static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
                       const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
@@ -396,8 +396,8 @@ static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t
     uint16_t *attn = v + M * Hkv * D; /* [M, H, D] */
     uint16_t *gate = attn + M * H * D; /* [M, I] */
     uint16_t *up = gate + M * I;    /* [M, I] */
-    uint16_t *acc = up + M * I;     /* [M, hidden]: a MoE layer's output */
-    uint16_t *permuted = acc + M * hid; /* [M, K] of a permuted linear */
+    uint16_t *acc = up + M * I;     /* [M, hidden]: a MoE layer's output (only a model with MoE layers has it) */
+    uint16_t *permuted = acc + (work->experts != NULL ? M * hid : 0); /* [M, K] of a permuted linear */
     for (int64_t t = 0; t < M; t++)
         if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
     for (int64_t li = 0; li < m->num_layers; li++) {

@@ -111,10 +111,10 @@ def _kill_the_engine_loop_once_healthy(llm_engine, url: str, monkeypatch) -> thr
     real_stats = llm_engine.stats
     healthy = threading.Event()
 
-    def stats():
+    def stats(**options):
         if healthy.is_set():
             raise RuntimeError("engine state is corrupt")
-        return real_stats()
+        return real_stats(**options)
 
     monkeypatch.setattr(llm_engine, "stats", stats)
 
