@@ -148,26 +148,32 @@ class SparseMoeBlock(nn.Module):
         self.last_routing: Routing | None = None  # kept while autograd records: the trainer's balancing loss reads it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        out = self.dispatch(x, *self.choose(x))
+        shared = self.shared_output(x)
+        return out if shared is None else out + shared
+
+    def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each row's experts [T, k] and weights [T, k] float32, and which assignments fit the policy's capacity
+        ([T, k] bool; None: every one), under the forward context's expert mask."""
         mask = current_expert_mask(x.shape[0])
         capacity = self.policy.capacity(x.shape[0], self.moe.top_k, self.moe.num_experts)
         if mask is None and capacity is None and self.native_routing(x):
             # bf16 CPU rows: the native decode loop's routing, so a step's bits do not depend on which path ran it
-            experts, weights = cpu_rows.moe_route(x, self.gate.weight, self.moe.top_k, self.moe.scoring)
-            out = self.dispatch(x, experts, weights, None)
-        else:
-            routing = route(self.gate(x), self.moe, mask)
-            self.last_routing = routing if torch.is_grad_enabled() else None
-            keep = None
-            if capacity is not None:
-                priority = routing.probs.max(dim=-1).values if self.policy.batch_priority else None
-                keep = capacity_keep(routing.experts, capacity, self.moe.num_experts, priority)
-            out = self.dispatch(x, routing.experts, routing.weights, keep)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+            return (*cpu_rows.moe_route(x, self.gate.weight, self.moe.top_k, self.moe.scoring), None)
+        routing = route(self.gate(x), self.moe, mask)
+        self.last_routing = routing if torch.is_grad_enabled() else None
+        if capacity is None:
+            return routing.experts, routing.weights, None
+        priority = routing.probs.max(dim=-1).values if self.policy.batch_priority else None
+        keep = capacity_keep(routing.experts, capacity, self.moe.num_experts, priority)
+        return routing.experts, routing.weights, keep
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's rows [T, hidden] (gated where the model gates it); None without one."""
+        if self.shared_expert is None:
+            return None
+        shared = self.shared_expert(x)
+        return shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
 
     def native_routing(self, x: torch.Tensor) -> bool:
         """bf16 CPU rows autograd need not see (the kernel has no backward): the native loop's routing."""

@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanlm.model.context import current_expert_mask
 from leanlm.model.linear.shard import COLUMN, ROW
 from leanlm.model.mlp import LlamaMLP
-from leanlm.model.moe import SparseMoeBlock, capacity_keep, route
+from leanlm.model.moe import SparseMoeBlock
 from leanlm.parallel.tensor import TensorGroup, own_shard
 
 
@@ -93,23 +92,15 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] replicated -> [T, hidden] replicated
         block, moe, num_tokens = self.block, self.block.moe, x.shape[0]
-        routing = route(block.gate(x), moe, current_expert_mask(num_tokens))
-        capacity = block.policy.capacity(num_tokens, moe.top_k, moe.num_experts)
-        keep = torch.ones_like(routing.experts, dtype=torch.bool)
-        if capacity is not None:
-            priority = routing.probs.max(dim=-1).values if block.policy.batch_priority else None
-            keep = capacity_keep(routing.experts, capacity, moe.num_experts, priority)
-        counts = torch.bincount(routing.experts[keep], minlength=moe.num_experts).tolist()
+        experts, weights, keep = block.choose(x)  # every rank routes every token, as one process would
+        keep = torch.ones_like(experts, dtype=torch.bool) if keep is None else keep
+        counts = torch.bincount(experts[keep], minlength=moe.num_experts).tolist()
         block.stats.add(counts, num_tokens, num_tokens * moe.top_k)
         t0, t1 = token_bounds(num_tokens, self.tp.size)[self.tp.rank : self.tp.rank + 2]
         mine = x[t0:t1]  # [t, hidden]
-        out = self.exchange(mine, routing.experts[t0:t1], routing.weights[t0:t1], keep[t0:t1])
-        if block.shared_expert is not None:
-            shared = block.shared_expert(mine)
-            if block.shared_expert_gate is not None:
-                shared = torch.sigmoid(block.shared_expert_gate(mine)) * shared
-            out = out + shared
-        return self.gather_tokens(out, num_tokens)
+        out = self.exchange(mine, experts[t0:t1], weights[t0:t1], keep[t0:t1])
+        shared = block.shared_output(mine)
+        return self.gather_tokens(out if shared is None else out + shared, num_tokens)
 
     def exchange(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor
