@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (leanlm.engine.early_exit)
 # What a preempted request loses: its KV, recomputed later, or nothing, its blocks copied to host memory and back
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+# activations of int weight-only layers: their own dtype, or int8 per group of 32 inputs (model.linear.act_quant)
+ACT_QUANT_MODES = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,15 @@ class EngineConfig:
             "them by all-to-all, instead of every expert split N ways"
         },
     )
+    # dynamic int8 activations for weight-only int4/int8 layers (leanlm.model.linear.act_quant)
+    act_quant: str = dataclasses.field(
+        default="none",
+        metadata={
+            "choices": ACT_QUANT_MODES,
+            "help": "int8: int4 / int8 weight-only layers quantize their inputs to int8 per 32 (W4A8 / "
+            "W8A8-dynamic, as llama.cpp and OpenVINO do) for int8 dot products (VNNI); none: bf16 inputs",
+        },
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -138,6 +149,8 @@ class EngineConfig:
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
                 f"(auto keeps the model dtype)"
             )
+        if self.act_quant not in ACT_QUANT_MODES:
+            raise ValueError(f"act_quant must be one of {', '.join(ACT_QUANT_MODES)}, not {self.act_quant!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self._check_preemption()

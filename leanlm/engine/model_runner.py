@@ -24,6 +24,7 @@ from leanlm.engine.step_plan import PromptRows, StepPlan, plan_step, split_micro
 from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
+from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.moe import set_routing_policy
 from leanlm.model.paged_kv import PagedKVCache
@@ -63,6 +64,7 @@ class ModelRunner:
         self.model = model
         self.config: ModelConfig = model.config
         set_routing_policy(model, engine_config.routing_policy())  # capacity / BPR; no-op on a dense model
+        self.act_quant_layers = set_activation_quant(model, engine_config.act_quant)  # W4A8 / W8A8-dynamic
         self.block_size = engine_config.block_size
         self.device = device
         self.kv_cache_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, model_dtype)

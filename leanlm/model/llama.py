@@ -193,6 +193,10 @@ class LlamaForCausalLM(nn.Module):
         self.allow_native_decode = False
         self._native_plan = None
 
+    def drop_native_plan(self) -> None:
+        """Forget the native loop's plan: its layers' calls changed without a tensor changing (act_quant)."""
+        self._native_plan = None
+
     def native_decode_plan(self) -> NativeDecodePlan:
         """The native decode loop over the current weights: the one built before while nothing it read has
         changed (leanlm.model.native_decode), else a new one."""

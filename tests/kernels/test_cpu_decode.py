@@ -1,5 +1,6 @@
 """The native decode loop (decode_layers.c) against the PyTorch path it replaces: bit-identical hidden states
-over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4, W8A8, 2:4 sparse
+over several decode steps, for bf16, int8 (per channel and group-wise), int4, act-order int4, W8A8, int4 / int8
+with int8 activations (W4A8 / W8A8-dynamic), 2:4 sparse
 and unstructured (bitmask) sparse linears (all of them, some among bf16 ones, and on a CPU without the sparse
 kernels), with
 and without q/k/v biases, batch 1, 3 (the GEMV kernels) and 12 (the packed GEMM), over bf16 and int8 KV
@@ -21,6 +22,7 @@ from leanlm.config.moe import MoEConfig, RoutingPolicy
 from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
 from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.linear.bitmask import BitmaskSparseLinear, to_bitmask
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
@@ -77,8 +79,10 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
             if kind == "int8-g16" and isinstance(module, Int8WeightOnlyLinear):  # each scale on both halves
                 halves = module.scales.repeat_interleave(2, dim=1)
                 model.set_submodule(name, Int8WeightOnlyLinear(module.qweight, halves, module.bias, group_size=16))
-    elif kind in ("int4", "int4-perm"):
+    elif kind in ("int4", "int4-perm", "int4-a8", "int4-perm-a8"):
         compress(model, [RTNConfig(bits=4, group_size=64)], None, progress=False)
+    elif kind in ("int8-a8", "int8-g32-a8"):
+        compress(model, [RTNConfig(bits=8, group_size=None if kind == "int8-a8" else 32)], None, progress=False)
     elif kind == "w8a8":  # per-token int8 activations on the VNNI kernel at every row count
         compress(model, [RTNConfig(bits=8, group_size=None, act_bits=8)], None, progress=False)
     elif kind in ("sparse24", "sparse24-mixed"):  # every linear 2:4, or layer 0's MLP and layer 1's attention
@@ -109,11 +113,13 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
     elif kind == "act-sparse":  # 40% of every linear's inputs below its threshold, their weight rows skipped
         calib = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
         compress(model, [ActivationSparsityConfig(sparsity=0.4)], calib, progress=False)
-    if kind == "int4-perm":  # act-order layers: stored columns are a permutation of the input's
+    if kind in ("int4-perm", "int4-perm-a8"):  # act-order layers: stored columns are a permutation of the input's
         gen = torch.Generator().manual_seed(5)
         for module in model.modules():
             if isinstance(module, IntGroupWeightOnlyLinear):
                 module.perm = torch.randperm(module.in_features, generator=gen)
+    if kind.endswith("-a8"):  # int8 activations in groups of 32 (W4A8 / W8A8-dynamic) on gemm_a8
+        assert set_activation_quant(model, "int8") == 14  # 7 linears a layer; the head stays bf16
     return _to_bf16(model)
 
 
@@ -180,6 +186,10 @@ KINDS = [
     "int4",
     "int4-perm",
     "w8a8",
+    "int4-a8",
+    "int4-perm-a8",
+    "int8-a8",
+    "int8-g32-a8",
     "sparse24",
     "sparse24-mixed",
     "sparse24-int8",
@@ -194,7 +204,7 @@ KINDS = [
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3, 12])
 def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, batch):
-    if kind == "w8a8" and not cpu_w8a8.is_available():
+    if (kind == "w8a8" or kind.endswith("-a8")) and not cpu_w8a8.is_available():
         pytest.skip("the CPU lacks AVX512-VNNI")
     if kind.startswith("sparse24") and not (cpu_sparse.is_available() and cpu_sparse.quant_is_available()):
         pytest.skip(f"CPU 2:4 sparse kernel: {cpu_sparse.unavailable_reason()}")
@@ -214,6 +224,9 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
             "sparse24-int4": {"sparse24_int4"},
         }
         assert kinds == expected[kind]
+    if kind.endswith("-a8"):  # every decoder linear ran gemm_a8
+        kinds = {linear.name for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
+        assert kinds == {"a8"}
     if kind.startswith("bitmask"):  # the loop ran the bitmask kernel, next to bf16 linears when mixed
         kinds = {linear.name for layer in model.native_decode_plan().loop._keep[0] for linear in layer.linears}
         assert kinds == {"bitmask"} | ({"bf16"} if kind == "bitmask-mixed" else set())

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv
 from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.act_quant import DynamicActQuant
 from leanlm.model.linear.base import RuntimeLinear, dequantizes_natively, packs_rows, register_format
 from leanlm.model.linear.checks import check_numel, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups
@@ -24,7 +25,7 @@ def scaled_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | N
 
 
 @register_format
-class Int8WeightOnlyLinear(RuntimeLinear):
+class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
     """W8A16: symmetric int8 weights with one scale per output channel, or per group of `group_size` input
     columns (GGUF's Q8_0 and Q5_0 blocks: group 32; Q6_K: group 16); activations stay 16/32-bit."""
 
@@ -54,6 +55,7 @@ class Int8WeightOnlyLinear(RuntimeLinear):
         self.group_size = group_size
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.float().contiguous())  # [N], or [N, K / group_size]
+        self._init_act_quant()
 
     def metadata(self) -> dict[str, Any]:
         meta = super().metadata()
@@ -80,6 +82,12 @@ class Int8WeightOnlyLinear(RuntimeLinear):
             return None
         return self.packed.get((self.qweight, self.scales, self.bias), self._pack)
 
+    def _a8_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.qweight, self.scales, self.bias
+
+    def _pack_a8(self, qweight, scales, bias) -> cpu_a8.PackedA8:
+        return cpu_a8.pack_int8(qweight, scales, self.group_size, bias)
+
     def many_rows_fit(self, x: torch.Tensor) -> bool:
         return packs_rows(x, self.qweight, self.bias)
 
@@ -99,5 +107,7 @@ class Int8WeightOnlyLinear(RuntimeLinear):
         return self.reference_forward(x)
 
     def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        if self.act_quant == "int8":
+            return self.act_quant_native(packed)
         few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)

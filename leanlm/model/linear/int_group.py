@@ -9,8 +9,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv
 from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.linear.act_quant import DynamicActQuant
 from leanlm.model.linear.base import RuntimeLinear, dequantizes_natively, packs_rows, register_format
 from leanlm.model.linear.checks import check_group_size, check_indices, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups, refuse_row_split, scaled
@@ -18,7 +19,7 @@ from leanlm.model.quantized.numerics import unpack_int4
 
 
 @register_format
-class IntGroupWeightOnlyLinear(RuntimeLinear):
+class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
     """W4A16 / W3A16 / W2A16: unsigned b-bit codes in groups along K, w = q * scale + min per group.
 
     Codes are stored two per byte whatever b is (3- and 2-bit codes use part of the nibble), the layout the
@@ -58,6 +59,7 @@ class IntGroupWeightOnlyLinear(RuntimeLinear):
         self.register_buffer("scales", scales.float().contiguous())  # [N, G]
         self.register_buffer("mins", mins.float().contiguous())  # [N, G]
         self.register_buffer("perm", None if perm is None else perm.long().contiguous())  # [K]
+        self._init_act_quant()
 
     @classmethod
     def from_tensors(cls, meta, tensors):
@@ -109,6 +111,14 @@ class IntGroupWeightOnlyLinear(RuntimeLinear):
         """x [..., K] in the stored column order (act-order)."""
         return x if self.perm is None else x.index_select(-1, self.perm)
 
+    stored_order = _permuted
+
+    def _a8_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.qweight, self.scales, self.mins, self.bias
+
+    def _pack_a8(self, qweight, scales, mins, bias) -> cpu_a8.PackedA8:
+        return cpu_a8.pack_int4(unpack_int4(qweight), scales, mins, self.group_size, bias)
+
     def many_rows_fit(self, x: torch.Tensor) -> bool:
         return packs_rows(x, self.qweight, self.bias)
 
@@ -130,5 +140,7 @@ class IntGroupWeightOnlyLinear(RuntimeLinear):
         return self.reference_forward(x)
 
     def native_linear(self, packed: bool = False) -> NativeLinear | None:
+        if self.act_quant == "int8":
+            return self.act_quant_native(packed)
         few = cpu_qgemv.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed, self.perm)

@@ -1,0 +1,93 @@
+"""DynamicActQuant: the runtime option that quantizes a weight-only int layer's activations to int8 on the fly, in
+groups of 32 inputs (W4A8 / W8A8-dynamic, `--act-quant int8`), so its products run as int8 dot products on VNNI.
+
+It is a way of running the layer, not part of its checkpoint: the codes and scales stay as saved, and the option is
+set per layer by `set_activation_quant` (the engine does it from EngineConfig.act_quant).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from leanlm.config.engine import ACT_QUANT_MODES
+from leanlm.kernels import cpu_a8
+from leanlm.kernels.native_linear import NativeLinear, describe
+from leanlm.model.packed_cache import PackedCache
+
+
+class DynamicActQuant:
+    """Mixin for a RuntimeLinear whose int weights the gemm_a8 kernel reads: int8 activations when `act_quant` is
+    "int8", else the layer's own bf16-activation paths."""
+
+    act_quant: str = "none"
+
+    def _init_act_quant(self) -> None:
+        self.act_packed = PackedCache()  # the codes in gemm_a8's panels, made on first use
+
+    @property
+    def act_group_size(self) -> int | None:
+        """The weight group size gemm_a8 sees (None: one scale per channel)."""
+        return self.group_size
+
+    def supports_act_quant(self) -> bool:
+        """Whole activation groups of 32 and weight groups made of them; act-order int4 too (x is gathered first)."""
+        return cpu_a8.shape_ok(self.in_features, self.act_group_size)
+
+    @abstractmethod
+    def _pack_a8(self, *tensors: torch.Tensor) -> cpu_a8.PackedA8:
+        """The layer's codes and scales (and bias) packed for gemm_a8."""
+
+    @abstractmethod
+    def _a8_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """What _pack_a8 reads, in its order (the cache key: a change to any of them repacks)."""
+
+    def a8_weight(self) -> cpu_a8.PackedA8 | None:
+        """The packed codes when the kernel can run them (CPU weights, a VNNI CPU), else None."""
+        tensors = self._a8_tensors()
+        if not (tensors[0].is_cpu and cpu_a8.is_available()):
+            return None
+        return self.act_packed.get(tensors, self._pack_a8)
+
+    def stored_order(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the order the codes are stored (act-order layers gather it; the others keep it)."""
+        return x
+
+    def _act_quant_forward(self, x: torch.Tensor) -> torch.Tensor:
+        xs = self.stored_order(x)
+        packed = self.a8_weight()
+        if cpu_a8.rows_fit(xs, packed):
+            return cpu_a8.gemm(xs, packed)
+        w = self.dequantized_weight()  # [N, K] in input order
+        perm = getattr(self, "perm", None)
+        w = w if perm is None else w[:, perm]  # stored column j is input column perm[j]
+        return cpu_a8.reference(xs, w.to(x.device), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant == "int8":
+            return self._act_quant_forward(x)
+        return super().forward(x)
+
+    def act_quant_native(self, packed: bool) -> NativeLinear | None:
+        """The decode loop's view of this layer with int8 activations: gemm_a8 at every row count."""
+        call = cpu_a8.native_call(self.a8_weight(), self.out_features, self.in_features)
+        return describe(self.out_features, self.in_features, call, call, packed, getattr(self, "perm", None))
+
+
+def set_activation_quant(model: nn.Module, mode: str) -> int:
+    """Run every weight-only int linear of `model` with `mode` activations ("int8" or "none"); returns how many
+    layers now quantize their activations (a layer whose K or groups gemm_a8 cannot take keeps bf16 ones)."""
+    if mode not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, not {mode!r}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, DynamicActQuant):
+            on = mode == "int8" and module.supports_act_quant()
+            module.act_quant = "int8" if on else "none"
+            count += on
+    drop_plan = getattr(model, "drop_native_plan", None)
+    if drop_plan is not None:
+        drop_plan()  # the loop's calls depend on the mode
+    return count

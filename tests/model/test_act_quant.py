@@ -1,0 +1,96 @@
+"""`act_quant="int8"` on the weight-only int layers (W4A8 / W8A8-dynamic): the layer's kernel path gives its float
+reference path's result (fake-quantized x times the dequantized weight, act-order gathered first); which layers take
+it (K and weight groups whole groups of 32; not Q6_K's groups of 16); refused modes; and the engine option, which
+switches the layers and the native loop's calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanlm.compress import RTNConfig, compress
+from leanlm.config import EngineConfig
+from leanlm.kernels import cpu_a8
+from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.int8 import Int8WeightOnlyLinear
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.llama import build_model
+from leanlm.model.quantized.numerics import fake_quantize_act_int8, pack_int4
+from tests.conftest import tiny_config, tiny_state_dict
+
+
+def _int4_layer(N: int = 40, K: int = 128, group: int = 64, perm: bool = False) -> IntGroupWeightOnlyLinear:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scales, mins = torch.rand(N, K // group, generator=g) / 50, torch.randn(N, K // group, generator=g) / 20
+    order = torch.randperm(K, generator=g) if perm else None
+    layer = IntGroupWeightOnlyLinear(pack_int4(q), scales, mins, torch.randn(N), bits=4, group_size=group, perm=order)
+    return layer.set_compute_dtype(torch.bfloat16)
+
+
+def _int8_layer(N: int = 40, K: int = 128, group: int | None = None) -> Int8WeightOnlyLinear:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N if group is None else (N, K // group), generator=g) / 500
+    return Int8WeightOnlyLinear(q, scales, group_size=group)
+
+
+def _expected(layer, x: torch.Tensor) -> torch.Tensor:
+    """q(x in stored column order) times the weight in stored order, in float64."""
+    w = layer.dequantized_weight().double()
+    perm = getattr(layer, "perm", None)
+    xs, w = (x, w) if perm is None else (x[..., perm], w[:, perm])
+    bias = 0 if layer.bias is None else layer.bias.double()
+    return fake_quantize_act_int8(xs).double() @ w.t() + bias
+
+
+LAYERS = [_int4_layer, lambda: _int4_layer(perm=True), _int8_layer, lambda: _int8_layer(group=32)]
+
+
+@pytest.mark.parametrize("make", LAYERS)
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_kernel_and_reference_paths_agree(make, rows, monkeypatch):
+    layer = make()
+    layer.act_quant = "int8"
+    x = (torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
+    expected = _expected(layer, x)
+    fast = layer(x)
+    monkeypatch.setattr(cpu_a8, "is_available", lambda: False)  # a CPU without VNNI: the float reference path
+    slow = layer(x)
+    for y in (fast, slow):
+        assert y.dtype is torch.bfloat16 and y.shape == (rows, layer.out_features)
+        assert ((y.double() - expected).abs() - expected.abs() * 2.0**-8).max() <= 1e-5 * expected.abs().max()
+    if cpu_a8._KERNEL.is_available():
+        assert layer.act_packed.value is not None  # the fast path ran the kernel on its packed copy
+
+
+def test_int8_activations_differ_from_bf16_ones_by_the_activation_rounding():
+    layer = _int4_layer()
+    x = torch.randn(3, layer.in_features).to(torch.bfloat16)
+    bf16 = layer(x)
+    layer.act_quant = "int8"
+    int8 = layer(x)
+    assert not torch.equal(bf16, int8)
+    assert (int8.float() - bf16.float()).abs().max() < 0.05 * bf16.float().abs().max()
+
+
+def test_which_layers_take_it():
+    cfg = tiny_config(97)
+    model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
+    compress(model, [RTNConfig(bits=4, group_size=32)], None, progress=False)
+    linears = [m for m in model.modules() if isinstance(m, IntGroupWeightOnlyLinear)]
+    on = set_activation_quant(model, "int8")
+    assert on == sum(m.in_features % 32 == 0 for m in linears) > 0
+    assert all(m.act_quant == ("int8" if m.in_features % 32 == 0 else "none") for m in linears)
+    assert set_activation_quant(model, "none") == 0 and all(m.act_quant == "none" for m in linears)
+    q6k_like = _int8_layer(K=128, group=32)
+    q6k_like.group_size = 16  # groups of 16 (Q6_K): an act group would span two weight scales
+    assert not q6k_like.supports_act_quant()
+    with pytest.raises(ValueError, match="act_quant must be one of"):
+        set_activation_quant(model, "int4")
+
+
+def test_engine_option_is_validated():
+    assert EngineConfig(act_quant="int8").act_quant == "int8"
+    with pytest.raises(ValueError, match="act_quant must be one of none, int8"):
+        EngineConfig(act_quant="fp8")
