@@ -12,7 +12,8 @@ capped at `batch` running requests (HF: padded batches of `batch`, sorted by len
   channel, head too) and int4 g64 (head at int8), and a SmoothQuant W8A8 one (per-token int8 activations on
   the VNNI kernel; head int8 weight-only), to compare with OpenVINO's IRs at the same precision (OpenVINO's
   CPU plugin quantizes the activations of its int8 and int4 layers to int8 on the fly, in groups of 32, by
-  default: its DYNAMIC_QUANTIZATION_GROUP_SIZE, reported);
+  default: its DYNAMIC_QUANTIZATION_GROUP_SIZE, reported); and the Q4_1 codes, int8 and int4 rows again with
+  `act_quant="int8"` (W4A8 / W8A8-dynamic: int8 activations in groups of 32, as OpenVINO and llama.cpp do);
 - HF transformers on a dense bf16 safetensors directory written from the dequantized model;
 - llama.cpp's llama-batched-bench on the same GGUF (when benchmarks/build_llama_server.sh has built it):
   `batch` sequences of a 24-token prompt (the workload's mean) and 128 generated tokens each, 2 threads;
@@ -48,7 +49,7 @@ from leanlm.analysis.host import CpuMonitor, describe_machine
 from leanlm.analysis.peer_models import ensure_dense_dir, ensure_openvino_ir
 from leanlm.analysis.peer_process import OPENVINO, VLLM, PeerBatch, PeerRequest, run_peer
 from leanlm.analysis.peers import PEERS_DIR
-from leanlm.kernels import cpu_gemm, cpu_w8a8
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_w8a8
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 
 LLAMA_BATCHED_BENCH = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-batched-bench"
@@ -58,13 +59,15 @@ SHAPES |= {"down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
 # Peers in environments of their own: --peers name -> (environment, OpenVINO weight format or None: dense bf16).
 PROCESS_PEERS = {"ov-fp16": (OPENVINO, "fp16"), "ov-int8": (OPENVINO, "int8"), "ov-int4": (OPENVINO, "int4")}
 PROCESS_PEERS |= {"vllm": (VLLM, None)}
-IN_PROCESS = ("codes", "bf16", "int8", "w8a8", "int4", "hf", "llama.cpp")
+IN_PROCESS = ("codes", "codes-a8", "bf16", "int8", "int8-a8", "w8a8", "int4", "int4-a8", "hf", "llama.cpp")
 # (numerator, denominator) columns of the ratio part of the table
 RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("int8", "ov-int8"))
-RATIOS += (("w8a8", "ov-int8"), ("int4", "ov-int4"), ("bf16", "vllm"))
+RATIOS += (("w8a8", "ov-int8"), ("int4", "ov-int4"), ("bf16", "vllm"), ("codes-a8", "llama.cpp"))
+RATIOS += (("int8-a8", "ov-int8"), ("int4-a8", "ov-int4"))
 HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
 HEADERS |= {"int8": "LeanLM int8 RTN", "int4": "LeanLM int4 g64 RTN (head int8)"}
-HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)"}
+HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)", "codes-a8": "LeanLM, Q4_1 codes, int8 act"}
+HEADERS |= {"int8-a8": "LeanLM int8 RTN, int8 act", "int4-a8": "LeanLM int4 g64 RTN, int8 act"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
 SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int8": "OpenVINO int8", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}
@@ -128,7 +131,8 @@ def linear_table(rows: list[int]) -> list[str]:
         f"Measured vdpbf16ps peak on {torch.get_num_threads()} threads: **{peak:.0f} GFLOP/s** "
         "(register-only dot-product chains). GFLOP/s of one linear, weights hot in cache, "
         "torch `F.linear` (oneDNN) / LeanLM packed kernel (% of peak) / LeanLM W8A8 VNNI kernel (GOP/s, the "
-        "per-token quantization of x included):",
+        "per-token quantization of x included) / LeanLM int4 g64 with int8 activations in groups of 32 "
+        "(`--act-quant int8`, gemm_a8; GOP/s, quantization included):",
         "",
         "| rows | " + " | ".join(SHAPES) + " |",
         "|---:|" + "---:|" * len(SHAPES),
@@ -146,6 +150,10 @@ def linear_table(rows: list[int]) -> list[str]:
                 codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
                 packed8 = cpu_w8a8.pack(codes, torch.rand(n) / k)
                 cell += f" / {gflops(lambda: cpu_w8a8.gemm(x, packed8), m, n, k):.0f}"
+            if cpu_a8.is_available():
+                q4, scales = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 64) / k
+                packed4 = cpu_a8.pack_int4(q4, scales, -8 * scales, 64)
+                cell += f" / {gflops(lambda: cpu_a8.gemm(x, packed4), m, n, k):.0f}"
             cells.append(cell)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
@@ -311,12 +319,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-batches", default="32", help="batch sizes to run HF at (it is slow)")
     ap.add_argument("--peers", default="auto", help=f"auto, none, or some of {','.join(PROCESS_PEERS)}")
+    ap.add_argument("--engines", default=",".join(IN_PROCESS), help="in-process rows to run (default: all)")
     ap.add_argument("--linear-rows", default="8,16,32,64,128,256,512", help="'' skips the linear table")
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     peers = selected_peers(args.peers)
     wl = WORKLOADS[args.workload]
+    engines = [e for e in args.engines.split(",") if e]
+    if set(engines) - set(IN_PROCESS):
+        raise SystemExit(f"unknown --engines {sorted(set(engines) - set(IN_PROCESS))}; use some of {IN_PROCESS}")
 
     batches = [int(b) for b in (args.batches or wl.batches).split(",")]
     lines = [f"Machine: {describe_machine()}.", ""]
@@ -331,19 +343,22 @@ def main() -> None:
     notes, peer_info = [], []
     for batch in batches:
         work = prompt_sets(prompts, batch, args)
-        lean = lambda model, dequantize=False: leanlm_runner(  # noqa: E731
-            model, batch, dequantize, work, args.output_len, prefix_caching=wl.shared
+        lean = lambda model, dequantize=False, **options: leanlm_runner(  # noqa: E731
+            model, batch, dequantize, work, args.output_len, prefix_caching=wl.shared, **options
         )
         for name, make in (
             ("codes", lambda: lean(args.model)),
+            ("codes-a8", lambda: lean(args.model, act_quant="int8")),
             ("bf16", lambda: lean(args.model, True)),
             ("int8", lambda: lean(str(checkpoint("int8", args.model)))),
+            ("int8-a8", lambda: lean(str(checkpoint("int8", args.model)), act_quant="int8")),
             ("w8a8", lambda: lean(str(checkpoint("w8a8", args.model)))),
             ("int4", lambda: lean(str(checkpoint("int4", args.model)))),
+            ("int4-a8", lambda: lean(str(checkpoint("int4", args.model)), act_quant="int8")),
             ("hf", lambda: hf_runner(ensure_dense_dir(args.model), batch, work, args.output_len)),
             ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len, wl.llama_cpp_prompt, wl.shared)),
         ):
-            if name == "hf" and batch not in hf_batches:
+            if (name == "hf" and batch not in hf_batches) or name not in engines:
                 continue
             run = make()
             if run is None:
@@ -363,7 +378,7 @@ def main() -> None:
         for batch, (rate, dropped, worst) in results.items():
             rates[(name, batch)] = rate
             notes.append(f"batch {batch} {name}: {dropped} repetition(s) discarded, other CPU <= {worst:.1%}")
-    lines += throughput_table(rates, batches, [*IN_PROCESS, *peers], args)
+    lines += throughput_table(rates, batches, [*engines, *peers], args)
     if peer_info:
         lines += ["", "Peers in environments of their own (what each worker reported):", ""]
         lines += [f"- {line}" for line in peer_info]

@@ -17,7 +17,7 @@ EXIT_MEASURES = ("softmax", "gap", "saturation")  # CALM's confidence measures (
 # What a preempted request loses: its KV, recomputed later, or nothing, its blocks copied to host memory and back
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 # activations of int weight-only layers: their own dtype, or int8 per group of 32 inputs (model.linear.act_quant)
-ACT_QUANT_MODES = ("none", "int8")
+ACT_QUANT_MODES = ("none", "int8", "auto")
 
 
 @dataclass(frozen=True)

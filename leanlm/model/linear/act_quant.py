@@ -76,15 +76,24 @@ class DynamicActQuant:
         return describe(self.out_features, self.in_features, call, call, packed, getattr(self, "perm", None))
 
 
+def _auto(module: DynamicActQuant, dtype: torch.dtype) -> bool:
+    """auto's choice: int8 activations where gemm_a8 itself runs the layer (bf16 model, weights on a CPU with
+    AVX512-VNNI); elsewhere the float reference would cost time for nothing."""
+    return dtype is torch.bfloat16 and module._a8_tensors()[0].is_cpu and cpu_a8.is_available()
+
+
 def set_activation_quant(model: nn.Module, mode: str) -> int:
-    """Run every weight-only int linear of `model` with `mode` activations ("int8" or "none"); returns how many
-    layers now quantize their activations (a layer whose K or groups gemm_a8 cannot take keeps bf16 ones)."""
+    """Run every weight-only int linear of `model` with `mode` activations: "int8", "none", or "auto" (int8 where
+    the VNNI kernel runs the layer, see _auto); returns how many layers now quantize their activations (a layer
+    whose K or groups gemm_a8 cannot take keeps 16-bit ones)."""
     if mode not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, not {mode!r}")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     count = 0
     for module in model.modules():
         if isinstance(module, DynamicActQuant):
-            on = mode == "int8" and module.supports_act_quant()
+            wanted = mode == "int8" or (mode == "auto" and _auto(module, dtype))
+            on = wanted and module.supports_act_quant()
             module.act_quant = "int8" if on else "none"
             count += on
     drop_plan = getattr(model, "drop_native_plan", None)
