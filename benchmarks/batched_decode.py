@@ -319,6 +319,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-batches", default="32", help="batch sizes to run HF at (it is slow)")
     ap.add_argument("--peers", default="auto", help=f"auto, none, or some of {','.join(PROCESS_PEERS)}")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="LeanLM's KV cache (int8: as OpenVINO's default u8 cache; auto: the model dtype)",
+    )
     ap.add_argument("--engines", default=",".join(IN_PROCESS), help="in-process rows to run (default: all)")
     ap.add_argument("--linear-rows", default="8,16,32,64,128,256,512", help="'' skips the linear table")
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
@@ -344,7 +349,7 @@ def main() -> None:
     for batch in batches:
         work = prompt_sets(prompts, batch, args)
         lean = lambda model, dequantize=False, **options: leanlm_runner(  # noqa: E731
-            model, batch, dequantize, work, args.output_len, prefix_caching=wl.shared, **options
+            model, batch, dequantize, work, args.output_len, wl.shared, kv_cache_dtype=args.kv_cache_dtype, **options
         )
         for name, make in (
             ("codes", lambda: lean(args.model)),
@@ -387,6 +392,7 @@ def main() -> None:
     print(text)
     if args.out:
         command = f"python benchmarks/batched_decode.py --workload {args.workload}"
+        command += "" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"
         args.out.write_text(f"# Batched decode, {args.workload} workload (`{command}`)\n\n{text}")
 
 
@@ -398,7 +404,7 @@ def throughput_table(rates: dict[tuple[str, int], float], batches: list[int], co
     lines = [
         f"Offline throughput, output tokens/s (best of {args.reps} clean repetitions; {args.num_prompts} prompts of "
         f"{wl.describe()} x {args.output_len} greedy tokens, or as many as the batch cap where that is more; batch 1 "
-        f"runs 4 prompts; {llama}):",
+        f"runs 4 prompts; {llama}; LeanLM's KV cache: {args.kv_cache_dtype}):",
         "",
         "| batch | "
         + " | ".join(HEADERS[c] for c in columns)

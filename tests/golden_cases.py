@@ -74,6 +74,7 @@ def run_case(case: Case) -> list[dict]:
         progress=False,
         num_kv_blocks=256,
         dequantize_gguf=not case.gguf_codes,
+        act_quant="none",  # recorded on 16-bit activations (int8 ones became the default later, issue 38)
         **case.engine_options,
     )
     if case.kind == "beam":

@@ -114,11 +114,11 @@ class EngineConfig:
     )
     # dynamic int8 activations for weight-only int4/int8 layers (leanlm.model.linear.act_quant)
     act_quant: str = dataclasses.field(
-        default="none",
+        default="auto",
         metadata={
             "choices": ACT_QUANT_MODES,
-            "help": "int8: int4 / int8 weight-only layers quantize their inputs to int8 per 32 (W4A8 / "
-            "W8A8-dynamic, as llama.cpp and OpenVINO do) for int8 dot products (VNNI); none: bf16 inputs",
+            "help": "int8: int4 / int8 weight-only layers quantize their inputs to int8 per 32 (W4A8 / W8A8-dynamic, "
+            "as llama.cpp and OpenVINO do) for VNNI int8 products; auto: int8 where VNNI runs them; none: 16-bit",
         },
     )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
