@@ -38,3 +38,17 @@ def test_every_benchmark_script_imports():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "", done.stdout
+
+
+def test_serving_overhead_phases_name_existing_functions():
+    """benchmarks/serving_overhead.py wraps functions by name: a rename must fail here, not in its next run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serving_overhead", BENCHMARKS / "serving_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for module_name, path, label in module.PHASES:
+        owner = importlib.import_module(module_name)
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        assert callable(owner), f"{label}: {module_name}.{path} is not callable"

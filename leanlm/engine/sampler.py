@@ -40,6 +40,9 @@ class Sampler:
             # argmax is the same on the raw logits (bf16 -> float32 is exact and monotone, ties go to the
             # first index either way): skip the [B, V] float32 copy, 2-10 ms of a 64-row step
             return SamplerOutput(sampled_token_ids=cpu_rows.argmax(logits), logprobs=None)
+        if metadata.max_num_logprobs is None and is_sparse_greedy(metadata):
+            # greedy under a few edited ids (logit_bias, min-tokens): the same tokens without the [B, V] copy
+            return SamplerOutput(sampled_token_ids=sparse_greedy(logits, metadata), logprobs=None)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # vLLM's default: logprobs of the raw model distribution, before any processing.
@@ -67,6 +70,55 @@ def is_plain_greedy(metadata: SamplingMetadata) -> bool:
         and metadata.min_tokens_rows is None
         and metadata.logit_bias_rows is None
     )
+
+
+def is_sparse_greedy(metadata: SamplingMetadata) -> bool:
+    """Every row greedy, and only logit_bias and min-tokens edit the logits: a few ids per row."""
+    return metadata.all_greedy and metadata.no_penalties
+
+
+def sparse_greedy(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """argmax(process_logits(logits)) [B] for all-greedy rows without penalties, without the float32 [B, V] copy.
+
+    Only the C columns that min-tokens or logit_bias touch differ from the raw logits: those are copied ([B, C]
+    float32) and edited exactly as process_logits edits them. The raw argmax of a row, when it is not one of those
+    columns, is the best of the untouched ones; it then competes with the best edited column under argmax's own
+    rules (larger wins, NaN counts as largest, ties go to the lower index). A row whose raw argmax is an edited
+    column (a banned EOS the model wants, say) takes the full path, alone."""
+    edits = _edited_columns(logits, metadata)
+    if edits is None:
+        return cpu_rows.argmax(logits)
+    cols, edited = edits  # [C] ascending token ids, [B, C] float32
+    raw_best = cpu_rows.argmax(logits)  # [B]
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    raw_value = logits[rows, raw_best].float()  # [B]
+    col_pos = edited.argmax(dim=-1)  # [B]: first largest (NaN largest), columns ascending
+    col_best, col_value = cols[col_pos], edited[rows, col_pos]
+    tie_or_both_nan = (col_value == raw_value) | (col_value.isnan() & raw_value.isnan())
+    take_col = (
+        (col_value > raw_value) | (col_value.isnan() & ~raw_value.isnan()) | (tie_or_both_nan & (col_best < raw_best))
+    )
+    best = torch.where(take_col, col_best, raw_best)
+    for row in torch.isin(raw_best, cols).nonzero().flatten().tolist():  # the raw best was edited: whole row
+        full = logits[row].to(torch.float32, copy=True)  # [V]: float() would alias float32 logits
+        full[cols] = edited[row]
+        best[row] = full.argmax()
+    return best
+
+
+def _edited_columns(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(columns [C], their float32 logits [B, C] with min-tokens and logit_bias applied), or None if none."""
+    ids = [t for t in (metadata.min_tokens_token_ids, metadata.logit_bias_token_ids) if t is not None]
+    if not ids:
+        return None
+    cols = torch.unique(torch.cat(ids))  # [C], sorted ascending
+    edited = logits[:, cols].float()  # [B, C]
+    if metadata.min_tokens_rows is not None:
+        edited[metadata.min_tokens_rows, torch.searchsorted(cols, metadata.min_tokens_token_ids)] = float("-inf")
+    if metadata.logit_bias_rows is not None:
+        at = torch.searchsorted(cols, metadata.logit_bias_token_ids)
+        edited.index_put_((metadata.logit_bias_rows, at), metadata.logit_bias_values, accumulate=True)
+    return cols, edited
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -23,16 +23,14 @@ async def sse_events(job: Job, texts: responses.TokenTexts) -> AsyncIterator[str
     cursors: dict[int, responses.ChoiceCursor] = {}
     finals: dict[int, RequestOutput] = {}
     obj = "chat.completion.chunk" if job.is_chat else "text_completion"
+    encode = ChunkEncoder(responses.envelope(job.request_id, obj, job.model, job.created), job.include_usage)
     try:
         async for prompt_idx, output in _merged(job.streams):
-            chunk = responses.envelope(job.request_id, obj, job.model, job.created)
-            chunk["choices"] = _delta_choices(job, texts, prompt_idx, output, cursors)
-            if job.include_usage:
-                chunk["usage"] = None
+            choices = _delta_choices(job, texts, prompt_idx, output, cursors)
             if output.finished:
                 finals[prompt_idx] = output
-            if chunk["choices"]:
-                yield _sse(chunk)
+            if choices:
+                yield encode(choices)
         if job.include_usage:
             chunk = responses.envelope(job.request_id, obj, job.model, job.created)
             chunk["choices"] = []
@@ -146,6 +144,22 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
     finally:
         for task in tasks:
             task.cancel()
+
+
+class ChunkEncoder:
+    """The event of each delta chunk of one stream, as `_sse` of envelope + {"choices", "usage": null if asked}
+    would write it, character for character. The envelope (id, object, created, model) is the same in every chunk
+    of a stream: it is encoded once, and each chunk encodes only its choices (a chunk per token per stream)."""
+
+    def __init__(self, envelope: dict, include_usage: bool) -> None:
+        head = json.dumps(envelope, ensure_ascii=False)
+        if not envelope or not head.endswith("}"):
+            raise ValueError(f"the envelope must be a non-empty JSON object, got {envelope!r}")
+        self.head = f'data: {head[:-1]}, "choices": '  # `{..., "model": "..."` and the choices key
+        self.tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
+
+    def __call__(self, choices: list[dict]) -> str:
+        return self.head + json.dumps(choices, ensure_ascii=False) + self.tail
 
 
 def _sse(obj: dict) -> str:

@@ -12,6 +12,8 @@ from leanlm.engine.sampler import (
     apply_penalties,
     compute_logprobs,
     logprobs_to_dicts,
+    process_logits,
+    sparse_greedy,
 )
 from leanlm.engine.sampling_metadata import SamplingMetadata
 from leanlm.sampling_params import SamplingParams
@@ -351,3 +353,37 @@ def test_logit_bias_moves_greedy_choice_and_bans_tokens_per_row():
 def test_logit_bias_validation(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def _sparse_case(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list[Request]]:
+    """bf16-like logits with ties, -inf, NaN, and rows whose raw best is a biased or min-tokens id."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (12, 40), generator=gen).float()  # few distinct values: many ties
+    logits[0, 5] = 9.0  # row 0: the raw best is banned below
+    logits[1, :] = float("-inf")  # row 1: nothing is finite but the boosted id
+    logits[1, 9] = -5.0
+    logits[2, 7] = float("nan")  # row 2: a NaN beats everything, edited or not
+    logits[3, 5] = float("nan")  # row 3: a NaN on a banned id (its bias keeps it NaN)
+    logits[4, 0] = 9.0  # row 4: min-tokens masks EOS 0, the raw best
+    logits[5, :] = 1.0  # row 5: all tied; a boost of 0 keeps the first index
+    logits = logits.to(dtype)
+    biases = [{5: -100}, {9: 0.5}, {7: 1.0}, {5: -100}, {}, {3: 0.0}] + [{5: -100, 11: 1.0 + i} for i in range(6)]
+    requests = [
+        make_request(SamplingParams(temperature=0, logit_bias=b, min_tokens=2 if i % 4 == 0 else 0), request_id=f"r{i}")
+        for i, b in enumerate(biases)
+    ]
+    return logits, requests
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sparse_greedy_equals_the_full_path(dtype, seed):
+    logits, requests = _sparse_case(dtype, seed)
+    metadata = SamplingMetadata.from_requests(requests, logits.shape[-1], "cpu", eos_token_ids=(0,))
+    assert metadata.min_tokens_rows is not None and metadata.logit_bias_rows is not None
+    before = logits.clone()
+    expected = process_logits(logits, metadata).argmax(dim=-1)
+    assert torch.equal(sparse_greedy(logits, metadata), expected)
+    assert torch.equal(Sampler()(logits, metadata).sampled_token_ids, expected)
+    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
+    assert expected[0].item() != 5 and expected[4].item() != 0 and expected[2].item() == 7 and expected[1].item() == 9
