@@ -294,7 +294,7 @@ def plain_real_output():
     return tokens, first_tie
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "lookahead", "self:24", "draft:smollm2-135m-instruct"])
+@pytest.mark.parametrize("speculative", ["ngram", "suffix", "lookahead", "self:24", "draft:smollm2-135m-instruct"])
 def test_real_model_greedy_speculation_is_token_identical(plain_real_output, speculative):
     """SmolLM2, every proposer: the same tokens as plain greedy decoding. The draft model is SmolLM2 itself, so
     each of its drafts must be accepted (its own KV cache is right). On the native kernels (bfloat16) the whole
@@ -311,7 +311,7 @@ def test_real_model_greedy_speculation_is_token_identical(plain_real_output, spe
         assert out.token_ids[:first_tie] == plain[:first_tie] and first_tie >= 8, first_tie
     stats = llm.llm_engine.model_runner.spec_decoder.stats()
     assert stats.num_draft_tokens > 0
-    if speculative in ("ngram", "lookahead"):
+    if speculative in ("ngram", "suffix", "lookahead"):
         assert stats.num_accepted_tokens > 10
     if speculative.startswith("draft:"):
         assert stats.num_accepted_tokens == stats.num_draft_tokens
