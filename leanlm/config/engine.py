@@ -228,7 +228,8 @@ class DecodingOptions:
         default=None,
         metadata={
             "help": "speculative decoding: ngram (prompt lookup) | suffix (prompt lookup that resumes the copy after "
-            "an edit) | lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the target's first K layers); default: off, one token a step"
+            "an edit) | lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the target's first K layers); "
+            "default: off, one token a step"
         },
     )
     num_speculative_tokens: int = dataclasses.field(
