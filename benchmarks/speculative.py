@@ -253,6 +253,7 @@ def latency_rows(
     ttfts = {(n, p): [] for n in engines for p in prompt_ids}
     discarded = {(n, p): 0 for n in engines for p in prompt_ids}
     shares = {(n, p): [] for n in engines for p in prompt_ids}
+    measured = {(n, p): [] for n in engines for p in prompt_ids}  # every repetition, kept or not
     tokens, stats = {}, {}
     for rep in range(reps):
         for name, engine in engines.items():
@@ -263,6 +264,7 @@ def latency_rows(
                     tokens[name, prompt], ttft = generate(engine, ids, params)
                     seconds = time.perf_counter() - t0
                 shares[name, prompt].append(round(monitor.sample.other_share, 3))
+                measured[name, prompt].append((seconds, ttft))
                 if monitor.sample.is_contaminated(threshold):
                     discarded[name, prompt] += 1
                 else:
@@ -276,6 +278,10 @@ def latency_rows(
                         old[1] + after.num_accepted_tokens - before.num_accepted_tokens,
                     )
         print(f"  repetition {rep + 1} of {reps} done", flush=True)
+    for key, kept in times.items():
+        if not kept:  # every repetition was contaminated: use them all (the row shows 0 kept)
+            times[key] = [seconds for seconds, _ in measured[key]]
+            ttfts[key] = [ttft for _, ttft in measured[key]]
     rows = []
     for name in engines:
         for prompt in prompt_ids:
@@ -635,14 +641,24 @@ def edit_setups(ks: tuple[int, ...]) -> dict[str, dict]:
     return setups
 
 
-def format_edits(rows: list[LatencyRow], args) -> str:
+def edit_command(args) -> str:
+    return (
+        f"python benchmarks/speculative.py --workload edits --reps {args.reps} --edit-models {args.edit_models} "
+        f"--edit-ks {args.edit_ks} --edit-tokens {args.edit_tokens} --threshold {args.threshold}"
+    )
+
+
+def format_edits(rows: list[LatencyRow], runs: dict[str, dict]) -> str:
+    """`runs`: per model, the command and machine of the run that measured its rows."""
     lines = [
-        f"Measured by `python benchmarks/speculative.py --workload edits --reps {args.reps} --edit-models "
-        f"{args.edit_models} --edit-ks {args.edit_ks}` on {describe_machine()}, bfloat16, batch 1, greedy, up to "
-        f"{args.edit_tokens} tokens, prefix caching off. Speedup = plain wall time / speculative wall time for the "
-        "whole request (median of the kept repetitions); tokens/step = generated tokens per target forward; "
-        "other CPU = the share of both cores other processes took in each repetition (kept when at most "
-        f"{args.threshold:.2f}).",
+        "Measured: "
+        + "; ".join(f"{model} by `{run['command']}` on {run['machine']}" for model, run in runs.items())
+        + ". "
+        "bfloat16, batch 1, greedy, prefix caching off, each model's setups in one run over shared weights with "
+        "interleaved repetitions. Speedup = plain wall time / speculative wall time for the whole request "
+        "(median of the kept repetitions; where none was kept, of all); tokens/step = generated tokens per "
+        "target forward; other CPU = the share of both cores that other processes took in each repetition "
+        "(a repetition is kept when it is at most the run's --threshold).",
         "",
         "| model | proposer | edit | tokens | plain s | spec s | speedup | decode speedup | acceptance | "
         "tokens/step | identical | kept / discarded | other CPU per rep |",
@@ -689,9 +705,11 @@ def run_edits(args) -> None:
     for model in args.edit_models.split(","):
         rows = latency_rows(model, setups, args.reps, args.threshold, edit_prompts, args.edit_tokens)
         results[model] = [asdict(r) for r in rows]
+        results.setdefault("runs", {})[model] = {"command": edit_command(args), "machine": describe_machine()}
         saved.write_text(json.dumps(results, indent=2))
-    rows = [LatencyRow(**r) for model in args.edit_models.split(",") for r in results[model]]
-    report = format_edits(rows, args)
+    runs = results.pop("runs")
+    rows = [LatencyRow(**r) for model in runs for r in results[model]]
+    report = format_edits(rows, runs)
     print(report)
     if args.doc:
         replace_section(Path(args.doc), "edit-speculation-results", report)

@@ -100,3 +100,32 @@ def test_bad_sizes_are_refused():
         SuffixProposer(0, 2)
     with pytest.raises(ValueError, match="min_n"):
         SuffixProposer(3, 2)
+
+
+_EDIT_REQUEST = (
+    "Rename `total` to `acc` in this function. Reply with the whole function.\n\n"
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n"
+)
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_suffix_speculation_on_an_edit_is_token_identical():
+    """SmolLM2 on an edit request: the same tokens as plain greedy decoding, with drafts accepted."""
+    from leanlm import LLM
+    from leanlm.kernels import cpu_decode, cpu_gemv
+    from leanlm.sampling_params import SamplingParams
+
+    if not (cpu_gemv.is_available() and cpu_decode.is_available()):
+        pytest.skip("exact verification needs the native bf16 kernels (test_spec_decode covers the fallback)")
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    outputs, stats = [], None
+    for speculative in (None, "suffix"):
+        llm = LLM(dtype="bfloat16", progress=False, speculative=speculative)
+        tok = llm.get_tokenizer()
+        text = tok.apply_chat_template([{"role": "user", "content": _EDIT_REQUEST}], add_generation_prompt=True)
+        outputs.append(llm.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids)
+        if speculative:
+            stats = llm.llm_engine.model_runner.spec_decoder.stats()
+    assert outputs[1] == outputs[0]
+    assert stats.num_accepted_tokens > 10, stats
