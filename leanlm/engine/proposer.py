@@ -1,9 +1,8 @@
 """Proposer: what SpecDecoder asks of a way to draft tokens, and the one chosen from a SpeculativeConfig.
 
 Three kinds implement it: prompt lookup (n-grams of the request's own text; `suffix` follows the copy across
-edits), lookahead (Jacobi iteration and an
-n-gram pool) and a draft model (a smaller model, or the target's first layers: DraftProposer). SpecDecoder
-holds exactly one and never asks which kind it is.
+edits), lookahead (Jacobi iteration and an n-gram pool) and a draft model (a smaller model, or the target's
+first layers: DraftProposer). SpecDecoder holds exactly one and never asks which kind it is.
 """
 
 from __future__ import annotations

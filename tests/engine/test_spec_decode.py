@@ -120,13 +120,13 @@ def _repetitive_prompts(vocab: int) -> list[list[int]]:
     return [motif * 4, [rng.randrange(3, vocab) for _ in range(13)], motif * 2 + [rng.randrange(3, vocab)], few]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "lookahead", "draft", "self"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "lookahead", "draft", "self"])
 def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(make_tiny_engine, tokenizer, proposer):
     options = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=12)
     if proposer == "ngram":
         engine = _spec_engine(make_tiny_engine, **options)
-    elif proposer == "lookahead":
-        engine = make_tiny_engine(speculative="lookahead", **options)
+    elif proposer in ("suffix", "lookahead"):
+        engine = make_tiny_engine(speculative=proposer, **options)
     elif proposer == "draft":
         engine = _draft_engine(tokenizer, **options)
     else:
@@ -324,6 +324,9 @@ def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
         EngineConfig.from_options(speculative="self:x")
     assert EngineConfig.from_options(speculative="self:3").speculative.num_draft_layers == 3
     assert EngineConfig.from_options(speculative="lookahead").speculative.method == "lookahead"
+    assert EngineConfig.from_options(speculative="suffix").speculative.method == "suffix"
+    with pytest.raises(ValueError, match="takes no argument"):
+        EngineConfig.from_options(speculative="suffix:2")
     with pytest.raises(ValueError, match="takes no argument"):
         EngineConfig.from_options(speculative="lookahead:3")
     assert EngineConfig.from_options(speculative="draft:some/dir").speculative.draft_model == "some/dir"
