@@ -111,21 +111,32 @@ _EDIT_REQUEST = (
 
 @pytest.mark.real_model
 def test_real_model_greedy_suffix_speculation_on_an_edit_is_token_identical():
-    """SmolLM2 on an edit request: the same tokens as plain greedy decoding, with drafts accepted."""
+    """SmolLM2 on an edit request: the same tokens as plain greedy decoding, with drafts accepted. One load;
+    the speculative engine shares the plain one's weights."""
+    import torch
+
     from leanlm import LLM
+    from leanlm.config import EngineConfig
+    from leanlm.engine.engine import LLMEngine
     from leanlm.kernels import cpu_decode, cpu_gemv
     from leanlm.sampling_params import SamplingParams
+    from tests.conftest import run_to_completion
 
     if not (cpu_gemv.is_available() and cpu_decode.is_available()):
         pytest.skip("exact verification needs the native bf16 kernels (test_spec_decode covers the fallback)")
-    params = SamplingParams(max_tokens=64, temperature=0.0)
-    outputs, stats = [], None
-    for speculative in (None, "suffix"):
-        llm = LLM(dtype="bfloat16", progress=False, speculative=speculative)
-        tok = llm.get_tokenizer()
-        text = tok.apply_chat_template([{"role": "user", "content": _EDIT_REQUEST}], add_generation_prompt=True)
-        outputs.append(llm.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids)
-        if speculative:
-            stats = llm.llm_engine.model_runner.spec_decoder.stats()
+    llm = LLM(dtype="bfloat16", progress=False, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": _EDIT_REQUEST}], add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    config = EngineConfig.from_options(
+        enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, speculative="suffix"
+    )
+    spec = LLMEngine(llm.llm_engine.model_runner.model, tok, config, torch.device("cpu"), torch.bfloat16)
+    outputs = []
+    for engine in (llm.llm_engine, spec):
+        request_id = engine.add_request(ids, params)
+        outputs.append(run_to_completion(engine)[request_id].outputs[0].token_ids)
     assert outputs[1] == outputs[0]
+    stats = spec.model_runner.spec_decoder.stats()
     assert stats.num_accepted_tokens > 0, stats
