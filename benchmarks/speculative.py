@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -84,13 +86,82 @@ def total_by_customer(orders):
 """
 
 
+# Held-out code-edit workload (`--workload edits`): a module that is not CODE, and five edits of it. The reply
+# copies most of the module, and each edit breaks the copy somewhere: where prompt lookup loses its place.
+EDIT_CODE = """import re
+from collections import Counter
+
+LINE = re.compile(
+    r'(?P<ip>\\S+) - - \\[(?P<time>[^\\]]+)\\] "(?P<method>\\w+) (?P<path>\\S+)[^"]*" '
+    r"(?P<status>\\d+) (?P<size>\\S+)"
+)
+
+
+def parse_line(line):
+    match = LINE.match(line)
+    if match is None:
+        return None
+    fields = match.groupdict()
+    fields["status"] = int(fields["status"])
+    fields["size"] = 0 if fields["size"] == "-" else int(fields["size"])
+    return fields
+
+
+def read_log(path):
+    entries = []
+    with open(path) as handle:
+        for line in handle:
+            entry = parse_line(line)
+            if entry is not None:
+                entries.append(entry)
+    return entries
+
+
+def status_counts(entries):
+    counts = Counter()
+    for entry in entries:
+        counts[entry["status"]] += 1
+    return counts
+
+
+def bytes_per_path(entries, min_status=200, max_status=299):
+    totals = {}
+    for entry in entries:
+        if min_status <= entry["status"] <= max_status:
+            totals[entry["path"]] = totals.get(entry["path"], 0) + entry["size"]
+    return totals
+
+
+def top_paths(entries, limit=10):
+    ranked = sorted(bytes_per_path(entries).items(), key=lambda item: item[1])
+    return ranked[:limit]
+"""
+
+EDITS = {
+    "rename": "Rename the variable `entries` to `records` everywhere in this module.",
+    "type hints": "Add type hints to every function of this module.",
+    "comprehension": "Rewrite the loop in `read_log` as a list comprehension; keep the other functions as they are.",
+    "one-line fix": "`top_paths` returns the smallest paths instead of the largest. Fix that one-line bug.",
+    "reorder args": "Reorder the arguments of `bytes_per_path` so that `entries` comes last, and update its caller.",
+}
+
+
+def edit_prompts(tok) -> dict[str, list[int]]:
+    """Token ids of each edit request, through the model's chat template."""
+    return {kind: chat_ids(tok, f"{task} Reply with the whole module.\n\n{EDIT_CODE}") for kind, task in EDITS.items()}
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tok.encode(rendered, add_special_tokens=False)
+
+
 def prompts(tok) -> dict[str, list[int]]:
     """Token ids of each prompt kind, through the model's chat template where it is an instruction."""
     article = WIKITEXT.read_text()[3000:5200].strip()
 
     def chat(text: str) -> list[int]:
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return tok.encode(rendered, add_special_tokens=False)
+        return chat_ids(tok, text)
 
     return {
         "code edit": chat(f"Add type hints to every function of this module. Reply with the whole module.\n\n{CODE}"),
@@ -117,6 +188,10 @@ class LatencyRow:
     identical: bool  # greedy output equal to the plain engine's
     kept: int
     discarded: int
+    other_shares: list[float] = field(default_factory=list)  # per repetition: CPU share other processes took
+    rep_seconds: list[float] = field(default_factory=list)  # per repetition, kept or not
+    best_speedup: float = 0.0  # fastest plain repetition / fastest speculative one: on a busy machine, the
+    # repetition the other processes slowed least
 
 
 def generate(engine: LLMEngine, ids: list[int], params: SamplingParams) -> tuple[list[int], float]:
@@ -152,7 +227,9 @@ def load_net(model: str):
     return build_model(ckpt.config, ckpt.state_dict, torch.bfloat16, quantized=ckpt.quantized), ckpt.tokenizer
 
 
-def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: float) -> list[LatencyRow]:
+def latency_rows(
+    model: str, setups: dict[str, dict], reps: int, threshold: float, make_prompts=prompts, max_tokens: int = 128
+) -> list[LatencyRow]:
     """Every setup (EngineConfig options) is an engine over the same target weights (drafts loaded once each);
     repetitions interleave the setups, so drift in the machine's speed hits all of them alike."""
     print(model, flush=True)
@@ -170,14 +247,16 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
         )
         for name, options in setups.items()
     }
-    prompt_ids = prompts(tokenizer)
-    params = SamplingParams(max_tokens=128, temperature=0.0)
+    prompt_ids = make_prompts(tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     longest = max(prompt_ids.values(), key=len)
     for engine in engines.values():  # warm-up: kernels, and memory touched once
         generate(engine, longest, SamplingParams(max_tokens=16))
     times = {(n, p): [] for n in engines for p in prompt_ids}
     ttfts = {(n, p): [] for n in engines for p in prompt_ids}
     discarded = {(n, p): 0 for n in engines for p in prompt_ids}
+    shares = {(n, p): [] for n in engines for p in prompt_ids}
+    measured = {(n, p): [] for n in engines for p in prompt_ids}  # every repetition, kept or not
     tokens, stats = {}, {}
     for rep in range(reps):
         for name, engine in engines.items():
@@ -187,6 +266,8 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
                     t0 = time.perf_counter()
                     tokens[name, prompt], ttft = generate(engine, ids, params)
                     seconds = time.perf_counter() - t0
+                shares[name, prompt].append(round(monitor.sample.other_share, 3))
+                measured[name, prompt].append((seconds, ttft))
                 if monitor.sample.is_contaminated(threshold):
                     discarded[name, prompt] += 1
                 else:
@@ -200,6 +281,11 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
                         old[1] + after.num_accepted_tokens - before.num_accepted_tokens,
                     )
         print(f"  repetition {rep + 1} of {reps} done", flush=True)
+    num_kept = {key: len(kept) for key, kept in times.items()}
+    for key, kept in times.items():
+        if not kept:  # every repetition was contaminated: use them all (the row shows 0 kept)
+            times[key] = [seconds for seconds, _ in measured[key]]
+            ttfts[key] = [ttft for _, ttft in measured[key]]
     rows = []
     for name in engines:
         for prompt in prompt_ids:
@@ -221,8 +307,11 @@ def latency_rows(model: str, setups: dict[str, dict], reps: int, threshold: floa
                     accepted / drafted if drafted else 0.0,
                     num * reps / max(num * reps - accepted, 1),  # a forward yields accepted + 1
                     tokens[name, prompt] == tokens["plain", prompt],
-                    len(times[name, prompt]),
+                    num_kept[name, prompt],
                     discarded[name, prompt],
+                    shares[name, prompt],
+                    [round(seconds, 3) for seconds, _ in measured[name, prompt]],
+                    min(t for t, _ in measured["plain", prompt]) / min(t for t, _ in measured[name, prompt]),
                 )
             )
             print(f"  {rows[-1]}", flush=True)
@@ -549,6 +638,103 @@ def format_trained_exits(results: dict) -> str:
 PROMPT_KINDS = ("code edit", "code completion", "extractive", "open chat")
 
 
+def edit_setups(ks: tuple[int, ...]) -> dict[str, dict]:
+    """Plain decoding, then prompt lookup (ngram) and the edit-following proposer (suffix) at each k."""
+    setups = {"plain": {}}
+    for k in ks:
+        for method in ("ngram", "suffix"):
+            setups[f"{method}, k <= {k}"] = dict(speculative=method, num_speculative_tokens=k)
+    return setups
+
+
+def edit_command(args) -> str:
+    return (
+        f"python benchmarks/speculative.py --workload edits --reps {args.reps} --edit-models {args.edit_models} "
+        f"--edit-ks {args.edit_ks} --edit-tokens {args.edit_tokens} --threshold {args.threshold}"
+    )
+
+
+def format_edits(rows: list[LatencyRow], runs: dict[str, dict]) -> str:
+    """`runs`: per model, the command and machine of the run that measured its rows."""
+    lines = [
+        "Measured: "
+        + "; ".join(f"{model} by `{run['command']}` on {run['machine']}" for model, run in runs.items())
+        + ". "
+        "bfloat16, batch 1, greedy, prefix caching off, each model's setups in one run over shared weights with "
+        "interleaved repetitions. Speedup = plain wall time / speculative wall time for the whole request "
+        "(median of the kept repetitions; where none was kept, of all); tokens/step = generated tokens per "
+        "target forward; other CPU = the share of both cores that other processes took in each repetition "
+        "(a repetition is kept when it is at most the run's --threshold).",
+        "",
+        "| model | proposer | edit | tokens | plain s | spec s | speedup | best-rep speedup | acceptance | "
+        "tokens/step | identical | kept / discarded | other CPU per rep |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in rows:
+        if r.proposer == "plain":
+            continue
+        lines.append(
+            f"| {r.model} | {r.proposer} | {r.prompt} | {r.num_tokens} | {r.plain_seconds:.2f} | {r.seconds:.2f} | "
+            f"{r.speedup:.2f}x | {f'{r.best_speedup:.2f}x' if r.rep_seconds else 'n/a'} | {r.acceptance:.2f} | "
+            f"{r.tokens_per_step:.2f} | "
+            f"{'yes' if r.identical else 'NO'} | {r.kept} / {r.discarded} | "
+            f"{', '.join(f'{x:.2f}' for x in r.other_shares)} |"
+        )
+    lines += [
+        "",
+        "Per model and proposer, over the five edits: workload speedup = the plain requests' summed time over the "
+        "speculative ones' (medians; best-rep: each request's fastest repetition); geometric mean of the "
+        "per-request speedups; mean acceptance and tokens/step:",
+        "",
+        "| model | proposer | workload speedup | best-rep workload speedup | geomean speedup | acceptance | "
+        "tokens/step | all identical |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for (model, proposer), group in _groups(rows).items():
+        workload = sum(r.plain_seconds for r in group) / sum(r.seconds for r in group)
+        best = "n/a"  # runs before per-repetition times were recorded
+        if all(r.rep_seconds for r in rows if r.model == model):
+            plain = {r.prompt: min(r.rep_seconds) for r in rows if r.model == model and r.proposer == "plain"}
+            best = f"{sum(plain[r.prompt] for r in group) / sum(min(r.rep_seconds) for r in group):.2f}x"
+        geomean = math.prod(r.speedup for r in group) ** (1 / len(group))
+        lines.append(
+            f"| {model} | {proposer} | {workload:.2f}x | {best} | {geomean:.2f}x | "
+            f"{statistics.mean(r.acceptance for r in group):.2f} | "
+            f"{statistics.mean(r.tokens_per_step for r in group):.2f} | "
+            f"{'yes' if all(r.identical for r in group) else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _groups(rows: list[LatencyRow]) -> dict[tuple[str, str], list[LatencyRow]]:
+    groups: dict[tuple[str, str], list[LatencyRow]] = {}
+    for r in rows:
+        if r.proposer != "plain":
+            groups.setdefault((r.model, r.proposer), []).append(r)
+    return groups
+
+
+def run_edits(args) -> None:
+    """`--workload edits`: the five held-out code edits, plain vs ngram vs suffix, per model."""
+    root = Path(args.results_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    saved = root / "edits.json"
+    results = json.loads(saved.read_text()) if saved.is_file() else {}
+    prefault(args.prefault_gib)
+    setups = edit_setups(tuple(int(k) for k in args.edit_ks.split(",")))
+    for model in args.edit_models.split(","):
+        rows = latency_rows(model, setups, args.reps, args.threshold, edit_prompts, args.edit_tokens)
+        results[model] = [asdict(r) for r in rows]
+        results.setdefault("runs", {})[model] = {"command": edit_command(args), "machine": describe_machine()}
+        saved.write_text(json.dumps(results, indent=2))
+    runs = results.pop("runs")
+    rows = [LatencyRow(**r) for model in runs for r in results[model]]
+    report = format_edits(rows, runs)
+    print(report)
+    if args.doc:
+        replace_section(Path(args.doc), "edit-speculation-results", report)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -563,7 +749,16 @@ def main() -> None:
     ap.add_argument("--exits-model", default=None, help="trained-exits part: a `leanlm train --exits` checkpoint")
     ap.add_argument("--results-dir", default="bench-results/speculative")
     ap.add_argument("--doc", default=None)
+    ap.add_argument(
+        "--workload", choices=("default", "edits"), default="default", help="edits: the held-out code edits only"
+    )
+    ap.add_argument("--edit-models", default=SMOL, help="edits: comma-separated models")
+    ap.add_argument("--edit-ks", default="4,8", help="edits: comma-separated num_speculative_tokens")
+    ap.add_argument("--edit-tokens", type=int, default=256, help="edits: most tokens per request")
     args = ap.parse_args()
+    if args.workload == "edits":
+        run_edits(args)
+        return
     parts = set(args.parts.split(","))
     root = Path(args.results_dir)
     root.mkdir(parents=True, exist_ok=True)

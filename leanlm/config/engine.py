@@ -240,8 +240,9 @@ class DecodingOptions:
     speculative: str | SpeculativeConfig | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "speculative decoding: ngram (prompt lookup) | lookahead (Jacobi + n-gram pool) | draft:MODEL | "
-            "self:K (the target's first K layers); default: off, one token a step"
+            "help": "speculative decoding: ngram (prompt lookup) | suffix (prompt lookup that resumes the copy after "
+            "an edit) | lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the target's first K layers); "
+            "default: off, one token a step"
         },
     )
     num_speculative_tokens: int = dataclasses.field(
@@ -325,7 +326,7 @@ class EarlyExitConfig:
         return cls(exits, measure)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "self", "lookahead")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "self", "lookahead")
 
 
 @dataclass(frozen=True)
@@ -336,15 +337,16 @@ class SpeculativeConfig:
     of step cost, where one step costs 1 + verify_overhead (when k > 0) + draft_cost * k.
     """
 
-    # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail; draft: a smaller
+    # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail; suffix: prompt
+    # lookup that follows the copied source and resumes it after an edit (edited code); draft: a smaller
     # model with the same tokenizer; self: the target's own first layers with its final norm and head;
     # lookahead: Jacobi iteration of the target itself plus an n-gram pool (no draft model)
     method: str
     draft_model: str | None = None  # draft: a bundled name, GGUF file or HF directory (a quantized copy works)
     num_draft_layers: int | None = None  # self: how many of the target's first layers draft
     num_speculative_tokens: int = 4  # most draft tokens per request and step (k)
-    prompt_lookup_min: int = 1  # ngram: shortest tail n-gram that may match
-    prompt_lookup_max: int = 4  # ngram: longest tail n-gram tried first
+    prompt_lookup_min: int = 1  # ngram, suffix: shortest tail n-gram that may match
+    prompt_lookup_max: int = 4  # ngram, suffix: longest tail n-gram tried first
     adaptive: bool = True  # adapt k to each request's acceptance rate; False always proposes up to k
     max_batch_size: int = 8  # steps sampling more requests than this do not speculate: verification stops paying
     verify_overhead: float = 0.2  # a verifying step's extra cost over a plain decode step (relative)
@@ -384,7 +386,7 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, spec: str, num_speculative_tokens: int = 4, max_batch_size: int = 8) -> SpeculativeConfig:
-        """From the CLI form: 'ngram', 'lookahead', 'draft:MODEL' or 'self:K'."""
+        """From the CLI form: 'ngram', 'suffix', 'lookahead', 'draft:MODEL' or 'self:K'."""
         counts = {"num_speculative_tokens": num_speculative_tokens, "max_batch_size": max_batch_size}
         method, _, arg = spec.strip().partition(":")
         if method == "draft":

@@ -1,8 +1,8 @@
 """Proposer: what SpecDecoder asks of a way to draft tokens, and the one chosen from a SpeculativeConfig.
 
-Three kinds implement it: prompt lookup (n-grams of the request's own text), lookahead (Jacobi iteration and an
-n-gram pool) and a draft model (a smaller model, or the target's first layers: DraftProposer). SpecDecoder
-holds exactly one and never asks which kind it is.
+Three kinds implement it: prompt lookup (n-grams of the request's own text; `suffix` follows the copy across
+edits), lookahead (Jacobi iteration and an n-gram pool) and a draft model (a smaller model, or the target's
+first layers: DraftProposer). SpecDecoder holds exactly one and never asks which kind it is.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from leanlm.config import SpeculativeConfig
 from leanlm.engine.lookahead_proposer import LookaheadProposer
 from leanlm.engine.ngram_proposer import NgramProposer
 from leanlm.engine.request import Request
+from leanlm.engine.suffix_proposer import SuffixProposer
 
 
 @dataclass
@@ -100,9 +101,23 @@ class Lookahead(PromptLookup):
         self.lookahead.forget(request_ids)
 
 
+class SuffixLookup(PromptLookup):
+    """Prompt lookup that follows the copied source across edits (SuffixProposer)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.suffix = SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, jobs: list[DraftJob]) -> Drafts:
+        tokens = [self.suffix.propose(job.request.request_id, job.token_ids, job.num_tokens) for job in jobs]
+        return Drafts(tokens, [None] * len(jobs))
+
+    def forget(self, request_ids) -> None:
+        self.suffix.forget(request_ids)
+
+
 # The proposers that need no model, by SpeculativeConfig.method; "draft" and "self" are DraftProposers, which the
 # model runner builds (they need the target's model and KV cache).
-TEXT_PROPOSERS: dict[str, type[PromptLookup]] = {"ngram": PromptLookup, "lookahead": Lookahead}
+TEXT_PROPOSERS: dict[str, type[PromptLookup]] = {"ngram": PromptLookup, "suffix": SuffixLookup, "lookahead": Lookahead}
 
 
 def build_proposer(config: SpeculativeConfig, model_proposer: Proposer | None = None) -> Proposer:

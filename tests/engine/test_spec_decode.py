@@ -120,13 +120,13 @@ def _repetitive_prompts(vocab: int) -> list[list[int]]:
     return [motif * 4, [rng.randrange(3, vocab) for _ in range(13)], motif * 2 + [rng.randrange(3, vocab)], few]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "lookahead", "draft", "self"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "lookahead", "draft", "self"])
 def test_greedy_speculation_equals_dense_greedy_under_chunking_and_preemption(make_tiny_engine, tokenizer, proposer):
     options = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=12)
     if proposer == "ngram":
         engine = _spec_engine(make_tiny_engine, **options)
-    elif proposer == "lookahead":
-        engine = make_tiny_engine(speculative="lookahead", **options)
+    elif proposer in ("suffix", "lookahead"):
+        engine = make_tiny_engine(speculative=proposer, **options)
     elif proposer == "draft":
         engine = _draft_engine(tokenizer, **options)
     else:
@@ -294,7 +294,7 @@ def plain_real_output():
     return tokens, first_tie
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "lookahead", "self:24", "draft:smollm2-135m-instruct"])
+@pytest.mark.parametrize("speculative", ["ngram", "suffix", "lookahead", "self:24", "draft:smollm2-135m-instruct"])
 def test_real_model_greedy_speculation_is_token_identical(plain_real_output, speculative):
     """SmolLM2, every proposer: the same tokens as plain greedy decoding. The draft model is SmolLM2 itself, so
     each of its drafts must be accepted (its own KV cache is right). On the native kernels (bfloat16) the whole
@@ -311,7 +311,7 @@ def test_real_model_greedy_speculation_is_token_identical(plain_real_output, spe
         assert out.token_ids[:first_tie] == plain[:first_tie] and first_tie >= 8, first_tie
     stats = llm.llm_engine.model_runner.spec_decoder.stats()
     assert stats.num_draft_tokens > 0
-    if speculative in ("ngram", "lookahead"):
+    if speculative in ("ngram", "suffix", "lookahead"):
         assert stats.num_accepted_tokens > 10
     if speculative.startswith("draft:"):
         assert stats.num_accepted_tokens == stats.num_draft_tokens
@@ -324,6 +324,9 @@ def test_draft_and_self_settings_are_parsed_and_checked(make_tiny_engine):
         EngineConfig.from_options(speculative="self:x")
     assert EngineConfig.from_options(speculative="self:3").speculative.num_draft_layers == 3
     assert EngineConfig.from_options(speculative="lookahead").speculative.method == "lookahead"
+    assert EngineConfig.from_options(speculative="suffix").speculative.method == "suffix"
+    with pytest.raises(ValueError, match="takes no argument"):
+        EngineConfig.from_options(speculative="suffix:2")
     with pytest.raises(ValueError, match="takes no argument"):
         EngineConfig.from_options(speculative="lookahead:3")
     assert EngineConfig.from_options(speculative="draft:some/dir").speculative.draft_model == "some/dir"
