@@ -39,7 +39,8 @@ def leanlm_rows(windows) -> list[list[str]]:
         models[label] = str(quantized_dir(gguf, kind, PEERS_DIR / "leanlm-checkpoints"))
     rows = []
     for label, model in models.items():
-        base, quant = LLM(model, enable_prefix_caching=False), LLM(model, enable_prefix_caching=False, act_quant="int8")
+        base = LLM(model, enable_prefix_caching=False, act_quant="none")
+        quant = LLM(model, enable_prefix_caching=False, act_quant="int8")
         r = kl_divergence(base, quant, windows, use_tqdm=False)
         rows.append(["LeanLM", label, "int8, groups of 32", f"{r.mean_kl:.4f}", f"{r.kl_quantile(0.99):.3f}",
                      f"{100 * r.top1_agreement:.1f}%", f"{r.base.perplexity:.3f}", f"{r.model.perplexity:.3f}",

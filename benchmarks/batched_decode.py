@@ -64,8 +64,8 @@ IN_PROCESS = ("codes", "codes-a8", "bf16", "int8", "int8-a8", "w8a8", "int4", "i
 RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("int8", "ov-int8"))
 RATIOS += (("w8a8", "ov-int8"), ("int4", "ov-int4"), ("bf16", "vllm"), ("codes-a8", "llama.cpp"))
 RATIOS += (("int8-a8", "ov-int8"), ("int4-a8", "ov-int4"))
-HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
-HEADERS |= {"int8": "LeanLM int8 RTN", "int4": "LeanLM int4 g64 RTN (head int8)"}
+HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes, 16-bit act", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
+HEADERS |= {"int8": "LeanLM int8 RTN, 16-bit act", "int4": "LeanLM int4 g64 RTN (head int8), 16-bit act"}
 HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)", "codes-a8": "LeanLM, Q4_1 codes, int8 act"}
 HEADERS |= {"int8-a8": "LeanLM int8 RTN, int8 act", "int4-a8": "LeanLM int4 g64 RTN, int8 act"}
 HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
@@ -352,13 +352,13 @@ def main() -> None:
             model, batch, dequantize, work, args.output_len, wl.shared, kv_cache_dtype=args.kv_cache_dtype, **options
         )
         for name, make in (
-            ("codes", lambda: lean(args.model)),
+            ("codes", lambda: lean(args.model, act_quant="none")),
             ("codes-a8", lambda: lean(args.model, act_quant="int8")),
             ("bf16", lambda: lean(args.model, True)),
-            ("int8", lambda: lean(str(checkpoint("int8", args.model)))),
+            ("int8", lambda: lean(str(checkpoint("int8", args.model)), act_quant="none")),
             ("int8-a8", lambda: lean(str(checkpoint("int8", args.model)), act_quant="int8")),
             ("w8a8", lambda: lean(str(checkpoint("w8a8", args.model)))),
-            ("int4", lambda: lean(str(checkpoint("int4", args.model)))),
+            ("int4", lambda: lean(str(checkpoint("int4", args.model)), act_quant="none")),
             ("int4-a8", lambda: lean(str(checkpoint("int4", args.model)), act_quant="int8")),
             ("hf", lambda: hf_runner(ensure_dense_dir(args.model), batch, work, args.output_len)),
             ("llama.cpp", lambda: llama_cpp_runner(args.model, batch, args.output_len, wl.llama_cpp_prompt, wl.shared)),

@@ -240,9 +240,8 @@ class DecodingOptions:
     speculative: str | SpeculativeConfig | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "speculative decoding: ngram (prompt lookup) | suffix (prompt lookup that resumes the copy after "
-            "an edit) | lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the target's first K layers); "
-            "default: off, one token a step"
+            "help": "speculative decoding: ngram (prompt lookup) | suffix (lookup resuming the copy after an edit) | "
+            "lookahead (Jacobi + n-gram pool) | draft:MODEL | self:K (the target's first K layers); default: off"
         },
     )
     num_speculative_tokens: int = dataclasses.field(
@@ -337,10 +336,9 @@ class SpeculativeConfig:
     of step cost, where one step costs 1 + verify_overhead (when k > 0) + draft_cost * k.
     """
 
-    # ngram: prompt lookup, the continuation of the latest earlier match of the context's tail; suffix: prompt
-    # lookup that follows the copied source and resumes it after an edit (edited code); draft: a smaller
-    # model with the same tokenizer; self: the target's own first layers with its final norm and head;
-    # lookahead: Jacobi iteration of the target itself plus an n-gram pool (no draft model)
+    # ngram: prompt lookup (the latest earlier match of the context's tail); suffix: lookup that follows the copied
+    # source and resumes it after an edit; draft: a smaller model with the same tokenizer; self: the target's own
+    # first layers with its final norm and head; lookahead: Jacobi iteration plus an n-gram pool (no draft model)
     method: str
     draft_model: str | None = None  # draft: a bundled name, GGUF file or HF directory (a quantized copy works)
     num_draft_layers: int | None = None  # self: how many of the target's first layers draft
