@@ -118,7 +118,7 @@ def test_smollm2_int8_activations_cost_little_and_the_loop_agrees(smollm_path):
     from leanlm.analysis.eval import kl_divergence, make_windows, read_text
     from leanlm.data import wikitext2_test_path
 
-    base = LLM(str(smollm_path), enable_prefix_caching=False, progress=False)
+    base = LLM(str(smollm_path), enable_prefix_caching=False, progress=False, act_quant="none")
     llm = LLM(str(smollm_path), enable_prefix_caching=False, progress=False, act_quant="int8")
     runner = llm.llm_engine.model_runner
     assert runner.act_quant_layers == 211  # 30 layers x 7 linears, and the head

@@ -76,10 +76,11 @@ class DynamicActQuant:
         return describe(self.out_features, self.in_features, call, call, packed, getattr(self, "perm", None))
 
 
-def _auto(module: DynamicActQuant, dtype: torch.dtype) -> bool:
-    """auto's choice: int8 activations where gemm_a8 itself runs the layer (bf16 model, weights on a CPU with
-    AVX512-VNNI); elsewhere the float reference would cost time for nothing."""
-    return dtype is torch.bfloat16 and module._a8_tensors()[0].is_cpu and cpu_a8.is_available()
+def _auto(reference: torch.Tensor) -> bool:
+    """auto's choice, from one of the model's float tensors: int8 activations where gemm_a8 itself runs the layers
+    (a bf16 model on a CPU with AVX512-VNNI); elsewhere the float reference would cost time for nothing. Decided
+    for the whole model, so offloaded layers (whose tensors are elsewhere until they run) choose as the rest."""
+    return reference.dtype is torch.bfloat16 and reference.device.type == "cpu" and cpu_a8.is_available()
 
 
 def set_activation_quant(model: nn.Module, mode: str) -> int:
@@ -88,11 +89,11 @@ def set_activation_quant(model: nn.Module, mode: str) -> int:
     whose K or groups gemm_a8 cannot take keeps 16-bit ones)."""
     if mode not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, not {mode!r}")
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    reference = next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
+    wanted = mode == "int8" or (mode == "auto" and _auto(reference))
     count = 0
     for module in model.modules():
         if isinstance(module, DynamicActQuant):
-            wanted = mode == "int8" or (mode == "auto" and _auto(module, dtype))
             on = wanted and module.supports_act_quant()
             module.act_quant = "int8" if on else "none"
             count += on
