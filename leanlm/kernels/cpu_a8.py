@@ -25,7 +25,7 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
     source=Path(__file__).with_name("gemm_a8.c"),
     symbol="leanlm_gemm_a8",
-    argtypes=[_P] * 6 + [_I64] * 3 + [_INT, _INT],
+    argtypes=[_P] * 6 + [_I64] * 3 + [_INT, _I64, _INT],
     restype=_INT,
     cpu_needs=("avx512_bf16", "avx512_vnni"),
 )
@@ -47,11 +47,11 @@ def shape_ok(in_features: int, group_size: int | None) -> bool:
 
 @dataclass(frozen=True)
 class PackedA8:
-    """Int4 or int8 codes [N, K] in the kernel's panels (gemm_a8.c), with their scales (int4: and mins) repeated
-    per activation group.
+    """Int4 or int8 codes [N, K] in the kernel's panels (gemm_a8.c), with their scales (int4: and mins).
 
     data: int8 [ceil(N / 32), K / 4, 32, 4] uint8 codes + 128; int4 [ceil(N / 32), K / 8, 2, 64] nibble pairs.
-    scales, mins: [ceil(N / 32), K / 32, 32] float32 (mins None for int8); bias [ceil(N / 32) * 32] float32 or None.
+    scales, mins: [ceil(N / 32), K / (32 span), 32] float32, one row per weight group of `span` activation groups
+    (per channel: one row, span K / 32); mins None for int8. bias: [ceil(N / 32) * 32] float32 or None.
     """
 
     data: torch.Tensor
@@ -59,6 +59,7 @@ class PackedA8:
     mins: torch.Tensor | None
     bias: torch.Tensor | None
     bits: int
+    span: int  # activation groups of 32 per weight scale
     out_features: int
     in_features: int
 
@@ -68,16 +69,16 @@ class PackedA8:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _per_act_group(t: torch.Tensor, N: int, K: int, group_size: int | None) -> torch.Tensor:
-    """[N] (per channel) or [N, K / group_size] -> [ceil(N / 32), K / 32, 32] float32, one value per act group."""
-    G = K // ACT_GROUP
-    t = t.detach().cpu().float()
-    if group_size is None:
-        t = t.reshape(N, 1).expand(N, G)
-    else:
-        t = t.reshape(N, -1).repeat_interleave(group_size // ACT_GROUP, 1)
+def _span(K: int, group_size: int | None) -> int:
+    """Activation groups per weight scale."""
+    return (K if group_size is None else group_size) // ACT_GROUP
+
+
+def _panel_scales(t: torch.Tensor, N: int) -> torch.Tensor:
+    """[N] (per channel) or [N, S] -> [ceil(N / 32), S, 32] float32: each panel's 32 columns side by side."""
+    t = t.detach().cpu().float().reshape(N, -1)
     Np = -(-N // NR) * NR
-    return F.pad(t, (0, 0, 0, Np - N)).view(Np // NR, NR, G).transpose(1, 2).contiguous()
+    return F.pad(t, (0, 0, 0, Np - N)).view(Np // NR, NR, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def _bias(bias: torch.Tensor | None, N: int) -> torch.Tensor | None:
@@ -103,7 +104,7 @@ def pack_int8(
     Np = -(-N // NR) * NR
     u = (F.pad(qweight.detach().cpu().to(torch.int16), (0, 0, 0, Np - N)) + 128).to(torch.uint8)  # [Np, K]
     data = u.view(Np // NR, NR, K // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return PackedA8(data, _per_act_group(scales, N, K, group_size), None, _bias(bias, N), 8, N, K)
+    return PackedA8(data, _panel_scales(scales, N), None, _bias(bias, N), 8, _span(K, group_size), N, K)
 
 
 def pack_int4(
@@ -123,10 +124,11 @@ def pack_int4(
     data = nibbles.permute(0, 3, 1, 2, 4).contiguous()  # [panel, j, half, column, t]: 128 bytes per quad pair
     return PackedA8(
         data,
-        _per_act_group(scales, N, K, group_size),
-        _per_act_group(mins, N, K, group_size),
+        _panel_scales(scales, N),
+        _panel_scales(mins, N),
         _bias(bias, N),
         4,
+        _span(K, group_size),
         N,
         K,
     )
@@ -152,7 +154,7 @@ def gemm(x: torch.Tensor, packed: PackedA8) -> torch.Tensor:
     x2 = x.reshape(-1, packed.in_features).contiguous()
     M, N, K = x2.shape[0], packed.out_features, packed.in_features
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    args = (x2, packed.data, packed.scales, packed.mins, packed.bias, y, M, N, K, packed.bits)
+    args = (x2, packed.data, packed.scales, packed.mins, packed.bias, y, M, N, K, packed.bits, packed.span)
     call(fn, _KERNEL.symbol, *args, torch.get_num_threads())
     return y.reshape(*x.shape[:-1], N)
 
@@ -166,8 +168,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 def native_call(packed: PackedA8 | None, out_features: int, in_features: int) -> NativeCall | None:
     """The decode loop's call of this kernel (at every row count): tensors the panels, scales, mins (or None) and
-    float32 bias, ints the weight bits; None where there is no packed weight of this [N, K]."""
+    float32 bias, ints the weight bits and the span; None where there is no packed weight of this [N, K]."""
     if packed is None or (packed.out_features, packed.in_features) != (out_features, in_features):
         return None
     tensors = (packed.data, packed.scales, packed.mins, packed.bias)
-    return NativeCall("a8", _CALL, tensors, (packed.bits,), owner=packed)
+    return NativeCall("a8", _CALL, tensors, (packed.bits, packed.span), owner=packed)

@@ -15,7 +15,8 @@
  *   int4: panel [K / 8, 2, 64]: for input quads 2j, 2j+1, 128 bytes; byte 4c' + t of half h (c = 16h + c') holds
  *         q[c, 8j + t] in its low nibble and q[c, 8j + 4 + t] in its high one, so one AND and one shift + AND
  *         give the two quads' zmm without a widening pass.
- *   scales (and int4 mins): [panels, K / 32, 32] float32, one 32-column row per act group.
+ *   scales (and int4 mins): [panels, K / (32 span), 32] float32, one 32-column row per weight group of `span`
+ *   act groups (per channel: span = K / 32, one row), so a step reads each scale once, as the weight holds it.
  * The micro-kernel keeps MR x 32 float sums and MR x 32 int32 group sums (MR <= 6: 24 zmm) while walking K.
  */
 
@@ -70,7 +71,7 @@ static void quantize_row(const uint16_t *x, int8_t *q, float *xs, float *r, int3
  * (stride G = K / 32). */
 ALWAYS_INLINE void micro(const int8_t *xq, const float *xs, const float *r, const int32_t *ibias,
                          const uint8_t *panel, const float *ws, const float *wm, const float *bias, uint16_t *y,
-                         int64_t K, int64_t ldy, __mmask32 cols, const int bits, const int MR) {
+                         int64_t K, int64_t span, int64_t ldy, __mmask32 cols, const int bits, const int MR) {
     const int64_t G = K / AG;
     __m512 out[MR_MAX][2];
     __m512i acc[MR_MAX][2];
@@ -111,7 +112,8 @@ ALWAYS_INLINE void micro(const int8_t *xq, const float *xs, const float *r, cons
                 }
             }
         }
-        const __m512 ws0 = _mm512_loadu_ps(ws + a * NR), ws1 = _mm512_loadu_ps(ws + a * NR + 16);
+        const int64_t g = a / span; /* the weight group of act group a */
+        const __m512 ws0 = _mm512_loadu_ps(ws + g * NR), ws1 = _mm512_loadu_ps(ws + g * NR + 16);
 #pragma GCC unroll 6
         for (int i = 0; i < MR; i++) {
             const __m512 s = _mm512_set1_ps(xs[i * G + a]);
@@ -119,7 +121,7 @@ ALWAYS_INLINE void micro(const int8_t *xq, const float *xs, const float *r, cons
             out[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1]), _mm512_mul_ps(ws1, s), out[i][1]);
         }
         if (bits == 4) {
-            const __m512 m0 = _mm512_loadu_ps(wm + a * NR), m1 = _mm512_loadu_ps(wm + a * NR + 16);
+            const __m512 m0 = _mm512_loadu_ps(wm + g * NR), m1 = _mm512_loadu_ps(wm + g * NR + 16);
 #pragma GCC unroll 6
             for (int i = 0; i < MR; i++) {
                 const __m512 rr = _mm512_set1_ps(r[i * G + a]);
@@ -141,13 +143,14 @@ ALWAYS_INLINE void micro(const int8_t *xq, const float *xs, const float *r, cons
 }
 
 typedef void (*micro_fn)(const int8_t *, const float *, const float *, const int32_t *, const uint8_t *,
-                         const float *, const float *, const float *, uint16_t *, int64_t, int64_t, __mmask32);
+                         const float *, const float *, const float *, uint16_t *, int64_t, int64_t, int64_t,
+                         __mmask32);
 
 #define DEFINE_MICRO(BITS, MR_)                                                                                  \
     static void micro_##BITS##_##MR_(const int8_t *xq, const float *xs, const float *r, const int32_t *ib,        \
                                      const uint8_t *panel, const float *ws, const float *wm, const float *bias,  \
-                                     uint16_t *y, int64_t K, int64_t ldy, __mmask32 cols) {                      \
-        micro(xq, xs, r, ib, panel, ws, wm, bias, y, K, ldy, cols, BITS, MR_);                                   \
+                                     uint16_t *y, int64_t K, int64_t span, int64_t ldy, __mmask32 cols) {        \
+        micro(xq, xs, r, ib, panel, ws, wm, bias, y, K, span, ldy, cols, BITS, MR_);                             \
     }
 DEFINE_MICRO(8, 1)
 DEFINE_MICRO(8, 2)
@@ -165,12 +168,14 @@ static const micro_fn MICRO8[MR_MAX + 1] = {0, micro_8_1, micro_8_2, micro_8_3, 
 static const micro_fn MICRO4[MR_MAX + 1] = {0, micro_4_1, micro_4_2, micro_4_3, micro_4_4, micro_4_5, micro_4_6};
 
 /* Exported entry point. x [M, K] bf16 (row stride K; K a multiple of 32, below 65536), packed panels (layout
- * above), scales and (bits 4) mins [ceil(N / 32), K / 32, 32] float32, bias (or NULL) [ceil(N / 32) * 32]
- * float32, y [M, N] bf16. Runs on up to num_threads threads. Returns 0, -1 on bad sizes or bits, -2 when the
- * row buffer cannot be allocated. */
+ * above), scales and (bits 4) mins [ceil(N / 32), K / (32 span), 32] float32, bias (or NULL) [ceil(N / 32) * 32]
+ * float32, y [M, N] bf16; span: act groups per weight scale. Runs on up to num_threads threads. Returns 0, -1 on
+ * bad sizes, bits or span, -2 when the row buffer cannot be allocated. */
 int leanlm_gemm_a8(const uint16_t *x, const uint8_t *packed, const float *scales, const float *mins,
-                   const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int bits, int num_threads) {
-    if (M < 0 || N < 0 || K <= 0 || K % AG || K >= 65536 || (bits != 4 && bits != 8) || (bits == 4 && !mins))
+                   const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int bits, int64_t span,
+                   int num_threads) {
+    if (M < 0 || N < 0 || K <= 0 || K % AG || K >= 65536 || (bits != 4 && bits != 8) || (bits == 4 && !mins) ||
+        span < 1 || (K / AG) % span)
         return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t G = K / AG, panels = (N + NR - 1) / NR, panel_bytes = bits == 8 ? K * NR : K * NR / 2;
@@ -193,11 +198,12 @@ int leanlm_gemm_a8(const uint16_t *x, const uint8_t *packed, const float *scales
         for (int64_t p = p_begin; p < p_end; p++) {
             const int64_t n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
             const __mmask32 cols = width == NR ? (__mmask32)0xffffffffu : (__mmask32)((1u << width) - 1u);
-            const float *ws = scales + p * G * NR, *wm = mins ? mins + p * G * NR : 0;
+            const int64_t scale_rows = G / span;
+            const float *ws = scales + p * scale_rows * NR, *wm = mins ? mins + p * scale_rows * NR : 0;
             for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
                 const int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;
                 table[mr](xq + m0 * K, xs + m0 * G, r + m0 * G, ibias + m0 * G, packed + p * panel_bytes, ws, wm,
-                          bias ? bias + n0 : 0, y + m0 * N + n0, K, N, cols);
+                          bias ? bias + n0 : 0, y + m0 * N + n0, K, span, N, cols);
             }
         }
     }
@@ -206,11 +212,11 @@ int leanlm_gemm_a8(const uint16_t *x, const uint8_t *packed, const float *scales
 }
 
 /* The decode loop's entry (linear_call.h), at every row count: tensors the panels, scales, mins (int4) or NULL,
- * float32 bias or NULL; ints[0] the weight bits (4 or 8). */
+ * float32 bias or NULL; ints[0] the weight bits (4 or 8), ints[1] the span (act groups per weight scale). */
 int leanlm_gemm_a8_call(const leanlm_linear_call *c, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
                         int64_t K, int threads, int64_t min_parallel_bytes) {
     (void)min_parallel_bytes;
     return leanlm_gemm_a8(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
                           (const float *)c->tensors[2], (const float *)c->tensors[3], y, M, N, K, (int)c->ints[0],
-                          threads);
+                          c->ints[1], threads);
 }

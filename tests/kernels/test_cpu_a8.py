@@ -76,17 +76,18 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(bits):
 
 def test_packed_layouts():
     """int8: panel p, quad kq, column c holds W[32p + c, 4kq .. 4kq + 3] + 128. int4: quad pair j, half h,
-    column c', byte t holds q[16h + c', 8j + t] | q[16h + c', 8j + 4 + t] << 4. Scales: one per act group."""
+    column c', byte t holds q[16h + c', 8j + t] | q[16h + c', 8j + 4 + t] << 4. Scales: one row per weight group."""
     q8 = (torch.arange(40 * 64) % 251 - 125).to(torch.int8).view(40, 64)
     p8 = cpu_a8.pack_int8(q8, torch.arange(40.0), None)
     assert p8.data.shape == (2, 16, 32, 4) and p8.data[1, 3, 3].tolist() == [int(v) + 128 for v in q8[35, 12:16]]
-    assert p8.scales.shape == (2, 2, 32) and p8.scales[1, 1, 3] == 35 and (p8.scales[1, :, 8:] == 0).all()
+    assert p8.scales.shape == (2, 1, 32) and p8.scales[1, 0, 3] == 35 and (p8.scales[1, :, 8:] == 0).all()
+    assert p8.span == 2
     q4 = (torch.arange(32 * 64) % 16).to(torch.uint8).view(32, 64)
     p4 = cpu_a8.pack_int4(q4, torch.ones(32, 1), torch.arange(32.0)[:, None], 64)
     assert p4.data.shape == (1, 8, 2, 16, 4)
     c, j, t = 16 + 5, 3, 2
     assert int(p4.data[0, j, 1, 5, t]) == int(q4[c, 8 * j + t]) | int(q4[c, 8 * j + 4 + t]) << 4
-    assert p4.mins.shape == (1, 2, 32) and p4.mins[0, 1, c] == c
+    assert p4.mins.shape == (1, 1, 32) and p4.mins[0, 0, c] == c and p4.span == 2
 
 
 def test_bad_arguments_are_refused():
