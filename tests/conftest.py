@@ -8,7 +8,6 @@ marked `real_model`, by the fixtures they use (REAL_MODEL_FIXTURES) or a `pytest
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import pytest
@@ -19,6 +18,7 @@ from leanlm.engine.engine import LLMEngine
 from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.registry import DEFAULT_MODEL, resolve_model
 from leanlm.model.llama import build_model
+from leanlm.model.offload import return_freed_memory
 from tests.tiny_tokenizer import tiny_tokenizer
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -52,16 +52,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _return_memory_after_each_module():
     """After a test module: collect its garbage (models in reference cycles) and hand glibc's freed heap pages back
@@ -69,8 +59,7 @@ def _return_memory_after_each_module():
     was killed for memory late in a run."""
     yield
     gc.collect()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    return_freed_memory()
 
 
 @pytest.fixture(scope="session")

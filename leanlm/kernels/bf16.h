@@ -27,6 +27,11 @@ ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+/* 16 bf16 values -> fp32 (a bf16 is the high half of an fp32) */
+ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* f32_to_bf16 of 16 lanes with integer ops (nearest-even, NaN kept quiet), in the low half of each 32-bit lane:
  * the same bits as the scalar, where vcvtneps2bf16 would flush denormals. */
 ALWAYS_INLINE __m512i f32x16_to_bf16_bits(__m512 f) {

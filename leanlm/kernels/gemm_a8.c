@@ -36,9 +36,6 @@
 #define AG 32              /* inputs per activation group */
 #define SCALE_FLOOR 1e-12f /* numerics._EPS: an all-zero group quantizes to zeros instead of NaN */
 
-ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 ALWAYS_INLINE __m512i round_codes(__m512 v, __m512 s) {
     /* IEEE division and round-half-even, as torch.round(x / scale); |x| <= amax keeps codes within +-127 */

@@ -30,10 +30,6 @@
 
 #define NR 32
 #define MR_MAX 12
-/* 16 bf16 values -> fp32 (a bf16 is the high half of an fp32) */
-ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 #define SCALE_FLOOR 1e-12f /* numerics._EPS: an all-zero row quantizes to zeros instead of NaN */
 

@@ -131,7 +131,7 @@ def _clear_derived(layer: nn.Module) -> None:
     if any(c.value is not None for c in caches):
         for cache in caches:
             cache.clear()
-        _return_freed_memory()
+        return_freed_memory()
 
 
 class OffloadedLayers:
@@ -260,12 +260,12 @@ def offload_layers(model: nn.Module, max_weight_memory: int, directory: str | No
         return None
     device = model.model.norm.weight.device
     offloaded = OffloadedLayers(model, plan, make_store(device, directory))
-    _return_freed_memory()
+    return_freed_memory()
     logger.info(offloaded.describe())
     return offloaded
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps freed chunks below its mmap threshold, which grows to
     32 MiB, in the heap: without this the process's RSS would not shrink). No-op without glibc."""
     if _MALLOC_TRIM is not None:
