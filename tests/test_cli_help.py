@@ -15,7 +15,7 @@ import pytest
 from leanlm.analysis.estimate_report import EstimateSettings
 from leanlm.analysis.load_generator import LoadConfig
 from leanlm.cli import build_parser, main
-from leanlm.config import DecodingOptions, EngineConfig, RouterConfig, ServeConfig
+from leanlm.config import DecodingOptions, EngineConfig, LongContextConfig, RouterConfig, ServeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,10 +57,11 @@ def test_every_option_of_every_command_has_help():
 
 
 @pytest.mark.parametrize(
-    "cls", [EngineConfig, DecodingOptions, ServeConfig, RouterConfig, LoadConfig, EstimateSettings]
+    "cls", [EngineConfig, DecodingOptions, LongContextConfig, ServeConfig, RouterConfig, LoadConfig, EstimateSettings]
 )
 def test_config_fields_carry_their_flag_help(cls):
-    spelled = {f.name for f in dataclasses.fields(DecodingOptions)}  # EngineConfig's typed fields: their flags
+    # EngineConfig's typed fields: flags of their own
+    spelled = {f.name for f in dataclasses.fields(DecodingOptions)} | {"long_context"}
     flags = [f for f in dataclasses.fields(cls) if cls is not EngineConfig or f.name not in spelled]
     assert all(f.metadata.get("help", "").strip() for f in flags), cls.__name__
 

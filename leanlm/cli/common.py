@@ -9,6 +9,7 @@ import typing
 
 from leanlm.config import DecodingOptions, EngineConfig
 from leanlm.config.engine import option_names
+from leanlm.config.long_context import LongContextConfig
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
@@ -54,8 +55,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="run a GGUF file's Q4_0/Q4_1/Q4_K linears on float weights dequantized at load, not on their codes",
     )
     # EngineConfig's typed speculative / early_exit are spelled by DecodingOptions' flags of the same names
-    add_dataclass_args(parser, EngineConfig, exclude=tuple(f.name for f in dataclasses.fields(DecodingOptions)))
+    typed = tuple(f.name for f in dataclasses.fields(DecodingOptions)) + ("long_context",)
+    add_dataclass_args(parser, EngineConfig, exclude=typed)
     add_dataclass_args(parser, DecodingOptions)
+    add_dataclass_args(parser, LongContextConfig)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -14,7 +14,8 @@ from leanlm.cli.common import (
     add_model_args,
     load_llm,
 )
-from leanlm.config import DecodingOptions, EngineConfig, RouterConfig, ServeConfig
+from leanlm.config import RouterConfig, ServeConfig
+from leanlm.config.engine import option_names
 
 # ServeConfig fields the front keeps for itself: each local replica listens on loopback with a key of its own.
 FRONT_ONLY = frozenset({"host", "port", "api_key", "metrics_key", "allowed_hosts", "forwarded_allow_ips", "threads"})
@@ -64,8 +65,7 @@ def replica_args(args: argparse.Namespace, config: ServeConfig) -> list[str]:
     """The flags each local replica gets: the model and engine flags as given, the ServeConfig flags but the
     front's own (FRONT_ONLY); the front adds host, port, threads and the key."""
     names = ["model", "dtype", "device", "dequantize_gguf"]
-    names += [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _decoding_names()]
-    names += [f.name for f in dataclasses.fields(DecodingOptions)]
+    names += sorted(option_names())
     values = {name: getattr(args, name) for name in names}
     values |= {f.name: getattr(config, f.name) for f in dataclasses.fields(ServeConfig) if f.name not in FRONT_ONLY}
     argv: list[str] = []
@@ -81,10 +81,6 @@ def replica_args(args: argparse.Namespace, config: ServeConfig) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def _decoding_names() -> set[str]:
-    return {f.name for f in dataclasses.fields(DecodingOptions)}
 
 
 def add_parser(sub) -> None:

@@ -1,16 +1,10 @@
 """Configuration as frozen dataclasses, validated on construction with messages that say what to do: the model
-(model.py), the engine and speculative decoding (engine.py), the server (serve.py) and its
-data-parallel router (router.py)."""
+(model.py), the engine (engine.py), speculative decoding and early exit (decoding.py), long inputs
+(long_context.py), the server (serve.py) and its data-parallel router (router.py)."""
 
-from leanlm.config.engine import (
-    EXIT_MEASURES,
-    KV_CACHE_DTYPES,
-    SPECULATIVE_METHODS,
-    DecodingOptions,
-    EarlyExitConfig,
-    EngineConfig,
-    SpeculativeConfig,
-)
+from leanlm.config.decoding import EXIT_MEASURES, SPECULATIVE_METHODS, EarlyExitConfig, SpeculativeConfig
+from leanlm.config.engine import KV_CACHE_DTYPES, DecodingOptions, EngineConfig
+from leanlm.config.long_context import LongContextConfig
 from leanlm.config.model import (
     DTYPES,
     MAX_POSITION_EMBEDDINGS,
@@ -32,6 +26,7 @@ __all__ = [
     "DecodingOptions",
     "EarlyExitConfig",
     "EngineConfig",
+    "LongContextConfig",
     "ModelConfig",
     "ROUTER_POLICIES",
     "RopeScaling",

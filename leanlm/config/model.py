@@ -11,9 +11,10 @@ import torch
 
 from leanlm.config.moe import MoEConfig, check_hf_expressible, moe_from_hf, moe_to_hf
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mixtral", "qwen2_moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
 # HF's class for each architecture (what `architectures` in config.json names)
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "mixtral": "MixtralForCausalLM",
               "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}  # fmt: skip
 _BIAS_DEFAULT = {"qwen2": True, "qwen2_moe": True}  # q/k/v bias when config.json does not say
 # The longest context we build rotary tables for: 2^20 positions x D/2 x cos/sin in float32 is already 512 MiB
@@ -86,6 +87,9 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the sparse MLP of the layers it names (leanlm.model.moe); None: dense
     qk_norm: bool = False  # RMSNorm over the whole q and k projections before rotary (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after projection (OLMoE, OLMo)
+    # sliding-window attention as trained (Mistral, Qwen2's use_sliding_window + max_window_layers, `layer_types`):
+    # layer i's queries read only the last layer_windows[i] tokens, themselves included; None or () : every token
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -131,6 +135,14 @@ class ModelConfig:
             raise ValueError(f"a {self.architecture} model needs its MoEConfig (moe=)")
         if self.moe is not None:
             check_hf_expressible(self.architecture, self.moe)
+        if self.layer_windows and (
+            len(self.layer_windows) != self.num_hidden_layers
+            or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.layer_windows)
+        ):
+            raise ValueError(
+                f"layer_windows needs one window (a token count >= 1, or None for full attention) per layer "
+                f"({self.num_hidden_layers}), got {self.layer_windows}"
+            )
         if self.qk_norm and self.architecture != "olmoe":
             raise ValueError("qk_norm (a norm over the whole q and k projections) is OLMoE's; use architecture='olmoe'")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -199,9 +211,6 @@ class ModelConfig:
                 )
         num_layers = int(cfg["num_hidden_layers"])
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        window = cfg.get("sliding_window") if model_type == "mixtral" else None
-        if window:  # attention over the window is full attention up to it: serve that much context, exactly
-            max_positions = min(max_positions, int(window))
         exits = cfg.get("leanlm_exits") or {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -228,6 +237,7 @@ class ModelConfig:
             moe=moe_from_hf(model_type, cfg, num_layers),
             qk_norm=model_type == "olmoe",
             clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+            layer_windows=hf_layer_windows(model_type, cfg, num_layers),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -262,6 +272,44 @@ class ModelConfig:
             cfg["clip_qkv"] = self.clip_qkv
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        cfg |= layer_windows_to_hf(self.architecture, self.layer_windows)
         if self.exit_layers:  # HF loaders ignore the key (and the exits' tensors)
             cfg["leanlm_exits"] = {"layers": list(self.exit_layers), "adapter_rank": self.exit_adapter_rank}
         return cfg
+
+
+def hf_layer_windows(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window from an HF config.json, as transformers reads it: `layer_types` where the
+    config lists them ("sliding_attention" layers get `sliding_window`); else Qwen2's use_sliding_window from layer
+    max_window_layers on; else, for Mistral and Mixtral, `sliding_window` on every layer. () when every layer is
+    full (HF leaves qwen2's window off unless use_sliding_window is set)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"config.json layer_types lists {len(types)} layers, the model has {num_layers}")
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"config.json layer_types has {sorted(unknown)}; leanlm runs full and sliding attention")
+        windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    elif model_type in ("qwen2", "qwen2_moe"):
+        start = int(cfg.get("max_window_layers", num_layers))
+        on = bool(cfg.get("use_sliding_window")) and window
+        windows = tuple(int(window) if on and i >= start else None for i in range(num_layers))
+    elif model_type in ("mistral", "mixtral") and window:
+        windows = (int(window),) * num_layers
+    else:
+        windows = ()
+    return windows if any(w is not None for w in windows) else ()
+
+
+def layer_windows_to_hf(architecture: str, windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """The config.json keys that give an HF loader these windows: `sliding_window` and `layer_types`."""
+    if not windows:
+        return {}
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"HF configs hold one sliding_window size; these layers have {sorted(sizes)}")
+    types = ["sliding_attention" if w is not None else "full_attention" for w in windows]
+    extra = {"use_sliding_window": True} if architecture in ("qwen2", "qwen2_moe") else {}
+    return {"sliding_window": sizes.pop(), "layer_types": types} | extra
