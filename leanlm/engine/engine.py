@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.config import EngineConfig
+from leanlm.config.long_context import STREAMING_CONTEXT
 from leanlm.engine.block_pool import BlockPool
 from leanlm.engine.early_exit import EarlyExitStats
 from leanlm.engine.executor import IsolatingExecutor
-from leanlm.engine.kv_cache import KVCacheManager
+from leanlm.engine.kv_cache import KVCacheManager, KVRetention
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
 from leanlm.engine.outputs import RequestOutput, SchedulerStats
@@ -28,6 +29,7 @@ from leanlm.engine.spec_decode import SpecStats
 from leanlm.engine.step_plan import StepPlan
 from leanlm.engine.swap_space import SwapSpace
 from leanlm.loading.tokenizer import Tokenizer
+from leanlm.model.attention_pattern import kv_window
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.moe import MoESizes, MoEStats, moe_stats
 from leanlm.sampling_params import SamplingParams
@@ -66,10 +68,12 @@ class LLMEngine:
         self.device = device
         context = self.model_config.max_position_embeddings
         self.max_model_len = min(engine_config.max_model_len or context, context)
+        if engine_config.long_context.streams:  # a window bounds every query: neither context length limits it
+            self.max_model_len = STREAMING_CONTEXT
         self.model_runner = ModelRunner(model, engine_config, device, model_dtype, draft_model, self.max_model_len)
         self._moe_sizes = MoESizes.of(model)  # weight bytes the MoE counters are read against (None: dense)
         pool = BlockPool(self.model_runner.num_blocks, enable_prefix_caching=engine_config.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(pool, engine_config.block_size)
+        self.kv_cache_manager = KVCacheManager(pool, engine_config.block_size, self._retention())
         self.output_processor = OutputProcessor(tokenizer)
         eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer.eos_token_ids))
         self.eos_token_ids = eos_ids
@@ -83,6 +87,14 @@ class LLMEngine:
         )
         self.executor = IsolatingExecutor(self.model_runner, self.scheduler)
         self._ids = itertools.count()
+
+    def _retention(self) -> KVRetention | None:
+        """What KV a sequence keeps when every layer reads a bounded window (trained or asked for); None: all."""
+        cfg = self.model_config
+        bounded = kv_window(self.model_runner.patterns, cfg.layer_windows, cfg.num_hidden_layers)
+        if bounded is None:
+            return None
+        return KVRetention(*bounded, max_step_tokens=self.engine_config.max_num_batched_tokens)
 
     def _swapper(self) -> Swapper | None:
         """Swap preemption over the runner's host pool, when the config allows it."""
@@ -120,7 +132,7 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        needed = self.kv_cache_manager.num_blocks_for(len(prompt_token_ids) + 1)
+        needed = self.kv_cache_manager.peak_blocks(len(prompt_token_ids) + 1)
         if needed > self.num_kv_blocks:
             raise ValueError(
                 f"the prompt needs {needed} KV blocks but the cache has {self.num_kv_blocks} "

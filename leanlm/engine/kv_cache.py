@@ -4,6 +4,7 @@ forks that share blocks copy-on-write (PagedAttention, Kwon et al. 2023; the has
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from leanlm.engine.block_pool import BlockPool, KVBlock
 from leanlm.engine.request import Request
@@ -19,6 +20,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Where a released block stood in a request's list: its position's KV is read by no query any more (it left every
+# layer's window). Never in the pool: a reference count no release reaches keeps it "shared", so nothing writes,
+# frees, swaps or copies it; its id fills the block table's slot, which no kernel reads.
+_RELEASED = KVBlock(block_id=0, ref_cnt=1 << 62)
+
+
+@dataclass(frozen=True)
+class KVRetention:
+    """The KV a sequence keeps when every layer's queries read a bounded window: its first `sinks` tokens and the
+    last `window` before any query (leanlm.model.attention_pattern.kv_retention)."""
+
+    window: int
+    sinks: int = 0
+    max_step_tokens: int = 1  # the most tokens one step adds to a sequence (a prompt chunk)
+
+
 class KVCacheManager:
     """Per-request block lists over one BlockPool.
 
@@ -28,11 +45,12 @@ class KVCacheManager:
     fork can share a partially filled block, and allocate_slots swaps it for a private copy before a write.
     """
 
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, retention: KVRetention | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_pool = block_pool
         self.block_size = block_size
+        self.retention = retention  # None: every token's KV stays until the request ends
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Hashes of each request's full blocks, computed once; survive preemption (tokens never change).
@@ -65,16 +83,48 @@ class KVCacheManager:
         """Blocks needed to hold `num_tokens` tokens."""
         return cdiv(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once: all of them, or under a retention its
+        sinks' blocks, the window's and one step's tokens (plus a partly read block at each end)."""
+        if self.retention is None:
+            return self.num_blocks_for(num_tokens)
+        r = self.retention
+        bounded = self.num_blocks_for(r.sinks) + self.num_blocks_for(r.window + r.max_step_tokens) + 1
+        return min(self.num_blocks_for(num_tokens), bounded)
+
     def too_big_message(self, request_id: str, num_tokens: int) -> str:
         """Why a request of `num_tokens` tokens can never run on this pool, and what to do."""
         return (
-            f"request {request_id!r} needs {self.num_blocks_for(num_tokens)} KV blocks for {num_tokens} "
+            f"request {request_id!r} needs {self.peak_blocks(num_tokens)} KV blocks for {num_tokens} "
             f"tokens but the pool has only {self.block_pool.num_blocks} blocks of {self.block_size} tokens; "
             f"give the engine more KV cache memory (num_kv_blocks) or lower max_model_len / the prompt length"
         )
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Pool blocks the request holds now (released ones not counted)."""
+        return sum(1 for block in self._req_to_blocks.get(request_id, ()) if block is not _RELEASED)
+
+    def _release_behind_window(self, request: Request, blocks: list[KVBlock]) -> list[KVBlock]:
+        """Give the pool back the blocks whose tokens no query from request.num_computed_tokens on reads: past the
+        sinks' blocks and wholly before the window of the earliest such query."""
+        r = self.retention
+        if r is None or not blocks:
+            return blocks
+        first_read = request.num_computed_tokens + 1 - r.window  # the window's start for the next query
+        end = min(len(blocks), max(0, first_read) // self.block_size)  # blocks [.., end) hold only older tokens
+        start = self.num_blocks_for(r.sinks)
+        gone = [i for i in range(start, end) if blocks[i] is not _RELEASED]
+        if not gone:
+            return blocks
+        self.block_pool.free_blocks(blocks[i] for i in reversed(gone))
+        blocks = list(blocks)
+        for i in gone:
+            blocks[i] = _RELEASED
+        self._req_to_blocks[request.request_id] = blocks
+        return blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks matching the request's tokens, and the tokens they cover.
@@ -103,7 +153,7 @@ class KVCacheManager:
         num_new_tokens tokens. Takes a reference on the prefix-hit blocks. Returns all its block ids, or
         None (changing nothing) when the pool cannot provide the blocks."""
         request_id = request.request_id
-        blocks = self._req_to_blocks.get(request_id, [])
+        blocks = self._release_behind_window(request, self._req_to_blocks.get(request_id, []))
         if new_computed_blocks and blocks:
             raise RuntimeError(f"request {request_id!r}: prefix-hit blocks are only accepted before allocation")
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -145,7 +195,7 @@ class KVCacheManager:
         blocks = parent_blocks[: self.num_blocks_for(num_computed)]
         if len(blocks) < self.num_blocks_for(num_computed):
             raise RuntimeError(f"request {parent.request_id!r} holds no KV blocks for its computed tokens")
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(block for block in blocks if block is not _RELEASED)
         self._req_to_blocks[child.request_id] = list(blocks)
         num_full = num_computed // self.block_size  # the child writes no token into these
         if parent.request_id in self._req_to_hashes:
@@ -207,7 +257,7 @@ class KVCacheManager:
         request_id = request.request_id
         swapped = self._swapped.pop(request_id, [])
         blocks = self._req_to_blocks.pop(request_id, [block for block in swapped if block is not None])
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(block for block in reversed(blocks) if block is not _RELEASED)
         self._num_cached_blocks.pop(request_id, None)
         if not keep_hashes:
             self._req_to_hashes.pop(request_id, None)
@@ -264,7 +314,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         for block_idx in range(num_cached, num_full):
-            self.block_pool.cache_full_block(blocks[block_idx], hashes[block_idx])
+            if blocks[block_idx] is not _RELEASED:
+                self.block_pool.cache_full_block(blocks[block_idx], hashes[block_idx])
         self._num_cached_blocks[request.request_id] = num_full
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:

@@ -22,6 +22,7 @@ from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, lo
 from leanlm.engine.spec_decode import SpecDecoder
 from leanlm.engine.step_plan import PromptRows, StepPlan, plan_step, split_microbatches
 from leanlm.engine.swap_space import HostKVPool
+from leanlm.model.attention_pattern import StepPatterns
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.linear.act_quant import set_activation_quant
@@ -82,6 +83,9 @@ class ModelRunner:
             device,
         )
         self.kv_cache_bytes = self.kv_cache.nbytes
+        # long inputs: the runtime attention patterns every forward carries (windows, sinks, prefill patterns)
+        self.patterns = StepPatterns.of(engine_config.long_context)
+        self.streams = engine_config.long_context.streams  # positions may run past the rotary table: grow it
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
@@ -150,7 +154,11 @@ class ModelRunner:
         self.move_blocks(plan)
         if not plan.num_tokens:
             return torch.zeros(0, self.config.vocab_size, device=self.device)
-        ctx = build_forward_context(plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache)
+        if self.streams:
+            self.model.rotary_emb.ensure(max(plan.seq_lens))
+        ctx = build_forward_context(
+            plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache, self.patterns, self._sink_rotary
+        )
         if plan.expert_subsets:
             ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
         started = time.perf_counter()
@@ -164,6 +172,9 @@ class ModelRunner:
         if self.spec_decoder is not None and ctx.is_all_decode:
             self.spec_decoder.record_target_step(time.perf_counter() - started)
         return self.model.compute_logits(hidden[plan.logit_rows])
+
+    def _sink_rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rotary_emb(positions, self.model.model.embed_tokens.weight.dtype)
 
     def _sample(
         self,

@@ -291,7 +291,7 @@ class Scheduler:
     def _fail_if_never_fits(self, request: Request) -> bool:
         """Fail the request when its tokens need more blocks than the whole pool (it would otherwise be
         chunked in, run out of blocks, preempt itself and start over forever)."""
-        if self.kv_cache_manager.num_blocks_for(request.num_tokens) <= self.kv_cache_manager.block_pool.num_blocks:
+        if self.kv_cache_manager.peak_blocks(request.num_tokens) <= self.kv_cache_manager.block_pool.num_blocks:
             return False
         self._fail_in_schedule(request, self.kv_cache_manager.too_big_message(request.request_id, request.num_tokens))
         return True

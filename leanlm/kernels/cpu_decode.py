@@ -24,7 +24,7 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(
     source=Path(__file__).with_name("decode_layers.c"),
     symbol="leanlm_decode_layers",
-    argtypes=[_P] * 3 + [_I64] + [_P] * 4 + [_I64] * 2 + [_P, _INT],
+    argtypes=[_P] * 3 + [_I64] + [_P] * 4 + [_I64] * 2 + [_P, _INT, _P, _P],
     restype=_INT,
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
@@ -286,10 +286,14 @@ class DecodeLayers:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         max_seq_len: int,
+        layer_bounds: torch.Tensor | None = None,
+        sink_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [M, hidden] bf16 embeddings of M <= max_rows decode tokens (one per request; overwritten with the
         residual stream) -> final-normed hidden [M, hidden]. positions, slots, seq_lens [M] and block_tables
-        [M, max_blocks]: contiguous CPU int64. The caches given to the last successful bind_kv are used."""
+        [M, max_blocks]: contiguous CPU int64. The caches given to the last successful bind_kv are used.
+        layer_bounds [L, M, 3] int64: each layer's (lo, sinks, stride) per row (leanlm.model.attention_pattern);
+        sink_positions [M] int64: where the sinks' query is rotated; None: every key, no sink query."""
         if not self._has_kv:
             raise RuntimeError("the native decode loop has no KV cache bound: call bind_kv first")
         M = x.shape[0]
@@ -301,6 +305,15 @@ class DecodeLayers:
             and x.is_contiguous()
             and x.shape[1] == self.hidden
             and all(t.dtype is torch.int64 and t.is_cpu and t.is_contiguous() and t.shape[0] == M for t in index)
+            and (sink_positions is None or (sink_positions.dtype is torch.int64 and sink_positions.shape == (M,)))
+            and (
+                layer_bounds is None
+                or (
+                    layer_bounds.dtype is torch.int64
+                    and layer_bounds.is_contiguous()
+                    and layer_bounds.shape == (len(self._layers), M, 3)
+                )
+            )
         ):
             raise ValueError(
                 f"the native decode loop takes 1-{self.max_rows or 'any number of'} contiguous bf16 rows of "
@@ -322,6 +335,8 @@ class DecodeLayers:
             max_seq_len,
             self._scratch.data_ptr(),
             torch.get_num_threads(),
+            None if layer_bounds is None else layer_bounds.data_ptr(),
+            None if sink_positions is None else sink_positions.contiguous().data_ptr(),
         )
         if rc != 0:
             raise RuntimeError(f"leanlm_decode_layers failed (code {rc}); positions {positions.tolist()}")

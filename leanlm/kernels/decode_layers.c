@@ -30,10 +30,11 @@
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, NUM_LINEARS };
 
 typedef int (*attention_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, const int64_t *,
-                            uint16_t *, int, int, int, int, int, int, int64_t, float, int);
+                            uint16_t *, int, int, int, int, int, int, int64_t, float, int, const int64_t *,
+                            const uint16_t *);
 typedef int (*attention_int8_fn)(const uint16_t *, const int8_t *, const int8_t *, const float *, const float *,
                                  const int64_t *, const int64_t *, uint16_t *, int, int, int, int, int, int, int64_t,
-                                 float, int);
+                                 float, int, const int64_t *, const uint16_t *);
 
 /* One linear layer y = x W^T + b: its kernels as calls (linear_call.h), each reading the layer's own tensors.
  * Every field is 8 bytes (no padding), so the ctypes mirror in native_linear.py lays it out identically. */
@@ -387,7 +388,8 @@ static int moe_mlp(const decode_model *m, const decode_moe *moe, const uint16_t 
  * Returns 0, a negative kernel status, or -20 for a position outside the rotary table. */
 static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
                       const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
-                      int64_t max_seq_len, uint16_t *scratch, int threads, const moe_work *work) {
+                      int64_t max_seq_len, uint16_t *scratch, int threads, const moe_work *work,
+                      const int64_t *layer_bounds, const int64_t *sink_positions, uint16_t *q_sink) {
     const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, hid = m->hidden, I = m->intermediate;
     uint16_t *h = scratch;          /* [M, hidden]: normed input, then o_proj / down_proj output */
     uint16_t *q = h + M * hid;      /* [M, H, D] */
@@ -399,7 +401,9 @@ static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t
     uint16_t *acc = up + M * I;     /* [M, hidden]: a MoE layer's output (only a model with MoE layers has it) */
     uint16_t *permuted = acc + (work->experts != NULL ? M * hid : 0); /* [M, K] of a permuted linear */
     for (int64_t t = 0; t < M; t++)
-        if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
+        if (positions[t] < 0 || positions[t] >= m->rope_positions ||
+            (sink_positions && (sink_positions[t] < 0 || sink_positions[t] >= m->rope_positions)))
+            return -20;
     for (int64_t li = 0; li < m->num_layers; li++) {
         const decode_layer *layer = m->layers + li;
         const decode_linear *lin = layer->linears;
@@ -412,17 +416,23 @@ static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t
 #pragma omp parallel for num_threads(row_threads(M, threads)) schedule(static)
         for (int64_t t = 0; t < M; t++) {
             const float *c = m->cos + positions[t] * (D / 2), *s = m->sin + positions[t] * (D / 2);
+            if (q_sink != NULL) { /* the query the sinks are scored with: rotated at their re-based position */
+                memcpy(q_sink + t * H * D, q + t * H * D, (size_t)(H * D) * sizeof(uint16_t));
+                rotary(q_sink + t * H * D, H, D, m->cos + sink_positions[t] * (D / 2), m->sin + sink_positions[t] * (D / 2));
+            }
             rotary(q + t * H * D, H, D, c, s);
             rotary(k + t * Hkv * D, Hkv, D, c, s);
             store_kv(m, layer, k + t * Hkv * D, v + t * Hkv * D, slots[t]);
         }
+        const int64_t *bounds = layer_bounds != NULL ? layer_bounds + li * M * 3 : NULL;
         if (layer->k_scales != NULL)
             rc = m->attention_int8(q, layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales, block_tables,
                                    seq_lens, attn, (int)M, (int)H, (int)Hkv, (int)D, (int)m->block_size,
-                                   (int)max_blocks, max_seq_len, (float)m->scale, threads);
+                                   (int)max_blocks, max_seq_len, (float)m->scale, threads, bounds, q_sink);
         else
             rc = m->attention(q, layer->k_cache, layer->v_cache, block_tables, seq_lens, attn, (int)M, (int)H, (int)Hkv,
-                              (int)D, (int)m->block_size, (int)max_blocks, max_seq_len, (float)m->scale, threads);
+                              (int)D, (int)m->block_size, (int)max_blocks, max_seq_len, (float)m->scale, threads,
+                              bounds, q_sink);
         if (rc) return rc;
         if ((rc = run_linear(m, lin + O_PROJ, attn, h, M, threads, permuted))) return rc;
         add_rows(x, h, M, hid, threads);
@@ -446,9 +456,12 @@ static int run_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t
 /* M decode tokens, one per request, through every layer and the final norm (see run_layers); MoE layers' routing
  * arrays are allocated here, once per call. Returns 0, a negative kernel status, -20 for a position outside the
  * rotary table, -30 for a router the loop cannot take, -31 when memory runs out. */
+/* layer_bounds: NULL (every layer reads every key), or [num_layers, M, 3] int64 (lo, sinks, stride) per layer and
+ * row, as the attention kernel takes them; sink_positions: NULL, or [M] positions the sinks' query is rotated at. */
 int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int64_t M, const int64_t *positions,
                          const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
-                         int64_t max_seq_len, uint16_t *scratch, int threads) {
+                         int64_t max_seq_len, uint16_t *scratch, int threads, const int64_t *layer_bounds,
+                         const int64_t *sink_positions) {
     int64_t k = 0;
     for (int64_t li = 0; li < m->num_layers; li++)
         if (m->layers[li].moe.router != NULL && m->layers[li].moe.top_k > k) k = m->layers[li].moe.top_k;
@@ -467,8 +480,15 @@ int leanlm_decode_layers(const decode_model *m, uint16_t *x, uint16_t *out, int6
         work.up = work.gate + a * I;
         work.permuted = work.up + a * I;
     }
+    uint16_t *q_sink = NULL;
+    if (sink_positions != NULL &&
+        (q_sink = malloc((size_t)(M * m->num_heads * m->head_dim) * sizeof(uint16_t))) == NULL) {
+        free(block);
+        return -31;
+    }
     const int rc = run_layers(m, x, out, M, positions, slots, block_tables, seq_lens, max_blocks, max_seq_len, scratch,
-                              threads, &work);
+                              threads, &work, layer_bounds, sink_positions, q_sink);
+    free(q_sink);
     free(block);
     return rc;
 }

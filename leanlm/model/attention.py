@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.kernels import paged_attention
+from leanlm.model.attention_pattern import layer_pattern
 from leanlm.model.context import ForwardContext, PrefillSpan
 from leanlm.model.kv_quant import dequantize_kv, store_kv
 from leanlm.model.paged_kv import LayerKV
+from leanlm.model.sparse_attention import sparse_attention
 
 
 class AttentionBackend(Protocol):
@@ -31,6 +33,8 @@ class AttentionBackend(Protocol):
         kv: LayerKV,  # this layer's paged cache; new K/V are written into it
         scale: float,
         ctx: ForwardContext,
+        window: int | None = None,  # the layer's trained sliding window; None: full
+        q_sink: torch.Tensor | None = None,  # [T, H, D]: q rotated at the re-based sink positions (ctx.sink_rope)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -65,12 +69,37 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, q, k, v, kv: LayerKV, scale, ctx):
+    def forward(self, q, k, v, kv: LayerKV, scale, ctx, window=None, q_sink=None):
         # Store first: every new token's K/V is in the cache before any request of the batch reads it. Fresh
         # K/V are then read as stored (an 8-bit cache's rounding included), like the cached prefix.
         k = store_kv(kv.k_cache, kv.k_scales, k, ctx.kv_write_index)
         v = store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
-        return self.attend(q, k, v, kv, scale, ctx)
+        decode = layer_pattern(ctx.patterns.decode, window)
+        prefill = layer_pattern(ctx.patterns.prefill, window)
+        if decode is None and prefill is None:
+            return self.attend(q, k, v, kv, scale, ctx)
+        return self.attend_pattern(q, q_sink, k, v, kv, scale, ctx, decode, prefill)
+
+    def attend_pattern(self, q, q_sink, k, v, kv: LayerKV, scale, ctx: ForwardContext, decode, prefill):
+        """Attention of every row under a pattern (decode rows under `decode`, prompt chunks under `prefill`; None:
+        every key, as `attend` runs them), one request at a time over the keys its rows read (sparse_attention)."""
+        out = torch.empty_like(q)
+        if ctx.decode_max_seq_len and decode is None:
+            out[ctx.decode_token_idx] = self.decode(q[ctx.decode_token_idx], kv, scale, ctx)
+        elif ctx.decode_max_seq_len:
+            table, lens = ctx.decode_block_tables, ctx.decode_seq_lens.tolist()
+            for i, row in enumerate(ctx.decode_token_idx.tolist()):
+                rows = slice(row, row + 1)
+                qs = None if q_sink is None else q_sink[rows]
+                out[rows] = sparse_attention(q[rows], qs, kv, table[i], lens[i], scale, decode)
+        for span in ctx.prefills:
+            rows = slice(span.token_start, span.token_end)
+            if prefill is None:
+                out[rows] = _prefill(q, k, v, kv, scale, span)
+            else:
+                qs = None if q_sink is None else q_sink[rows]
+                out[rows] = sparse_attention(q[rows], qs, kv, span.block_ids, span.seq_len, scale, prefill)
+        return out
 
     def attend(self, q, k, v, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
         """Attention of every row once the step's K/V are in the cache (k, v: the new rows, as stored)."""
@@ -94,6 +123,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
+    def attend_pattern(self, q, q_sink, k, v, kv: LayerKV, scale, ctx: ForwardContext, decode, prefill):
+        """The kernel reads each row's pattern as (lo, sinks, stride) bounds: only the keys it attends."""
+        if not paged_attention.should_use(q, kv.k_cache, kv.k_scales):
+            return super().attend_pattern(q, q_sink, k, v, kv, scale, ctx, decode, prefill)
+        if ctx.is_all_decode:
+            bounds = ctx.decode_bounds(decode)
+            tables, seq_lens, max_len = ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
+        else:
+            bounds = ctx.token_bounds(decode, prefill)
+            tables, seq_lens, max_len = ctx.token_rows
+        return self._paged(q, kv, scale, tables, seq_lens, max_len, bounds, q_sink)
+
     def attend(self, q, k, v, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
         """Steps with prompt chunks run every token as a row of the decode kernel too: query t reads its request's
         blocks up to its own position, which is causal attention. One call for the whole step, no gathered copy
@@ -111,11 +152,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return self._paged(q, kv, scale, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len)
 
     @staticmethod
-    def _paged(q, kv: LayerKV, scale, tables, seq_lens, max_len: int) -> torch.Tensor:
+    def _paged(q, kv: LayerKV, scale, tables, seq_lens, max_len: int, bounds=None, q_sink=None) -> torch.Tensor:
         if kv.k_scales is None:
-            return paged_attention.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, seq_lens, max_len, scale)
+            return paged_attention.paged_decode_attention(
+                q, kv.k_cache, kv.v_cache, tables, seq_lens, max_len, scale, bounds, q_sink
+            )
         return paged_attention.paged_decode_attention_int8(
-            q, kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales, tables, seq_lens, max_len, scale
+            q, kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales, tables, seq_lens, max_len, scale, bounds, q_sink
         )
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
+from leanlm.model.attention_pattern import AttentionPattern, StepPatterns, row_bounds, sink_positions
 from leanlm.model.paged_kv import PagedKVCache
 
 
@@ -48,6 +49,12 @@ class ForwardContext:
     prefills: tuple[PrefillSpan, ...]
     # [T, E] bool: the experts each token may use (static task routing: requests that pin an expert subset); None: all
     expert_mask: torch.Tensor | None = None
+    # Long inputs (leanlm.model.attention_pattern): the runtime patterns every layer narrows to its trained window;
+    # with re-based sinks, each row's sink position [T] and its rotary (cos, sin [T, 1, D/2], the model's dtype)
+    patterns: StepPatterns = StepPatterns()
+    sink_positions: torch.Tensor | None = None
+    sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    _bounds: dict = field(default_factory=dict, repr=False, compare=False)  # row_bounds per pattern pair, per step
 
     @property
     def num_requests(self) -> int:
@@ -65,6 +72,36 @@ class ForwardContext:
         )  # rows of its request after this one, itself included
         seq_lens = ends - after + 1
         return tables, seq_lens, int(self.seq_lens.max())
+
+    def decode_bounds(self, pattern: AttentionPattern | None) -> torch.Tensor | None:
+        """[Bd, 3] long (lo, sinks, stride) of the decode rows under `pattern`; None: every key."""
+        key = ("decode", pattern)
+        if key not in self._bounds:
+            self._bounds[key] = row_bounds(self.decode_seq_lens, pattern)
+        return self._bounds[key]
+
+    def token_bounds(self, decode: AttentionPattern | None, prefill: AttentionPattern | None) -> torch.Tensor | None:
+        """[T, 3] long (lo, sinks, stride) of every batch row (token_rows' order): a decode's under `decode`, a prompt
+        token's under `prefill`; None: every row reads every key."""
+        key = ("tokens", decode, prefill)
+        if key not in self._bounds:
+            self._bounds[key] = self._token_bounds(decode, prefill)
+        return self._bounds[key]
+
+    def _token_bounds(self, decode: AttentionPattern | None, prefill: AttentionPattern | None) -> torch.Tensor | None:
+        if decode is None and prefill is None:
+            return None
+        seq_lens = self.token_rows[1]
+        num_rows = seq_lens.shape[0]
+        out = torch.zeros(num_rows, 3, dtype=torch.long, device=seq_lens.device)  # lo 0: every key
+        is_prompt = torch.zeros(num_rows, dtype=torch.bool, device=seq_lens.device)
+        for span in self.prefills:
+            is_prompt[span.token_start : span.token_end] = True
+        for pattern, rows in ((decode, ~is_prompt), (prefill, is_prompt)):
+            bounds = row_bounds(seq_lens, pattern)
+            if bounds is not None:
+                out[rows] = bounds[rows]
+        return out
 
 
 _state = threading.local()
@@ -100,10 +137,16 @@ def current_expert_mask(num_tokens: int) -> torch.Tensor | None:
 
 
 def build_forward_context(
-    query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]], kv_cache: PagedKVCache
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_ids: list[list[int]],
+    kv_cache: PagedKVCache,
+    patterns: StepPatterns = StepPatterns(),
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> ForwardContext:
     """Lay out B requests' metadata: query_lens[i] new tokens ending at seq_lens[i], KV in block_ids[i] of
-    `kv_cache` (whose block size, KV heads and device the layout follows)."""
+    `kv_cache` (whose block size, KV heads and device the layout follows). With runtime attention `patterns` that
+    re-base sinks, `rotary(positions)` gives the sinks' query rotation (cos, sin) for each row."""
     block_size, num_kv_heads, device = kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.device
     num_reqs = len(query_lens)
     max_blocks = max(len(b) for b in block_ids)
@@ -146,4 +189,17 @@ def build_forward_context(
         decode_seq_lens=as_tensor(decode_seq),
         decode_max_seq_len=max(decode_seq, default=0),
         prefills=prefills,
+        patterns=patterns,
+        **_sink_fields(query_lens, seq_lens, patterns, rotary, device),
     )
+
+
+def _sink_fields(query_lens: list[int], seq_lens: list[int], patterns: StepPatterns, rotary, device) -> dict:
+    """sink_positions and sink_rope of a step whose patterns re-base sinks (one pattern for every row); else none."""
+    if not patterns.rebases:
+        return {}
+    if rotary is None:
+        raise ValueError("attention sinks are re-based through the model's rotary table: pass rotary=")
+    row_lens = torch.tensor([s - q + 1 + i for q, s in zip(query_lens, seq_lens) for i in range(q)], dtype=torch.long)
+    positions = sink_positions(row_lens, patterns.decode).to(device)
+    return {"sink_positions": positions, "sink_rope": rotary(positions)}

@@ -157,10 +157,24 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
         # Buffers stay float32 (not saved): the table is exact and small.
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def ensure(self, num_positions: int) -> None:
+        """Grow the table to hold positions 0 .. num_positions - 1 (past the model's context: a bounded window
+        keeps every query's distance to its keys within what the model was trained on), doubling at least. The
+        new rows' angles are taken in float64, so far positions keep their accuracy; the old rows stay as they are."""
+        have = self.cos.shape[0]
+        if num_positions <= have:
+            return
+        size = max(num_positions, 2 * have)
+        positions = torch.arange(have, size, dtype=torch.float64, device=self.cos.device)
+        freqs = torch.outer(positions, self.inv_freq.double())  # [new, D/2]
+        self.cos = torch.cat((self.cos, freqs.cos().float()))
+        self.sin = torch.cat((self.sin, freqs.sin().float()))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [T], each [T, 1, D/2] in the compute dtype; looked up once per forward.

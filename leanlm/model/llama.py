@@ -40,6 +40,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(kv_size, config.rms_norm_eps) if config.qk_norm else None
         self.clip_qkv = config.clip_qkv
         self.backend = backend
+        # a sliding window the model was trained with: queries read only the last `window` keys (None: all)
+        self.window = config.layer_windows[layer_idx] if config.layer_windows else None
 
     def _project(self, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None, heads: int) -> torch.Tensor:
         """x [T, hidden] -> [T, heads, D] through `proj`, then `norm` and the clamp where the model has them."""
@@ -56,8 +58,10 @@ class LlamaAttention(nn.Module):
         q = self._project(x, self.q_proj, self.q_norm, self.num_heads)  # [T, H, D]
         k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)  # [T, Hkv, D]
         v = self._project(x, self.v_proj, None, self.num_kv_heads)
+        q_sink = None if ctx.sink_rope is None else apply_rotary(q, *ctx.sink_rope)  # the re-based sinks' query
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.backend.forward(q, k, v, ctx.kv_cache.layer(self.layer_idx), self.scale, ctx)
+        kv = ctx.kv_cache.layer(self.layer_idx)
+        out = self.backend.forward(q, k, v, kv, self.scale, ctx, self.window, q_sink)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:

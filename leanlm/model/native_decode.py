@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from leanlm.kernels import cpu_decode, paged_attention
+from leanlm.model.attention_pattern import layer_pattern
 from leanlm.model.context import ForwardContext
 from leanlm.model.moe import Router, SparseMoeBlock
 from leanlm.model.paged_kv import PagedKVCache
@@ -176,6 +177,7 @@ class NativeDecodePlan:
         self.snapshot = ModuleSnapshot(_modules_read(model))
         self._model = weakref.ref(model)  # the plan lives on the model: no cycle
         self._layer_ids = [layer.self_attn.layer_idx for layer in model.model.layers]
+        self._windows = [layer.self_attn.window for layer in model.model.layers]  # trained sliding windows
         self._moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self._few = _BoundLoop(_build_loop(model, packed=False), self._layer_ids)
         self._many: _BoundLoop | None = None
@@ -214,5 +216,22 @@ class NativeDecodePlan:
         if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]):
             return None
         return bound.loop(
-            x, positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_seq_lens, ctx.decode_max_seq_len
+            x,
+            positions,
+            ctx.slot_mapping,
+            ctx.decode_block_tables,
+            ctx.decode_seq_lens,
+            ctx.decode_max_seq_len,
+            self._layer_bounds(ctx),
+            ctx.sink_positions,
         )
+
+    def _layer_bounds(self, ctx: ForwardContext) -> torch.Tensor | None:
+        """[L, M, 3] long: each layer's (lo, sinks, stride) per decode row; None when every layer reads every key."""
+        patterns = [layer_pattern(ctx.patterns.decode, w) for w in self._windows]
+        if all(p is None for p in patterns):
+            return None
+        rows = ctx.decode_seq_lens.shape[0]
+        full = torch.zeros(rows, 3, dtype=torch.long)  # lo 0: every key
+        per_layer = [ctx.decode_bounds(p) for p in patterns]
+        return torch.stack([full if b is None else b for b in per_layer])
