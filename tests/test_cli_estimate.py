@@ -61,6 +61,23 @@ def test_estimate_plot_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_estimate_long_context_compares_window_and_budget_with_full_attention(capsys):
+    argv = ["estimate", "--model", "llama-3.1-8b", "--attention-window", "1024", "--sinks", "4", "--kv-budget", "32768"]
+    assert main([*argv, "--json"]) == 0
+    lc = json.loads(capsys.readouterr().out)["long_context"]
+    kv_token = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x L x Hkv x D x 2 bytes
+    assert [r["context"] for r in lc["rows"]] == [4096, 8192, 16384, 32768, 65536, 131072]
+    last = lc["rows"][-1]
+    assert last["full"]["kv_bytes"] == 131072 * kv_token
+    assert last["window"]["kv_bytes"] == 1028 * kv_token and last["budget"]["kv_bytes"] == 32768 * kv_token
+    assert last["window"]["decode_flops"] == 4 * 32 * 1028 * 4096
+    assert last["budget"]["prefill_flops"] == last["full"]["prefill_flops"] == 4 * 32 * 4096 * 131072 * 131073 / 2
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "KV cache per sequence" in out and "window 1024+4" in out and "budget 32768" in out
+    assert "131,072*" in out and "17.18 GB" in out  # the model's own context; 131072 tokens x 131072 B
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -68,6 +85,8 @@ def test_estimate_plot_writes_a_png(tmp_path, capsys):
         (["--dtype", "int3"], "unknown weight format"),
         (["--batch", "0"], "--batch must be >= 1"),
         (["--model", "no-such-model"], "preset"),
+        (["--sinks", "4"], "--sinks keep the first tokens beside a window: set --attention-window too"),
+        (["--kv-budget", "0"], "--kv-budget must be >= 1"),
     ],
 )
 def test_estimate_bad_flags_say_what_to_do(argv, message, capsys):

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from leanlm.analysis import estimate as est
 from leanlm.analysis.all_to_all import INTER_NODE_LINK, ExpertParallelLayout
+from leanlm.analysis.estimate_long_context import BoundedAttention
 from leanlm.analysis.hardware_profiles import Hardware
+from leanlm.analysis.long_context_report import long_context_lines, long_context_report
 from leanlm.analysis.model_shape import ModelShape
 from leanlm.analysis.moe_report import moe_lines, moe_report
 from leanlm.analysis.parallel_estimate import CPU_LINK, LINKS, ParallelLayout, parallel_cost
@@ -66,6 +68,17 @@ class EstimateSettings:
     inter_node_latency_us: float | None = field(
         default=None, metadata={"help": "microseconds one message to another node takes (default 10)"}
     )
+    attention_window: int | None = field(
+        default=None,
+        metadata={"help": "long context: KV bytes and attention FLOPs at 4k-128k tokens when each query reads the "
+                  "last N tokens (plus --sinks), beside full attention"},
+    )  # fmt: skip
+    sinks: int = field(default=0, metadata={"help": "with --attention-window: the first N tokens every query reads"})
+    kv_budget: int | None = field(
+        default=None,
+        metadata={"help": "long context: the same table when at most N tokens per sequence stay cached (prefill "
+                  "still attends to the whole prompt)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         est.weight_format(self.dtype)  # raises with the list of formats
@@ -86,6 +99,10 @@ class EstimateSettings:
             raise ValueError(f"--expert-coverage must be in (0, 1), e.g. 0.99, got {self.expert_coverage}")
         if min(self.expert_parallel_size, self.expert_parallel_nodes) < 1:
             raise ValueError("--expert-parallel-size and --expert-parallel-nodes must be >= 1")
+        self.bounded_attention()  # raises on a bad --attention-window, --sinks or --kv-budget
+
+    def bounded_attention(self) -> BoundedAttention:
+        return BoundedAttention(self.attention_window, self.sinks, self.kv_budget)
 
     def _intra_link(self, hw: Hardware) -> tuple[float, float]:
         bandwidth, latency = next((v for k, v in LINKS.items() if k in hw.name.lower()), CPU_LINK)
@@ -187,6 +204,8 @@ def build_report(shape: ModelShape, source: str, hw: Hardware, settings: Estimat
     if layout is not None:
         cost = parallel_cost(shape, weights, kv, hw, layout, s.batch, s.context, act_bytes)
         report["parallel"] = {**asdict(layout), **asdict(cost)}
+    if s.bounded_attention().any:
+        report["long_context"] = long_context_report(shape, kv, s.bounded_attention())
     if s.tokens_per_s is not None:
         u = est.decode_utilization(shape, weights, kv, hw, s.batch, s.context, s.tokens_per_s)
         report["utilization"] = {
@@ -277,6 +296,8 @@ def format_report(r: dict) -> str:
         lines += ["", *moe_lines(r["moe"], m["num_experts"])]
     if "parallel" in r:
         lines += ["", *_parallel_lines(r["parallel"], s)]
+    if "long_context" in r:
+        lines += ["", *long_context_lines(r["long_context"])]
     if "utilization" in r:
         u = r["utilization"]
         lines += [

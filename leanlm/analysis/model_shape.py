@@ -39,6 +39,7 @@ class ModelShape:
     num_moe_layers: int | None = None  # layers with experts; None: all of them (when is_moe)
     dense_intermediate_size: int = 0  # FFN width of the layers without experts (Qwen2-MoE's mlp_only_layers)
     qk_norm: bool = False  # norms over the whole q and k projections (OLMoE): (H + Hkv) * D weights per layer
+    max_context: int | None = None  # tokens the model was trained to attend to (max_position_embeddings); None: unknown
 
     def __post_init__(self) -> None:
         for field in (
@@ -65,6 +66,8 @@ class ModelShape:
                 f"experts_per_token ({self.experts_per_token}) cannot exceed num_experts "
                 f"({self.num_experts}); use num_experts=1, experts_per_token=1 for a dense MLP"
             )
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"max_context must be >= 1 tokens (or None when unknown), got {self.max_context}")
         if self.num_position_embeddings < 0:
             raise ValueError(f"num_position_embeddings must be >= 0 (0 = RoPE), got {self.num_position_embeddings}")
         self._check_moe()
@@ -128,10 +131,13 @@ def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
         num_moe_layers=None if sparse in (None, config.num_hidden_layers) else sparse,
         dense_intermediate_size=config.intermediate_size if sparse not in (None, config.num_hidden_layers) else 0,
         qk_norm=config.qk_norm,
+        max_context=config.max_position_embeddings,
     )
 
 
-def _llama(name: str, d: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int = 32000) -> ModelShape:
+def _llama(
+    name: str, d: int, layers: int, heads: int, kv_heads: int, ffn: int, context: int, vocab: int = 32000
+) -> ModelShape:
     return ModelShape(
         name=name,
         vocab_size=vocab,
@@ -141,16 +147,19 @@ def _llama(name: str, d: int, layers: int, heads: int, kv_heads: int, ffn: int, 
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=d // heads,
+        max_context=context,
     )
 
 
 # Shapes from the papers / released config.json files.
 PRESETS: dict[str, ModelShape] = {
-    "llama-7b": _llama("llama-7b", 4096, 32, 32, 32, 11008),  # LLaMA (Touvron et al. 2023), also llama-2-7b
-    "llama-2-7b": _llama("llama-2-7b", 4096, 32, 32, 32, 11008),
-    "llama-2-13b": _llama("llama-2-13b", 5120, 40, 40, 40, 13824),
-    "llama-2-70b": _llama("llama-2-70b", 8192, 80, 64, 8, 28672),  # GQA: 8 KV heads
-    "llama-3-8b": _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab=128256),
+    "llama-7b": _llama("llama-7b", 4096, 32, 32, 32, 11008, 2048),  # LLaMA (Touvron et al. 2023)
+    "llama-2-7b": _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 4096),  # the llama-7b shape at twice the context
+    "llama-2-13b": _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 4096),
+    "llama-2-70b": _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 4096),  # GQA: 8 KV heads
+    "llama-3-8b": _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 8192, vocab=128256),
+    # Llama 3.1 8B: the Llama 3 8B shape, trained on to a 128k context (rope scaling, which the estimate ignores)
+    "llama-3.1-8b": _llama("llama-3.1-8b", 4096, 32, 32, 8, 14336, 131072, vocab=128256),
     # GPT-3 175B (Brown et al. 2020, table 2.1): d=12288, 96 layers x 96 heads of 128, FFN 4d, 2048 learned
     # positions, GPT-2 BPE vocab; a plain GELU MLP with biases, LayerNorm, tied embeddings (as GPT-2).
     "gpt-3-175b": ModelShape(
@@ -168,6 +177,7 @@ PRESETS: dict[str, ModelShape] = {
         dense_bias=True,
         norm_bias=True,
         num_position_embeddings=2048,
+        max_context=2048,
     ),
     # Mixtral 8x7B (Jiang et al. 2024): the Mistral 7B shape with 8 SwiGLU experts per layer, top-2 routing.
     "mixtral-8x7b": ModelShape(
@@ -181,6 +191,7 @@ PRESETS: dict[str, ModelShape] = {
         head_dim=128,
         num_experts=8,
         experts_per_token=2,
+        max_context=32768,
     ),
     # OLMoE-1B-7B (Muennighoff et al. 2024): 64 experts of 1024, top-8, in all 16 layers; q/k norms.
     "olmoe-1b-7b": ModelShape(
@@ -195,6 +206,7 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=64,
         experts_per_token=8,
         qk_norm=True,
+        max_context=4096,
     ),
     # Qwen1.5-MoE-A2.7B: 60 experts of 1408, top-4, and a gated shared expert of 5632 in all 24 layers.
     "qwen1.5-moe-a2.7b": ModelShape(
@@ -211,6 +223,7 @@ PRESETS: dict[str, ModelShape] = {
         experts_per_token=4,
         shared_expert_intermediate_size=5632,
         shared_expert_gate=True,
+        max_context=8192,
     ),
 }
 

@@ -232,6 +232,8 @@ def test_shape_validation_says_what_to_do():
         ModelShape("x", 10, 8, 8, 1, 3, 2, 4)
     with pytest.raises(ValueError, match="num_experts=1"):
         ModelShape("x", 10, 8, 8, 1, 2, 2, 4, num_experts=2, experts_per_token=3)
+    with pytest.raises(ValueError, match="max_context must be >= 1"):
+        ModelShape("x", 10, 8, 8, 1, 2, 2, 4, max_context=0)
     with pytest.raises(ValueError, match="preset"):
         load_shape("no-such-model")
 

@@ -64,6 +64,7 @@ def test_mixtral_config_dir_agrees_with_the_preset(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_mixtral_8x7b_config()))
     shape, source = load_shape(tmp_path)
     assert source == str(tmp_path) and shape.num_experts == 8 and shape.experts_per_token == 2
+    assert shape.max_context == MIXTRAL.max_context == 32768  # max_position_embeddings
     assert param_counts(shape) == param_counts(MIXTRAL)
 
 
