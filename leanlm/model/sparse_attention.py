@@ -5,9 +5,16 @@ Queries go in chunks of QUERY_CHUNK; each chunk gathers only the keys some query
 window span of the chunk; a strided pattern reads the whole prefix, masked), so a windowed prefill costs
 O(n * (window + chunk)) rather than O(n^2), on SDPA's kernels. Re-based sinks need two queries per row (the sink
 columns scored with q_sink), which SDPA cannot take: those chunks run as explicit matmuls and a softmax.
+
+On a GPU a prompt chunk runs instead as one compiled flex_attention call (FlexAttention, Dong et al. 2024) with a
+BlockMask built from the pattern: the 128 x 128 tiles the pattern leaves empty are skipped, the others masked
+element-wise inside the fused kernel.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +24,7 @@ from leanlm.model.kv_quant import dequantize_kv
 from leanlm.model.paged_kv import LayerKV
 
 QUERY_CHUNK = 256
+FLEX_MIN_QUERIES = 128  # a prompt chunk this long runs on flex_attention on a GPU: one tile row at least
 
 
 def key_positions(first_query: int, end: int, pattern: AttentionPattern | None, device) -> torch.Tensor:
@@ -53,6 +61,8 @@ def sparse_attention(
     n = q.shape[0]
     out = torch.empty_like(q)
     rebase = q_sink is not None and pattern is not None and pattern.rebase_sinks and pattern.sinks > 0
+    if q.is_cuda and not rebase and pattern is not None and n >= FLEX_MIN_QUERIES:
+        return flex_sparse_attention(q, kv, block_ids, seq_len, scale, pattern)
     for start in range(0, n, QUERY_CHUNK):
         end = min(n, start + QUERY_CHUNK)
         q_pos = torch.arange(seq_len - n + start, seq_len - n + end, device=q.device)
@@ -104,3 +114,54 @@ def _explicit(
     probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1)
     out = probs @ values.to(compute).transpose(0, 1).unsqueeze(1)  # [Hkv, G, c, D]
     return out.permute(2, 0, 1, 3).reshape(c, num_heads, head_dim).to(q.dtype)
+
+
+def pattern_mask_mod(offset: int, pattern: AttentionPattern, device) -> Callable:
+    """flex_attention's mask_mod for queries at offset + q_idx over keys 0.. (allowed(), as scalar tensor ops). The
+    numbers are captured as tensors, so one compiled kernel serves every offset and window."""
+    off, window, sinks, stride = (torch.tensor(x, device=device) for x in (offset, pattern.window, pattern.sinks,
+                                                                          max(pattern.stride, 1)))  # fmt: skip
+    strided = pattern.stride > 0
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q = q_idx + off
+        lo = q + 1 - window
+        keep = (kv_idx >= lo) | ((kv_idx < sinks) & (kv_idx < lo))
+        if strided:
+            keep = keep | ((kv_idx < lo) & ((q - kv_idx) % stride == 0))
+        return (kv_idx <= q) & keep
+
+    return mask_mod
+
+
+@functools.lru_cache(maxsize=16)
+def _block_mask(n: int, seq_len: int, pattern: AttentionPattern, device: str):
+    """The BlockMask of n queries ending a seq_len-token sequence (cached: every layer of a forward shares it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(pattern_mask_mod(seq_len - n, pattern, device), None, None, n, seq_len, device=device)
+
+
+@functools.cache
+def _flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_sparse_attention(
+    q: torch.Tensor, kv: LayerKV, block_ids: torch.Tensor, seq_len: int, scale: float, pattern: AttentionPattern
+) -> torch.Tensor:
+    """sparse_attention of q [n, H, D] (no re-based sinks) as one flex_attention call over the whole prefix."""
+    n = q.shape[0]
+    keys, values = gather_positions(kv, block_ids, torch.arange(seq_len, device=q.device), q.dtype)
+    mask = _block_mask(n, seq_len, pattern, str(q.device))
+    out = _flex()(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+        keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, S, D]
+        values.transpose(0, 1).unsqueeze(0),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
