@@ -57,11 +57,14 @@ def sparse_attention(
     seq_len: int,
     scale: float,
     pattern: AttentionPattern | None,
+    use_flex: bool | None = None,  # None: on a GPU, for chunks of FLEX_MIN_QUERIES queries and more
 ) -> torch.Tensor:  # [n, H, D]
     n = q.shape[0]
     out = torch.empty_like(q)
     rebase = q_sink is not None and pattern is not None and pattern.rebase_sinks and pattern.sinks > 0
-    if q.is_cuda and not rebase and pattern is not None and n >= FLEX_MIN_QUERIES:
+    if use_flex is None:
+        use_flex = q.is_cuda and n >= FLEX_MIN_QUERIES
+    if use_flex and not rebase and pattern is not None and pattern.window is not None:
         return flex_sparse_attention(q, kv, block_ids, seq_len, scale, pattern)
     for start in range(0, n, QUERY_CHUNK):
         end = min(n, start + QUERY_CHUNK)

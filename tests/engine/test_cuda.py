@@ -66,3 +66,18 @@ def test_unseeded_sampling_and_prompt_logprobs_run_on_the_gpu(tokenizer):
         assert len(outputs[i].outputs[0].token_ids) == 6
         assert len(outputs[i].prompt_logprobs) == len(prompt)
     assert engine.stats().num_free_kv_blocks == engine.num_kv_blocks
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_window": 12, "attention_sinks": 4},
+        {"prefill_attention": "local-global", "prefill_window": 8, "prefill_globals": 2},
+        {"prefill_attention": "strided", "prefill_window": 6},
+    ],
+    ids=["sinks", "local-global", "strided"],
+)
+def test_attention_patterns_match_the_cpu(tokenizer, options):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cpu = _tokens(_engine(tokenizer, "cpu", torch.float64, **options), params)
+    assert _tokens(_engine(tokenizer, "cuda", torch.float64, max_num_batched_tokens=16, **options), params) == cpu
