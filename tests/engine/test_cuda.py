@@ -24,7 +24,7 @@ def _engine(tokenizer, device: str, dtype: torch.dtype, **options) -> LLMEngine:
     config = tiny_config(tokenizer.vocab_size)
     model = build_model(config, tiny_state_dict(config), dtype, device=device)
     options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(model, tokenizer, EngineConfig(block_size=4, **options), torch.device(device), dtype)
+    return LLMEngine(model, tokenizer, EngineConfig.from_options(block_size=4, **options), torch.device(device), dtype)
 
 
 def _tokens(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
