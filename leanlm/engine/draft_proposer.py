@@ -23,6 +23,7 @@ from leanlm.engine.request import Request
 from leanlm.engine.sampler import inverse_cdf_sample, process_logits, target_probs
 from leanlm.engine.sampling_metadata import SamplingMetadata
 from leanlm.kernels import cpu_decode
+from leanlm.model.attention_pattern import StepPatterns
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.kv_quant import is_quantized
 from leanlm.model.llama import LlamaForCausalLM
@@ -66,11 +67,17 @@ class DraftProposer:
         to one target step."""
         self.model = model
         self.kv_cache = kv_cache
+        # the target's runtime attention patterns (set by its runner): the draft reads the same blocks, some of
+        # which a window released
+        self.patterns = StepPatterns()
         self.relative_cost = relative_cost
         self.device = kv_cache.device
         self.owns_cache = owns_cache
         self.kv_cache_bytes = kv_cache.nbytes if owns_cache else 0
         self._written: dict[str, _DraftKV] = {}  # request id -> what a separate draft last wrote for it
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rotary_emb(positions, self.model.model.embed_tokens.weight.dtype)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write of the target's blocks, mirrored in a separate draft's own cache."""
@@ -155,7 +162,9 @@ class DraftProposer:
             ids += tokens
             positions += range(first, first + len(tokens))
             last_rows.append(len(ids) - 1)
-        ctx = build_forward_context(query_lens, seq_lens, blocks, self.kv_cache)
+        if self.patterns.decode is not None:
+            self.model.rotary_emb.ensure(max(seq_lens))
+        ctx = build_forward_context(query_lens, seq_lens, blocks, self.kv_cache, self.patterns, self._rotary)
         as_long = dict(dtype=torch.long, device=self.device)
         with forward_context(ctx):
             hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))  # [T, hidden]

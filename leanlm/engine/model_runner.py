@@ -23,7 +23,7 @@ from leanlm.engine.spec_decode import SpecDecoder
 from leanlm.engine.step_plan import PromptRows, StepPlan, plan_step, split_microbatches
 from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.attention_pattern import StepPatterns
-from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.context import ForwardContext, build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.llama import LlamaForCausalLM
@@ -106,6 +106,8 @@ class ModelRunner:
             return None
         proposer = model_proposer(spec, self.model, self.kv_cache, draft_model) if spec.uses_model else None
         if proposer is not None:
+            proposer.patterns = self.patterns
+        if proposer is not None:
             self.kv_cache_bytes += proposer.kv_cache_bytes  # a separate draft's own cache
         return SpecDecoder(spec, proposer, self.block_size, max_model_len)
 
@@ -154,11 +156,7 @@ class ModelRunner:
         self.move_blocks(plan)
         if not plan.num_tokens:
             return torch.zeros(0, self.config.vocab_size, device=self.device)
-        if self.streams:
-            self.model.rotary_emb.ensure(max(plan.seq_lens))
-        ctx = build_forward_context(
-            plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache, self.patterns, self._sink_rotary
-        )
+        ctx = self.context_for(plan)
         if plan.expert_subsets:
             ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
         started = time.perf_counter()
@@ -172,6 +170,15 @@ class ModelRunner:
         if self.spec_decoder is not None and ctx.is_all_decode:
             self.spec_decoder.record_target_step(time.perf_counter() - started)
         return self.model.compute_logits(hidden[plan.logit_rows])
+
+    def context_for(self, plan: StepPlan) -> ForwardContext:
+        """The forward context of a plan over this runner's cache, with the runtime attention patterns (a window
+        may take positions past the rotary table: it grows first)."""
+        if self.streams:
+            self.model.rotary_emb.ensure(max(plan.seq_lens))
+        return build_forward_context(
+            plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache, self.patterns, self._sink_rotary
+        )
 
     def _sink_rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.rotary_emb(positions, self.model.model.embed_tokens.weight.dtype)

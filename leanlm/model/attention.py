@@ -3,7 +3,9 @@
 The reference backend ("torch") runs anywhere PyTorch does: it writes new K/V into the paged cache, then
 attends from it with scaled_dot_product_attention, one-token rows (decodes) batched, prompt chunks one by one.
 An 8-bit cache (int8/fp8, leanlm.model.kv_quant) comes with per-(token, KV head) scales: quantized on write,
-dequantized to the query dtype as blocks are gathered.
+dequantized to the query dtype as blocks are gathered. Under an attention pattern (a layer's trained window, the
+runtime window + sinks or prefill pattern of the forward context) rows go to `attend_pattern`: the native kernel with
+per-row bounds, or leanlm.model.sparse_attention.
 """
 
 from __future__ import annotations

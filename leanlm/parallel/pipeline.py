@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from leanlm.engine import ModelRunner, StepPlan
-from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.context import forward_context
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.parallel.world import DRIVER_RANK, RankContext
 
@@ -53,7 +53,7 @@ def stage_forward(runner: ModelRunner, rank: RankContext, plan: StepPlan, x: tor
     the stage before sent; returns the hidden states for the next stage, or (last stage) the logits [R, V]."""
     model = runner.model
     runner.move_blocks(plan)
-    ctx = build_forward_context(plan.query_lens, plan.seq_lens, plan.block_ids, runner.kv_cache)
+    ctx = runner.context_for(plan)
     with forward_context(ctx):
         if rank.is_first_stage:
             x = model.model.embed_tokens(plan.input_ids)  # [T, hidden]

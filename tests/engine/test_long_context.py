@@ -69,3 +69,15 @@ def test_released_blocks_keep_a_later_prefix_hit_exact(make_tiny_engine):
 def test_sinks_without_a_window_are_refused(make_tiny_engine):
     with pytest.raises(ValueError, match="attention_window"):
         make_tiny_engine(attention_sinks=4)
+
+
+def test_speculation_under_a_window_keeps_greedy_tokens(make_tiny_engine):
+    """A self-draft reads the target's blocks, some released by the window: it gets the same patterns, and the
+    verification keeps the tokens exact either way."""
+    prompt = list(range(11, 50))
+    runs = []
+    for options in ({}, {"speculative": "self:1", "num_speculative_tokens": 3}):
+        engine = make_tiny_engine(block_size=4, attention_window=12, attention_sinks=2, **options)
+        engine.add_request(prompt, SamplingParams(max_tokens=24, **GREEDY), "a")
+        runs.append(run_to_completion(engine)["a"].outputs[0].token_ids)
+    assert runs[0] == runs[1]
