@@ -2,8 +2,8 @@
 //
 // One query token per request attends to its first seq_lens[b] cached tokens, read in place from the
 // paged cache through its block table (no gather), or, with bounds, to a pattern of them: the sinks, strided keys
-// and a window (row_segments; leanlm/model/attention_pattern.py), never reading the blocks between. Work item = (request, KV head): its G = H / Hkv query
-// heads share every K/V load. Two passes: scores (bf16 dot products, fp32 accumulate), then a softmax with
+// and a window (row_segments; leanlm/model/attention_pattern.py), never reading the blocks between. Work item =
+// (request, KV head): its G = H / Hkv query heads share every K/V load. Two passes: scores (bf16 dot products, fp32 accumulate), then a softmax with
 // a vectorized exp and the V-weighted sum in fp32. Output rounds to bf16 with round-to-nearest-even.
 // The int8 variant reads an int8 cache with one fp32 scale per (token, KV head) (leanlm.model.kv_quant): int8
 // values are exact in bf16, so K rows take the same dot products and their scale folds into the score; V's
