@@ -307,3 +307,27 @@ def test_fork_refuses_tokens_or_counts_that_do_not_match():
     with pytest.raises(RuntimeError, match="already holds blocks"):
         kv.fork(parent, child)
     assert ref_cnts(kv)[:2] == [2, 2]
+
+
+def test_a_retention_window_releases_the_blocks_behind_it():
+    """Window 8 + 2 sinks in blocks of 4: before a step from token c on, blocks wholly below c + 1 - 8 go back to the
+    pool, except block 0 (the sinks); their places in the table read 0 and the pool reuses them."""
+    from leanlm.engine.kv_cache import KVRetention
+
+    pool = BlockPool(num_blocks=10, enable_prefix_caching=False)
+    kv = KVCacheManager(pool, block_size=4, retention=KVRetention(window=8, sinks=2, max_step_tokens=4))
+    req = make_request("r", list(range(40)))
+    assert kv.allocate_slots(req, 8) == [0, 1]
+    req.num_computed_tokens = 8
+    assert kv.allocate_slots(req, 4) == [0, 1, 2]  # next query at 8 reads 1 ..: nothing wholly before it
+    req.num_computed_tokens = 12
+    assert kv.allocate_slots(req, 4) == [0, 1, 2, 3]  # reads 5 ..: block 1 (4-7) is still partly in the window
+    req.num_computed_tokens = 16
+    assert kv.allocate_slots(req, 4) == [0, 0, 2, 3, 4]  # reads 9 ..: block 1 released, its slot reads 0
+    assert kv.num_held_blocks("r") == 4 and pool.num_free_blocks == 6
+    req.num_computed_tokens = 20
+    assert kv.allocate_slots(req, 4) == [0, 0, 0, 3, 4, 5]  # block 2 released (to the free queue's tail)
+    assert kv.num_held_blocks("r") == 4 and pool.num_free_blocks == 6
+    assert kv.peak_blocks(10_000) == 1 + 3 + 1  # sinks' block + window and a step (12 tokens) + a partial one
+    kv.free(req)
+    assert pool.num_free_blocks == 10
