@@ -81,38 +81,30 @@ def prefill_attention_flops(s: ModelShape, prompt_len: int, keys: int | None = N
     return 4 * s.num_hidden_layers * s.attention_width * prefill_key_reads(prompt_len, keys)
 
 
-def full_cost(s: ModelShape, kv: est.NumberFormat, context: int) -> AttentionCost:
-    return AttentionCost(
-        cached_tokens=context,
-        kv_bytes=context * est.kv_bytes_per_token(s, kv),
-        decode_keys=context,
-        decode_flops=est.attention_flops_per_token(s, context),
-        prefill_flops=prefill_attention_flops(s, context),
-    )
-
-
-def window_cost(s: ModelShape, kv: est.NumberFormat, context: int, window: int, sinks: int = 0) -> AttentionCost:
-    """Every query, prompt or decode, reads the sinks and the last W tokens; only those stay cached."""
-    keys = window_keys(context, window, sinks)
-    return AttentionCost(
-        cached_tokens=keys,
-        kv_bytes=keys * est.kv_bytes_per_token(s, kv),
-        decode_keys=keys,
-        decode_flops=est.attention_flops_per_token(s, keys),
-        prefill_flops=prefill_attention_flops(s, context, window + sinks),
-    )
-
-
-def budget_cost(s: ModelShape, kv: est.NumberFormat, context: int, budget: int) -> AttentionCost:
-    """At most N tokens stay cached and decodes read them; the prefill still attends to the whole prompt."""
-    kept = min(context, budget)
+def _cost(s: ModelShape, kv: est.NumberFormat, kept: int, context: int, prefill_keys: int | None) -> AttentionCost:
+    """`kept` tokens cached and read by each decode; a prefill of `context` tokens reading at most `prefill_keys`
+    keys a query (None: every earlier one)."""
     return AttentionCost(
         cached_tokens=kept,
         kv_bytes=kept * est.kv_bytes_per_token(s, kv),
         decode_keys=kept,
         decode_flops=est.attention_flops_per_token(s, kept),
-        prefill_flops=prefill_attention_flops(s, context),
+        prefill_flops=prefill_attention_flops(s, context, prefill_keys),
     )
+
+
+def full_cost(s: ModelShape, kv: est.NumberFormat, context: int) -> AttentionCost:
+    return _cost(s, kv, context, context, None)
+
+
+def window_cost(s: ModelShape, kv: est.NumberFormat, context: int, window: int, sinks: int = 0) -> AttentionCost:
+    """Every query, prompt or decode, reads the sinks and the last W tokens; only those stay cached."""
+    return _cost(s, kv, window_keys(context, window, sinks), context, window + sinks)
+
+
+def budget_cost(s: ModelShape, kv: est.NumberFormat, context: int, budget: int) -> AttentionCost:
+    """At most N tokens stay cached and decodes read them; the prefill still attends to the whole prompt."""
+    return _cost(s, kv, min(context, budget), context, None)
 
 
 def long_contexts(max_context: int | None = None) -> list[int]:
