@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from leanlm.model.paged_kv import PagedKVCache
+from leanlm.model.paged_kv import LayerKV, PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class ForwardContext:
     prefills: tuple[PrefillSpan, ...]
     # [T, E] bool: the experts each token may use (static task routing: requests that pin an expert subset); None: all
     expert_mask: torch.Tensor | None = None
+    # (layer_idx, q [T, H, D] with rotary, the layer's LayerKV) after each attention layer stored its new K/V: a KV
+    # budget's scoring (engine/kv_evictor.py). Set, it keeps the step off the native all-decode loop. None: off
+    query_observer: Callable[[int, torch.Tensor, LayerKV], None] | None = None
 
     @property
     def num_requests(self) -> int:
