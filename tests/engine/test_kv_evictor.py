@@ -116,12 +116,13 @@ class _KeptPositions:
             self.slots[layer][head] = [slots[i] for i in keep[head].tolist()]
 
 
-def _dense_masked_logits(model, token_ids: list[int], seen) -> torch.Tensor:
+def _dense_masked_logits(model, token_ids: list[int], seen) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """Logits [T, V] of a dense float64 forward where position t, in layer l and KV head h, attends exactly to
-    seen[t][l][h]."""
+    seen[t][l][h]; and its attention weights, [layer][head] -> [T, T]."""
     ids = torch.tensor(token_ids)
     positions = torch.arange(len(token_ids))
     x = model.model.embed_tokens(ids)
+    all_weights = []
     rope = model.rotary_emb(positions, x.dtype)
     for layer_idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -131,6 +132,7 @@ def _dense_masked_logits(model, token_ids: list[int], seen) -> torch.Tensor:
         v = attn._project(h, attn.v_proj, None, attn.num_kv_heads)
         group = attn.num_heads // attn.num_kv_heads
         out = torch.zeros_like(q)
+        all_weights.append([])
         for head in range(attn.num_heads):
             kv_head = head // group
             mask = torch.full((len(token_ids), len(token_ids)), float("-inf"), dtype=x.dtype)
@@ -138,9 +140,10 @@ def _dense_masked_logits(model, token_ids: list[int], seen) -> torch.Tensor:
                 mask[t, seen[t][layer_idx][kv_head]] = 0
             weights = ((q[:, head] @ k[:, kv_head].T) * attn.scale + mask).softmax(-1)
             out[:, head] = weights @ v[:, kv_head]
+            all_weights[-1].append(weights)
         x = x + attn.o_proj(out.reshape(len(token_ids), -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.compute_logits(model.model.norm(x))
+    return model.compute_logits(model.model.norm(x)), all_weights
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
@@ -153,7 +156,7 @@ def test_greedy_tokens_equal_a_dense_forward_over_the_kept_tokens(make_tiny_engi
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=30, **GREEDY))
     request = engine.scheduler.requests[request_id]
     observe, keep = KVEvictor.observe, KVEvictor._keep
-    selections = []
+    selections, h2o = [], []
 
     def spy_observe(self, layer_idx, q, kv):
         # steps before the first selection may go unwatched (SnapKV): they only appended
@@ -163,6 +166,11 @@ def test_greedy_tokens_equal_a_dense_forward_over_the_kept_tokens(make_tiny_engi
         return observe(self, layer_idx, q, kv)
 
     def spy_keep(self, scores, layer_idx, layer, rows, kept):
+        if scores.attention is not None:  # H2O: the scores it selects by, to check against the dense weights
+            slots = [list(h) for h in mirror.slots[layer_idx]]
+            h2o.append(
+                (layer_idx, slots, request.num_computed_tokens, scores.attention[layer_idx, :, : rows.shape[1]].clone())
+            )
         chosen = keep(self, scores, layer_idx, layer, rows, kept)
         mirror.keep(layer_idx, chosen)
         selections.append(layer_idx)
@@ -173,5 +181,12 @@ def test_greedy_tokens_equal_a_dense_forward_over_the_kept_tokens(make_tiny_engi
     tokens = run_to_completion(engine)[request_id].outputs[0].token_ids
     assert len(selections) >= 4 * config.num_hidden_layers, "the budget must have evicted, again and again"
     sequence = prompt + list(tokens)
-    logits = _dense_masked_logits(engine.model, sequence[:-1], mirror.seen)
+    logits, weights = _dense_masked_logits(engine.model, sequence[:-1], mirror.seen)
     assert logits[len(prompt) - 1 :].argmax(-1).tolist() == list(tokens)
+    group = config.num_attention_heads // config.num_key_value_heads
+    for layer_idx, slots, num_queries, got in h2o:  # accumulated attention of every query so far, per slot
+        for kv_head, positions in enumerate(slots):
+            heads = weights[layer_idx][kv_head * group : (kv_head + 1) * group]
+            want = sum(w[:num_queries, positions].sum(0) for w in heads)
+            torch.testing.assert_close(got[kv_head].double(), want, rtol=1e-5, atol=1e-6)
+    assert (policy == "h2o") == bool(h2o)
