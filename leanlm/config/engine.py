@@ -143,6 +143,7 @@ class EngineConfig:
         if self.early_exit is not None and self.speculative is not None:
             raise ValueError("early_exit and speculative decoding do not combine: choose one")
         self._check_parallel()
+        self._check_kv_budget()
         if self.max_weight_memory is not None:
             object.__setattr__(self, "max_weight_memory", parse_bytes(self.max_weight_memory, "max_weight_memory"))
             if self.early_exit is not None:
@@ -199,6 +200,17 @@ class EngineConfig:
                 "speculative decoding and early exit run in one process: drop them, or set tensor_parallel_size "
                 "and pipeline_parallel_size to 1"
             )
+
+    def _check_kv_budget(self) -> None:
+        """A KV budget compacts one process's cache between steps, from the scores of one model's queries."""
+        if self.long_context.kv_budget is None:
+            return
+        if self.long_context.kv_budget < 2:
+            raise ValueError("kv_budget keeps recent and selected tokens: give at least 2")
+        if self.speculative is not None or self.early_exit is not None:
+            raise ValueError("kv_budget does not combine with speculative decoding or early exit: drop one")
+        if self.world_size > 1:
+            raise ValueError("kv_budget runs in one process: set tensor_parallel_size and pipeline_parallel_size to 1")
 
     def _check_preemption(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -18,6 +18,7 @@ from leanlm.config.long_context import STREAMING_CONTEXT
 from leanlm.engine.block_pool import BlockPool
 from leanlm.engine.early_exit import EarlyExitStats
 from leanlm.engine.executor import IsolatingExecutor
+from leanlm.engine.kv_budget import KVBudget
 from leanlm.engine.kv_cache import KVCacheManager, KVRetention
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
@@ -73,7 +74,10 @@ class LLMEngine:
         self.model_runner = ModelRunner(model, engine_config, device, model_dtype, draft_model, self.max_model_len)
         self._moe_sizes = MoESizes.of(model)  # weight bytes the MoE counters are read against (None: dense)
         pool = BlockPool(self.model_runner.num_blocks, enable_prefix_caching=engine_config.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(pool, engine_config.block_size, self._retention())
+        self.kv_budget = KVBudget.of(engine_config.long_context, engine_config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            pool, engine_config.block_size, self.kv_budget, retention=self._retention()
+        )
         self.output_processor = OutputProcessor(tokenizer)
         eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer.eos_token_ids))
         self.eos_token_ids = eos_ids
@@ -184,13 +188,17 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.output_processor.add(request_id, prompt_text, children)
-        if len(children) > 1 and params.prompt_logprobs is None:
-            # Parallel sampling: one prompt computation, its KV blocks shared copy-on-write by all n.
+        if len(children) > 1 and params.prompt_logprobs is None and not self._is_budgeted(children[0]):
+            # Parallel sampling: one prompt computation, its KV blocks shared copy-on-write by all n (not under a
+            # KV budget, which evicts per sequence: each completion then computes the prompt itself).
             self.scheduler.add_sampling_group(children[0], children[1:])
         else:
             for child in children:
                 self.scheduler.add_request(child)
         return request_id
+
+    def _is_budgeted(self, request: Request) -> bool:
+        return self.kv_budget is not None and self.kv_budget.applies_to(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (all its completions) and free its KV blocks; returns its final output."""

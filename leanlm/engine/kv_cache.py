@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from leanlm.engine.block_pool import BlockPool, KVBlock
+from leanlm.engine.kv_budget import Compaction, KVBudget
 from leanlm.engine.request import Request
 
 
@@ -39,13 +40,20 @@ class KVRetention:
 class KVCacheManager:
     """Per-request block lists over one BlockPool.
 
-    Invariant: request r holds blocks covering its first `r.num_computed_tokens` tokens (plus whatever was
+    Invariant: request r holds blocks covering its `r.num_kv_tokens` KV slots (its computed tokens less those a KV
+    budget evicted) (plus whatever was
     allocated for the step being run); `_num_cached_blocks[r]` leading blocks are registered in the cache.
     Copy-on-write: a block several requests hold (a fork's, or a prefix hit's) is never written; only a
     fork can share a partially filled block, and allocate_slots swaps it for a private copy before a write.
     """
 
-    def __init__(self, block_pool: BlockPool, block_size: int, retention: KVRetention | None = None) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        kv_budget: KVBudget | None = None,
+        retention: KVRetention | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_pool = block_pool
@@ -62,6 +70,10 @@ class KVCacheManager:
         # Swapped-out requests: their block lists with None where a private block went to host memory (swap_out);
         # the shared blocks stay held. A request is in _req_to_blocks or here, never both.
         self._swapped: dict[str, list[KVBlock | None]] = {}
+        # Requests past their KV budget give back blocks (evict_over_budget); the runner moves their kept tokens
+        # first (take_compactions). A budgeted request's blocks are never shared: no prefix cache, no fork.
+        self.kv_budget = kv_budget
+        self._compactions: list[Compaction] = []
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -134,6 +146,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
+        if self._is_budgeted(request):
+            return [], 0
         if self._req_to_blocks.get(request.request_id):
             raise RuntimeError(f"request {request.request_id!r} already holds blocks; look up only before allocating")
         hashes = self._block_hashes(request, request.num_tokens // self.block_size)
@@ -156,7 +170,7 @@ class KVCacheManager:
         blocks = self._release_behind_window(request, self._req_to_blocks.get(request_id, []))
         if new_computed_blocks and blocks:
             raise RuntimeError(f"request {request_id!r}: prefix-hit blocks are only accepted before allocation")
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = request.num_kv_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_new_blocks = max(0, self.num_blocks_for(num_total) - len(blocks) - len(new_computed_blocks))
         cow_idx = self._shared_write_block(request, blocks) if num_new_tokens > 0 else None
@@ -182,6 +196,8 @@ class KVCacheManager:
         hold copies it first (allocate_slots), so neither sees the other's later tokens. Full blocks keep their
         hashes (the child shares parent's prefix-cache entries). Returns the child's block ids."""
         num_computed = child.num_computed_tokens
+        if self._is_budgeted(parent) or self._is_budgeted(child):
+            raise ValueError("a KV budget evicts per sequence: requests under one do not share KV blocks (no forks)")
         if self._req_to_blocks.get(child.request_id):
             raise RuntimeError(f"request {child.request_id!r} already holds blocks; fork only into a new request")
         if num_computed > parent.num_computed_tokens:
@@ -202,6 +218,29 @@ class KVCacheManager:
             self._req_to_hashes[child.request_id] = self._req_to_hashes[parent.request_id][:num_full]
         self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks.get(parent.request_id, 0), num_full)
         return [block.block_id for block in blocks]
+
+    def evict_over_budget(self, request: Request) -> None:
+        """A running request holding more than its KV budget + a block evicts down to the budget: its blocks past
+        the budget's go back to the pool now, and a Compaction tells the runner to move the kept tokens (chosen by
+        the policy's scores) into the first slots before the next forward writes. Its positions go on counting."""
+        if self.kv_budget is None or not self.kv_budget.is_over(request):
+            return
+        blocks = self._req_to_blocks[request.request_id]
+        kept = self.kv_budget.num_tokens
+        ids = [block.block_id for block in blocks]
+        self._compactions.append(Compaction(request.request_id, ids, request.num_kv_tokens, kept))
+        request.num_evicted_tokens += request.num_kv_tokens - kept
+        num_kept_blocks = self.num_blocks_for(kept)
+        self.block_pool.free_blocks(reversed(blocks[num_kept_blocks:]))
+        self._req_to_blocks[request.request_id] = blocks[:num_kept_blocks]
+
+    def take_compactions(self) -> list[Compaction]:
+        """The evictions recorded since the last call, for the runner (dropped for a request freed meanwhile)."""
+        compactions, self._compactions = self._compactions, []
+        return compactions
+
+    def _is_budgeted(self, request: Request) -> bool:
+        return self.kv_budget is not None and self.kv_budget.applies_to(request)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call; the runner must do them before the forward
@@ -224,8 +263,8 @@ class KVCacheManager:
         """Free blocks a swapped-out request needs to come back and compute `num_new_tokens` more: fresh blocks for
         its private ones, the blocks those tokens add, and a copy of a shared block they would write into."""
         layout = self._swapped[request.request_id]
-        num_grow = max(0, self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(layout))
-        block_idx, offset = divmod(request.num_computed_tokens, self.block_size)
+        num_grow = max(0, self.num_blocks_for(request.num_kv_tokens + num_new_tokens) - len(layout))
+        block_idx, offset = divmod(request.num_kv_tokens, self.block_size)
         kept = layout[block_idx] if block_idx < len(layout) else None
         cow = offset > 0 and kept is not None and self.block_pool.is_shared(kept)
         return layout.count(None) + num_grow + int(cow)
@@ -259,6 +298,8 @@ class KVCacheManager:
         blocks = self._req_to_blocks.pop(request_id, [block for block in swapped if block is not None])
         self.block_pool.free_blocks(block for block in reversed(blocks) if block is not _RELEASED)
         self._num_cached_blocks.pop(request_id, None)
+        request.num_evicted_tokens = 0  # no KV left: a resumed request computes every token again
+        self._compactions = [c for c in self._compactions if c.request_id != request_id]
         if not keep_hashes:
             self._req_to_hashes.pop(request_id, None)
 
@@ -282,7 +323,7 @@ class KVCacheManager:
     def _shared_write_block(self, request: Request, blocks: list[KVBlock]) -> int | None:
         """Index of the block the request's next token goes into when it is partially filled and held by
         others too (a fork's last block); None otherwise. Full shared blocks are never written again."""
-        block_idx, offset = divmod(request.num_computed_tokens, self.block_size)
+        block_idx, offset = divmod(request.num_kv_tokens, self.block_size)
         if offset and block_idx < len(blocks) and self.block_pool.is_shared(blocks[block_idx]):
             return block_idx
         return None
@@ -306,7 +347,7 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_known_tokens: int) -> None:
         """Register blocks full of known tokens by the end of this step. Safe to share at once: the runner
         writes every scheduled token's KV (per layer, for the whole batch) before attention reads it."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self._is_budgeted(request):
             return
         num_full = num_known_tokens // self.block_size
         num_cached = self._num_cached_blocks.get(request.request_id, 0)

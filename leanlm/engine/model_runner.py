@@ -15,6 +15,8 @@ import torch
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine.draft_proposer import DraftProposer, model_proposer
 from leanlm.engine.early_exit import EarlyExit
+from leanlm.engine.kv_budget import KVBudget
+from leanlm.engine.kv_evictor import KVEvictor
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
@@ -97,6 +99,9 @@ class ModelRunner:
         # Swap preemption's host copies of every cache indexed by this runner's block ids (a separate draft's too)
         swap_bytes = engine_config.swap_space_bytes
         self.host_kv_pool = HostKVPool.sized(self.own_caches(), swap_bytes) if engine_config.can_swap else None
+        budget = KVBudget.of(engine_config.long_context, self.block_size)  # H2O / SnapKV scoring and compaction
+        heads = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_evictor = KVEvictor(budget, *heads, device) if budget is not None else None
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
@@ -114,6 +119,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         requests = scheduler_output.scheduled_requests
+        if self.kv_evictor is not None:  # evictions before anything else moves or writes KV
+            self.kv_evictor.compact(scheduler_output.kv_compactions, self.kv_cache)
+            self.kv_evictor.start_step(scheduler_output)
         if not requests:
             so = scheduler_output
             if so.blocks_to_copy or so.blocks_to_swap_out or so.blocks_to_swap_in:  # on every rank
@@ -159,6 +167,8 @@ class ModelRunner:
         ctx = self.context_for(plan)
         if plan.expert_subsets:
             ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
+        if self.kv_evictor is not None:
+            ctx = self.kv_evictor.attach(ctx)
         started = time.perf_counter()
         with forward_context(ctx):
             if self.early_exit is not None and ctx.is_all_decode:

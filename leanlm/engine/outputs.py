@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from leanlm.engine.kv_budget import Compaction
 from leanlm.engine.request import Request
 from leanlm.sampling_params import RequestOutputKind
 
@@ -29,6 +30,8 @@ class SchedulerOutput:
     # above and the forward: swap preemption (engine/preemption.py)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # KV budget evictions the runner carries out first of all, before the swaps and copies above
+    kv_compactions: list[Compaction] = field(default_factory=list)
 
     def num_spec_tokens(self, idx: int) -> int:
         return len(self.spec_token_ids[idx]) if self.spec_token_ids else 0

@@ -61,6 +61,9 @@ class Request:
         # of held KV, forks: Scheduler.fork_request takes the count); everything else only reads it.
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
+        # Computed tokens whose KV a KV budget evicted (engine/kv_budget.py): their positions stay, their slots are
+        # reused. Written by the KVCacheManager alone (evict_over_budget; 0 again when it frees the request's blocks).
+        self.num_evicted_tokens = 0
         self.num_preemptions = 0  # preemptions that dropped its KV (recompute)
         self.num_swaps = 0  # preemptions that swapped its KV out to host memory (kept)
         # Speculative decoding: draft tokens for the next step (they follow all_token_ids, unverified), and
@@ -97,6 +100,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """KV slots the request's computed tokens occupy: all of them, less those a KV budget evicted."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

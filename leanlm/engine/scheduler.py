@@ -180,14 +180,14 @@ class Scheduler:
                 self._schedule_waiting(output, budget)
         output.finished_request_ids = self._finished_ids
         output.blocks_to_copy = self.kv_cache_manager.take_block_copies()
+        output.kv_compactions = self.kv_cache_manager.take_compactions()
         if self.swapper is not None:
             output.blocks_to_swap_out, output.blocks_to_swap_in = self.swapper.take_swaps()
         self._finished_ids = []
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        """Give each running request, oldest first, the tokens it still lacks, within the budget.
-        Returns the budget left."""
+        """Give each running request, oldest first, the tokens it lacks, within the budget; returns what is left."""
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -195,6 +195,7 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
+            self.kv_cache_manager.evict_over_budget(request)  # a KV budget's eviction frees blocks first
             spec = self._schedulable_drafts(request, num_new, budget - num_new)
             block_ids = self._allocate_with_lookahead(request, num_new, spec)
             if block_ids is None:
@@ -361,8 +362,7 @@ class Scheduler:
             request.num_accepted_tokens += num_drafts - num_rejected
             prompt_logprobs = runner_output.prompt_logprobs[idx] if runner_output.prompt_logprobs else None
             if prompt_logprobs:
-                # The runner emits only entries not recorded yet (a preempted request recomputes its
-                # prompt), contiguous from len(request.prompt_logprobs).
+                # only entries not recorded yet (a preempted request recomputes its prompt), from len(prompt_logprobs)
                 request.prompt_logprobs.extend(prompt_logprobs)
             full = runner_output.prompt_logprobs_full[idx] if runner_output.prompt_logprobs_full else None
             if full is not None:

@@ -90,7 +90,7 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
         if num_drafts:
             ids.extend(so.spec_token_ids[i])  # drafts follow the last real token
         positions.extend(range(start, start + n))
-        seq_lens.append(start + n)
+        seq_lens.append(start - req.num_evicted_tokens + n)  # KV slots: past an eviction, fewer than positions
         if start + n - num_drafts == req.num_tokens:
             sample_rows.append(i)
             sample_idx.extend(range(len(ids) - 1 - num_drafts, len(ids)))

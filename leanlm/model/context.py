@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from leanlm.model.attention_pattern import AttentionPattern, StepPatterns, row_bounds, sink_positions
-from leanlm.model.paged_kv import PagedKVCache
+from leanlm.model.paged_kv import LayerKV, PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ class ForwardContext:
     sink_positions: torch.Tensor | None = None
     sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     _bounds: dict = field(default_factory=dict, repr=False, compare=False)  # row_bounds per pattern pair, per step
+    # (layer_idx, q [T, H, D] with rotary, the layer's LayerKV) after each attention layer stored its new K/V: a KV
+    # budget's scoring (engine/kv_evictor.py). Set, it keeps the step off the native all-decode loop. None: off
+    query_observer: Callable[[int, torch.Tensor, LayerKV], None] | None = None
 
     @property
     def num_requests(self) -> int:

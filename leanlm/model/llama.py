@@ -62,6 +62,8 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         kv = ctx.kv_cache.layer(self.layer_idx)
         out = self.backend.forward(q, k, v, kv, self.scale, ctx, self.window, q_sink)
+        if ctx.query_observer is not None:
+            ctx.query_observer(self.layer_idx, q, kv)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -185,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         ctx = get_forward_context()
-        if self.allow_native_decode and ctx.is_all_decode:
+        if self.allow_native_decode and ctx.is_all_decode and ctx.query_observer is None:
             hidden = self.native_decode_plan().run(x, positions, ctx)
             if hidden is not None:
                 return hidden
