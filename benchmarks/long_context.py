@@ -206,7 +206,7 @@ def part_prefill(model, ids: torch.Tensor, reps: int, max_other: float) -> str:
 
 def part_decode(context: int, steps: int, reps: int, max_other: float) -> str:
     rows, base = [], None
-    prompt = list(range(1000, 1000 + context))
+    prompt = list(range(1000, 1000 + context - steps - 1))  # the model's context holds prompt + output
     for name, options in (("dense", {}), ("window 1024", {"attention_window": 1024}),
                           ("sinks 4 + window 1024", {"attention_window": 1024, "attention_sinks": 4})):  # fmt: skip
         llm = LLM(act_quant="none", **options)
@@ -279,27 +279,30 @@ def main() -> None:
     text = wikitext2_test_path().read_text(encoding="utf-8")
     ids = torch.tensor(llm.tokenizer.encode(text)[: args.doc_tokens])
     sections = {}
+
+    def emit(title: str, body: str) -> None:
+        sections[title] = body
+        print(f"## {title}\n\n{body}", flush=True)
+        if args.out:
+            replace_section(Path(args.out), title, f"## {title}\n\n{body}")
+
     if "ppl" in parts:
         curves, table = part_ppl(model, ids, args.chunk)
         png = Path(args.out).with_name("long-context-ppl.png") if args.out else Path("long-context-ppl.png")
         plot(curves, png, machine.split(",")[0])
-        sections["Measured: perplexity over a long document"] = f"{machine}\n\n{table}\n![perplexity]({png.name})\n"
+        emit("Measured: perplexity over a long document", f"{machine}\n\n{table}\n![perplexity]({png.name})\n")
     if "generate" in parts:
-        sections["Measured: generation past the context at constant memory"] = f"{machine}\n\n" + part_generate(
-            args.generate_tokens
+        emit(
+            "Measured: generation past the context at constant memory",
+            f"{machine}\n\n" + part_generate(args.generate_tokens),
         )
     if "prefill" in parts:
-        sections["Measured: sparse prefill at 8k"] = f"{machine}\n\n" + part_prefill(
-            model, ids[:8192], args.reps, args.max_other_cpu
+        emit(
+            "Measured: sparse prefill at 8k",
+            f"{machine}\n\n" + part_prefill(model, ids[:8192], args.reps, args.max_other_cpu),
         )
     if "decode" in parts:
-        sections["Measured: windowed decode at 8k"] = f"{machine}\n\n" + part_decode(
-            8192, 32, args.reps, args.max_other_cpu
-        )
-    for title, body in sections.items():
-        print(f"## {title}\n\n{body}")
-        if args.out:
-            replace_section(Path(args.out), title, f"## {title}\n\n{body}")
+        emit("Measured: windowed decode at 8k", f"{machine}\n\n" + part_decode(8192, 32, args.reps, args.max_other_cpu))
 
 
 if __name__ == "__main__":
