@@ -62,12 +62,18 @@ def accumulated_attention(q: torch.Tensor, keys: torch.Tensor, scale: float, fir
     return total
 
 
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[Hkv, S] -> the k largest's indices per row; ties (max-pooling makes many) go to the earlier slot, on every
+    device alike (topk breaks them as its kernel happens to)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 def h2o_keep(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """scores [Hkv, S] (accumulated attention, S > budget) -> [Hkv, budget] slots to keep, ascending: the last
     budget // 2 (recent) and the budget - budget // 2 heaviest of the rest (heavy hitters)."""
     num_kv_heads, num_slots = scores.shape
     num_recent = budget // 2
-    heavy = scores[:, : num_slots - num_recent].topk(budget - num_recent, dim=-1).indices
+    heavy = _top(scores[:, : num_slots - num_recent], budget - num_recent)
     recent = torch.arange(num_slots - num_recent, num_slots, device=scores.device).expand(num_kv_heads, -1)
     return torch.cat([heavy, recent], dim=-1).sort(dim=-1).values
 
@@ -79,7 +85,7 @@ def snapkv_keep(window_probs: torch.Tensor, budget: int) -> torch.Tensor:
     num_kv_heads, _, window, num_slots = window_probs.shape
     votes = window_probs.sum(dim=(1, 2))[:, : num_slots - window]  # [Hkv, S - w]
     pooled = F.max_pool1d(votes.unsqueeze(1), SNAPKV_KERNEL, stride=1, padding=SNAPKV_KERNEL // 2).squeeze(1)
-    chosen = pooled.topk(budget - window, dim=-1).indices
+    chosen = _top(pooled, budget - window)
     recent = torch.arange(num_slots - window, num_slots, device=window_probs.device).expand(num_kv_heads, -1)
     return torch.cat([chosen, recent], dim=-1).sort(dim=-1).values
 

@@ -74,10 +74,13 @@ def test_unseeded_sampling_and_prompt_logprobs_run_on_the_gpu(tokenizer):
         {"attention_window": 12, "attention_sinks": 4},
         {"prefill_attention": "local-global", "prefill_window": 8, "prefill_globals": 2},
         {"prefill_attention": "strided", "prefill_window": 6},
+        {"kv_budget": 12, "kv_eviction": "snapkv"},
+        {"kv_budget": 12, "kv_eviction": "h2o"},
     ],
-    ids=["sinks", "local-global", "strided"],
+    ids=["sinks", "local-global", "strided", "budget-snapkv", "budget-h2o"],
 )
 def test_attention_patterns_match_the_cpu(tokenizer, options):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    cpu = _tokens(_engine(tokenizer, "cpu", torch.float64, **options), params)
+    # the same chunks on both sides: a KV budget compacts at step boundaries, so chunking changes what it keeps
+    cpu = _tokens(_engine(tokenizer, "cpu", torch.float64, max_num_batched_tokens=16, **options), params)
     assert _tokens(_engine(tokenizer, "cuda", torch.float64, max_num_batched_tokens=16, **options), params) == cpu
