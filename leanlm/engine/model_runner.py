@@ -69,6 +69,7 @@ class ModelRunner:
         set_routing_policy(model, engine_config.routing_policy())  # capacity / BPR; no-op on a dense model
         self.act_quant_layers = set_activation_quant(model, engine_config.act_quant)  # W4A8 / W8A8-dynamic
         self.block_size = engine_config.block_size
+        self.model_dtype = model_dtype  # the compute dtype (a pipeline stage past the first has no embeddings)
         self.device = device
         self.kv_cache_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, model_dtype)
         self.num_blocks = num_kv_blocks_for(self.config, engine_config, self.kv_cache_dtype)
@@ -191,7 +192,7 @@ class ModelRunner:
         )
 
     def _sink_rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.rotary_emb(positions, self.model.model.embed_tokens.weight.dtype)
+        return self.model.rotary_emb(positions, self.model_dtype)
 
     def _sample(
         self,

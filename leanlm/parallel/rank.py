@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import DistStoreError
 
-from leanlm.config import EngineConfig, ModelConfig
+from leanlm.config import EngineConfig, LongContextConfig, ModelConfig
 from leanlm.engine import ModelRunner, StepPlan, kv_cache_bytes_per_block
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.tokenizer import Tokenizer
@@ -45,6 +45,7 @@ class RankSpec:
     ) -> RankSpec:
         fields = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)}
         engine = {k: v for k, v in fields.items() if k not in _TYPED}
+        engine["long_context"] = dataclasses.asdict(engine_config.long_context)  # JSON: rebuilt by engine_config()
         dtype = str(dtype).removeprefix("torch.")
         return cls(model=model, dtype=dtype, device=device.type, engine=engine, **kw)
 
@@ -53,7 +54,8 @@ class RankSpec:
         return Layout(self.engine["tensor_parallel_size"], self.engine["pipeline_parallel_size"])
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.engine)
+        long_context = LongContextConfig(**self.engine.get("long_context", {}))
+        return EngineConfig(**{**self.engine, "long_context": long_context})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -49,6 +49,15 @@ def test_quantized_and_sparse_checkpoints_shard_through_their_formats(parallel_c
     _assert_same(_run(parallel_checkpoints[fmt], tensor_parallel_size=tp, pipeline_parallel_size=pp), want)
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_attention_sinks_and_a_window_reach_every_rank(parallel_checkpoints, tp, pp):
+    window = dict(attention_window=6, attention_sinks=2, block_size=4)
+    want = _run(parallel_checkpoints["dense"], **window)
+    _assert_same(
+        _run(parallel_checkpoints["dense"], tensor_parallel_size=tp, pipeline_parallel_size=pp, **window), want
+    )
+
+
 def test_more_micro_batches_than_stages_give_the_same_tokens(parallel_checkpoints):
     want = _run(parallel_checkpoints["dense"])
     _assert_same(_run(parallel_checkpoints["dense"], pipeline_parallel_size=2, pipeline_microbatches=3), want)
