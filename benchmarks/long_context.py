@@ -278,10 +278,8 @@ def main() -> None:
     model = llm.llm_engine.model
     text = wikitext2_test_path().read_text(encoding="utf-8")
     ids = torch.tensor(llm.tokenizer.encode(text)[: args.doc_tokens])
-    sections = {}
 
     def emit(title: str, body: str) -> None:
-        sections[title] = body
         print(f"## {title}\n\n{body}", flush=True)
         if args.out:
             replace_section(Path(args.out), title, f"## {title}\n\n{body}")

@@ -178,6 +178,7 @@ class NativeDecodePlan:
         self._model = weakref.ref(model)  # the plan lives on the model: no cycle
         self._layer_ids = [layer.self_attn.layer_idx for layer in model.model.layers]
         self._windows = [layer.self_attn.window for layer in model.model.layers]  # trained sliding windows
+        self._has_windows = any(w is not None for w in self._windows)
         self._moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self._few = _BoundLoop(_build_loop(model, packed=False), self._layer_ids)
         self._many: _BoundLoop | None = None
@@ -228,9 +229,9 @@ class NativeDecodePlan:
 
     def _layer_bounds(self, ctx: ForwardContext) -> torch.Tensor | None:
         """[L, M, 3] long: each layer's (lo, sinks, stride) per decode row; None when every layer reads every key."""
-        patterns = [layer_pattern(ctx.patterns.decode, w) for w in self._windows]
-        if all(p is None for p in patterns):
+        if ctx.patterns.decode is None and not self._has_windows:  # every step of a full-attention model
             return None
+        patterns = [layer_pattern(ctx.patterns.decode, w) for w in self._windows]
         rows = ctx.decode_seq_lens.shape[0]
         full = torch.zeros(rows, 3, dtype=torch.long)  # lo 0: every key
         per_layer = [ctx.decode_bounds(p) for p in patterns]
