@@ -69,11 +69,23 @@ def test_greedy_text_and_distributions_match_the_unquantized_cache(quant_llm, re
 
 # Schedule noise: float32 GEMMs and SDPA round a row differently with the batch's shape (F.linear's row 0 with
 # M = 1, 2-3 and >= 4 rows differs in ~1,400 of 1,536 outputs by an ulp on MKL 2024.2), so no cache is exactly
-# schedule-invariant end to end. A 16-bit cache carries that ulp (measured max |d logprob| 1.4e-5); an 8-bit one
-# turns it into a whole quantization step wherever a value sits on a rounding boundary (measured: KL <= 4e-3,
-# |d logprob| <= 0.09), the same size as its quantization error. The attention itself is exact given the same K/V
-# (tests/model/test_attention_schedule.py).
-SCHEDULE_BOUNDS = {"auto": (1e-6, 1e-3), "int8": (0.02, 0.25), "fp8_e4m3": (0.02, 0.25)}  # (max KL, max |d lp|)
+# schedule-invariant end to end. A 16-bit cache carries that ulp (measured max |d logprob| 1.4e-5): a fixed bound.
+# An 8-bit cache turns the ulp into a whole quantization step wherever a value sits on a rounding boundary, and
+# from the first such flip on, every later layer's K/V differ by far more than an ulp, so flips cascade: the two
+# schedules end up as two independent draws of the quantization error, whose size depends on the CPU's rounding
+# (fp8 e4m3's top-binade step is 7% of a row's absmax against int8's 0.8%: measured max KL 4e-3 on Zen 5, 0.0295
+# on a Xeon). No K/V is read unquantized by one schedule and quantized by the other (store_kv returns what the cache
+# holds), and the attention is exact given the same K/V (tests/model/test_attention_schedule.py): so the bound is
+# derived from each run's own quantization error against the float cache. With KL ~ |delta|^2 in the Fisher norm,
+# |a - b|^2 <= (|a| + |b|)^2 <= 4 max(|a|^2, |b|^2): over a sequence, KL(alone || batched) is at most 4x the largest
+# KL(float || alone) or KL(float || batched); each of those must stay within the quantization bounds of the test
+# above (mean < 0.02, max < 0.1), which a wrong block, scale or chunk boundary would break.
+SCHEDULE_BOUNDS = {"auto": (1e-6, 1e-3), "int8": (None, 0.25), "fp8_e4m3": (None, 0.25)}  # (max KL, max |d lp|)
+QUANT_KL_BOUNDS = (0.02, 0.1)  # (mean, max) KL(float cache || 8-bit cache), as in the test above
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    return (ref.exp() * (ref - got)).sum(-1)  # [T-1]: KL(ref || got) per position
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
@@ -83,24 +95,31 @@ def test_batched_chunked_prefix_cached_matches_alone(kv_cache_dtype):
     distributions agree within the schedule noise above, and greedy text agrees up to the first near tie."""
     max_kl, max_diff = SCHEDULE_BOUNDS[kv_cache_dtype]
     # float weights dequantized at load (the GGUF codes' numbers, without a dequantization per product)
-    options = dict(dtype="float32", progress=False, kv_cache_dtype=kv_cache_dtype, dequantize_gguf=True)
-    alone_llm = LLM(MODEL, **options, enable_prefix_caching=False)
+    options = dict(dtype="float32", progress=False, dequantize_gguf=True)
+    alone_llm = LLM(MODEL, **options, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     tok = alone_llm.get_tokenizer()
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
         for q in QUESTIONS
     ] + [tok.encode(t) for t in COMPLETIONS[:2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    batched = LLM(MODEL, **options, max_num_batched_tokens=32, block_size=8)
+    batched = LLM(MODEL, **options, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, block_size=8)
     together = [o.outputs[0].token_ids for o in batched.generate(prompts, params, use_tqdm=False)]
     assert batched.llm_engine.stats().scheduler.prefix_cache_hit_rate > 0
     alone = [alone_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     sequences = [p + a for p, a in zip(prompts, alone)]
     batched_scores = batched.score(sequences, use_tqdm=False)  # one batch, chunked, prefix hits
+    float_llm = None if max_kl is not None else LLM(MODEL, **options, enable_prefix_caching=False)
     for prompt, seq, got, mine, theirs in zip(prompts, sequences, batched_scores, alone, together):
         ref = alone_llm.score([seq], use_tqdm=False)[0]  # [T-1, V]: the sequence alone, prefilled whole
-        kl = (ref.exp() * (ref - got)).sum(-1)
-        assert kl.max() <= max_kl, kl.max()
+        kl = _kl(ref, got)
+        if float_llm is None:
+            assert kl.max() <= max_kl, kl.max()
+        else:  # each run's own quantization error bounds the schedule difference (derivation above)
+            exact = float_llm.score([seq], use_tqdm=False)[0]  # the float cache, alone
+            quant_kl = torch.stack([_kl(exact, ref), _kl(exact, got)])  # [2, T-1]
+            assert (quant_kl.mean(-1) < QUANT_KL_BOUNDS[0]).all() and quant_kl.max() < QUANT_KL_BOUNDS[1], quant_kl
+            assert kl.max() <= 4 * quant_kl.max(), (kl.max(), quant_kl.max())
         assert (got - ref).gather(-1, ref.argmax(-1, keepdim=True)).abs().max() <= max_diff
         top2 = ref[len(prompt) - 1 :].topk(2).values
         first_tie = next((i for i, m in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if m < 2 * max_diff), 16)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,14 @@ class LatencyRow:
     token_times_ms: list[float]  # every per-token gap of every kept repetition (the distribution plot)
     kept: int
     discarded: int
+
+
+@dataclass(frozen=True)
+class SuiteReport:
+    """What `leanlm bench latency | throughput` made."""
+
+    markdown: str  # the report (also written to the results directory)
+    unmeasured: str | None  # why some points kept no repetition (the command then fails), or None
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,23 @@ def write_report(out_dir: Path, title: str, command: str, lines: list[str], data
     return text
 
 
+def _cell(value: float, spec: str) -> str:
+    """A table cell: 'n/a' where no repetition was kept (a median of nothing), never 'nan'."""
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
+def unmeasured(rows: list[LatencyRow] | list[ThroughputRow], threshold: float) -> str | None:
+    """Why the run measured nothing at some points (every repetition there was discarded), or None."""
+    empty = [r for r in rows if r.kept == 0]
+    if not empty:
+        return None
+    return (
+        f"{len(empty)} of {len(rows)} points kept no repetition: other processes used more than --max-other-cpu "
+        f"{threshold:.0%} of the CPUs during every one of them (their cells say n/a). Run it on a quiet machine "
+        "(stop other jobs), or accept noisier numbers with a higher --max-other-cpu"
+    )
+
+
 def latency_table(rows: list[LatencyRow]) -> list[str]:
     lines = [
         "| runner | prompt | output | TTFT (ms) | TPOT (ms) | decode tok/s | MBU | reps kept / discarded |",
@@ -142,8 +168,8 @@ def latency_table(rows: list[LatencyRow]) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"| {r.runner} | {r.prompt_len} | {r.output_len} | {r.ttft_ms:,.1f} | {r.tpot_ms:.2f} | "
-            f"{r.decode_tokens_per_s:.1f} | {r.mbu:.0%} | {r.kept} / {r.discarded} |"
+            f"| {r.runner} | {r.prompt_len} | {r.output_len} | {_cell(r.ttft_ms, ',.1f')} | {_cell(r.tpot_ms, '.2f')} "
+            f"| {_cell(r.decode_tokens_per_s, '.1f')} | {_cell(r.mbu, '.0%')} | {r.kept} / {r.discarded} |"
         )
     return lines
 
@@ -161,10 +187,12 @@ def throughput_table(rows: list[ThroughputRow]) -> list[str]:
         "|---|" + "---|" * (2 * len(runners) - ("leanlm" in runners)),
     ]
     for size in sizes:
-        cells = [f"{value[(n, size)].output_tokens_per_s:.1f}" for n in runners]
+        cells = [_cell(value[(n, size)].output_tokens_per_s, ".1f") for n in runners]
         ours = value.get(("leanlm", size))
         ratios = [
-            f"{ours.output_tokens_per_s / value[(n, size)].output_tokens_per_s:.2f}x" if ours else "-"
+            _cell(ours.output_tokens_per_s / value[(n, size)].output_tokens_per_s, ".2f").replace("n/a", "-") + "x"
+            if ours
+            else "-"
             for n in runners
             if n != "leanlm"
         ]
@@ -305,7 +333,7 @@ def _text(data: str | Path) -> str:
     return Path(data).read_text(encoding="utf-8")
 
 
-def latency_command(args) -> str:
+def latency_command(args) -> SuiteReport:
     prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
     output_lens = [int(x) for x in args.output_lens.split(",")]
     compare = [c for c in args.compare.split(",") if c]
@@ -325,7 +353,7 @@ def latency_command(args) -> str:
         "",
         *latency_table(rows),
     ]
-    return write_report(
+    report = write_report(
         Path(args.results_dir),
         "Latency: batch 1",
         args.command,
@@ -333,9 +361,10 @@ def latency_command(args) -> str:
         {"bandwidth": bandwidth, "rows": as_data(rows)},
         {"latency": plot_latency(rows, bandwidth)},
     )
+    return SuiteReport(report, unmeasured(rows, args.max_other_cpu))
 
 
-def throughput_command(args) -> str:
+def throughput_command(args) -> SuiteReport:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     compare = [c for c in args.compare.split(",") if c]
     rng = random.Random(args.seed)
@@ -355,7 +384,7 @@ def throughput_command(args) -> str:
         "",
         *throughput_table(rows),
     ]
-    return write_report(
+    report = write_report(
         Path(args.results_dir),
         "Offline throughput",
         args.command,
@@ -363,3 +392,4 @@ def throughput_command(args) -> str:
         {"rows": as_data(rows)},
         {"throughput": plot_throughput(rows)},
     )
+    return SuiteReport(report, unmeasured(rows, args.max_other_cpu))

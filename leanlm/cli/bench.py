@@ -118,8 +118,10 @@ def cmd_bench_suite(args: argparse.Namespace) -> int:
     args.command = "leanlm " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else f"leanlm bench {args.suite}"
     run = bench_suite.latency_command if args.suite == "latency" else bench_suite.throughput_command
     report = run(args)
-    print(report)
+    print(report.markdown)
+    if report.unmeasured:  # a table of n/a is no result: say why and fail, and leave the doc as it was
+        raise RuntimeError(report.unmeasured)
     if args.doc:
         images = os.path.relpath(args.results_dir, Path(args.doc).parent)  # image links relative to the doc
-        replace_section(Path(args.doc), f"bench-{args.suite}", report.replace("](", f"]({images}/"))
+        replace_section(Path(args.doc), f"bench-{args.suite}", report.markdown.replace("](", f"]({images}/"))
     return 0

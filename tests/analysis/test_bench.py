@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from leanlm.analysis.bench import HFRunner, LeanLMRunner, Repetitions, repeat
-from leanlm.analysis.bench_suite import ThroughputRow, throughput_table
+from leanlm.analysis.bench_suite import ThroughputRow, throughput_table, unmeasured
 from leanlm.analysis.host import CpuSample
 
 
@@ -54,3 +54,27 @@ def test_throughput_table_ratios():
     table = throughput_table(rows)
     assert table[0] == "| batch | leanlm tok/s | hf tok/s | leanlm / hf |"
     assert table[2] == "| 4 | 100.0 | 40.0 | 2.50x |"
+
+
+def test_a_point_with_every_repetition_discarded_says_n_a_not_nan():
+    rows = [ThroughputRow("leanlm", 4, float("nan"), 0, 3), ThroughputRow("hf", 4, 40.0, 3, 0)]
+    assert throughput_table(rows)[2] == "| 4 | n/a | 40.0 | -x |"
+    assert "1 of 2 points kept no repetition" in unmeasured(rows, 0.1) and "--max-other-cpu 10%" in unmeasured(rows, 0.1)
+    assert unmeasured(rows[1:], 0.1) is None
+
+
+@pytest.mark.real_model
+def test_bench_latency_on_a_busy_machine_fails_and_says_why(tmp_path, monkeypatch, capsys):
+    """Every repetition contaminated (as on a machine at load 6 on 2 cores): n/a cells, a one-line reason naming
+    --max-other-cpu, exit non-zero, and the --doc left alone."""
+    from leanlm.cli.main import main
+
+    monkeypatch.setattr(CpuSample, "is_contaminated", lambda self, threshold=0.1: True)
+    doc = tmp_path / "doc.md"
+    doc.write_text("kept\n")
+    argv = ["bench", "latency", "--prompt-lens", "8", "--output-lens", "3", "--reps", "1", "--dtype", "float32"]
+    status = main([*argv, "--results-dir", str(tmp_path / "out"), "--doc", str(doc)])
+    out, err = capsys.readouterr()
+    assert status == 1 and "nan" not in out and "| n/a |" in out
+    assert "kept no repetition" in err and "--max-other-cpu" in err
+    assert doc.read_text() == "kept\n"
