@@ -9,6 +9,7 @@ marked `real_model`, by the fixtures they use (REAL_MODEL_FIXTURES) or a `pytest
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ from leanlm.model.offload import return_freed_memory
 from tests.tiny_tokenizer import tiny_tokenizer
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+# Engines (and the servers and workers the tests start) compute on a fixed thread count: an automatic one follows
+# the machine's load (leanlm.engine.threads), and a float GEMM may round differently on another count.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 # Fixtures that load the bundled model or its files: a test using one (directly or through another fixture)
 # is a real-model test.

@@ -287,17 +287,23 @@ def batch1_weight_elements(model) -> float:
     return total
 
 
-def build_runners(model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32):
+def build_runners(
+    model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32, threads: int | None = None
+):
     """Our runner plus the peers asked for, on the same model file; and, per in-process runner, the bytes one
-    decode step reads at a given context (weights as that runner stores them, plus its KV cache)."""
+    decode step reads at a given context (weights as that runner stores them, plus its KV cache). Every runner
+    computes on `threads` threads (default: every usable core, fixed, as the peers do: a repetition slowed by
+    other processes is discarded, not adapted to)."""
     import torch
 
     from leanlm.analysis.bench import HFRunner, LeanLMRunner, LlamaCppRunner
+    from leanlm.engine.threads import usable_cores
     from leanlm.formats.inspect import ModelFormat, inspect
     from leanlm.llm import LLM
 
+    threads = threads or usable_cores()
     # No prefix caching: repetitions of a batch would otherwise reuse their own prompts' KV.
-    llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False, num_threads=threads)
     cfg = llm.model_config
     element = torch.empty(0, dtype=llm.dtype).element_size()
     weights = batch1_weight_elements(llm.llm_engine.model) * element
@@ -318,7 +324,7 @@ def build_runners(model: str, dtype: str, compare: list[str], max_context: int, 
     if "llama.cpp" in compare:
         if source.format is not ModelFormat.GGUF:
             raise ValueError("llama.cpp needs a GGUF model; pass a GGUF file or a bundled model")
-        runners.append(LlamaCppRunner(path, n_ctx=max_context))
+        runners.append(LlamaCppRunner(path, n_ctx=max_context, n_threads=threads))
         file_bytes = path.stat().st_size  # its weights as stored: the published quantization
         per_token["llama.cpp"] = lambda c: file_bytes + kv_bytes(c, 2)  # f16 KV cache
     max_num_seqs = llm.llm_engine.engine_config.max_num_seqs
@@ -339,7 +345,9 @@ def latency_command(args) -> SuiteReport:
     compare = [c for c in args.compare.split(",") if c]
     check_peers(compare, throughput=False)
     text = _text(args.data)  # before the (slow) model loads
-    llm, runners, per_token = build_runners(args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8)
+    llm, runners, per_token = build_runners(
+        args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8, threads=args.threads
+    )
     prompts = {
         n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens
     }
@@ -371,7 +379,9 @@ def throughput_command(args) -> SuiteReport:
     lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(max(batch_sizes))]
     check_peers(compare, throughput=True)
     text = _text(args.data)  # before the (slow) model loads
-    llm, runners, _ = build_runners(args.model, args.dtype, compare, args.max_prompt + args.output_len + 8)
+    llm, runners, _ = build_runners(
+        args.model, args.dtype, compare, args.max_prompt + args.output_len + 8, threads=args.threads
+    )
     prompts = prompts_from_text(llm.get_tokenizer(), text, lengths, args.seed)
     rows = run_throughput(runners, prompts, batch_sizes, args.output_len, args.reps, args.max_other_cpu)
     lines = [

@@ -80,6 +80,12 @@ def add_parser(sub) -> None:
             help="peers in the same run (comma-separated): hf, llama.cpp; for throughput also openvino, openvino-int8, "
             "openvino-int4 and vllm, each in its own environment (make peers-openvino, make peers-vllm)",
         )
+        parser.add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            help="threads every runner computes on (default: every usable core, fixed for the whole run)",
+        )
         parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
         parser.add_argument(
             "--max-other-cpu",

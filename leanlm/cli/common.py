@@ -23,16 +23,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tupl
         hint = hints[field.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
-        flag = "--" + field.name.replace("_", "-")
+        flags = ("--" + field.name.replace("_", "-"), *field.metadata.get("flags", ()))
         # A missing help is caught by tests/test_cli_help.py, not here: the CLI must not fail over a help line.
         options = {"default": field.default, "help": field.metadata.get("help")}
         if base is bool:
-            action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+            action = group.add_argument(*flags, action=argparse.BooleanOptionalAction, **options)
         elif "choices" in field.metadata:  # a closed set of names: argparse lists them in --help and errors
-            action = group.add_argument(flag, type=base, choices=field.metadata["choices"], **options)
+            action = group.add_argument(*flags, type=base, choices=field.metadata["choices"], **options)
         else:  # a field's own `parse` (e.g. byte counts with units) reads the flag's text where it has one
             parse = field.metadata.get("parse", base)
-            action = group.add_argument(flag, type=parse, metavar=base.__name__.upper(), **options)
+            action = group.add_argument(*flags, type=parse, metavar=base.__name__.upper(), **options)
         # BooleanOptionalAction appends the default itself on some Python versions: never twice.
         if action.help and field.default not in (None, "") and "%(default)" not in action.help:
             action.help += " (default: %(default)s)"

@@ -24,7 +24,8 @@ FRONT_ONLY = frozenset({"host", "port", "api_key", "metrics_key", "allowed_hosts
 def cmd_serve(args: argparse.Namespace) -> int:
     from leanlm.server.launcher import check_port_free, serve
 
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if f.name != "threads"}
+    options["threads"] = args.num_threads  # one --threads flag: the engine's (each replica's, behind a front)
     if options["api_key"] is None:
         options["api_key"] = os.environ.get("LEANLM_API_KEY") or None
     if options["metrics_key"] is None:
@@ -37,10 +38,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if router_config.is_routed:
         return serve_front(args, config, router_config)
-    if config.threads is not None:
-        import torch
-
-        torch.set_num_threads(config.threads)
     started = time.perf_counter()
     llm = load_llm(args)
     logging.getLogger("leanlm.serve").info(
@@ -65,7 +62,7 @@ def replica_args(args: argparse.Namespace, config: ServeConfig) -> list[str]:
     """The flags each local replica gets: the model and engine flags as given, the ServeConfig flags but the
     front's own (FRONT_ONLY); the front adds host, port, threads and the key."""
     names = ["model", "dtype", "device", "dequantize_gguf"]
-    names += sorted(option_names())
+    names += sorted(option_names() - {"num_threads"})  # the front gives each replica its --threads
     values = {name: getattr(args, name) for name in names}
     values |= {f.name: getattr(config, f.name) for f in dataclasses.fields(ServeConfig) if f.name not in FRONT_ONLY}
     argv: list[str] = []
@@ -86,6 +83,6 @@ def replica_args(args: argparse.Namespace, config: ServeConfig) -> list[str]:
 def add_parser(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     add_model_args(srv)
-    add_dataclass_args(srv, ServeConfig)
+    add_dataclass_args(srv, ServeConfig, exclude=("threads",))  # EngineConfig's --threads sets it
     add_dataclass_args(srv, RouterConfig)
     srv.set_defaults(func=cmd_serve)

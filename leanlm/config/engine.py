@@ -40,6 +40,14 @@ class EngineConfig:
         default=128,
         metadata={"help": "most sequences running at once (serve: with --max-queue, the admission capacity)"},
     )
+    num_threads: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "flags": ("--threads",),
+            "help": "CPU threads a step computes on (default: the cores other processes leave free, re-measured "
+            "every 2 s; OMP_NUM_THREADS fixes it too). A parallel engine: threads per rank",
+        },
+    )
     max_model_len: int | None = dataclasses.field(
         default=None, metadata={"help": "context limit in tokens (default: the model's max_position_embeddings)"}
     )
@@ -173,6 +181,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or self.num_threads < 1):
+            raise ValueError(f"num_threads (--threads) must be >= 1, got {self.num_threads}; omit it to size "
+                             "threads to the free cores")  # fmt: skip
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -18,6 +18,7 @@ from leanlm.config.long_context import STREAMING_CONTEXT
 from leanlm.engine.block_pool import BlockPool
 from leanlm.engine.early_exit import EarlyExitStats
 from leanlm.engine.executor import IsolatingExecutor
+from leanlm.engine.threads import ThreadSizer
 from leanlm.engine.kv_budget import KVBudget
 from leanlm.engine.kv_cache import KVCacheManager, KVRetention
 from leanlm.engine.model_runner import ModelRunner
@@ -89,7 +90,9 @@ class LLMEngine:
             stop_checker=self.output_processor.check_stop,
             swapper=self._swapper(),
         )
-        self.executor = IsolatingExecutor(self.model_runner, self.scheduler)
+        # a parallel engine's driver gave each rank its share of the cores before building this engine
+        threads = ThreadSizer(engine_config.num_threads) if engine_config.world_size == 1 else None
+        self.executor = IsolatingExecutor(self.model_runner, self.scheduler, threads)
         self._ids = itertools.count()
 
     def _retention(self) -> KVRetention | None:

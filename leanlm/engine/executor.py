@@ -10,6 +10,7 @@ from leanlm.engine.errors import EngineDeadError
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.scheduler import Scheduler
+from leanlm.engine.threads import ThreadSizer
 
 logger = logging.getLogger(__name__)
 
@@ -19,12 +20,15 @@ class IsolatingExecutor:
     the failing request is finished with FINISHED_ERROR (and reported by the next update()), and the rest
     of the batch gets its tokens as if the batch had run whole."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, threads: ThreadSizer | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        self.threads = threads  # sizes torch's threads before each batch (None: a parallel driver set them)
         self.num_isolations = 0  # batches that raised and were re-run request by request
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.refresh()
         try:
             return self.runner.execute(scheduler_output)
         except EngineDeadError:

@@ -26,9 +26,14 @@ RANK_ENV = "LEANLM_RANK"  # a worker's rank
 def spawn_workers(spec: RankSpec) -> list[subprocess.Popen]:
     """Ranks 1..world-1 as `python -m leanlm.parallel.worker`, each with its share of the cores."""
     world = spec.layout.world_size
-    env = dict(os.environ, **{SPEC_ENV: spec.to_json(), "OMP_NUM_THREADS": str(cores_per_process(world))})
+    env = dict(os.environ, **{SPEC_ENV: spec.to_json(), "OMP_NUM_THREADS": str(rank_threads(spec))})
     command = [sys.executable, "-m", "leanlm.parallel.worker"]
     return [spawn_child(command, dict(env, **{RANK_ENV: str(rank)})) for rank in range(1, world)]
+
+
+def rank_threads(spec: RankSpec) -> int:
+    """Threads each rank computes on: --threads, or this process's cores shared out over the local ranks."""
+    return spec.engine.get("num_threads") or cores_per_process(spec.layout.world_size)
 
 
 class ParallelDriver:
@@ -41,7 +46,7 @@ class ParallelDriver:
         if spec.init_method.startswith("tcp://"):
             self.workers = spawn_workers(spec)
         self.caller_threads = torch.get_num_threads()  # given back by close()
-        torch.set_num_threads(cores_per_process(spec.layout.world_size))
+        torch.set_num_threads(rank_threads(spec))
         try:
             self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress)
         except BaseException:
