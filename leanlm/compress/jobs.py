@@ -16,6 +16,7 @@ from leanlm.compress.prune.permute import PermuteConfig
 from leanlm.compress.prune.sparsegpt import SparseGPTConfig
 from leanlm.compress.prune.wanda import WandaConfig
 from leanlm.compress.quantize.gptq import GPTQConfig
+from leanlm.compress.quality import QualityCheck, held_out_windows, perplexity_of
 from leanlm.compress.quantize.rtn import RTNConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 
@@ -75,6 +76,7 @@ class CompressResult:
     report: CompressionReport  # per method and per linear
     out: Path  # the checkpoint directory
     summary: str  # what the commands print
+    quality: QualityCheck | None  # held-out perplexity before and after (None: it could not run, says summary)
 
 
 def run_compress(job: CompressJob) -> CompressResult:
@@ -95,13 +97,20 @@ def run_compress(job: CompressJob) -> CompressResult:
         ids = ckpt.tokenizer.encode(read_calibration_text(job.calib), add_special_tokens=False)
         samples = calibration_samples(ids, job.num_samples, job.seq_len, job.seed)
     bytes_before = model_bytes(model, torch.bfloat16)
+    try:
+        windows = held_out_windows(ckpt.tokenizer, model.config.vocab_size, next(model.parameters()).device)
+    except ValueError as exc:  # the source checkpoint's own fault: compress it, and say why it was not checked
+        windows, skipped = None, f"quality check skipped: {exc}"
+    ppl_before = None if windows is None else perplexity_of(model, windows)
     report = compress(model, list(job.recipe), samples)
+    quality = None if windows is None else QualityCheck(ppl_before, perplexity_of(model, windows), windows[:, 1:].numel())
     start = time.perf_counter()
     savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
     out = savers.get(job.format, save_checkpoint)(ckpt.with_recipe(report.recipe), job.out)
     save_s = time.perf_counter() - start
     summary = format_summary(report, job.model, str(job.out), job.format, bytes_before, directory_bytes(out), save_s)
-    return CompressResult(report, Path(out), summary)
+    summary += "\n" + (skipped if quality is None else quality.describe())
+    return CompressResult(report, Path(out), summary, quality)
 
 
 def model_bytes(model: torch.nn.Module, float_dtype: torch.dtype) -> int:

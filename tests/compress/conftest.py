@@ -11,11 +11,11 @@ VOCAB = 256
 
 @pytest.fixture
 def tiny_model():
-    def make(dtype=torch.float32, seed=0, heads=4, kv_heads=2, architecture="llama"):
+    def make(dtype=torch.float32, seed=0, heads=4, kv_heads=2, architecture="llama", vocab=VOCAB):
         import dataclasses
 
         cfg = dataclasses.replace(
-            tiny_config(VOCAB, architecture), num_attention_heads=heads, num_key_value_heads=kv_heads
+            tiny_config(vocab, architecture), num_attention_heads=heads, num_key_value_heads=kv_heads
         )
         return build_model(cfg, tiny_state_dict(cfg, seed), dtype)
 

@@ -3,6 +3,8 @@ the router predicts the experts the FFN uses, the MoE saves and loads back, and 
 
 from __future__ import annotations
 
+import re
+
 import json
 
 import pytest
@@ -170,7 +172,7 @@ def test_the_command_refuses_bad_input_before_loading(argv, message, capsys, tmp
 
 
 @pytest.mark.real_model
-def test_the_command_moefies_the_real_model_and_it_loads_as_the_dense_one(tmp_path):
+def test_the_command_moefies_the_real_model_and_it_loads_as_the_dense_one(tmp_path, capsys):
     """`leanlm moefy` on SmolLM2 with every expert on, loaded back by LLM's loader, against the dense model in
     float32 (its weights rounded to bfloat16, as the checkpoint stores them). The experts' outputs are summed one
     by one instead of inside one GEMM: float32 rounding (2^-24 relative per addition, on FFN outputs of size ~10 in
@@ -184,6 +186,8 @@ def test_the_command_moefies_the_real_model_and_it_loads_as_the_dense_one(tmp_pa
     out = tmp_path / "moe"
     argv = ["moefy", "--experts", "8", "--top-k", "8", "--num-samples", "4", "--seq-len", "64", "--out", str(out)]
     assert main(argv) == 0
+    printed = capsys.readouterr().out  # every expert on: the held-out perplexity is the dense model's
+    assert re.search(r"quality check: WikiText-2 perplexity .* \([+-]0\.0%\)", printed) and "WARNING" not in printed
     dense = load_checkpoint(DEFAULT_MODEL, "float32", progress=False)
     with torch.no_grad():  # the command saves bfloat16 weights (as `leanlm quantize` does): the same rounding here
         for param in dense.model.parameters():
