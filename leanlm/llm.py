@@ -84,7 +84,8 @@ class LLM:
         spec = self.engine_config.speculative
         if spec is not None and spec.method == "draft":
             draft = load_checkpoint(spec.draft_model, self.dtype, self.device, **options).model
-        self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft)
+        plan = self.offloaded.plan if self.offloaded is not None else None
+        self.llm_engine = LLMEngine(net, self.tokenizer, self.engine_config, self.device, self.dtype, draft, plan)
 
     def _start_parallel(self, model: str, dtype: str | torch.dtype, options: dict) -> None:
         """Rank 0 of tensor_parallel_size x pipeline_parallel_size processes: it starts the others (or, under

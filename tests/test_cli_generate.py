@@ -67,3 +67,19 @@ def test_majority_vote_prints_the_winner_and_its_support(capsys):
     assert main(["generate", COUNTING, "--best-of", "4", "--temperature", "1.0", *SMALL]) == 0
     out = capsys.readouterr().out
     assert out.startswith(COUNTING) and "[best of 4 samples: mean token logprob -" in out
+
+
+def test_the_timing_line_keeps_prefill_and_kernel_compilation_out_of_the_decode_rate():
+    """make demo's first line on a fresh machine read "8 tokens in 3.97 s: 2.0 tokens/s": the compilation and the
+    prompt counted as generation. The decode rate comes from the requests' own timestamps."""
+    from types import SimpleNamespace
+
+    from leanlm.cli.generate import timing_line
+
+    metrics = SimpleNamespace(first_scheduled_time=10.0, first_token_time=13.5, finished_time=14.2)
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(8)))], metrics=metrics)]
+    line = timing_line(outputs, 4.2, compiled=3.3)
+    assert line == (
+        "8 tokens in 4.20 s (prefill 3.50 s; decode 10.0 tokens/s; 3.30 s of it compiling kernels, once per machine)"
+    )
+    assert timing_line(outputs, 4.2, compiled=0.0).endswith("decode 10.0 tokens/s)")

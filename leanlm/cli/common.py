@@ -105,12 +105,17 @@ def sampling_params(args: argparse.Namespace):
 
 
 def load_llm(args: argparse.Namespace):
+    """The LLM of the model and engine flags; its layout (threads, KV pool, offloading, parallelism) goes to stderr."""
+    import logging
+
     from leanlm.llm import LLM
 
-    return LLM(
+    llm = LLM(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         dequantize_gguf=getattr(args, "dequantize_gguf", False),
         **engine_options(args),
     )
+    logging.getLogger("leanlm.layout").info(llm.llm_engine.layout().describe())
+    return llm

@@ -13,6 +13,7 @@ from leanlm.cli.common import (
     load_llm,
     sampling_params,
 )
+from leanlm.kernels.build import compile_seconds
 
 
 def _selection_flags(args: argparse.Namespace, params):
@@ -99,13 +100,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompts)
     if selection is not None:
         return _generate_selected(args, llm, prompts, selection)
-    start = time.perf_counter()
+    start, compiled_before = time.perf_counter(), compile_seconds()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     elapsed = time.perf_counter() - start
-    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    compiled = compile_seconds() - compiled_before
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         if args.json:
@@ -122,12 +123,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt}{completion.text}" if not args.chat else completion.text)
             print()
-    print(
-        f"[{num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} tokens/s, "
-        f"{llm.model_config.name or args.model}, {str(llm.dtype).removeprefix('torch.')}]",
-        file=sys.stderr,
-    )
+    print(f"[{timing_line(outputs, elapsed, compiled)}; {llm.model_config.name or args.model}, "
+          f"{str(llm.dtype).removeprefix('torch.')}]", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def timing_line(outputs, elapsed: float, compiled: float) -> str:
+    """`N tokens in S s (prefill, decode rate, one-time kernel compilation)`: the decode rate from the requests'
+    own timestamps, so neither the prompt nor the first run's kernel compilation counts as generation time."""
+    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    metrics = [o.metrics for o in outputs if o.metrics is not None and o.metrics.first_token_time is not None]
+    parts = []
+    if metrics:
+        first_token = max(m.first_token_time for m in metrics)
+        parts.append(f"prefill {first_token - min(m.first_scheduled_time for m in metrics):.2f} s")
+        decoded = num_generated - sum(len(o.outputs) for o in outputs)  # each completion's first token is prefill's
+        decode_s = max(m.finished_time for m in metrics) - first_token
+        if decoded > 0 and decode_s > 0:
+            parts.append(f"decode {decoded / decode_s:.1f} tokens/s")
+    if compiled >= 0.01:
+        parts.append(f"{compiled:.2f} s of it compiling kernels, once per machine")
+    return f"{num_generated} tokens in {elapsed:.2f} s" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def add_parser(sub) -> None:

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # Warnings and the startup choices worth a line (dtype auto's measured pick) on stderr; serve sets its own.
     logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
     logging.getLogger("leanlm.model.device").setLevel(logging.INFO)
+    logging.getLogger("leanlm.layout").setLevel(logging.INFO)  # the engine's layout, once it is built
     try:
         args = build_parser().parse_args(argv)  # usage errors exit 2 here, one line (_Parser.error)
         return args.func(args)

@@ -15,8 +15,8 @@ from leanlm.compress.prune.magnitude import MagnitudeConfig
 from leanlm.compress.prune.permute import PermuteConfig
 from leanlm.compress.prune.sparsegpt import SparseGPTConfig
 from leanlm.compress.prune.wanda import WandaConfig
-from leanlm.compress.quantize.gptq import GPTQConfig
 from leanlm.compress.quality import QualityCheck, held_out_windows, perplexity_of
+from leanlm.compress.quantize.gptq import GPTQConfig
 from leanlm.compress.quantize.rtn import RTNConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 
@@ -103,7 +103,9 @@ def run_compress(job: CompressJob) -> CompressResult:
         windows, skipped = None, f"quality check skipped: {exc}"
     ppl_before = None if windows is None else perplexity_of(model, windows)
     report = compress(model, list(job.recipe), samples)
-    quality = None if windows is None else QualityCheck(ppl_before, perplexity_of(model, windows), windows[:, 1:].numel())
+    quality = (
+        None if windows is None else QualityCheck(ppl_before, perplexity_of(model, windows), windows[:, 1:].numel())
+    )
     start = time.perf_counter()
     savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
     out = savers.get(job.format, save_checkpoint)(ckpt.with_recipe(report.recipe), job.out)

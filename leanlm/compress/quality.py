@@ -51,7 +51,9 @@ def held_out_windows(tokenizer, vocab_size: int, device: torch.device | str = "c
     text = wikitext2_test_path().read_text(encoding="utf-8")[:20_000]
     ids = tokenizer.encode(text, add_special_tokens=False)[: NUM_WINDOWS * WINDOW_TOKENS]
     if len(ids) < NUM_WINDOWS * WINDOW_TOKENS:
-        raise ValueError(f"the held-out text gave {len(ids)} tokens; the quality check needs {NUM_WINDOWS * WINDOW_TOKENS}")
+        raise ValueError(
+            f"the held-out text gave {len(ids)} tokens; the quality check needs {NUM_WINDOWS * WINDOW_TOKENS}"
+        )
     if max(ids) >= vocab_size:
         raise ValueError(
             f"the checkpoint's tokenizer makes token id {max(ids)} but its model has {vocab_size} embeddings: "

@@ -10,6 +10,7 @@ from leanlm.engine.async_engine import AsyncLLMEngine, EngineSnapshot
 from leanlm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from leanlm.engine.engine import EngineStats, LLMEngine
 from leanlm.engine.errors import EngineDeadError, EngineStoppedError, QueueFullError, RequestFailedError
+from leanlm.engine.layout import EngineLayout
 from leanlm.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.engine.request_stream import RequestStream
@@ -23,6 +24,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "EngineDeadError",
+    "EngineLayout",
     "EngineSnapshot",
     "EngineStats",
     "EngineStoppedError",

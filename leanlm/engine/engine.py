@@ -18,9 +18,9 @@ from leanlm.config.long_context import STREAMING_CONTEXT
 from leanlm.engine.block_pool import BlockPool
 from leanlm.engine.early_exit import EarlyExitStats
 from leanlm.engine.executor import IsolatingExecutor
-from leanlm.engine.threads import ThreadSizer
 from leanlm.engine.kv_budget import KVBudget
 from leanlm.engine.kv_cache import KVCacheManager, KVRetention
+from leanlm.engine.layout import EngineLayout
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
 from leanlm.engine.outputs import RequestOutput, SchedulerStats
@@ -30,10 +30,12 @@ from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.spec_decode import SpecStats
 from leanlm.engine.step_plan import StepPlan
 from leanlm.engine.swap_space import SwapSpace
+from leanlm.engine.threads import ThreadSizer
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.attention_pattern import kv_window
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.moe import MoESizes, MoEStats, moe_stats
+from leanlm.model.offload import OffloadPlan
 from leanlm.sampling_params import SamplingParams
 
 
@@ -63,8 +65,11 @@ class LLMEngine:
         device: torch.device,
         model_dtype: torch.dtype,  # compute dtype; the KV cache stores it unless engine_config.kv_cache_dtype is 8-bit
         draft_model: LlamaForCausalLM | None = None,  # speculative 'draft:MODEL': the loaded draft
+        offload_plan: OffloadPlan | None = None,  # the layers LLM offloaded (--max-weight-memory); None: all resident
     ) -> None:
         self.model_config = model.config
+        self.model_dtype = model_dtype
+        self.offload_plan = offload_plan
         self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.device = device
@@ -275,6 +280,10 @@ class LLMEngine:
             early_exit=self.model_runner.early_exit.stats() if self.model_runner.early_exit is not None else None,
             moe=self.moe_stats() if include_moe else None,
         )
+
+    def layout(self) -> EngineLayout:
+        """What this engine runs on and how it is spread (the start-up line, /metrics)."""
+        return EngineLayout.of(self, self.offload_plan)
 
     @property
     def model(self) -> LlamaForCausalLM:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from functools import cache
 from pathlib import Path
 
@@ -94,6 +95,16 @@ def build_command(compiler: str, source: Path, output: Path) -> list[str]:
     ]
 
 
+_compile_lock = threading.Lock()
+_compile_seconds = 0.0  # guarded by _compile_lock: seconds this process spent compiling kernels
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling kernels (a one-time cost per machine: the cache keeps them)."""
+    with _compile_lock:
+        return _compile_seconds
+
+
 def build_library(source: Path) -> Path:
     """Path of the compiled library for `source`, compiling it if the cache lacks this source + command."""
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -114,6 +125,8 @@ def build_library(source: Path) -> Path:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
     os.close(fd)
     tmp = Path(tmp_name)
+    global _compile_seconds
+    started = time.perf_counter()
     try:
         result = subprocess.run(build_command(compiler, source, tmp), capture_output=True, text=True)
         if result.returncode != 0:
@@ -122,6 +135,8 @@ def build_library(source: Path) -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+        with _compile_lock:
+            _compile_seconds += time.perf_counter() - started
     return target
 
 

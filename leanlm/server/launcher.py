@@ -92,7 +92,7 @@ def describe(llm: LLM, model_name: str, config: ServeConfig) -> str:
         f"({str(engine.kv_cache_dtype).removeprefix('torch.')}), "
         f"context {engine.max_model_len} tokens, max_num_seqs {engine.engine_config.max_num_seqs}, "
         f"queue {config.max_queue}, auth {'on' if config.api_key else 'off'}, "
-        f"at http://{config.host}:{config.port}/v1"
+        f"at http://{config.host}:{config.port}/v1\n{engine.layout().describe()}"
     )
 
 

@@ -134,12 +134,31 @@ class ServerMetrics(Collector):
             counter.add_metric(model, value)
             yield counter
         yield from self._moe_families()
+        yield from self._layout_families()
         for histogram in (self.ttft, self.itl, self.e2e):
             for family in histogram.collect():
                 # The series of the page are the buckets, _sum and _count; _created (when prometheus_client
                 # adds it) would be a new series per histogram that no dashboard of ours reads.
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family
+
+    def _layout_families(self) -> Iterator[Metric]:
+        """How the engine is laid out: threads now (they follow the machine's load), offloaded layers, the
+        parallel layout."""
+        layout = self.engine.engine.layout()
+        for name, help_text, value in (
+            ("leanlm_threads", "CPU threads a step computes on now (per rank).", layout.num_threads),
+            ("leanlm_offload_streamed_layers", "Decoder layers whose weights stream in as they run.",
+             layout.num_streamed_layers),
+            ("leanlm_offload_resident_layers", "Decoder layers whose weights stay in memory.",
+             layout.num_layers - layout.num_streamed_layers),
+            ("leanlm_tensor_parallel_size", "Processes each layer is split across.", layout.tensor_parallel_size),
+            ("leanlm_pipeline_parallel_size", "Pipeline stages.", layout.pipeline_parallel_size),
+            ("leanlm_expert_parallel", "1 when experts are split over the tensor ranks.", int(layout.expert_parallel)),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
 
     def _moe_families(self) -> Iterator[Metric]:
         """A mixture-of-experts model's routing: per layer and expert load, drops, expert bytes read per token."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from leanlm.analysis.bench import HFRunner, LeanLMRunner, Repetitions, repeat
-from leanlm.analysis.bench_suite import ThroughputRow, throughput_table, unmeasured
+from leanlm.analysis.bench_tables import ThroughputRow, throughput_table, unmeasured
 from leanlm.analysis.host import CpuSample
 
 
@@ -59,7 +59,9 @@ def test_throughput_table_ratios():
 def test_a_point_with_every_repetition_discarded_says_n_a_not_nan():
     rows = [ThroughputRow("leanlm", 4, float("nan"), 0, 3), ThroughputRow("hf", 4, 40.0, 3, 0)]
     assert throughput_table(rows)[2] == "| 4 | n/a | 40.0 | -x |"
-    assert "1 of 2 points kept no repetition" in unmeasured(rows, 0.1) and "--max-other-cpu 10%" in unmeasured(rows, 0.1)
+    assert "1 of 2 points kept no repetition" in unmeasured(rows, 0.1) and "--max-other-cpu 10%" in unmeasured(
+        rows, 0.1
+    )
     assert unmeasured(rows[1:], 0.1) is None
 
 

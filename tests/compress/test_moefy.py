@@ -3,9 +3,8 @@ the router predicts the experts the FFN uses, the MoE saves and loads back, and 
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 
 import pytest
 import torch

@@ -70,6 +70,16 @@ def test_capacity_factor_reaches_the_layers_and_drops_are_counted(make_moe_engin
     assert free.stats().moe.dropped == 0
 
 
+def test_the_layout_of_a_moe_engine_names_its_routing(make_moe_engine):
+    engine = make_moe_engine(moe_capacity_factor=1.25)
+    layout = engine.layout()
+    assert layout.num_streamed_layers == 0 and layout.resident_weight_bytes is None
+    cfg = engine.model_config.moe
+    assert (layout.num_experts, layout.top_k, layout.moe_capacity_factor) == (cfg.num_experts, cfg.top_k, 1.25)
+    assert f"MoE: {cfg.num_experts} experts, top-{cfg.top_k}, capacity factor 1.25" in layout.describe()
+    assert "offloaded" not in layout.describe() and "parallel" not in layout.describe()
+
+
 def test_bad_expert_requests_are_refused(make_moe_engine, make_tiny_engine):
     engine = make_moe_engine()
     with pytest.raises(ValueError, match=r"in \[0, 4\)"):

@@ -28,6 +28,12 @@ FAMILIES = {
     "leanlm_time_to_first_token_seconds": "histogram",
     "leanlm_inter_token_latency_seconds": "histogram",
     "leanlm_e2e_request_latency_seconds": "histogram",
+    "leanlm_threads": "gauge",
+    "leanlm_offload_streamed_layers": "gauge",
+    "leanlm_offload_resident_layers": "gauge",
+    "leanlm_tensor_parallel_size": "gauge",
+    "leanlm_pipeline_parallel_size": "gauge",
+    "leanlm_expert_parallel": "gauge",
 }
 
 
@@ -79,6 +85,11 @@ def test_metrics_follow_requests(real_server):
     length = ("leanlm_request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))
     assert after[length] - before[length] == 3
     assert 0 <= after[("leanlm_kv_cache_usage_perc", model)] <= 1
+    # the layout: one process, every layer resident, on the threads torch computes with
+    assert after[("leanlm_offload_streamed_layers", model)] == 0
+    assert after[("leanlm_offload_resident_layers", model)] == 30
+    assert after[("leanlm_tensor_parallel_size", model)] == 1 and after[("leanlm_expert_parallel", model)] == 0
+    assert after[("leanlm_threads", model)] >= 1
 
 
 def test_each_server_counts_its_own_requests(tiny_engine_factory):
