@@ -83,3 +83,14 @@ def test_the_timing_line_keeps_prefill_and_kernel_compilation_out_of_the_decode_
         "8 tokens in 4.20 s (prefill 3.50 s; decode 10.0 tokens/s; 3.30 s of it compiling kernels, once per machine)"
     )
     assert timing_line(outputs, 4.2, compiled=0.0).endswith("decode 10.0 tokens/s)")
+
+
+def test_generate_says_when_the_engine_preempted(capsys, caplog):
+    """A KV pool too small for the batch: the requests finish through preemption, and the command says so."""
+    from leanlm.cli import main
+
+    argv = ["generate", "Once upon a time", "The three colors", "--max-tokens", "24", "--dtype", "float32"]
+    with caplog.at_level("INFO", logger="leanlm.layout"):  # main's stderr handler, under pytest's log capture
+        assert main([*argv, "--num-kv-blocks", "4", "--block-size", "8", "--threads", "1"]) == 0
+    assert "preemption(s) by recompute (KV blocks ran out)" in capsys.readouterr().err
+    assert "engine: llama, 30 layers, float32 on cpu, 1 thread (fixed); KV cache 4 blocks x 8 tokens" in caplog.text

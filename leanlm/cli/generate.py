@@ -125,7 +125,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print()
     print(f"[{timing_line(outputs, elapsed, compiled)}; {llm.model_config.name or args.model}, "
           f"{str(llm.dtype).removeprefix('torch.')}]", file=sys.stderr)  # fmt: skip
+    if activity := activity_line(llm.llm_engine.stats()):
+        print(f"[{activity}]", file=sys.stderr)
     return 0
+
+
+def activity_line(stats) -> str | None:
+    """What the engine had to do beyond computing (preemptions, swaps, MoE capacity drops), or None."""
+    sched, parts = stats.scheduler, []
+    if sched.num_preemptions:
+        parts.append(f"{sched.num_preemptions} preemption(s) by recompute (KV blocks ran out)")
+    if sched.num_swaps_out:
+        parts.append(f"{sched.num_swaps_out} swap(s) out to host memory, {sched.num_swaps_in} back in")
+    if stats.moe is not None and stats.moe.dropped:
+        moe = stats.moe
+        parts.append(
+            f"MoE: {moe.dropped} of {moe.assignments} expert assignments dropped by capacity ({moe.drop_rate:.1%})"
+        )
+    return "engine: " + "; ".join(parts) if parts else None
 
 
 def timing_line(outputs, elapsed: float, compiled: float) -> str:
