@@ -62,7 +62,17 @@ def test_estimate_plot_writes_a_png(tmp_path, capsys):
 
 
 def test_estimate_long_context_compares_window_and_budget_with_full_attention(capsys):
-    argv = ["estimate", "--model", "llama-3.1-8b", "--attention-window", "1024", "--sinks", "4", "--kv-budget", "32768"]
+    argv = [
+        "estimate",
+        "--model",
+        "llama-3.1-8b",
+        "--attention-window",
+        "1024",
+        "--attention-sinks",
+        "4",
+        "--kv-budget",
+        "32768",
+    ]
     assert main([*argv, "--json"]) == 0
     lc = json.loads(capsys.readouterr().out)["long_context"]
     kv_token = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x L x Hkv x D x 2 bytes
@@ -85,7 +95,7 @@ def test_estimate_long_context_compares_window_and_budget_with_full_attention(ca
         (["--dtype", "int3"], "unknown weight format"),
         (["--batch", "0"], "--batch must be >= 1"),
         (["--model", "no-such-model"], "preset"),
-        (["--sinks", "4"], "--sinks keep the first tokens beside a window: set --attention-window too"),
+        (["--sinks", "4"], "--attention-sinks keep the first tokens beside a window: set --attention-window too"),
         (["--kv-budget", "0"], "--kv-budget must be >= 1"),
     ],
 )

@@ -187,6 +187,37 @@ def problems(text: str, where: str) -> list[str]:
     return found
 
 
+def _fenced_commands(text: str) -> list[str]:
+    """`leanlm ...` command lines inside fenced code blocks (a `$ ` prompt and backslash continuations joined):
+    the commands a reader copies, each checked against its own (sub)command's parser."""
+    commands = []
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
+        for line in re.sub(r"\s*\\\n\s*", " ", block).splitlines():
+            line = line.strip().removeprefix("$ ").split("  #")[0]
+            if COMMAND.match(line):
+                commands.append(line)
+    return commands
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_documented_command_lines_take_only_their_own_flags(path):
+    """Not "the flag exists somewhere": each command line in a code block names only flags of that command."""
+    lines = _fenced_commands(path.read_text())
+    found = [f"{line}: {problem}" for line in lines if (problem := _command_problem(line))]
+    # bash passes "a\nb" as a backslash and an n: a newline in a prompt needs $'a\nb'
+    found += [f"{line}: a literal \\n in double quotes" for line in lines if re.search(r'"[^"]*\\n[^"]*"', line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_command_line_checker_reads_code_blocks():
+    text = "```bash\n$ leanlm bench --tensor-parallel-size 2 \\\n    --model m\nleanlm generate --prompt x  # no\n```\n"
+    lines = _fenced_commands(text)
+    assert lines == ["leanlm bench --tensor-parallel-size 2 --model m", "leanlm generate --prompt x"]
+    assert "`leanlm bench` has no --model, --tensor-parallel-size" == _command_problem(lines[0])
+    assert "has no --prompt" in _command_problem(lines[1])
+    assert _command_problem("leanlm bench latency --tensor-parallel-size 2 --max-weight-memory 1GB") is None
+
+
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_docs_name_only_code_that_exists(path):
     found = problems(path.read_text(), str(path.relative_to(ROOT)))
@@ -202,3 +233,11 @@ def test_the_checker_catches_stale_names():
     assert len(found) == 7, found
     fresh = "See `leanlm/model/llama.py`, `LLMEngine.step`, `leanlm generate --max-tokens 8` and `q_proj`."
     assert problems(fresh, "fresh.md") == []
+
+
+def test_the_readme_lists_every_estimate_preset():
+    from leanlm.analysis.model_shape import PRESETS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    missing = [name for name in PRESETS if f" {name}," not in readme and f" {name})" not in readme]
+    assert not missing, f"README's preset list lacks {missing}"

@@ -209,21 +209,23 @@ def batch1_weight_elements(model) -> float:
 
 
 def build_runners(
-    model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32, threads: int | None = None
+    model: str, dtype: str, compare: list[str], max_context: int, hf_batch_size: int = 32, engine_options=None
 ):
     """Our runner plus the peers asked for, on the same model file; and, per in-process runner, the bytes one
-    decode step reads at a given context (weights as that runner stores them, plus its KV cache). Every runner
-    computes on `threads` threads (default: every usable core, fixed, as the peers do: a repetition slowed by
-    other processes is discarded, not adapted to)."""
+    decode step reads at a given context (weights as that runner stores them, plus its KV cache). `engine_options`
+    are LLM's (the bench command's engine flags); every in-process runner computes on their num_threads (default:
+    every usable core, fixed, as the peers do: a repetition slowed by other processes is discarded, not adapted to)."""
     import torch
 
     from leanlm.analysis.bench import HFRunner, LeanLMRunner, LlamaCppRunner
     from leanlm.formats.inspect import ModelFormat, inspect
     from leanlm.llm import LLM
 
-    threads = threads or len(os.sched_getaffinity(0))
+    options = dict(engine_options or {})
+    threads = options["num_threads"] = options.get("num_threads") or len(os.sched_getaffinity(0))
     # No prefix caching: repetitions of a batch would otherwise reuse their own prompts' KV.
-    llm = LLM(model, dtype=dtype, progress=False, enable_prefix_caching=False, num_threads=threads)
+    options["enable_prefix_caching"] = False
+    llm = LLM(model, dtype=dtype, progress=False, **options)
     cfg = llm.model_config
     element = torch.empty(0, dtype=llm.dtype).element_size()
     weights = batch1_weight_elements(llm.llm_engine.model) * element
@@ -266,7 +268,7 @@ def latency_command(args) -> SuiteReport:
     check_peers(compare, throughput=False)
     text = _text(args.data)  # before the (slow) model loads
     llm, runners, per_token = build_runners(
-        args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8, threads=args.threads
+        args.model, args.dtype, compare, max(prompt_lens) + max(output_lens) + 8, engine_options=args.engine_options
     )
     prompts = {
         n: prompts_from_text(llm.get_tokenizer(), text, [n] * (args.reps + 1), args.seed + n) for n in prompt_lens
@@ -300,7 +302,7 @@ def throughput_command(args) -> SuiteReport:
     check_peers(compare, throughput=True)
     text = _text(args.data)  # before the (slow) model loads
     llm, runners, _ = build_runners(
-        args.model, args.dtype, compare, args.max_prompt + args.output_len + 8, threads=args.threads
+        args.model, args.dtype, compare, args.max_prompt + args.output_len + 8, engine_options=args.engine_options
     )
     prompts = prompts_from_text(llm.get_tokenizer(), text, lengths, args.seed)
     rows = run_throughput(runners, prompts, batch_sizes, args.output_len, args.reps, args.max_other_cpu)

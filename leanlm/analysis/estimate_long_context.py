@@ -33,9 +33,9 @@ class BoundedAttention:
         if self.kv_budget is not None and self.kv_budget < 1:
             raise ValueError(f"--kv-budget must be >= 1 tokens, got {self.kv_budget}")
         if self.sinks < 0:
-            raise ValueError(f"--sinks must be >= 0 tokens, got {self.sinks}")
+            raise ValueError(f"--attention-sinks must be >= 0 tokens, got {self.sinks}")
         if self.sinks and self.window is None:
-            raise ValueError("--sinks keep the first tokens beside a window: set --attention-window too")
+            raise ValueError("--attention-sinks keep the first tokens beside a window: set --attention-window too")
 
     @property
     def any(self) -> bool:

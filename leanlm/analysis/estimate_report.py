@@ -71,9 +71,12 @@ class EstimateSettings:
     attention_window: int | None = field(
         default=None,
         metadata={"help": "long context: KV bytes and attention FLOPs at 4k-128k tokens when each query reads the "
-                  "last N tokens (plus --sinks), beside full attention"},
+                  "last N tokens (plus --attention-sinks), beside full attention"},
     )  # fmt: skip
-    sinks: int = field(default=0, metadata={"help": "with --attention-window: the first N tokens every query reads"})
+    attention_sinks: int = field(
+        default=0,
+        metadata={"flags": ("--sinks",), "help": "with --attention-window: the first N tokens every query reads"},
+    )  # the flag generate and serve take; --sinks is its older spelling
     kv_budget: int | None = field(
         default=None,
         metadata={"help": "long context: the same table when at most N tokens per sequence stay cached (prefill "
@@ -99,10 +102,10 @@ class EstimateSettings:
             raise ValueError(f"--expert-coverage must be in (0, 1), e.g. 0.99, got {self.expert_coverage}")
         if min(self.expert_parallel_size, self.expert_parallel_nodes) < 1:
             raise ValueError("--expert-parallel-size and --expert-parallel-nodes must be >= 1")
-        self.bounded_attention()  # raises on a bad --attention-window, --sinks or --kv-budget
+        self.bounded_attention()  # raises on a bad --attention-window, --attention-sinks or --kv-budget
 
     def bounded_attention(self) -> BoundedAttention:
-        return BoundedAttention(self.attention_window, self.sinks, self.kv_budget)
+        return BoundedAttention(self.attention_window, self.attention_sinks, self.kv_budget)
 
     def _intra_link(self, hw: Hardware) -> tuple[float, float]:
         bandwidth, latency = next((v for k, v in LINKS.items() if k in hw.name.lower()), CPU_LINK)

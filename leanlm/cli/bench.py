@@ -9,9 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from leanlm.cli.common import (
-    add_dataclass_args,
-)
+from leanlm.cli.common import add_dataclass_args, add_engine_args, engine_options
 from leanlm.data import wikitext2_test_path
 
 _LOAD_FLAG_EXCLUDE = ("eos_token_ids",)  # derived from --tokenizer and --ignore-eos
@@ -80,12 +78,6 @@ def add_parser(sub) -> None:
             help="peers in the same run (comma-separated): hf, llama.cpp; for throughput also openvino, openvino-int8, "
             "openvino-int4 and vllm, each in its own environment (make peers-openvino, make peers-vllm)",
         )
-        parser.add_argument(
-            "--threads",
-            type=int,
-            default=None,
-            help="threads every runner computes on (default: every usable core, fixed for the whole run)",
-        )
         parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
         parser.add_argument(
             "--max-other-cpu",
@@ -101,6 +93,9 @@ def add_parser(sub) -> None:
         parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' positions in the text")
         parser.add_argument("--results-dir", default=f"bench-results/{what}", help="report.md, results.json, PNGs")
         parser.add_argument("--doc", default=None, help="also put the report in this markdown file's section")
+        # our engine's flags (--threads, --tensor-parallel-size, --max-weight-memory, ...); --threads also sets the
+        # in-process peers' threads (default: every usable core, fixed for the whole run)
+        add_engine_args(parser)
 
     latency = bench_sub.add_parser("latency", help="batch-1 TTFT, time per output token, tok/s and MBU")
     latency.add_argument("--prompt-lens", default="128,512", help="prompt lengths in tokens (comma-separated)")
@@ -123,6 +118,7 @@ def cmd_bench_suite(args: argparse.Namespace) -> int:
 
     args.command = "leanlm " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else f"leanlm bench {args.suite}"
     run = bench_suite.latency_command if args.suite == "latency" else bench_suite.throughput_command
+    args.engine_options = engine_options(args)  # LLM's keywords, from the engine flags
     report = run(args)
     print(report.markdown)
     if report.unmeasured:  # a table of n/a is no result: say why and fail, and leave the doc as it was

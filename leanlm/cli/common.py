@@ -54,6 +54,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run a GGUF file's Q4_0/Q4_1/Q4_K linears on float weights dequantized at load, not on their codes",
     )
+    add_engine_args(parser)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every engine flag (EngineConfig, DecodingOptions, LongContextConfig): what `engine_options` reads back."""
     # EngineConfig's typed speculative / early_exit are spelled by DecodingOptions' flags of the same names
     typed = tuple(f.name for f in dataclasses.fields(DecodingOptions)) + ("long_context",)
     add_dataclass_args(parser, EngineConfig, exclude=typed)
@@ -87,6 +92,11 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past end-of-sequence tokens, to exactly --max-tokens (benchmarks, long outputs)",
+    )
 
 
 def sampling_params(args: argparse.Namespace):
@@ -101,6 +111,7 @@ def sampling_params(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
 
 

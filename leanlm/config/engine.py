@@ -31,7 +31,8 @@ class EngineConfig:
         default=None, metadata={"help": "KV pool size in blocks (default: sized from --kv-cache-memory-bytes)"}
     )
     kv_cache_memory_bytes: int = dataclasses.field(
-        default=1 << 30, metadata={"help": "KV pool budget in bytes when --num-kv-blocks is not given"}
+        default=1 << 30,
+        metadata={"parse": byte_count, "help": "KV pool budget in bytes (e.g. 1GiB) when --num-kv-blocks is not given"},
     )
     max_num_batched_tokens: int = dataclasses.field(
         default=2048, metadata={"help": "token budget of one engine step (prompt chunks + decodes)"}
@@ -90,7 +91,10 @@ class EngineConfig:
     )
     swap_space_bytes: int = dataclasses.field(
         default=0,
-        metadata={"help": "host memory for swapped-out KV blocks (pinned on a GPU); 0 disables swapping"},
+        metadata={
+            "parse": byte_count,
+            "help": "host memory for swapped-out KV blocks (e.g. 64MB; pinned on a GPU); 0 disables swapping",
+        },
     )
     # weight offloading (leanlm.model.offload): decoder layers beyond this many bytes of resident weights stream
     # in from a file (CPU) or pinned host memory (GPU) one at a time; None keeps every weight resident
@@ -139,6 +143,10 @@ class EngineConfig:
     long_context: LongContextConfig = LongContextConfig()
 
     def __post_init__(self) -> None:
+        # byte counts as the flags spell them ('64MB', '1.5GiB') from LLM(...) too; the minimum is checked below
+        for name in ("kv_cache_memory_bytes", "swap_space_bytes"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, parse_bytes(getattr(self, name), name, minimum=0))
         for name, cls in (("speculative", SpeculativeConfig), ("early_exit", EarlyExitConfig)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from leanlm.config.byte_count import byte_count
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -30,7 +32,7 @@ class ServeConfig:
         default=256, metadata={"help": "sequences that may wait beyond max_num_seqs before requests get 429"}
     )
     max_body_bytes: int = dataclasses.field(
-        default=16 * 1024 * 1024, metadata={"help": "larger request bodies get 413"}
+        default=16 * 1024 * 1024, metadata={"parse": byte_count, "help": "larger request bodies (e.g. 16MiB) get 413"}
     )
     shutdown_timeout_s: float = dataclasses.field(
         default=30.0, metadata={"help": "on SIGTERM, how long in-flight requests may take to finish"}

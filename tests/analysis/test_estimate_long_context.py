@@ -66,7 +66,7 @@ def test_rows_cover_4k_to_128k_and_the_models_own_context():
     [
         ({"window": 0}, "--attention-window must be >= 1"),
         ({"kv_budget": 0}, "--kv-budget must be >= 1"),
-        ({"window": 8, "sinks": -1}, "--sinks must be >= 0"),
+        ({"window": 8, "sinks": -1}, "--attention-sinks must be >= 0"),
         ({"sinks": 4}, "set --attention-window too"),
     ],
 )

@@ -3,6 +3,8 @@ as strings, parsed once by EngineConfig.from_options."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from leanlm.cli.common import engine_options
@@ -91,3 +93,27 @@ def test_a_bad_max_weight_memory_says_how_to_write_one(given):
 def test_weight_offloading_refuses_early_exit():
     with pytest.raises(ValueError, match="drop --early-exit or --max-weight-memory"):
         EngineConfig.from_options(max_weight_memory="1GB", early_exit="2:0.9")
+
+
+def test_every_byte_count_flag_takes_units():
+    """`--swap-space-bytes 64MB` was refused while `--max-weight-memory 0.5GB` worked: one parser for all of them,
+    on the command line and from LLM(...) alike."""
+    from leanlm.cli.main import build_parser
+    from leanlm.config import ServeConfig
+    from leanlm.config.byte_count import byte_count
+
+    for cls in (EngineConfig, ServeConfig):
+        for field in dataclasses.fields(cls):
+            if field.name.endswith("_bytes") or field.name.endswith("_memory"):
+                assert field.metadata.get("parse") is byte_count, f"{cls.__name__}.{field.name}"
+    args = build_parser().parse_args(
+        ["serve", "--swap-space-bytes", "64MB", "--kv-cache-memory-bytes", "512MiB", "--max-body-bytes", "1MiB"]
+    )
+    assert (args.swap_space_bytes, args.kv_cache_memory_bytes, args.max_body_bytes) == (64 * 10**6, 2**29, 2**20)
+    config = EngineConfig(swap_space_bytes="64MB", kv_cache_memory_bytes="1GiB")
+    assert (config.swap_space_bytes, config.kv_cache_memory_bytes) == (64 * 10**6, 2**30)
+    assert EngineConfig(swap_space_bytes="0").swap_space_bytes == 0
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be > 0"):
+        EngineConfig(kv_cache_memory_bytes="0")
+    with pytest.raises(ValueError, match="byte count like"):
+        EngineConfig(swap_space_bytes="lots")

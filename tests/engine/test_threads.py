@@ -67,6 +67,6 @@ def test_threads_flag_and_its_checks():
         args = build_parser().parse_args(["generate", "hi", flag, "3"])
         assert args.num_threads == 3
     assert build_parser().parse_args(["eval", "ppl", "--threads", "1"]).num_threads == 1
-    assert build_parser().parse_args(["bench", "latency", "--threads", "1"]).threads == 1
+    assert build_parser().parse_args(["bench", "latency", "--threads", "1"]).num_threads == 1
     with pytest.raises(ValueError, match="--threads"):
         EngineConfig(num_threads=0)
