@@ -5,6 +5,7 @@ label is the replica's redacted name (scheme://host:port): a --replicas URL's cr
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 
 import aiohttp
@@ -14,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from leanlm.parallel.replicas import Replica
+
+logger = logging.getLogger("leanlm.router")
 
 SCRAPE_TIMEOUT_S = 2.0
 
@@ -70,7 +73,12 @@ def relabel(pages: dict[str, str]) -> list[Metric]:
     name: a page with a family twice would be invalid exposition)."""
     merged: dict[str, Metric] = {}
     for name, text in pages.items():
-        for family in text_string_to_metric_families(text):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:  # not a Prometheus page: left out rather than failing the front's own page
+            logger.warning("replica %s's /metrics is not Prometheus text; left out", name)
+            continue
+        for family in families:
             target = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             for sample in family.samples:
                 target.add_sample(sample.name, {**sample.labels, "replica": name}, sample.value, sample.timestamp)
