@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import multiprocessing
 import os
+import re
 import time
 from pathlib import Path
 
@@ -68,15 +69,17 @@ def test_a_tp2_world_listens_on_loopback_only_and_ignores_a_client_without_the_s
         assert {pid for _, _, pid in sockets} >= set(pids[1:])  # and so are the worker's gloo listeners
         assert [s for s in sockets if not _is_loopback(s[0])] == []
 
-        # A client of the store: it can list the keys, replay them, and announce the next steps by number.
+        # A client of the store: it lists the keys, replays them, and announces later steps by counting on from
+        # every key that ends in a number (the old step keys did: default_pg/leanlm/steps/N).
         intruder = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=10))
         seen = intruder.list_keys()
+        assert seen  # the store holds the rendezvous' keys, and the current step's
         assert not any(driver.spec.secret in key for key in seen)
         for key in seen:
-            intruder.set(key, b"")
-        for step in range(driver.num_steps, driver.num_steps + 4):
-            for key in (f"leanlm/steps/{step}", str(step)):
-                intruder.set(key, b"")
+            intruder.set(key, intruder.get(key))
+            if counted := re.search(r"\d+$", key):
+                for later in range(int(counted[0]) + 1, int(counted[0]) + 5):
+                    intruder.set(key[: counted.start()] + str(later), b"")
         time.sleep(timeout_s + 2)  # long enough for a lured worker's broadcast to time out and kill it
         assert all(p.poll() is None for p in driver.workers)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
