@@ -41,7 +41,7 @@ class RankSpec:
     init_method: str  # tcp://127.0.0.1:port (the driver's store), or env:// under torchrun
     # the world's shared secret (hex; None under torchrun): it reaches the workers in their environment, which only
     # this user can read, never on a command line
-    secret: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def of(
