@@ -1,6 +1,7 @@
-"""A local parallel world on the network: while a TP=2 engine runs, every socket its processes listen on is a
-loopback one (the store and gloo), a client that reaches the store without the world's secret can neither make a
-worker enter a broadcast nor take a rank's place, and the engine serves on unharmed."""
+"""A local parallel world on the network: while a TP=2 engine (or server) runs, every socket its processes listen on
+is a loopback one (the store and gloo; the server's HTTP port aside), a client that reaches the store without the
+world's secret can neither make a worker enter a broadcast nor take a rank's place, and the engine serves on
+unharmed."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import ipaddress
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 from leanlm import LLM, SamplingParams
 from leanlm.parallel.world import Layout, init_rank, join_store, serve_store
+from tests.server.test_lifecycle import _free_port, _wait_healthy
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3], [400, 12]]
@@ -85,6 +90,35 @@ def test_a_tp2_world_listens_on_loopback_only_and_ignores_a_client_without_the_s
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     finally:
         llm.close()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_a_tp2_server_on_every_interface_listens_beyond_loopback_on_its_http_port_only(parallel_checkpoints):
+    """`leanlm serve --host 0.0.0.0 --tensor-parallel-size 2`: of every socket the server and its rank listen on,
+    only the HTTP port is not a loopback one."""
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "leanlm.cli",
+        "serve",
+        "--model",
+        parallel_checkpoints["dense"],
+        "--host",
+        "0.0.0.0",
+    ]
+    command += ["--port", str(port), "--api-key", "k", "--tensor-parallel-size", "2", "--dtype", "float32"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", server)
+        pids = [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]
+        sockets = _listening(pids)
+        assert len(pids) == 2 and {pid for _, _, pid in sockets} == set(pids)
+        assert [(address, p) for address, p, _ in sockets if not _is_loopback(address)] == [("0.0.0.0", port)]
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
 
 
 def _rank(rank: int, secret: str, ports, answers) -> None:
