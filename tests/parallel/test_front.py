@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from leanlm.analysis.peers import ServerProcess, leanlm_server
@@ -430,8 +431,10 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(front, clie
     before = routed(front)
     client.chat.completions.create(model=DEFAULT_MODEL, messages=chat(SYSTEM["kill"], "Hello"), max_tokens=1)
     victim = next(url for url, (n, _) in routed(front).items() if n > before[url][0])
-    replicas = json.loads(get(front, "/health")[1])["replicas"]
-    pid = next(r["pid"] for r in replicas if r["url"] == victim)
+    # /health shows no pids (it answers without a key): the victim is the front's child serving on its port
+    port = victim.rsplit(":", 1)[1]
+    children = [child.cmdline() + [str(child.pid)] for child in psutil.Process(front.process.pid).children()]
+    pid = next(int(line[-1]) for line in children if line[line.index("--port") + 1] == port)
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=chat(SYSTEM["kill"], "Tell a long story."), max_tokens=300, stream=True
     )
