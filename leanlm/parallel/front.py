@@ -302,9 +302,12 @@ def build_front_app(front: Front, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        # answered at once by a live replica, like /health: a stalled one must not hold it for the read timeout
+        timeout = aiohttp.ClientTimeout(total=front.monitor.timeout_s)
         for replica in sorted(front.monitor.in_rotation(), key=lambda r: r.num_in_flight):
             try:
-                async with front.session.get(replica.url + "/v1/models", headers=replica.headers) as response:
+                get = front.session.get(replica.url + "/v1/models", headers=replica.headers, timeout=timeout)
+                async with get as response:
                     body = await response.read()
                     return Response(body, status_code=response.status, media_type="application/json")
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
