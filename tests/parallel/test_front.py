@@ -294,15 +294,22 @@ def test_a_stalled_replica_fails_a_started_stream_and_a_request_nobody_else_can_
 
 
 def test_the_read_timeout_bounds_a_silent_replica(tokenizer):
-    """No health checks here (one a minute): --replica-read-timeout-s alone ends the wait, with a 504."""
-    with stub_replicas("only") as (_, urls):
+    """No health checks here (one a minute): --replica-read-timeout-s alone ends the wait, with a 504; and /v1/models
+    waits on a stalled replica no longer than a health check would."""
+    with stub_replicas("only") as (processes, urls):
         state = stall_front(tokenizer, urls, read_timeout_s=1, health_interval_s=60)
         with LiveServer(build_front_app(state, ServeConfig())) as server:
             status, answer = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hold:only"})
-        error = json.loads(answer)["error"]
-        assert status == 504 and error["code"] == "replica_timeout"
-        assert "--replica-read-timeout-s 1" in error["message"]
-        assert (state.replicas[0].num_failed, state.replicas[0].num_in_flight) == (1, 0)
+            error = json.loads(answer)["error"]
+            assert status == 504 and error["code"] == "replica_timeout"
+            assert "--replica-read-timeout-s 1" in error["message"]
+            assert (state.replicas[0].num_failed, state.replicas[0].num_in_flight) == (1, 0)
+        patient = stall_front(tokenizer, urls, read_timeout_s=600, health_interval_s=60)
+        with LiveServer(build_front_app(patient, ServeConfig())) as server:
+            os.kill(processes[0].pid, signal.SIGSTOP)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(server.url + "/v1/models", timeout=30)
+            assert refused.value.code == 503 and not patient.replicas[0].is_healthy
 
 
 def test_health_and_metrics_show_no_credentials_or_pids(tokenizer):
