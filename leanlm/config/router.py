@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
@@ -59,6 +60,20 @@ class RouterConfig:
     replica_start_timeout_s: float = dataclasses.field(
         default=600.0, metadata={"help": "how long a local replica may take to load its model and answer /health"}
     )
+    health_check_timeout_s: float = dataclasses.field(
+        default=5.0,
+        metadata={
+            "help": "a replica whose /health takes longer is out of rotation, and its requests not yet streamed go to "
+            "another replica (a stalled one: alive, silent)"
+        },
+    )
+    replica_read_timeout_s: float = dataclasses.field(
+        default=600.0,
+        metadata={
+            "help": "seconds the front waits for a replica's next bytes (a non-streamed answer comes whole: this "
+            "bounds its whole generation); past it the request goes to another replica, or gets a 504"
+        },
+    )
 
     @property
     def replica_urls(self) -> tuple[str, ...]:
@@ -91,5 +106,12 @@ class RouterConfig:
             raise ValueError(f"health_check_interval_s must be > 0, got {self.health_check_interval_s}")
         if not self.replica_start_timeout_s > 0:
             raise ValueError(f"replica_start_timeout_s must be > 0, got {self.replica_start_timeout_s}")
+        if not 0 < self.health_check_timeout_s < math.inf:
+            raise ValueError(f"health_check_timeout_s must be > 0 and finite, got {self.health_check_timeout_s}")
+        if not 0 < self.replica_read_timeout_s < math.inf:
+            raise ValueError(
+                f"replica_read_timeout_s must be > 0 and finite, got {self.replica_read_timeout_s}; give a long one "
+                "(3600) for long non-streamed generations"
+            )
         if self.replica_api_key is not None and not self.replica_api_key.strip():
             raise ValueError("replica_api_key is empty; give a real key or leave it unset")

@@ -32,7 +32,8 @@ class PromptRows:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The forward of one step. Tensors live on the runner's device (pickled to CPU ranks as they are)."""
+    """The forward of one step. Tensors live on the runner's device (other ranks get them as bytes: parallel/wire.py,
+    which has a rule for every field)."""
 
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long

@@ -3,8 +3,9 @@ tokenizer in the front (chat messages through the chat template), reading only a
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import pydantic_core
 
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.parallel.router import prefix_block_hashes
@@ -25,9 +26,13 @@ class PromptKeyer:
 
     def __call__(self, path: str, raw: bytes) -> tuple[int, ...]:
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            body = pydantic_core.from_json(raw)  # bounded nesting (json.loads raised RecursionError)
+        except ValueError:
             return ()
+        return self.key(path, body)
+
+    def key(self, path: str, body: Any) -> tuple[int, ...]:
+        """The block hashes of an already parsed body."""
         if not isinstance(body, dict):
             return ()
         try:

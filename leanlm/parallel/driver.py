@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.distributed import DistError
 
 from leanlm.engine import EngineDeadError, LLMEngine, ModelRunner, StepPlan
@@ -39,16 +40,18 @@ def rank_threads(spec: RankSpec) -> int:
 class ParallelDriver:
     """Rank 0's side of the engine: `forward(plans)` is the model runner's step_forward."""
 
-    def __init__(self, spec: RankSpec, progress: bool = True) -> None:
+    def __init__(self, spec: RankSpec, progress: bool = True, store: dist.Store | None = None) -> None:
+        """`store`: the one a local world's workers join (world.serve_store; spec.init_method names its port);
+        None under torchrun."""
         self.spec = spec
         self.workers: list[subprocess.Popen] = []
         self.closed = False
-        if spec.init_method.startswith("tcp://"):
+        if store is not None:
             self.workers = spawn_workers(spec)
         self.caller_threads = torch.get_num_threads()  # given back by close()
         torch.set_num_threads(rank_threads(spec))
         try:
-            self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress)
+            self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress, store)
         except BaseException:
             for p in self.workers:  # they may wait on a collective this rank will never join
                 p.terminate()

@@ -1,6 +1,9 @@
 """The data-parallel front: an OpenAI-compatible proxy on the user's --host/--port that sends each request to one
 replica (router.py) over plain HTTP (aiohttp), passing answers and SSE streams through unchanged. A replica that
-breaks fails only the requests it held: 502 with an OpenAI error body, or an `error` event in a started stream."""
+breaks fails only the requests it held: 502 with an OpenAI error body, or an `error` event in a started stream. A
+replica that stalls (alive, silent: no bytes within --replica-read-timeout-s, or its /health failing) hands the
+requests it has not started answering to another replica; those it cannot, 504. Bodies get the server's own bounds
+(size, nesting, message and prompt counts) before anything parses them whole or tokenizes them."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pydantic_core
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,6 +28,7 @@ from leanlm.parallel import front_metrics
 from leanlm.parallel.affinity import PromptKeyer
 from leanlm.parallel.machine import cores_per_process, free_port
 from leanlm.parallel.replicas import (
+    HEALTH_TIMEOUT_S,
     HealthMonitor,
     Replica,
     start_local,
@@ -33,10 +38,37 @@ from leanlm.parallel.replicas import (
 from leanlm.parallel.router import NoReplicaError, Router
 from leanlm.server.api import GuardMiddleware, error_response
 from leanlm.server.launcher import uvicorn_config
+from leanlm.server.protocol import MAX_MESSAGES, MAX_PROMPTS
 
 logger = logging.getLogger("leanlm.router")
 
 PASSED_HEADERS = ("content-type", "retry-after", "cache-control")  # of a replica's answer, to the client
+READ_TIMEOUT_S = 600.0  # RouterConfig.replica_read_timeout_s's default
+
+
+class ReplicaStalled(Exception):
+    """The replica left the rotation (its /health failed) while a request waited on it."""
+
+
+def screen(raw: bytes) -> dict | JSONResponse:
+    """The body parsed, or the 400 the server itself would answer, given before the front keys (tokenizes) it:
+    nesting bounded by the parser (json.loads raised RecursionError: a plain-text 500), and the message and prompt
+    counts the server's schema allows (450k messages took the keyer ~3 s before the replica refused them)."""
+    try:
+        body = pydantic_core.from_json(raw)
+    except ValueError as exc:
+        return error_response(400, f"the body is not valid JSON (Invalid JSON: {exc})", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object", "invalid_request_error")
+    # the messages of ChatCompletionRequest, the prompts of CompletionRequest._check_prompt: the same words
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        message = f"messages: List should have at most {MAX_MESSAGES} items after validation, not {len(messages)}"
+        return error_response(400, message, "invalid_request_error", "messages")
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(type(t) is int for t in prompt):
+        message = f"prompt: Value error, at most {MAX_PROMPTS} prompts are allowed in one request, got {len(prompt)}"
+        return error_response(400, message, "invalid_request_error", "prompt")
+    return body
 
 
 def _end_exchange(replica: Replica, response: aiohttp.ClientResponse) -> None:
@@ -65,38 +97,84 @@ class _Upstream:
     def broke(self, exc: BaseException) -> str:
         self.replica.num_failed += 1
         self.front.monitor.mark_down(self.replica, f"a request's connection broke ({type(exc).__name__}: {exc})")
-        return f"replica {self.replica.url} failed while answering ({type(exc).__name__}: {exc}); retry the request"
+        return f"replica {self.replica.name} failed while answering ({type(exc).__name__}: {exc}); retry the request"
 
 
 class Front:
     """The state behind the app: the replicas, their health monitor, the router and the prompt keyer."""
 
-    def __init__(self, replicas: list[Replica], router: Router, keyer: PromptKeyer, health_interval_s: float) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        router: Router,
+        keyer: PromptKeyer,
+        health_interval_s: float,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
         self.replicas = replicas
         self.by_url = {r.url: r for r in replicas}
         self.router = router
         self.keyer = keyer
         self.health_interval_s = health_interval_s
-        self.monitor = HealthMonitor(replicas, on_down=lambda replica: router.forget(replica.url))
+        self.read_timeout_s = read_timeout_s
+        self.monitor = HealthMonitor(replicas, on_down=self._on_down, timeout_s=health_timeout_s)
         self.metrics = front_metrics.FrontMetrics(replicas)
         self.session: aiohttp.ClientSession | None = None
         self._keying = ThreadPoolExecutor(2, thread_name_prefix="leanlm-route")  # tokenizing off the event loop
+        # replica url -> set when it leaves the rotation; whoever waits on that replica gives up (a new one is made
+        # for its next fall). Made and set on the event loop only.
+        self._down: dict[str, asyncio.Event] = {}
 
     async def open(self) -> None:
-        # No total timeout: a long generation may stream for minutes; connecting must be quick (loopback or LAN).
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        # No total timeout: a long generation may stream for minutes; connecting must be quick (loopback or LAN),
+        # and a replica that sends nothing for read_timeout_s is stalled.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.read_timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 
     async def close(self) -> None:
         await self.session.close()
         self._keying.shutdown(wait=False, cancel_futures=True)
 
+    def _on_down(self, replica: Replica) -> None:
+        self.router.forget(replica.url)
+        event = self._down.pop(replica.url, None)
+        if event is not None:
+            event.set()
+
+    async def unless_down(self, replica: Replica, awaitable):
+        """`awaitable`'s result, or ReplicaStalled as soon as the health monitor takes `replica` out of rotation."""
+        down = self._down.setdefault(replica.url, asyncio.Event())
+        work = asyncio.ensure_future(awaitable)
+        watch = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        raise ReplicaStalled(f"its /health failed while the request waited on it (over {self.monitor.timeout_s:g} s)")
+
     async def send(self, path: str, raw: bytes, client: str | None) -> _Upstream | Response:
-        """Route and send; a replica refusing the connection (never reached) is taken out and the next one tried."""
-        hashes = await asyncio.get_running_loop().run_in_executor(self._keying, self.keyer, path, raw)
+        """Screen, route and send. A stream comes back as an _Upstream once its status is in; a whole answer as a
+        Response. A request no replica has started answering moves on when its replica refuses the connection or
+        stalls (the stalled one leaves the rotation); with no replica left it gets 503, or 504 after a stall."""
+        checked = await asyncio.get_running_loop().run_in_executor(self._keying, self._key, path, raw)
+        if isinstance(checked, Response):
+            return checked
+        hashes = checked
         headers = {"Content-Type": "application/json", **({"X-Forwarded-For": client} if client else {})}
+        tried: set[str] = set()  # replicas that stalled on this request
+        stalled: str | None = None  # why the last one gave up
         while True:
-            loads = {r.url: r.num_in_flight for r in self.monitor.in_rotation()}
+            loads = {r.url: r.num_in_flight for r in self.monitor.in_rotation() if r.url not in tried}
+            if not loads and stalled is not None:
+                return error_response(504, stalled + "; no other replica is in rotation", "server_error", None,
+                                      "replica_timeout")  # fmt: skip
             try:
                 route = self.router.choose(hashes, loads)
             except NoReplicaError as exc:
@@ -105,8 +183,9 @@ class Front:
             replica.num_routed += 1
             replica.num_prefix_hits += route.matched_blocks > 0
             replica.num_in_flight += 1
+            request = self.session.post(replica.url + path, data=raw, headers={**headers, **replica.headers})
             try:
-                response = await self.session.post(replica.url + path, data=raw, headers={**headers, **replica.headers})
+                response = await self.unless_down(replica, request)
             except asyncio.CancelledError:  # the client hung up while the request was being sent
                 replica.num_in_flight -= 1
                 raise
@@ -115,34 +194,67 @@ class Front:
                 replica.num_failed += 1
                 self.monitor.mark_down(replica, f"connection refused ({exc})")
                 continue
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except (ReplicaStalled, TimeoutError) as exc:  # nothing answered yet: another replica may
+                replica.num_in_flight -= 1
+                stalled = self._stalled(replica, exc)
+                tried.add(replica.url)
+                continue
+            except (aiohttp.ClientError, OSError) as exc:
                 replica.num_in_flight -= 1
                 replica.num_failed += 1
                 self.monitor.mark_down(replica, f"a request's connection broke ({type(exc).__name__}: {exc})")
-                message = f"replica {replica.url} failed before answering ({type(exc).__name__}: {exc}); retry"
+                message = f"replica {replica.name} failed before answering ({type(exc).__name__}: {exc}); retry"
                 return error_response(502, message, "server_error", None, "replica_failed")
-            return _Upstream(self, replica, response)
+            upstream = _Upstream(self, replica, response)
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                return upstream
+            # A whole answer is read here: until its last byte nothing went to the client, so a stall can move on.
+            try:
+                body = await self.unless_down(replica, response.read())
+            except (ReplicaStalled, TimeoutError) as exc:
+                stalled = self._stalled(replica, exc)
+                tried.add(replica.url)
+                continue
+            except (aiohttp.ClientError, OSError) as exc:
+                return error_response(502, upstream.broke(exc), "server_error", None, "replica_failed")
+            finally:
+                upstream.finish()
+            return Response(body, status_code=response.status, headers=upstream.headers())
 
-    async def answer(self, upstream: _Upstream) -> Response:
-        """A whole (non-streamed) answer, passed through with its status."""
-        try:
-            body = await upstream.response.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return error_response(502, upstream.broke(exc), "server_error", None, "replica_failed")
-        finally:
-            upstream.finish()
-        return Response(body, status_code=upstream.response.status, headers=upstream.headers())
+    def _key(self, path: str, raw: bytes) -> tuple[int, ...] | Response:
+        body = screen(raw)
+        return body if isinstance(body, Response) else self.keyer.key(path, body)
+
+    def _stalled(self, replica: Replica, exc: BaseException) -> str:
+        """Count a stall, take the replica out of rotation, and say what happened (for a 504 if nobody is left)."""
+        replica.num_failed += 1
+        if isinstance(exc, ReplicaStalled):
+            why = str(exc)
+        else:
+            why = f"no bytes within --replica-read-timeout-s {self.read_timeout_s:g} ({type(exc).__name__})"
+        self.monitor.mark_down(replica, f"stalled: {why}")
+        return f"replica {replica.name} stalled: {why}"
 
     async def stream(self, upstream: _Upstream) -> AsyncIterator[bytes]:
-        """The replica's SSE bytes as they come; a break becomes an `error` event and `[DONE]` (the status is sent)."""
+        """The replica's SSE bytes as they come; a break or a stall becomes an `error` event and `[DONE]` (the status
+        is sent: the request cannot move to another replica)."""
         tail = b""
+        chunks = upstream.response.content.iter_any()
         try:
-            async for chunk in upstream.response.content.iter_any():
+            while True:
+                try:
+                    chunk = await self.unless_down(upstream.replica, anext(chunks))
+                except StopAsyncIteration:
+                    break
                 tail = (tail + chunk)[-64:]
                 yield chunk
             if b"[DONE]" not in tail:
                 raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (ReplicaStalled, TimeoutError) as exc:
+            error = {"message": self._stalled(upstream.replica, exc), "type": "server_error", "param": None,
+                     "code": "replica_timeout"}  # fmt: skip
+            yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+        except (aiohttp.ClientError, OSError) as exc:
             error = {"message": upstream.broke(exc), "type": "server_error", "param": None, "code": "replica_failed"}
             yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
         finally:
@@ -190,9 +302,12 @@ def build_front_app(front: Front, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        # answered at once by a live replica, like /health: a stalled one must not hold it for the read timeout
+        timeout = aiohttp.ClientTimeout(total=front.monitor.timeout_s)
         for replica in sorted(front.monitor.in_rotation(), key=lambda r: r.num_in_flight):
             try:
-                async with front.session.get(replica.url + "/v1/models", headers=replica.headers) as response:
+                get = front.session.get(replica.url + "/v1/models", headers=replica.headers, timeout=timeout)
+                async with get as response:
                     body = await response.read()
                     return Response(body, status_code=response.status, media_type="application/json")
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -208,15 +323,10 @@ def build_front_app(front: Front, config: ServeConfig) -> FastAPI:
             upstream = await sending
             if isinstance(upstream, Response):
                 return upstream
-            if upstream.response.headers.get("content-type", "").startswith("text/event-stream"):
-                watcher.cancel()  # StreamingResponse watches for the hang-up itself
-                return StreamingResponse(
-                    front.stream(upstream), status_code=upstream.response.status, headers=upstream.headers()
-                )
-            answering = asyncio.ensure_future(front.answer(upstream))
-            watcher.cancel()
-            watcher = asyncio.ensure_future(_cancel_on_disconnect(request, answering))
-            return await answering
+            watcher.cancel()  # StreamingResponse watches for the hang-up itself
+            return StreamingResponse(
+                front.stream(upstream), status_code=upstream.response.status, headers=upstream.headers()
+            )
         except asyncio.CancelledError:
             return Response(status_code=499)  # the client hung up: nobody to answer
         finally:
@@ -247,7 +357,7 @@ def serve_routed(
             replicas.append(start_local(serve_args, free_port(), threads, internal_key, config.log_level))
         replicas += [Replica(url, api_key=router_config.replica_api_key) for url in router_config.replica_urls]
         logger.info("starting %d local replica(s) with %d thread(s) each", num_local, threads)
-        wait_until_ready(replicas, router_config.replica_start_timeout_s)
+        wait_until_ready(replicas, router_config.replica_start_timeout_s, router_config.health_check_timeout_s)
         router = Router(
             router_config.router_policy,
             router_config.balance_abs_threshold,
@@ -255,12 +365,19 @@ def serve_routed(
             router_config.router_cache_entries,
         )
         keyer = PromptKeyer(tokenizer, block_size, router_config.router_prefix_blocks)
-        front = Front(replicas, router, keyer, router_config.health_check_interval_s)
+        front = Front(
+            replicas,
+            router,
+            keyer,
+            router_config.health_check_interval_s,
+            read_timeout_s=router_config.replica_read_timeout_s,
+            health_timeout_s=router_config.health_check_timeout_s,
+        )
         server = uvicorn.Server(uvicorn_config(build_front_app(front, config), config))
         logger.info(
             "routing (%s) over %s at http://%s:%d/v1",
             router.policy,
-            ", ".join(r.url for r in replicas),
+            ", ".join(r.name for r in replicas),
             config.host,
             config.port,
         )

@@ -1,9 +1,11 @@
 """The front's /metrics: its own counters per replica (label `replica`) and in total, then every replica's own
-/metrics page, scraped at request time and re-exposed with a `replica` label (prometheus_client renders both)."""
+/metrics page, scraped at request time and re-exposed with a `replica` label (prometheus_client renders both). The
+label is the replica's redacted name (scheme://host:port): a --replicas URL's credentials never show."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 
 import aiohttp
@@ -13,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from leanlm.parallel.replicas import Replica
+
+logger = logging.getLogger("leanlm.router")
 
 SCRAPE_TIMEOUT_S = 2.0
 
@@ -43,7 +47,7 @@ class FrontMetrics(Collector):
             family_of = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             per_replica = family_of(name, help_text, labels=["replica"])
             for replica in self.replicas:
-                per_replica.add_metric([replica.url], getattr(replica, attribute))
+                per_replica.add_metric([replica.name], getattr(replica, attribute))
             yield per_replica
             total = family_of(name.replace("router_", "router_all_", 1), help_text + " All replicas.")
             total.add_metric([], sum(getattr(r, attribute) for r in self.replicas))
@@ -52,7 +56,7 @@ class FrontMetrics(Collector):
             "leanlm_router_replica_healthy", "1 while the replica is in rotation.", labels=["replica"]
         )
         for replica in self.replicas:
-            healthy.add_metric([replica.url], int(replica.is_healthy))
+            healthy.add_metric([replica.name], int(replica.is_healthy))
         yield healthy
 
 
@@ -65,19 +69,24 @@ class _Families(Collector):
 
 
 def relabel(pages: dict[str, str]) -> list[Metric]:
-    """Replica url -> its /metrics text, merged into families whose samples carry `replica="url"` (one family per
+    """Replica name -> its /metrics text, merged into families whose samples carry `replica="name"` (one family per
     name: a page with a family twice would be invalid exposition)."""
     merged: dict[str, Metric] = {}
-    for url, text in pages.items():
-        for family in text_string_to_metric_families(text):
+    for name, text in pages.items():
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:  # not a Prometheus page: left out rather than failing the front's own page
+            logger.warning("replica %s's /metrics is not Prometheus text; left out", name)
+            continue
+        for family in families:
             target = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             for sample in family.samples:
-                target.add_sample(sample.name, {**sample.labels, "replica": url}, sample.value, sample.timestamp)
+                target.add_sample(sample.name, {**sample.labels, "replica": name}, sample.value, sample.timestamp)
     return list(merged.values())
 
 
 async def scrape(session: aiohttp.ClientSession, replicas: list[Replica]) -> dict[str, str]:
-    """The /metrics text of every replica in rotation that answers within SCRAPE_TIMEOUT_S."""
+    """The /metrics text of every replica in rotation that answers within SCRAPE_TIMEOUT_S, by its redacted name."""
 
     async def one(replica: Replica) -> str | None:
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
@@ -89,7 +98,7 @@ async def scrape(session: aiohttp.ClientSession, replicas: list[Replica]) -> dic
 
     healthy = [r for r in replicas if r.is_healthy]
     texts = await asyncio.gather(*(one(r) for r in healthy))
-    return {r.url: text for r, text in zip(healthy, texts, strict=True) if text is not None}
+    return {r.name: text for r, text in zip(healthy, texts, strict=True) if text is not None}
 
 
 def render(front: FrontMetrics, pages: dict[str, str]) -> str:

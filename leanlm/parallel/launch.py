@@ -1,19 +1,20 @@
-"""Starting a parallel engine from LLM(...): spawned by LeanLM (a free loopback port, one worker process per
-other rank) or, when torchrun started this process (RANK/WORLD_SIZE in the environment), joined through torchrun's
-rendezvous; there rank 0 returns the driver and every other rank serves the steps and exits."""
+"""Starting a parallel engine from LLM(...): spawned by LeanLM (a store on loopback, a fresh secret, one worker
+process per other rank) or, when torchrun started this process (RANK/WORLD_SIZE in the environment), joined
+through torchrun's rendezvous; there rank 0 returns the driver and every other rank serves the steps and exits."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import sys
 
 import torch
 
 from leanlm.config import EngineConfig
 from leanlm.parallel.driver import SPEC_ENV, ParallelDriver
-from leanlm.parallel.machine import free_port
 from leanlm.parallel.rank import RankSpec
+from leanlm.parallel.world import LOOPBACK, serve_store
 
 
 def under_torchrun() -> bool:
@@ -25,7 +26,12 @@ def start_driver(
 ) -> ParallelDriver:
     """The driver of tensor_parallel_size x pipeline_parallel_size ranks, its slice loaded and checked."""
     torchrun = under_torchrun()
-    init_method = "env://" if torchrun else f"tcp://127.0.0.1:{free_port()}"
+    store, secret = None, None
+    if torchrun:
+        init_method = "env://"  # torchrun's store: the operator firewalls it (docs/parallelism.md)
+    else:
+        store, port = serve_store(engine_config.world_size, engine_config.parallel_timeout_s)
+        init_method, secret = f"tcp://{LOOPBACK}:{port}", secrets.token_hex(32)
     spec = RankSpec.of(
         model,
         dtype,
@@ -34,6 +40,7 @@ def start_driver(
         attention_backend=options["attention_backend"],
         gguf_codes=options["gguf_codes"],
         init_method=init_method,
+        secret=secret,
     )
     if torchrun:
         world = int(os.environ["WORLD_SIZE"])
@@ -44,7 +51,7 @@ def start_driver(
             )
         if int(os.environ["RANK"]) != 0:
             _serve_as_worker(spec)
-    driver = ParallelDriver(spec, progress=options["progress"])
+    driver = ParallelDriver(spec, progress=options["progress"], store=store)
     atexit.register(driver.close)
     return driver
 

@@ -20,9 +20,10 @@ from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.kv_quant import kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.parallel import wire
 from leanlm.parallel.pipeline import cut_stage, run_pipeline, stage_bounds
 from leanlm.parallel.tensor import kv_heads_per_rank, shard_model
-from leanlm.parallel.world import DRIVER_RANK, Layout, RankContext, init_rank
+from leanlm.parallel.world import DRIVER_RANK, Layout, RankContext, init_rank, join_store
 
 _TYPED = ("speculative", "early_exit")  # EngineConfig fields that are not JSON (refused with parallelism anyway)
 
@@ -37,7 +38,10 @@ class RankSpec:
     attention_backend: str
     gguf_codes: bool  # run a GGUF's quantized linears on their codes (LLM's dequantize_gguf=False)
     engine: dict[str, Any]  # EngineConfig's fields but the typed ones
-    init_method: str  # tcp://host:port, or env:// under torchrun
+    init_method: str  # tcp://127.0.0.1:port (the driver's store), or env:// under torchrun
+    # the world's shared secret (hex; None under torchrun): it reaches the workers in their environment, which only
+    # this user can read, never on a command line
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def of(
@@ -87,14 +91,42 @@ def weights_digest(model: LlamaForCausalLM) -> str:
     return digest.hexdigest()
 
 
+def all_gather_bytes(rank: RankContext, data: bytes) -> list[bytes]:
+    """Every rank's `data`, in rank order (two gloo all_gathers: the lengths, then the bytes padded to the longest)."""
+    world = rank.layout.world_size
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=rank.control)
+    sizes = [int(n.item()) for n in lengths]
+    if not all(0 <= n <= wire.MAX_MESSAGE_BYTES for n in sizes):
+        raise wire.WireError(f"a rank announced a start-up message of {max(sizes)} bytes; a peer is not one of ours")
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
+    chunks = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(chunks, padded, group=rank.control)
+    return [chunk[:n].numpy().tobytes() for chunk, n in zip(chunks, sizes, strict=True)]
+
+
 def check_agreement(rank: RankContext, facts: dict[str, str]) -> None:
     """Every rank's facts (model, config, engine config, dtype, weights' digest) must equal the driver's; otherwise
     every rank raises, naming what differs where (a checkpoint changed on disk between loads, a different file on
-    one host)."""
-    gathered: list[dict[str, str] | None] = [None] * rank.layout.world_size
-    dist.all_gather_object(gathered, facts, group=rank.control)
+    one host). In a local world each rank also proves it holds the secret: a process that reached the store first
+    and took a worker's place makes every rank refuse to start."""
+    facts = {**facts, "proof": rank.proof(f"rank/{rank.rank}")}
+    gathered = []
+    for r, data in enumerate(all_gather_bytes(rank, wire.encode_json(facts))):
+        theirs = wire.decode_json(data)
+        if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
+            raise wire.WireError(f"rank {r}'s start-up facts are not a JSON object of strings")
+        gathered.append(theirs)
+    impostors = [r for r, theirs in enumerate(gathered) if theirs.pop("proof", None) != rank.proof(f"rank/{r}")]
+    if impostors:
+        raise PermissionError(
+            f"rank(s) {impostors} did not prove the engine's secret: a process that is not one of its workers "
+            "joined the world through its store (another program on this machine?); the engine refuses to start"
+        )
     driver = gathered[DRIVER_RANK]
-    wrong = [(r, k) for r, theirs in enumerate(gathered) for k in driver if theirs[k] != driver[k]]
+    wrong = [(r, k) for r, theirs in enumerate(gathered) for k in driver if theirs.get(k) != driver[k]]
     if wrong:
         what = ", ".join(f"rank {r}'s {k}" for r, k in wrong[:6])
         raise ValueError(f"the ranks did not load the same model: {what} differ from rank 0's; load one checkpoint")
@@ -117,11 +149,15 @@ def parallel_num_kv_blocks(config: ModelConfig, engine_config: EngineConfig, kv_
     return num_blocks
 
 
-def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False) -> RankModel:
-    """Join the world, load the checkpoint, check that every rank loaded the same one, keep this rank's slice."""
+def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False, store: dist.Store | None = None) -> RankModel:
+    """Join the world, load the checkpoint, check that every rank loaded the same one, keep this rank's slice. The
+    driver of a local world passes the store it serves (world.serve_store); a worker joins it at spec.init_method."""
     layout = spec.layout
     engine_config = spec.engine_config()
-    rank = init_rank(rank_idx, layout, spec.init_method, torch.device(spec.device), engine_config.parallel_timeout_s)
+    timeout_s = engine_config.parallel_timeout_s
+    if store is None and spec.init_method.startswith("tcp://"):
+        store = join_store(spec.init_method, layout.world_size, timeout_s)
+    rank = init_rank(rank_idx, layout, torch.device(spec.device), timeout_s, store, spec.secret)
     options = dict(attention_backend=spec.attention_backend, progress=progress, gguf_codes=spec.gguf_codes)
     checkpoint = load_checkpoint(spec.model, spec.dtype, rank.device, **options)
     model, config = checkpoint.model, checkpoint.model.config  # the whole model's: sharding replaces model.config
@@ -156,23 +192,30 @@ IDLE_POLL = datetime.timedelta(seconds=30)  # how long a worker waits on the sto
 
 def receive_plans(rank: RankContext, step: int) -> list[StepPlan] | None:
     """The driver's step number `step` (None: shut down). The worker waits for the step's key on the store, as long
-    as the engine idles, then joins the broadcast (which, like every collective, times out)."""
+    as the engine idles, then joins the broadcast (which, like every collective, times out). The key's name comes
+    from the secret (RankContext.step_key): nobody without it can make a worker enter a broadcast."""
     while True:
         try:
-            rank.store.wait([str(step)], IDLE_POLL)
+            rank.store.wait([rank.step_key(step)], IDLE_POLL)
             break
         except DistStoreError as exc:
             if "timeout" not in str(exc).lower():
                 raise  # the driver's store is gone: the driver died
-    box: list[list[StepPlan] | None] = [None]
-    dist.broadcast_object_list(box, src=DRIVER_RANK, group=rank.control)
-    return box[0]
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=DRIVER_RANK, group=rank.control)
+    if not 0 < int(size.item()) <= wire.MAX_MESSAGE_BYTES:
+        raise wire.WireError(f"the driver announced a step message of {int(size.item())} bytes")
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=DRIVER_RANK, group=rank.control)
+    return wire.decode_plans(data.numpy().tobytes(), rank.device)
 
 
 def send_plans(rank: RankContext, step: int, plans: list[StepPlan] | None) -> None:
-    """Announce step `step`, broadcast its plans (None: shut down), and drop the key of the step before it (every
-    worker has passed it: each joined this broadcast)."""
-    rank.store.set(str(step), b"")
-    dist.broadcast_object_list([plans], src=DRIVER_RANK, group=rank.control)
+    """Announce step `step`, broadcast its plans (None: shut down) as bytes (wire.py: no pickles), and drop the key
+    of the step before it (every worker has passed it: each joined this broadcast)."""
+    data = torch.frombuffer(bytearray(wire.encode_plans(plans)), dtype=torch.uint8)
+    rank.store.set(rank.step_key(step), b"")
+    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=DRIVER_RANK, group=rank.control)
+    dist.broadcast(data, src=DRIVER_RANK, group=rank.control)
     if step > 0:
-        rank.store.delete_key(str(step - 1))
+        rank.store.delete_key(rank.step_key(step - 1))

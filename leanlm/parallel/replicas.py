@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +24,26 @@ logger = logging.getLogger("leanlm.router")
 HEALTH_TIMEOUT_S = 5.0  # a replica that takes longer to answer /health is out of rotation until it answers again
 
 
+def redact_url(url: str) -> str:
+    """scheme://host:port of a replica URL: what the front shows without a key (/health, /metrics labels, its log).
+    A --replicas URL may carry user:password, or a token in its path or query."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "?"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number: the URL never worked, nothing of it is shown
+        return f"{parts.scheme}://{host}"
+    return f"{parts.scheme}://{host}:{port}"
+
+
 @dataclass
 class Replica:
     """One replica and what the front counts about it. Mutated only on the front's event loop (and, before it
     runs, by the start-up wait)."""
 
-    url: str  # its base URL, also its name (the `replica` label of /metrics)
+    url: str  # its base URL, as given (it may hold credentials): the router's key for it
     process: subprocess.Popen | None = None  # a local replica's process; None for a remote one
     api_key: str | None = None  # the bearer key it expects
     is_healthy: bool = False  # in rotation
@@ -43,16 +58,20 @@ class Replica:
         return self.process is not None
 
     @property
+    def name(self) -> str:
+        """What the front shows of it (/health, the `replica` label of /metrics, the log): no credentials."""
+        return redact_url(self.url)
+
+    @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def describe(self) -> dict:
+        """Its entry in the front's /health, which answers without a key: no credentials, no pid."""
         state = "dead" if self.is_dead else "healthy" if self.is_healthy else "unhealthy"
-        info = {"url": self.url, "state": state, "local": self.is_local, "in_flight": self.num_in_flight}
-        if self.process is not None:
-            info["pid"] = self.process.pid
-            if self.process.returncode is not None:
-                info["exit_status"] = self.process.returncode
+        info = {"url": self.name, "state": state, "local": self.is_local, "in_flight": self.num_in_flight}
+        if self.process is not None and self.process.returncode is not None:
+            info["exit_status"] = self.process.returncode
         return info
 
 
@@ -80,19 +99,19 @@ def _answers_health(replica: Replica, timeout_s: float) -> bool:
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.status == 200
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, ValueError):  # ValueError: urllib takes no user:password in a URL
         return False
 
 
-def wait_until_ready(replicas: list[Replica], timeout_s: float) -> None:
+def wait_until_ready(replicas: list[Replica], timeout_s: float, health_timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     """Block until every local replica answers /health (RuntimeError if one exits or the time runs out); remote ones
     get one look each and join the rotation when they answer (a remote one down now is not fatal)."""
     pending = [r for r in replicas if r.is_local]
     for replica in replicas:
         if not replica.is_local:
-            replica.is_healthy = _answers_health(replica, HEALTH_TIMEOUT_S)
+            replica.is_healthy = _answers_health(replica, health_timeout_s)
             if not replica.is_healthy:
-                logger.warning("replica %s does not answer /health yet; it joins when it does", replica.url)
+                logger.warning("replica %s does not answer /health yet; it joins when it does", replica.name)
     deadline = time.monotonic() + timeout_s
     while pending:
         for replica in list(pending):
@@ -132,12 +151,16 @@ def stop_local(replicas: list[Replica], timeout_s: float = 30.0) -> None:
 
 
 class HealthMonitor:
-    """Takes replicas out of rotation (a local process exited, /health failed, a connection broke) and puts them
-    back (a live one answers /health again). `on_down(replica)` runs on each removal (the router forgets it)."""
+    """Takes replicas out of rotation (a local process exited, /health failed or took over `timeout_s`, a connection
+    broke) and puts them back (a live one answers /health again). `on_down(replica)` runs on each removal (the router
+    forgets it; the front moves or fails the requests it holds)."""
 
-    def __init__(self, replicas: list[Replica], on_down: Callable[[Replica], None]) -> None:
+    def __init__(
+        self, replicas: list[Replica], on_down: Callable[[Replica], None], timeout_s: float = HEALTH_TIMEOUT_S
+    ) -> None:
         self.replicas = replicas
         self.on_down = on_down
+        self.timeout_s = timeout_s
 
     def in_rotation(self) -> list[Replica]:
         return [r for r in self.replicas if r.is_healthy]
@@ -149,7 +172,7 @@ class HealthMonitor:
             replica.is_dead = True
             reason = f"its process (pid {replica.process.pid}) exited with status {replica.process.returncode}"
         if replica.is_healthy or is_newly_dead:
-            logger.error("replica %s is out of rotation: %s", replica.url, reason)
+            logger.error("replica %s is out of rotation: %s", replica.name, reason)
         if replica.is_healthy:
             replica.is_healthy = False
             self.on_down(replica)
@@ -162,14 +185,14 @@ class HealthMonitor:
         if replica.process is not None and replica.process.poll() is not None:
             self.mark_down(replica, "its process exited")
             return
-        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with session.get(replica.url + "/health", headers=replica.headers, timeout=timeout) as response:
                 healthy, reason = response.status == 200, f"/health answered {response.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             healthy, reason = False, f"/health failed ({type(exc).__name__}: {exc})"
         if healthy and not replica.is_healthy:
-            logger.info("replica %s answers /health: back in rotation", replica.url)
+            logger.info("replica %s answers /health: back in rotation", replica.name)
             replica.is_healthy = True
         elif not healthy:
             self.mark_down(replica, reason)

@@ -1,11 +1,21 @@
 """The process groups of one parallel engine: world ranks laid out as [pipeline stage][tensor rank], a tensor group
 per stage, and a gloo control group for the step broadcast. Every collective has a timeout (parallel_timeout_s):
 a rank that hangs fails the step. An idle engine runs no collective; its ranks wait on the rendezvous store for the
-next step's key instead, which can wait for days."""
+next step's key instead, which can wait for days.
+
+A local world (LeanLM spawned the workers) listens on loopback only, its store and gloo alike, and its ranks hold a
+shared secret: each proves it when the world forms (rank.check_agreement), and the store key that wakes the workers
+for a step is named by it, so a process that reaches the store without it can neither join nor announce a step."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
+import hmac
+import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +24,7 @@ import torch.distributed as dist
 from leanlm.parallel.tensor import TensorGroup
 
 DRIVER_RANK = 0  # the caller's process: it loads first, runs the scheduler and stage 0
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,17 @@ class RankContext:
     store: dist.Store | None  # the rendezvous store: the driver announces each step there before broadcasting it
     device: torch.device
     timeout_s: float
+    secret: str | None = None  # the world's shared secret (hex); None under torchrun, whose operator firewalls it
+
+    def step_key(self, step: int) -> str:
+        """The store key that announces step `step`: without the secret, nobody can name a future step's key."""
+        return self.proof(f"step/{step}") if self.secret else str(step)
+
+    def proof(self, message: str) -> str:
+        """HMAC-SHA256 of `message` under the secret ("" without one)."""
+        if not self.secret:
+            return ""
+        return hmac.new(bytes.fromhex(self.secret), message.encode(), hashlib.sha256).hexdigest()
 
     @property
     def stage(self) -> int:
@@ -74,9 +96,65 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_rank(rank: int, layout: Layout, init_method: str, device: torch.device, timeout_s: float) -> RankContext:
-    """Join the world (init_method: tcp://host:port, or env:// under torchrun) and build every group; all ranks call
-    this with the same layout. On CUDA, rank r drives cuda:(r mod device count)."""
+def serve_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """The driver's rendezvous store of a local world and its port, listening on loopback only. torch's TCPStore
+    binds every interface (*:port) whatever host it is given, so the socket is bound here and handed over."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOOPBACK, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns (and closes) the descriptor from here on
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            LOOPBACK, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+        )
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    return store, port
+
+
+def join_store(init_method: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A worker's client of the driver's store at init_method (tcp://127.0.0.1:PORT)."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+
+
+def loopback_interface() -> str:
+    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return names[0] if names else "lo"
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback() -> Iterator[None]:
+    """gloo opens its listening sockets on the interface GLOO_SOCKET_IFNAME names when a group is created (default:
+    the address the host name resolves to, often the LAN's); set to loopback only meanwhile."""
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+def init_rank(
+    rank: int,
+    layout: Layout,
+    device: torch.device,
+    timeout_s: float,
+    store: dist.Store | None = None,
+    secret: str | None = None,
+) -> RankContext:
+    """Join the world and build every group; all ranks call this with the same layout. A local world passes its
+    `store` (serve_store, join_store) and `secret`, and its groups listen on loopback; store None joins through
+    torchrun's env:// rendezvous. On CUDA, rank r drives cuda:(r mod device count)."""
     if dist.is_initialized():
         raise RuntimeError(
             "this process already belongs to a torch.distributed group: one tensor/pipeline-parallel engine per "
@@ -86,19 +164,26 @@ def init_rank(rank: int, layout: Layout, init_method: str, device: torch.device,
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend_for(device), init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timeout
-    )
-    control = dist.new_group(backend="gloo", timeout=timeout)
-    # torch keeps the store init_process_group rendezvoused through (ours, or torchrun's) only privately
-    store = dist.PrefixStore("leanlm/steps/", dist.distributed_c10d._get_default_store())
-    tp = TensorGroup(layout.tensor_rank_of(rank), layout.tensor_parallel_size, None)
-    for stage in range(layout.pipeline_parallel_size):  # every rank creates every group, in the same order
-        ranks = [layout.rank_at(stage, t) for t in range(layout.tensor_parallel_size)]
-        group = dist.new_group(ranks, timeout=timeout) if layout.tensor_parallel_size > 1 else None
-        if stage == layout.stage_of(rank):
-            tp = TensorGroup(layout.tensor_rank_of(rank), layout.tensor_parallel_size, group)
-    return RankContext(rank, layout, tp, control, store, device, timeout_s)
+    world = dict(rank=rank, world_size=layout.world_size, timeout=timeout)
+    with _gloo_on_loopback() if store is not None else contextlib.nullcontext():
+        if store is not None:
+            if device.type == "cuda":
+                # NCCL reads it once, at its first communicator (lazily, after this block): it cannot be scoped
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
+            dist.init_process_group(backend_for(device), store=store, **world)
+        else:
+            dist.init_process_group(backend_for(device), init_method="env://", **world)
+            # torch keeps the store torchrun's rendezvous went through only privately
+            store = dist.distributed_c10d._get_default_store()
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        tp = TensorGroup(layout.tensor_rank_of(rank), layout.tensor_parallel_size, None)
+        for stage in range(layout.pipeline_parallel_size):  # every rank creates every group, in the same order
+            ranks = [layout.rank_at(stage, t) for t in range(layout.tensor_parallel_size)]
+            group = dist.new_group(ranks, timeout=timeout) if layout.tensor_parallel_size > 1 else None
+            if stage == layout.stage_of(rank):
+                tp = TensorGroup(layout.tensor_rank_of(rank), layout.tensor_parallel_size, group)
+    steps = dist.PrefixStore("leanlm/steps/", store)
+    return RankContext(rank, layout, tp, control, steps, device, timeout_s, secret)
 
 
 def close_world() -> None:

@@ -29,6 +29,9 @@ def test_defaults_are_the_single_process_server():
         ({"health_check_interval_s": 0}, "health_check_interval_s must be > 0"),
         ({"replica_start_timeout_s": 0}, "replica_start_timeout_s must be > 0"),
         ({"replica_api_key": " "}, "replica_api_key is empty"),
+        ({"health_check_timeout_s": 0}, "health_check_timeout_s must be > 0 and finite"),
+        ({"replica_read_timeout_s": float("inf")}, "replica_read_timeout_s must be > 0 and finite"),
+        ({"replica_read_timeout_s": float("nan")}, "replica_read_timeout_s must be > 0 and finite"),
     ],
 )
 def test_bad_values_are_refused(options, message):

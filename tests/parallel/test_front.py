@@ -4,17 +4,23 @@ replica processes on loopback, driven by the real `openai` client; its last test
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import signal
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from leanlm.analysis.peers import ServerProcess, leanlm_server
@@ -207,6 +213,152 @@ def test_a_replica_breaking_mid_answer_fails_that_request_clearly(tokenizer):
     broken.server_close()
 
 
+@contextlib.contextmanager
+def stub_replicas(*names: str):
+    """Stub replica processes (tests/parallel/stub_replica.py), one per name; yields (processes, urls)."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "tests.parallel.stub_replica"]
+    processes = [subprocess.Popen([*command, name], cwd=root, stdout=subprocess.PIPE, text=True) for name in names]
+    try:
+        yield processes, [f"http://127.0.0.1:{int(p.stdout.readline())}" for p in processes]
+    finally:
+        for process in processes:
+            os.kill(process.pid, signal.SIGCONT)
+            process.kill()
+            process.wait()
+            process.stdout.close()
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not {what} after 30 s")
+        time.sleep(0.02)
+
+
+def stall_front(tokenizer, urls: list[str], read_timeout_s: float = 60, health_interval_s: float = 0.2) -> Front:
+    replicas = [Replica(url) for url in urls]
+    wait_until_ready(replicas, timeout_s=10)
+    router = Router("round_robin")  # the first request goes to the first replica
+    return Front(replicas, router, PromptKeyer(tokenizer, 4, 4), health_interval_s, read_timeout_s, 0.5)
+
+
+def test_a_stalled_replica_hands_its_unanswered_requests_to_another(tokenizer):
+    """SIGSTOP (alive, silent) while a whole answer is pending: the health checks take the replica out, and the
+    request is answered by the other replica; the client never sees the stall."""
+    with stub_replicas("first", "second") as (processes, urls):
+        state = stall_front(tokenizer, urls)
+        first, second = state.replicas
+        with LiveServer(build_front_app(state, ServeConfig())) as server, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, server.url, "/v1/completions", {"model": MODEL, "prompt": "hold:first"})
+            wait_for(lambda: first.num_in_flight == 1, "sent to the first replica")
+            os.kill(processes[0].pid, signal.SIGSTOP)
+            status, body = pending.result(timeout=60)
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == "second"
+        assert (first.is_healthy, first.num_failed, first.num_in_flight) == (False, 1, 0)
+        assert (second.num_routed, second.num_in_flight) == (1, 0)
+
+
+def test_a_stalled_replica_fails_a_started_stream_and_a_request_nobody_else_can_take(tokenizer):
+    """One replica: a stream it has started ends with an `error` event; a whole answer it stalls on gets a 504 JSON
+    error (no replica left to take it)."""
+    with stub_replicas("only") as (processes, urls):
+        state = stall_front(tokenizer, urls)
+        (only,) = state.replicas
+        with LiveServer(build_front_app(state, ServeConfig())) as server:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            body = json.dumps({"model": MODEL, "prompt": "hold:only", "stream": True})
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            assert response.status == 200
+            assert json.loads(response.readline().removeprefix(b"data: "))["choices"][0]["text"] == "only"
+            os.kill(processes[0].pid, signal.SIGSTOP)
+            events = [e.strip() for e in response.read().decode().split("\n\n") if e.strip()]
+            connection.close()
+            error = json.loads(events[0].removeprefix("data: "))["error"]
+            assert error["code"] == "replica_timeout" and "stalled" in error["message"]
+            assert events[1:] == ["data: [DONE]"]
+            assert only.num_in_flight == 0 and not only.is_healthy
+
+            os.kill(processes[0].pid, signal.SIGCONT)
+            wait_for(lambda: only.is_healthy, "back in rotation")
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(post, server.url, "/v1/completions", {"model": MODEL, "prompt": "hold:only"})
+                wait_for(lambda: only.num_in_flight == 1, "sent to the replica")
+                os.kill(processes[0].pid, signal.SIGSTOP)
+                status, answer = pending.result(timeout=60)
+            error = json.loads(answer)["error"]
+            assert status == 504 and error["code"] == "replica_timeout"
+            assert "no other replica is in rotation" in error["message"] and only.num_in_flight == 0
+
+
+def test_the_read_timeout_bounds_a_silent_replica(tokenizer):
+    """No health checks here (one a minute): --replica-read-timeout-s alone ends the wait, with a 504; and /v1/models
+    waits on a stalled replica no longer than a health check would."""
+    with stub_replicas("only") as (processes, urls):
+        state = stall_front(tokenizer, urls, read_timeout_s=1, health_interval_s=60)
+        with LiveServer(build_front_app(state, ServeConfig())) as server:
+            status, answer = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hold:only"})
+            error = json.loads(answer)["error"]
+            assert status == 504 and error["code"] == "replica_timeout"
+            assert "--replica-read-timeout-s 1" in error["message"]
+            assert (state.replicas[0].num_failed, state.replicas[0].num_in_flight) == (1, 0)
+        patient = stall_front(tokenizer, urls, read_timeout_s=600, health_interval_s=60)
+        with LiveServer(build_front_app(patient, ServeConfig())) as server:
+            os.kill(processes[0].pid, signal.SIGSTOP)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(server.url + "/v1/models", timeout=30)
+            assert refused.value.code == 503 and not patient.replicas[0].is_healthy
+
+
+def test_health_and_metrics_show_no_credentials_or_pids(tokenizer):
+    """/health answers without a key; neither it nor /metrics may show a --replicas URL's password or token, nor
+    a local replica's pid."""
+    with stub_replicas("remote", "local") as (processes, urls):
+        port = urls[0].rsplit(":", 1)[1]
+        remote = Replica(f"http://alice:s3cret@127.0.0.1:{port}/base?token=t0ken", is_healthy=True)
+        local = Replica(urls[1], process=processes[1], is_healthy=True)
+        state = Front([remote, local], Router("round_robin"), PromptKeyer(tokenizer, 4, 4), health_interval_s=60)
+        with LiveServer(build_front_app(state, ServeConfig())) as server:
+            with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+                health = json.loads(response.read())
+            with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+                metrics = response.read().decode()
+    assert [r["url"] for r in health["replicas"]] == [f"http://127.0.0.1:{port}", urls[1]]
+    assert all("pid" not in r for r in health["replicas"])
+    for page in (json.dumps(health), metrics):
+        assert "s3cret" not in page and "alice" not in page and "t0ken" not in page
+        assert str(processes[1].pid) not in page
+    assert f'leanlm_router_replica_healthy{{replica="http://127.0.0.1:{port}"}} 1.0' in metrics
+
+
+def test_nested_json_and_huge_counts_get_the_servers_own_400_before_keying(tiny_front):
+    """The front answers what the replica alone would (same status, same JSON), before the keyer sees the body:
+    nesting past the parser's bound (json.loads raised RecursionError: a plain-text 500), more messages or prompts
+    than the server's schema takes."""
+    _, state, (one, _) = tiny_front
+    keyed = []
+    key = state.keyer.key
+    state.keyer.key = lambda path, body: keyed.append(path) or key(path, body)
+    with LiveServer(build_front_app(state, ServeConfig(api_key="k", max_body_bytes=1 << 20))) as server:
+        nested = b'{"model": "%s", "messages": %s}' % (MODEL.encode(), b"[" * 5000 + b"]" * 5000)
+        many = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 2049}
+        prompts = {"model": MODEL, "prompt": ["a"] * 1025}
+        for path, body in (
+            ("/v1/chat/completions", nested),
+            ("/v1/chat/completions", many),
+            ("/v1/completions", prompts),
+        ):
+            status, answer = post(server.url, path, body)
+            alone_status, alone = post(one.url, path, body)
+            assert status == alone_status == 400
+            assert json.loads(answer) == json.loads(alone)
+        assert keyed == []
+        assert post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1})[0] == 200
+        assert keyed == ["/v1/completions"]  # a good body is keyed as before
+
+
 # ---------------------------------------------------------------------- real: SmolLM2 replica processes
 
 
@@ -286,8 +438,10 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(front, clie
     before = routed(front)
     client.chat.completions.create(model=DEFAULT_MODEL, messages=chat(SYSTEM["kill"], "Hello"), max_tokens=1)
     victim = next(url for url, (n, _) in routed(front).items() if n > before[url][0])
-    replicas = json.loads(get(front, "/health")[1])["replicas"]
-    pid = next(r["pid"] for r in replicas if r["url"] == victim)
+    # /health shows no pids (it answers without a key): the victim is the front's child serving on its port
+    port = victim.rsplit(":", 1)[1]
+    children = [child.cmdline() + [str(child.pid)] for child in psutil.Process(front.process.pid).children()]
+    pid = next(int(line[-1]) for line in children if line[line.index("--port") + 1] == port)
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=chat(SYSTEM["kill"], "Tell a long story."), max_tokens=300, stream=True
     )
