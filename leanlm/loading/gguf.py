@@ -181,14 +181,19 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
             f"GGUF metadata {arch}.block_count is {num_layers}, but the file holds tensors of {held} layers "
             "(blk.0 .. blk.N); the file is damaged or was edited: re-download it"
         )
-    head_dim = _field(reader, f"{arch}.rope.dimension_count") or _field(reader, f"{arch}.attention.key_length")
+    # `x or y` would read a 0 as "absent" and pass over it: an explicit value is checked, whatever it is
+    head_dim_key = next(
+        (k for k in (f"{arch}.rope.dimension_count", f"{arch}.attention.key_length") if _field(reader, k) is not None),
+        None,
+    )
+    head_dim = None if head_dim_key is None else _field(reader, head_dim_key)
     if head_dim is None and hidden % num_heads:
         raise ValueError(
             f"{arch}.embedding_length ({hidden}) is not a multiple of {arch}.attention.head_count ({num_heads}) "
             "and the file gives no rope.dimension_count"
         )
-    vocab_size = _field(reader, f"{arch}.vocab_size") or len(tokens)
-    if not vocab_size:
+    vocab_size = _field(reader, f"{arch}.vocab_size", len(tokens))
+    if vocab_size == 0 and not tokens:
         raise ModelLoadError("GGUF metadata has neither a vocab_size nor a token list; the file is corrupt")
     moe = gguf_moe_config(arch, reader.fields.get, tensor_names, num_layers)
     if architecture == "mixtral" and moe.sparse_layers is not None:  # llama.cpp runs a dense MLP where no router is;
@@ -204,7 +209,7 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
         num_key_value_heads=to_int(
             _field(reader, f"{arch}.attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv"
         ),
-        head_dim=hidden // num_heads if head_dim is None else to_int(head_dim, f"{arch}.rope.dimension_count"),
+        head_dim=hidden // num_heads if head_dim is None else to_int(head_dim, head_dim_key),
         max_position_embeddings=to_int(
             _required(reader, f"{arch}.context_length"), f"{arch}.context_length", maximum=1 << 64
         ),
@@ -248,7 +253,9 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> RopeScaling | None:
     if kind in (None, "none") or factor in (None, 1.0):
         return None
     if kind != "linear":
-        raise ModelLoadError(f"GGUF rope scaling type {kind!r} is not supported (only 'linear' and llama3)")
+        raise ModelLoadError(
+            f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (only 'linear' and llama3's rope_freqs tensor)"
+        )
     return RopeScaling(rope_type="linear", factor=check_float(factor, f"{arch}.rope.scaling.factor", 0.0))
 
 

@@ -83,7 +83,10 @@ def gguf_moe_config(gguf_arch: str, field: Field, tensor_names: set[str], num_la
     expert_ffn = to_int(field(key) or fallback, key)
     sparse = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
     if not sparse:
-        raise ModelLoadError("GGUF file declares experts but has no blk.N.ffn_gate_inp.weight router; re-convert it")
+        raise ModelLoadError(
+            f"GGUF metadata {gguf_arch}.expert_count is {num_experts}, but the file has no blk.N.ffn_gate_inp.weight "
+            "router: it holds no experts; re-convert it"
+        )
     shared = 0
     if f"blk.{sparse[0]}.ffn_up_shexp.weight" in tensor_names:
         key = f"{gguf_arch}.expert_shared_feed_forward_length"

@@ -44,9 +44,9 @@ def read_hf_config(path: Path, num_layers_held: int | None = None) -> ModelConfi
         raw = json.loads(config_path.read_text())
         claimed = raw.get("num_hidden_layers") if isinstance(raw, dict) else None
         # fewer layers than the tensors hold is refused by the shape check, naming the first tensor past them
-        if num_layers_held is not None and isinstance(claimed, int) and claimed > num_layers_held:
+        if num_layers_held is not None and _is_number(claimed) and claimed > num_layers_held:
             raise ModelLoadError(
-                f"{config_path} says {claimed} layers, but the tensors hold {num_layers_held}; "
+                f"{config_path} says num_hidden_layers = {claimed}, but the tensors hold {num_layers_held} layers; "
                 "the checkpoint is incomplete or for another model"
             )
         return ModelConfig.from_hf_dict(raw)
@@ -54,6 +54,10 @@ def read_hf_config(path: Path, num_layers_held: int | None = None) -> ModelConfi
         raise
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{config_path} is invalid ({type(e).__name__}: {e}); fix or re-download it") from e
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # JSON's 1e6 is a float
 
 
 def _mlp_modules(config: ModelConfig, layer: int) -> list[str]:
