@@ -74,9 +74,10 @@ def _encode_ids(backend: HFTokenizer, text: str, add_special_tokens: bool) -> li
     except BaseException as e:
         if not _is_rust_panic(e):
             raise
+        panic = " ".join(str(e).split())[:200]  # one line: the CLI prints it as its error
         raise TokenizerError(
-            f"the tokenizer failed on this text ({str(e).strip()[:200]}); its tokenizer.json has a pre-tokenizer "
-            "regex that backtracks without bound: send other text, or fix or replace the model's tokenizer.json"
+            f"the tokenizer failed on this text ({panic}); its tokenizer.json has a pre-tokenizer regex that "
+            "backtracks without bound: send other text, or fix or replace the model's tokenizer.json"
         ) from None
 
 
