@@ -171,10 +171,9 @@ class ModelConfig:
             raise ValueError("qk_norm (a norm over the whole q and k projections) is OLMoE's; use architecture='olmoe'")
         if self.clip_qkv is not None:
             check_float(self.clip_qkv, "ModelConfig.clip_qkv", 0.0)
-        if check_int(self.exit_adapter_rank, "ModelConfig.exit_adapter_rank", minimum=0) < 0 or (
-            self.exit_adapter_rank and not layers
-        ):
-            raise ValueError(f"exit_adapter_rank must be >= 0 and needs exit_layers, got {self.exit_adapter_rank}")
+        check_int(self.exit_adapter_rank, "ModelConfig.exit_adapter_rank", minimum=0)
+        if self.exit_adapter_rank and not layers:
+            raise ValueError(f"exit_adapter_rank {self.exit_adapter_rank} needs exit_layers (the heads it adapts)")
 
     def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
         """The shape the HF tensor `hf_name` (`model.layers.3.mlp.down_proj.weight`, ...) has in this model: [out,
