@@ -59,7 +59,6 @@ def test_rope_scaling_refuses_bad_numbers(args, message):
         ({"router_aux_loss_coef": math.nan}, "MoEConfig.router_aux_loss_coef must be a finite number"),
         ({"shared_expert_gate": 1}, "MoEConfig.shared_expert_gate must be true or false"),
         ({"sparse_layers": ("0",)}, r"MoEConfig.sparse_layers \(layer indices\) must be an integer"),
-        ({"scoring": ["ones"]}, "MoEConfig.scoring"),
     ],
 )
 def test_moe_config_refuses_bad_numbers(change, message):
