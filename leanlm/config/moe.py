@@ -91,13 +91,15 @@ def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoECon
         to_int(i, "mlp_only_layers", minimum=0)
         for i in check_list(optional(cfg, "mlp_only_layers", []), "mlp_only_layers")
     }
-    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    # every layer sparse is the usual case: then nothing walks the layers (a config may claim 2**31 - 1 of them)
+    every = step == 1 and not dense
+    sparse = () if every else tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     shared = to_int(optional(cfg, "shared_expert_intermediate_size", 0), "shared_expert_intermediate_size", minimum=0)
     return MoEConfig(
         **common,
         shared_expert_intermediate_size=shared,
         shared_expert_gate=shared > 0,
-        sparse_layers=None if len(sparse) == num_layers else sparse,
+        sparse_layers=None if every or len(sparse) == num_layers else sparse,
     )
 
 
