@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from leanlm.config.moe import MoEConfig, check_hf_expressible, moe_from_hf, moe_to_hf
+from leanlm.config.values import check_bool, check_dict, check_float, check_int, check_list, optional, required, to_int
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
 # HF's class for each architecture (what `architectures` in config.json names)
@@ -54,8 +55,16 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ("llama3", "linear"):
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use 'llama3' or 'linear'")
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        check_float(self.factor, "rope_scaling factor", 0.0)
+        check_float(self.low_freq_factor, "rope_scaling low_freq_factor", 0.0)
+        check_float(self.high_freq_factor, "rope_scaling high_freq_factor", 0.0)
+        check_int(self.original_max_position_embeddings, "rope_scaling original_max_position_embeddings")
+        # llama3's smoothing divides by their difference
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling high_freq_factor ({self.high_freq_factor}) must be above low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
 
 
 @dataclass(frozen=True)
@@ -104,11 +113,9 @@ class ModelConfig:
             "num_attention_heads",
             "num_key_value_heads",
             "head_dim",
-            "max_position_embeddings",
         ):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+            check_int(getattr(self, field), f"ModelConfig.{field}")
+        check_int(self.max_position_embeddings, "ModelConfig.max_position_embeddings", maximum=1 << 64)
         if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:
             raise ValueError(
                 f"max_position_embeddings (context length) is {self.max_position_embeddings}, above the "
@@ -122,8 +129,23 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("rms_norm_eps and rope_theta must be > 0")
+        # eps > 1 would swamp the mean square of any normalised activation; NaN made every logit NaN
+        check_float(self.rms_norm_eps, "ModelConfig.rms_norm_eps", 0.0, 1.0)
+        check_float(self.rope_theta, "ModelConfig.rope_theta", 0.0)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        for flag in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            check_bool(getattr(self, flag), f"ModelConfig.{flag}")
+        if self.bos_token_id is not None:
+            check_int(self.bos_token_id, "ModelConfig.bos_token_id", minimum=0)
+        for token_id in self.eos_token_ids:
+            check_int(token_id, "ModelConfig.eos_token_ids", minimum=0)
+        if not isinstance(self.name, str):
+            raise ValueError(f"ModelConfig.name must be a string, got {self.name!r}")
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"ModelConfig.moe must be a MoEConfig or None, got {self.moe!r}")
+        for k in self.exit_layers:
+            check_int(k, "ModelConfig.exit_layers")
         layers = self.exit_layers
         if list(layers) != sorted(set(layers)) or any(not 1 <= k < self.num_hidden_layers for k in layers):
             raise ValueError(
@@ -137,7 +159,9 @@ class ModelConfig:
             check_hf_expressible(self.architecture, self.moe)
         if self.layer_windows and (
             len(self.layer_windows) != self.num_hidden_layers
-            or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.layer_windows)
+            or any(
+                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in self.layer_windows
+            )
         ):
             raise ValueError(
                 f"layer_windows needs one window (a token count >= 1, or None for full attention) per layer "
@@ -145,10 +169,11 @@ class ModelConfig:
             )
         if self.qk_norm and self.architecture != "olmoe":
             raise ValueError("qk_norm (a norm over the whole q and k projections) is OLMoE's; use architecture='olmoe'")
-        if self.clip_qkv is not None and not self.clip_qkv > 0:
-            raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
-        if self.exit_adapter_rank < 0 or (self.exit_adapter_rank and not layers):
-            raise ValueError(f"exit_adapter_rank must be >= 0 and needs exit_layers, got {self.exit_adapter_rank}")
+        if self.clip_qkv is not None:
+            check_float(self.clip_qkv, "ModelConfig.clip_qkv", 0.0)
+        check_int(self.exit_adapter_rank, "ModelConfig.exit_adapter_rank", minimum=0)
+        if self.exit_adapter_rank and not layers:
+            raise ValueError(f"exit_adapter_rank {self.exit_adapter_rank} needs exit_layers (the heads it adapts)")
 
     def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
         """The shape the HF tensor `hf_name` (`model.layers.3.mlp.down_proj.weight`, ...) has in this model: [out,
@@ -186,57 +211,66 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
+        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM / Qwen2ForCausalLM). Every value is
+        checked for its kind and range here, so that a wrong one is a ValueError naming its key (the loader makes
+        it a ModelLoadError), never an exception from the math it would have reached."""
+        check_dict(cfg, "config.json")
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"config.json model_type {model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        rope_scaling = None
+        num_heads = to_int(required(cfg, "num_attention_heads"), "num_attention_heads")
+        hidden = to_int(required(cfg, "hidden_size"), "hidden_size")
+        num_layers = to_int(required(cfg, "num_hidden_layers"), "num_hidden_layers")
         # transformers >= 5 writes `rope_parameters` (rope_theta inside); older configs `rope_scaling`.
-        rope_params = cfg.get("rope_parameters") or {}
-        raw_scaling = cfg.get("rope_scaling") or rope_params
-        if raw_scaling:
-            rope_type = raw_scaling.get("rope_type", raw_scaling.get("type"))
-            if rope_type not in (None, "default"):
-                rope_scaling = RopeScaling(
-                    rope_type=rope_type,
-                    factor=float(raw_scaling["factor"]),
-                    low_freq_factor=float(raw_scaling.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(raw_scaling.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(raw_scaling.get("original_max_position_embeddings", 8192)),
-                )
-        num_layers = int(cfg["num_hidden_layers"])
-        max_positions = int(cfg.get("max_position_embeddings", 2048))
-        exits = cfg.get("leanlm_exits") or {}
+        rope_params = check_dict(cfg.get("rope_parameters") or {}, "rope_parameters")
+        raw_scaling = check_dict(cfg.get("rope_scaling") or rope_params, "rope_scaling")
+        head_dim = cfg.get("head_dim")
+        if head_dim is None and hidden % num_heads:
+            raise ValueError(
+                f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({num_heads}) and config.json "
+                "gives no head_dim"
+            )
+        exits = check_dict(cfg.get("leanlm_exits") or {}, "leanlm_exits")
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos_ids = check_list(eos, "eos_token_id") if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        bos = cfg.get("bos_token_id")
+        clip = cfg.get("clip_qkv")
+        bias_default = _BIAS_DEFAULT.get(model_type, False)
         return cls(
             architecture=model_type,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=to_int(required(cfg, "vocab_size"), "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=to_int(required(cfg, "intermediate_size"), "intermediate_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            max_position_embeddings=max_positions,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", _BIAS_DEFAULT.get(model_type, False)))),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            num_key_value_heads=to_int(optional(cfg, "num_key_value_heads", num_heads), "num_key_value_heads"),
+            head_dim=hidden // num_heads if head_dim is None else to_int(head_dim, "head_dim"),
+            # bounded by __post_init__, whose message says what the bound is for
+            max_position_embeddings=to_int(
+                optional(cfg, "max_position_embeddings", 2048), "max_position_embeddings", maximum=1 << 64
+            ),
+            rms_norm_eps=check_float(optional(cfg, "rms_norm_eps", 1e-6), "rms_norm_eps", 0.0, 1.0),
+            rope_theta=check_float(
+                optional(cfg, "rope_theta", optional(rope_params, "rope_theta", 10000.0)), "rope_theta"
+            ),
+            rope_scaling=_hf_rope_scaling(raw_scaling),
+            tie_word_embeddings=check_bool(optional(cfg, "tie_word_embeddings", False), "tie_word_embeddings"),
+            attention_bias=check_bool(
+                optional(cfg, "attention_bias", optional(cfg, "qkv_bias", bias_default)), "attention_bias (qkv_bias)"
+            ),
+            bos_token_id=None if bos is None else to_int(bos, "bos_token_id", minimum=0),
+            eos_token_ids=tuple(to_int(i, "eos_token_id", minimum=0) for i in eos_ids),
             name=str(cfg.get("_name_or_path", "")),
-            exit_layers=tuple(int(k) for k in exits.get("layers", ())),
-            exit_adapter_rank=int(exits.get("adapter_rank", 0)),
+            exit_layers=tuple(
+                to_int(k, "leanlm_exits.layers") for k in check_list(exits.get("layers", ()), "leanlm_exits.layers")
+            ),
+            exit_adapter_rank=to_int(optional(exits, "adapter_rank", 0), "leanlm_exits.adapter_rank", minimum=0),
             moe=moe_from_hf(model_type, cfg, num_layers),
             qk_norm=model_type == "olmoe",
-            clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+            clip_qkv=None if clip is None else check_float(clip, "clip_qkv", 0.0),
             layer_windows=hf_layer_windows(model_type, cfg, num_layers),
         )
 
@@ -278,26 +312,46 @@ class ModelConfig:
         return cfg
 
 
+def _hf_rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
+    """config.json's rope_scaling (or rope_parameters) object; None for default rotary."""
+    rope_type = raw.get("rope_type", raw.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if not isinstance(rope_type, str):
+        raise ValueError(f"rope_scaling rope_type must be a string, got {rope_type!r}")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=check_float(required(raw, "factor", "rope_scaling"), "rope_scaling factor", 0.0),
+        low_freq_factor=check_float(optional(raw, "low_freq_factor", 1.0), "rope_scaling low_freq_factor", 0.0),
+        high_freq_factor=check_float(optional(raw, "high_freq_factor", 4.0), "rope_scaling high_freq_factor", 0.0),
+        original_max_position_embeddings=to_int(
+            optional(raw, "original_max_position_embeddings", 8192), "rope_scaling original_max_position_embeddings"
+        ),
+    )
+
+
 def hf_layer_windows(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window from an HF config.json, as transformers reads it: `layer_types` where the
     config lists them ("sliding_attention" layers get `sliding_window`); else Qwen2's use_sliding_window from layer
     max_window_layers on; else, for Mistral and Mixtral, `sliding_window` on every layer. () when every layer is
     full (HF leaves qwen2's window off unless use_sliding_window is set)."""
     window = cfg.get("sliding_window")
+    window = None if window is None else to_int(window, "sliding_window", minimum=0) or None  # 0: no window
     types = cfg.get("layer_types")
     if types is not None:
+        types = check_list(types, "layer_types")
         if len(types) != num_layers:
             raise ValueError(f"config.json layer_types lists {len(types)} layers, the model has {num_layers}")
-        unknown = set(types) - {"full_attention", "sliding_attention"}
+        unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
         if unknown:
-            raise ValueError(f"config.json layer_types has {sorted(unknown)}; leanlm runs full and sliding attention")
-        windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+            raise ValueError(f"config.json layer_types has {unknown[:3]}; leanlm runs full and sliding attention")
+        windows = tuple(window if t == "sliding_attention" and window else None for t in types)
     elif model_type in ("qwen2", "qwen2_moe"):
-        start = int(cfg.get("max_window_layers", num_layers))
-        on = bool(cfg.get("use_sliding_window")) and window
-        windows = tuple(int(window) if on and i >= start else None for i in range(num_layers))
+        start = to_int(optional(cfg, "max_window_layers", num_layers), "max_window_layers", minimum=0)
+        on = check_bool(optional(cfg, "use_sliding_window", False), "use_sliding_window") and window
+        windows = tuple(window if on and i >= start else None for i in range(num_layers)) if on else ()
     elif model_type in ("mistral", "mixtral") and window:
-        windows = (int(window),) * num_layers
+        windows = (window,) * num_layers
     else:
         windows = ()
     return windows if any(w is not None for w in windows) else ()

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from leanlm.config.values import check_bool, check_dict, check_float, check_int, check_list, optional, required, to_int
+
 # How a token's chosen experts are weighted:
 #   softmax        - their softmax probabilities over all E (Qwen2-MoE / OLMoE with norm_topk_prob false)
 #   softmax_renorm - those probabilities renormalised to sum to 1 over the k chosen (Mixtral; norm_topk_prob true)
@@ -30,19 +32,18 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoEConfig.{name} must be a positive integer, got {value!r}")
+            check_int(getattr(self, name), f"MoEConfig.{name}")
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
-        if self.scoring not in SCORINGS:
+        if not isinstance(self.scoring, str) or self.scoring not in SCORINGS:
             raise ValueError(f"MoEConfig.scoring {self.scoring!r} is not one of {SCORINGS}")
-        if self.shared_expert_intermediate_size < 0:
-            raise ValueError("MoEConfig.shared_expert_intermediate_size must be >= 0")
+        check_int(self.shared_expert_intermediate_size, "MoEConfig.shared_expert_intermediate_size", minimum=0)
+        check_bool(self.shared_expert_gate, "MoEConfig.shared_expert_gate")
+        check_float(self.router_aux_loss_coef, "MoEConfig.router_aux_loss_coef", 0.0, open_minimum=False)
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("MoEConfig.shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
-        if self.sparse_layers is not None and any(i < 0 for i in self.sparse_layers):
-            raise ValueError(f"MoEConfig.sparse_layers must be layer indices >= 0, got {self.sparse_layers}")
+        for i in self.sparse_layers or ():
+            check_int(i, "MoEConfig.sparse_layers (layer indices)", minimum=0)
 
     def is_sparse(self, layer_idx: int) -> bool:
         return self.sparse_layers is None or layer_idx in self.sparse_layers
@@ -55,50 +56,51 @@ class MoEConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MoEConfig:
         """The `leanlm_moe` block of a config.json written by to_dict (MoEs built from llama / qwen2 models)."""
+        check_dict(raw, "leanlm_moe")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"leanlm_moe has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         layers = raw.get("sparse_layers")
-        return cls(**{**raw, "sparse_layers": None if layers is None else tuple(int(i) for i in layers)})
+        layers = None if layers is None else tuple(check_list(layers, "leanlm_moe.sparse_layers"))
+        return cls(**{**raw, "sparse_layers": layers})
 
 
 def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
     """The MoEConfig of an HF mixtral / qwen2_moe / olmoe config.json, or of a llama / qwen2 one carrying
     `leanlm_moe`; None for a dense model."""
-    if model_type == "mixtral":
-        return MoEConfig(
-            num_experts=int(cfg["num_local_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            expert_intermediate_size=int(cfg["intermediate_size"]),
-            scoring="softmax_renorm",  # MixtralTopKRouter always renormalises
-            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
-        )
-    if model_type == "olmoe":
-        return MoEConfig(
-            num_experts=int(cfg["num_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            expert_intermediate_size=int(cfg["intermediate_size"]),
-            scoring="softmax_renorm" if cfg.get("norm_topk_prob") else "softmax",
-            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
-        )
-    if model_type == "qwen2_moe":
-        step = int(cfg.get("decoder_sparse_step", 1))
-        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-        sparse = tuple(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-        return MoEConfig(
-            num_experts=int(cfg["num_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-            scoring="softmax_renorm" if cfg.get("norm_topk_prob") else "softmax",
-            shared_expert_intermediate_size=shared,
-            shared_expert_gate=shared > 0,
-            sparse_layers=None if len(sparse) == num_layers else sparse,
-            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
-        )
-    raw = cfg.get("leanlm_moe")
-    return None if raw is None else MoEConfig.from_dict(raw)
+    if model_type not in ("mixtral", "olmoe", "qwen2_moe"):
+        raw = cfg.get("leanlm_moe")
+        return None if raw is None else MoEConfig.from_dict(raw)
+    experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    width_key = "moe_intermediate_size" if model_type == "qwen2_moe" else "intermediate_size"
+    renorm = model_type == "mixtral" or check_bool(optional(cfg, "norm_topk_prob", False), "norm_topk_prob")
+    common = dict(
+        num_experts=to_int(required(cfg, experts_key), experts_key),
+        top_k=to_int(required(cfg, "num_experts_per_tok"), "num_experts_per_tok"),
+        expert_intermediate_size=to_int(required(cfg, width_key), width_key),
+        scoring="softmax_renorm" if renorm else "softmax",  # MixtralTopKRouter always renormalises
+        router_aux_loss_coef=check_float(
+            optional(cfg, "router_aux_loss_coef", 0.0), "router_aux_loss_coef", 0.0, open_minimum=False
+        ),
+    )
+    if model_type != "qwen2_moe":
+        return MoEConfig(**common)
+    step = to_int(optional(cfg, "decoder_sparse_step", 1), "decoder_sparse_step")
+    dense = {
+        to_int(i, "mlp_only_layers", minimum=0)
+        for i in check_list(optional(cfg, "mlp_only_layers", []), "mlp_only_layers")
+    }
+    # every layer sparse is the usual case: then nothing walks the layers (a config may claim 2**31 - 1 of them)
+    every = step == 1 and not dense
+    sparse = () if every else tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    shared = to_int(optional(cfg, "shared_expert_intermediate_size", 0), "shared_expert_intermediate_size", minimum=0)
+    return MoEConfig(
+        **common,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+        sparse_layers=None if every or len(sparse) == num_layers else sparse,
+    )
 
 
 def moe_to_hf(model_type: str, moe: MoEConfig, num_layers: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from leanlm.config import ModelConfig
 from leanlm.config.moe import MoEConfig
+from leanlm.config.values import check_bool, check_float, to_int
 from leanlm.loading.errors import ModelLoadError
 
 # GGUF architecture -> ours. A llama file with experts is Mixtral (moe_architecture).
@@ -58,42 +59,48 @@ def moe_architecture(gguf_arch: str, field: Field) -> str:
             f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)} "
             "(a llama file with experts is Mixtral)"
         )
-    if gguf_arch == "llama" and int(field("llama.expert_count") or 0) > 0:
+    if gguf_arch == "llama" and to_int(field("llama.expert_count") or 0, "llama.expert_count", minimum=0) > 0:
         return "mixtral"
     return GGUF_ARCHITECTURES[gguf_arch]
 
 
 def gguf_moe_config(gguf_arch: str, field: Field, tensor_names: set[str], num_layers: int) -> MoEConfig | None:
     """The MoEConfig of a GGUF file's metadata and tensor list; None for a dense file."""
-    num_experts = int(field(f"{gguf_arch}.expert_count") or 0)
+    num_experts = to_int(field(f"{gguf_arch}.expert_count") or 0, f"{gguf_arch}.expert_count", minimum=0)
     if not num_experts:
         if gguf_arch in ("qwen2moe", "olmoe"):
             raise ModelLoadError(f"GGUF {gguf_arch} file has no {gguf_arch}.expert_count; the file is incomplete")
         return None
     top_k = field(f"{gguf_arch}.expert_used_count")
-    if not top_k:
+    if not top_k:  # absent, or 0 as some converters write for "unset"
         raise ModelLoadError(f"GGUF MoE file has no {gguf_arch}.expert_used_count (experts per token); re-convert it")
+    top_k = to_int(top_k, f"{gguf_arch}.expert_used_count")
     _check_gating(gguf_arch, field)
-    ffn = int(field(f"{gguf_arch}.feed_forward_length") or 0)
+    ffn = to_int(field(f"{gguf_arch}.feed_forward_length") or 0, f"{gguf_arch}.feed_forward_length", minimum=0)
     # llama.cpp's widths: llama and olmoe experts are n_ff wide; qwen2moe's say so, else n_ff / k (shared: n_ff)
-    fallback = ffn // int(top_k) if gguf_arch == "qwen2moe" else ffn
-    expert_ffn = int(field(f"{gguf_arch}.expert_feed_forward_length") or fallback)
+    fallback = ffn // top_k if gguf_arch == "qwen2moe" else ffn
+    key = f"{gguf_arch}.expert_feed_forward_length"
+    expert_ffn = to_int(field(key) or fallback, key)
     sparse = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
     if not sparse:
-        raise ModelLoadError("GGUF file declares experts but has no blk.N.ffn_gate_inp.weight router; re-convert it")
+        raise ModelLoadError(
+            f"GGUF metadata {gguf_arch}.expert_count is {num_experts}, but the file has no blk.N.ffn_gate_inp.weight "
+            "router: it holds no experts; re-convert it"
+        )
     shared = 0
     if f"blk.{sparse[0]}.ffn_up_shexp.weight" in tensor_names:
-        shared = int(field(f"{gguf_arch}.expert_shared_feed_forward_length") or ffn)
+        key = f"{gguf_arch}.expert_shared_feed_forward_length"
+        shared = to_int(field(key) or ffn, key)
     if shared and gguf_arch == "llama":
         raise ModelLoadError(
             "GGUF llama file with shared experts (Granite-MoE-shared) is not supported; Mixtral files have none"
         )
     norm = field(f"{gguf_arch}.expert_weights_norm")
-    renorm = _RENORMALISES[gguf_arch] if norm is None else bool(norm)
+    renorm = _RENORMALISES[gguf_arch] if norm is None else check_bool(norm, f"{gguf_arch}.expert_weights_norm")
     try:
         return MoEConfig(
             num_experts=num_experts,
-            top_k=int(top_k),
+            top_k=top_k,
             expert_intermediate_size=expert_ffn,
             scoring="softmax_renorm" if renorm else "softmax",
             shared_expert_intermediate_size=shared,
@@ -118,7 +125,8 @@ def moe_config_fields(gguf_arch: str, field: Field) -> dict[str, Any]:
     """The ModelConfig fields OLMoE's attention adds: q/k norms, and clamped q/k/v when the file says so
     (`{arch}.attention.clamp_kqv`; llama.cpp's converter writes it for OLMo, and its OLMoE graph does not clamp)."""
     clip = field(f"{gguf_arch}.attention.clamp_kqv")
-    return {"qk_norm": gguf_arch == "olmoe", "clip_qkv": None if clip is None else float(clip)}
+    clip = None if clip is None else check_float(clip, f"{gguf_arch}.attention.clamp_kqv", 0.0)
+    return {"qk_norm": gguf_arch == "olmoe", "clip_qkv": clip}
 
 
 def legacy_expert_name(gguf_name: str) -> str | None:

@@ -19,6 +19,7 @@ from leanlm.config import ModelConfig
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.moe_names import to_file_names, to_model_names
 from leanlm.loading.safetensors_header import check_safetensors_header
+from leanlm.loading.shapes import check_held_experts
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,7 +30,10 @@ def is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def read_hf_config(path: Path) -> ModelConfig:
+def read_hf_config(path: Path, num_layers_held: int | None = None) -> ModelConfig:
+    """The ModelConfig of `path`/config.json; ModelLoadError naming the key of any value of the wrong kind or range.
+    With `num_layers_held` (the layers the weight files hold), a layer count that differs is refused before the
+    config is built, since building it walks its layers."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(
@@ -38,9 +42,22 @@ def read_hf_config(path: Path) -> ModelConfig:
         )
     try:
         raw = json.loads(config_path.read_text())
+        claimed = raw.get("num_hidden_layers") if isinstance(raw, dict) else None
+        # fewer layers than the tensors hold is refused by the shape check, naming the first tensor past them
+        if num_layers_held is not None and _is_number(claimed) and claimed > num_layers_held:
+            raise ModelLoadError(
+                f"{config_path} says num_hidden_layers = {claimed}, but the tensors hold {num_layers_held} layers; "
+                "the checkpoint is incomplete or for another model"
+            )
         return ModelConfig.from_hf_dict(raw)
+    except ModelLoadError:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{config_path} is invalid ({type(e).__name__}: {e}); fix or re-download it") from e
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # JSON's 1e6 is a float
 
 
 def _mlp_modules(config: ModelConfig, layer: int) -> list[str]:
@@ -139,23 +156,21 @@ def load_hf_dir(
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist; check the path")
-    config = read_hf_config(path)
     state_dict: dict[str, torch.Tensor] = {}
     for shard in tqdm(shard_files(path), desc="loading safetensors", unit="shard", disable=not progress):
         state_dict.update(_read_shard(shard, dtype))
+    # The counts the config may size anything from are those the tensors prove: its layers before it is built
+    # (a config claiming 2**31 layers made the name check below spin), its experts before their names are listed
+    # (num_local_experts 1e7 listed 3e7 names, 5 GB).
+    num_layers = 1 + max((int(m.group(1)) for n in state_dict if (m := _LAYER_INDEX.match(n))), default=-1)
+    config = read_hf_config(path, num_layers)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # the same tensor as the embedding; the model ties it
     try:
         state_dict = to_model_names(config, state_dict)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}; the checkpoint does not match its config") from e
-    # Before anything walks the config's layers (a config claiming 2**31 layers made the name check below spin).
-    num_layers = 1 + max((int(m.group(1)) for n in state_dict if (m := _LAYER_INDEX.match(n))), default=-1)
-    if config.num_hidden_layers > num_layers:
-        raise ModelLoadError(
-            f"{path / 'config.json'} says {config.num_hidden_layers} layers, but the tensors hold {num_layers}; "
-            "the checkpoint is incomplete or for another model"
-        )
+    check_held_experts(config, state_dict, path / "config.json", _EXPERT_KEYS.get(config.architecture))
     modules = {name.rsplit(".", 1)[0] for name in state_dict}
     missing = [
         n
@@ -207,6 +222,8 @@ def save_hf_dir(
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+# the config.json key of the expert count, by architecture (llama and qwen2 MoEs: leanlm_moe's)
+_EXPERT_KEYS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 

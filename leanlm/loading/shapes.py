@@ -5,6 +5,7 @@ but not with the config made the native decode loop write past its buffers)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -20,11 +21,30 @@ _LAYER_MODULES = (
 _MODEL_TENSOR = re.compile(rf"(?:model\.layers\.(\d+)\.(?:{_LAYER_MODULES})|model\.embed_tokens|model\.norm|lm_head)")
 
 
+_EXPERT_INDEX = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def check_held_experts(
+    config: ModelConfig, names: Iterable[str], source: object, field: str | None = "num_experts"
+) -> None:
+    """ModelLoadError unless the tensor (or layer) `names` hold experts 0 .. E-1 of the config's E, before anything
+    is listed, sized or built per expert: a config.json claiming 1e7 experts over a file of 4 allocated 5 GB."""
+    if config.moe is None:
+        return
+    held = 1 + max((int(m.group(1)) for n in names if (m := _EXPERT_INDEX.match(n))), default=-1)
+    if held != config.moe.num_experts:
+        raise ModelLoadError(
+            f"{source}: {field or 'leanlm_moe.num_experts'} is {config.moe.num_experts}, but the file holds tensors "
+            f"of {held} experts per layer; the checkpoint does not match its config: re-export or re-download it"
+        )
+
+
 def check_checkpoint_shapes(
     config: ModelConfig, state_dict: dict[str, torch.Tensor], layers: dict[str, nn.Module], source: object
 ) -> None:
     """ModelLoadError naming the first tensor or layer whose shape (or layer index) the config does not give.
     Tensors of no decoder module (an exit head, say) are left to the network's own name check."""
+    check_held_experts(config, [*state_dict, *(name + "." for name in layers)], source)
     for name, tensor in state_dict.items():
         module, _, kind = name.rpartition(".")
         if not _is_decoder_module(module, config, source):

@@ -45,6 +45,41 @@ _SPLIT_REGEXES = {
 # SmolLM2's own tokenizer.json is Digits(individual) + ByteLevel).
 _DIGIT_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
 
+# Texts a tokenizer.json must encode before we accept it: a long run of each kind of character, ended by one of
+# another kind, which is where a backtracking pre-tokenizer regex ("(a+)+$") exhausts the regex engine's retry
+# limit and the Rust tokenizer panics. A run of 48 puts exponential patterns far past the limit.
+_PROBE_RUN = 48
+_PROBE_CHARS = (
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    " \t\n\r!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~\u00e9\u00df\u4e2d\u0416\U0001f600"
+)
+_PROBES = tuple(c * _PROBE_RUN + ("!" if c.isalnum() else "a") for c in _PROBE_CHARS)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer could not encode a text: its Rust backend panicked (a pre-tokenizer regex that backtracks
+    past the regex engine's limit). A ValueError, so the server answers 400 and the CLI prints one line."""
+
+
+def _is_rust_panic(exc: BaseException) -> bool:
+    """pyo3 turns a Rust panic into `pyo3_runtime.PanicException`, a BaseException that no module exports (so
+    `except Exception` misses it); it is known by its module and name."""
+    return type(exc).__module__ == "pyo3_runtime" and type(exc).__name__ == "PanicException"
+
+
+def _encode_ids(backend: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """backend.encode(...).ids, with a panic of the backend as a TokenizerError (the backend stays usable)."""
+    try:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    except BaseException as e:
+        if not _is_rust_panic(e):
+            raise
+        panic = " ".join(str(e).split())[:200]  # one line: the CLI prints it as its error
+        raise TokenizerError(
+            f"the tokenizer failed on this text ({panic}); its tokenizer.json has a pre-tokenizer regex that "
+            "backtracks without bound: send other text, or fix or replace the model's tokenizer.json"
+        ) from None
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
@@ -146,7 +181,7 @@ class Tokenizer:
         try:
             controls = {tok.content for tok in added.values() if tok.special and tok.content}
             for token in sorted(controls, key=lambda t: (-len(t), t)):
-                self.control_token_text_ids[token] = tuple(backend.encode(token, add_special_tokens=False).ids)
+                self.control_token_text_ids[token] = tuple(_encode_ids(backend, token, add_special_tokens=False))
         finally:
             backend.encode_special_tokens = False
         tokens = self.control_token_text_ids
@@ -186,6 +221,7 @@ class Tokenizer:
             )
         except Exception as e:
             raise ModelLoadError(f"tokenizer files in {path} are corrupt ({e}); re-download the model") from e
+        _refuse_panicking(backend, path / "tokenizer.json")
         template = _pick_template(cfg.get("chat_template"))
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
@@ -221,7 +257,7 @@ class Tokenizer:
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode_ids(self.backend, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -251,6 +287,18 @@ class Tokenizer:
             **variables,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _refuse_panicking(backend: HFTokenizer, source: Path) -> None:
+    """ModelLoadError when a probe text makes the tokenizer panic: refused at load, not on a user's prompt."""
+    for text in _PROBES:
+        try:
+            _encode_ids(backend, text, add_special_tokens=False)
+        except TokenizerError:
+            raise ModelLoadError(
+                f"{source} cannot encode a run of {text[0]!r} (its Rust tokenizer panics: a pre-tokenizer regex that "
+                "backtracks without bound); fix its pre_tokenizer pattern or use the original model's tokenizer.json"
+            ) from None
 
 
 def _token_content(token: str | dict | None) -> str | None:

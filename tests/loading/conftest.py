@@ -61,9 +61,11 @@ def write_tiny_gguf(
     rope_freqs: np.ndarray | None = None,
     linear_type: str = "Q8_0",
     embedding_type: str = "F16",
+    metadata: dict[str, tuple | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a 2-layer GGUF (`linear_type` linears: Q8_0, Q5_0, Q4_0 or Q4_1; an `embedding_type` embedding:
-    F16 or a block type; F32 norms) and return the HF state dict it encodes."""
+    F16 or a block type; F32 norms) and return the HF state dict it encodes. `metadata` overrides keys: key ->
+    (value, GGUFValueType[, array item type]), or None to leave the key out."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
@@ -139,6 +141,10 @@ def write_tiny_gguf(
         add("output.weight", "lm_head.weight", randn(vocab, hidden), Q.Q8_0)
     if rope_freqs is not None:  # llama 3 rope scaling: becomes config.rope_scaling, not a weight
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    for key, value in (metadata or {}).items():
+        writer.kv_data[0].pop(key, None)
+        if value is not None:
+            writer.add_key_value(key, *value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -189,5 +189,5 @@ def test_a_config_claiming_more_layers_than_the_tensors_hold_is_refused_at_once(
     config = json.loads((path / "config.json").read_text())
     config["num_hidden_layers"] = 2**31  # walked layer by layer, this hung the loader
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="says 2147483648 layers, but the tensors hold 2"):
+    with pytest.raises(ModelLoadError, match="says num_hidden_layers = 2147483648, but the tensors hold 2 layers"):
         read_checkpoint(path, progress=False)

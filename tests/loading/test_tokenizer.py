@@ -6,6 +6,7 @@ import pytest
 
 from leanlm.loading import tokenizer as tokenizer_module
 from leanlm.loading.chat_template import ChatTemplateError
+from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf import load_gguf
 from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -233,3 +234,67 @@ def test_qwen2_split_regex_is_hfs(tiny_gguf):
         "4",
         "2",
     ]
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer panics
+# A Split pre-tokenizer whose regex backtracks exponentially makes the Rust tokenizer panic (Onig's retry limit)
+# on a matching text: pyo3 raises a PanicException, a BaseException, which escaped every `except Exception`.
+
+
+def panicking_tokenizer_json(pattern: str) -> str:
+    """The tiny test tokenizer with a Split(`pattern`) pre-tokenizer in front of its byte-level one."""
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tests.tiny_tokenizer import tiny_tokenizer
+
+    backend = HFTokenizer.from_str(tiny_tokenizer().backend.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), "isolated"), backend.pre_tokenizer]
+    )
+    return backend.to_str()
+
+
+# passes every load probe (single-character runs), panics on a long run of "ab" not at the end of the text
+RUNTIME_PANIC_PATTERN = "((ab)+)+$"
+RUNTIME_PANIC_TEXT = "ab" * 60 + "c"
+
+
+def _save_tokenizer_dir(path, pattern: str):
+    from tests.tiny_tokenizer import tiny_tokenizer
+
+    tiny_tokenizer().save(path)
+    (path / "tokenizer.json").write_text(panicking_tokenizer_json(pattern))
+    return path
+
+
+def test_a_tokenizer_panic_on_encode_is_a_tokenizer_error(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    raw = HFTokenizer.from_str(panicking_tokenizer_json(RUNTIME_PANIC_PATTERN))
+    with pytest.raises(BaseException) as caught:  # the bare backend panics: what reached users before
+        raw.encode(RUNTIME_PANIC_TEXT)
+    assert not isinstance(caught.value, Exception) and type(caught.value).__name__ == "PanicException"
+    tok = Tokenizer.from_dir(_save_tokenizer_dir(tmp_path, RUNTIME_PANIC_PATTERN))
+    with pytest.raises(tokenizer_module.TokenizerError, match="tokenizer failed on this text") as caught:
+        tok.encode(RUNTIME_PANIC_TEXT)
+    assert isinstance(caught.value, ValueError)  # what the server answers 400 and the CLI prints as one line
+    assert tok.encode("abc ab") == raw.encode("abc ab").ids  # the backend still works after its panic
+    with pytest.raises(tokenizer_module.TokenizerError):
+        tok.apply_chat_template([{"role": "user", "content": RUNTIME_PANIC_TEXT}], tokenize=True)
+
+
+def test_a_tokenizer_that_panics_on_a_probe_is_refused_at_load(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"tokenizer.json cannot encode a run of 'a' .*panics"):
+        Tokenizer.from_dir(_save_tokenizer_dir(tmp_path, "(a+)+$"))
+
+
+def test_the_real_tokenizer_passes_the_load_probes(smollm_dir, tmp_path):
+    """The probes refuse no sound tokenizer: SmolLM2's, saved as a tokenizer.json, loads and round-trips them."""
+    from leanlm.loading.gguf import gguf_tokenizer_metadata, open_gguf
+
+    gguf_file = smollm_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(gguf_file))).save(tmp_path)
+    real = Tokenizer.from_dir(tmp_path)
+    for text in tokenizer_module._PROBES:
+        assert real.decode(real.encode(text, add_special_tokens=False)) == text
