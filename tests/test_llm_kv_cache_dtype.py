@@ -78,10 +78,10 @@ def test_greedy_text_and_distributions_match_the_unquantized_cache(quant_llm, re
 # holds), and the attention is exact given the same K/V (tests/model/test_attention_schedule.py): so the bound is
 # derived from each run's own quantization error against the float cache. With KL ~ |delta|^2 in the Fisher norm,
 # |a - b|^2 <= (|a| + |b|)^2 <= 4 max(|a|^2, |b|^2): over a sequence, KL(alone || batched) is at most 4x the largest
-# KL(float || alone) or KL(float || batched); each of those must stay within the quantization bounds of the test
-# above (mean < 0.02, max < 0.1), which a wrong block, scale or chunk boundary would break.
+# KL(float || alone) or KL(float || batched) (measured on Zen 3: at most 0.28x). That bound means something only if
+# the batched run's own error is the size of the alone run's (two draws of one error process), which a wrong block,
+# scale or chunk boundary would break: its mean KL against the float cache is at most twice the alone run's.
 SCHEDULE_BOUNDS = {"auto": (1e-6, 1e-3), "int8": (None, 0.25), "fp8_e4m3": (None, 0.25)}  # (max KL, max |d lp|)
-QUANT_KL_BOUNDS = (0.02, 0.1)  # (mean, max) KL(float cache || 8-bit cache), as in the test above
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def test_batched_chunked_prefix_cached_matches_alone(kv_cache_dtype):
         else:  # each run's own quantization error bounds the schedule difference (derivation above)
             exact = float_llm.score([seq], use_tqdm=False)[0]  # the float cache, alone
             quant_kl = torch.stack([_kl(exact, ref), _kl(exact, got)])  # [2, T-1]
-            assert (quant_kl.mean(-1) < QUANT_KL_BOUNDS[0]).all() and quant_kl.max() < QUANT_KL_BOUNDS[1], quant_kl
+            assert quant_kl[1].mean() <= 2 * quant_kl[0].mean() + 1e-3, quant_kl.mean(-1)
             assert kl.max() <= 4 * quant_kl.max(), (kl.max(), quant_kl.max())
         assert (got - ref).gather(-1, ref.argmax(-1, keepdim=True)).abs().max() <= max_diff
         top2 = ref[len(prompt) - 1 :].topk(2).values
