@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from leanlm.analysis.bench import HFRunner, LeanLMRunner, Repetitions, repeat
-from leanlm.analysis.bench_tables import ThroughputRow, throughput_table, unmeasured
+from leanlm.analysis.bench_tables import LatencyRow, ThroughputRow, latency_table, throughput_table, unmeasured
 from leanlm.analysis.host import CpuSample
 
 
@@ -65,18 +65,24 @@ def test_a_point_with_every_repetition_discarded_says_n_a_not_nan():
     assert unmeasured(rows[1:], 0.1) is None
 
 
-@pytest.mark.real_model
-def test_bench_latency_on_a_busy_machine_fails_and_says_why(tmp_path, monkeypatch, capsys):
-    """Every repetition contaminated (as on a machine at load 6 on 2 cores): n/a cells, a one-line reason naming
-    --max-other-cpu, exit non-zero, and the --doc left alone."""
+def test_a_latency_row_with_no_kept_repetition_says_n_a():
+    row = LatencyRow("leanlm", 128, 64, float("nan"), float("nan"), float("nan"), 1e8, float("nan"), [], 0, 3)
+    assert latency_table([row])[2] == "| leanlm | 128 | 64 | n/a | n/a | n/a | n/a | 0 / 3 |"
+
+
+def test_bench_on_a_busy_machine_fails_says_why_and_leaves_the_doc(tmp_path, monkeypatch, capsys):
+    """Every repetition contaminated (as on a machine at load 6 on 2 cores): the report is printed (n/a cells), the
+    command exits 1 with the reason naming --max-other-cpu, and the --doc keeps what it had."""
+    from leanlm.analysis import bench_suite
     from leanlm.cli.main import main
 
-    monkeypatch.setattr(CpuSample, "is_contaminated", lambda self, threshold=0.1: True)
+    rows = [ThroughputRow("leanlm", 1, float("nan"), 0, 3)]
+    report = bench_suite.SuiteReport("\n".join(throughput_table(rows)), unmeasured(rows, 0.1))
+    monkeypatch.setattr(bench_suite, "throughput_command", lambda args: report)
     doc = tmp_path / "doc.md"
     doc.write_text("kept\n")
-    argv = ["bench", "latency", "--prompt-lens", "8", "--output-lens", "3", "--reps", "1", "--dtype", "float32"]
-    status = main([*argv, "--results-dir", str(tmp_path / "out"), "--doc", str(doc)])
+    assert main(["bench", "throughput", "--batch-sizes", "1", "--doc", str(doc)]) == 1
     out, err = capsys.readouterr()
-    assert status == 1 and "nan" not in out and "| n/a |" in out
-    assert "kept no repetition" in err and "--max-other-cpu" in err
+    assert "| 1 | n/a |" in out and "nan" not in out
+    assert "1 of 1 points kept no repetition" in err and "--max-other-cpu" in err
     assert doc.read_text() == "kept\n"
