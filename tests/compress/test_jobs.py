@@ -39,3 +39,20 @@ def test_an_inconsistent_compress_job_is_refused(recipe, options, message, tmp_p
     with pytest.raises(ValueError, match=message):
         CompressJob(tmp_path / "out", recipe, **options)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_job_refuses_its_output_before_the_run(tmp_path):
+    from leanlm.formats.output_dir import OutputDirError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(OutputDirError, match="is inside"):
+        CompressJob(out=model / "q", recipe=(RTNConfig(bits=8),), model=str(model), overwrite=True)
+    with pytest.raises(OutputDirError, match="not empty"):
+        CompressJob(out=model, recipe=(RTNConfig(bits=8),))
+    with pytest.raises(TypeError, match=r"recipe=\(RTNConfig"):
+        CompressJob(out=tmp_path / "q", recipe=RTNConfig(bits=8))
+    with pytest.raises(TypeError, match="holds method configs"):
+        CompressJob(out=tmp_path / "q", recipe=("rtn",))
+    assert CompressJob(out=model, recipe=(RTNConfig(bits=8),), overwrite=True).overwrite
