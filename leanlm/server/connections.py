@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 # the engine's threads and pipes): the derived connection limit leaves this many, and a quarter of the rest.
 FD_HEADROOM = 256
 DEFAULT_MAX_CONNECTIONS = 2048  # enough for every admitted request (max_num_seqs + max_queue) plus idle clients
+# The listen backlog is also how many connections asyncio accepts in one burst, each an open file, before any of
+# them reaches the guard: with uvicorn's 2048 a burst alone passed a 1024 open-file limit (EMFILE, /health
+# unanswered though the guard held its cap). It counts against the open-file budget; nginx uses 511.
+MAX_BACKLOG = 511
 HEALTH_PATH = "/health"
 
 
@@ -33,9 +37,10 @@ class ConnectionLimits:
     reserved_connections: int  # beyond the cap, when every connection is busy: these answer /health only
     header_timeout_s: float  # from open (or the end of the previous response) to a complete request head
     body_timeout_s: float  # longest wait for the next byte of a request body the client still owes
+    backlog: int = 128  # the listen backlog: connections the kernel queues and asyncio accepts in one burst
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.reserved_connections < 1:
+        if self.max_connections < 1 or self.reserved_connections < 1 or self.backlog < 1:
             raise ValueError(
                 f"max_connections and reserved_connections must be >= 1, got {self.max_connections} and "
                 f"{self.reserved_connections}"
@@ -53,22 +58,25 @@ def open_file_limit() -> int | None:
 def connection_limits(
     max_connections: int | None, reserved_connections: int, header_timeout_s: float, body_timeout_s: float
 ) -> ConnectionLimits:
-    """The limits `leanlm serve` runs with. Unset max_connections is sized below the open-file limit (leaving
-    FD_HEADROOM and a quarter of the rest), at most DEFAULT_MAX_CONNECTIONS; a limit that the open-file limit
-    cannot hold is a ValueError saying what to change, rather than accept() failing with EMFILE under load."""
+    """The limits `leanlm serve` runs with. Open connections, the reserve and one accept burst (the backlog) must
+    fit the open-file limit less FD_HEADROOM; unset max_connections takes three quarters of what is left, at most
+    DEFAULT_MAX_CONNECTIONS. A limit the open-file limit cannot hold is a ValueError saying what to change,
+    rather than accept() failing with EMFILE under load."""
     fds = open_file_limit()
+    usable = None if fds is None else fds - FD_HEADROOM
+    backlog = MAX_BACKLOG if usable is None else max(1, min(MAX_BACKLOG, usable // 8))
     if max_connections is None:
-        budget = DEFAULT_MAX_CONNECTIONS if fds is None else (fds - FD_HEADROOM) * 3 // 4 - reserved_connections
+        budget = DEFAULT_MAX_CONNECTIONS if usable is None else (usable - backlog) * 3 // 4 - reserved_connections
         if budget < 1:
             raise ValueError(f"the open-file limit ({fds}) leaves no room for connections; raise it (ulimit -n 4096)")
         max_connections = min(DEFAULT_MAX_CONNECTIONS, budget)
-    elif fds is not None and max_connections + reserved_connections > fds - FD_HEADROOM:
+    elif usable is not None and max_connections + reserved_connections + backlog > usable:
         raise ValueError(
-            f"max_connections {max_connections} + reserved_connections {reserved_connections} needs more open "
-            f"files than this process may have ({fds}, {FD_HEADROOM} kept for the model and the engine): "
-            f"raise the limit (ulimit -n) or lower --max-connections"
+            f"max_connections {max_connections} + reserved_connections {reserved_connections} + a listen backlog "
+            f"of {backlog} need more open files than this process may have ({fds}, {FD_HEADROOM} kept for the "
+            f"model and the engine): raise the limit (ulimit -n) or lower --max-connections"
         )
-    return ConnectionLimits(max_connections, reserved_connections, header_timeout_s, body_timeout_s)
+    return ConnectionLimits(max_connections, reserved_connections, header_timeout_s, body_timeout_s, backlog)
 
 
 class ConnectionGuard:

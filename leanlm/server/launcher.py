@@ -56,6 +56,7 @@ def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
     uvicorn's limit_concurrency: that one answers 503 to /health too once the limit is reached, and never closes
     a connection that sends nothing."""
     proxies = config.trusted_proxy_ips
+    limits = serve_limits(config)
     return uvicorn.Config(
         app,
         host=config.host,
@@ -63,7 +64,8 @@ def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
         log_level=config.log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s,
         timeout_keep_alive=config.keep_alive_timeout_s,
-        http=guarded_protocol(serve_limits(config)),
+        http=guarded_protocol(limits),
+        backlog=limits.backlog,
         access_log=False,
         proxy_headers=bool(proxies),
         forwarded_allow_ips=list(proxies) if proxies else None,

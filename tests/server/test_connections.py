@@ -5,11 +5,13 @@ nothing (or half a request) are closed after the header or body timeout."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from leanlm.cli import main
 from leanlm.server import connections
@@ -24,8 +26,6 @@ PARTIAL_POST = (
 
 @pytest.fixture
 def engine(make_tiny_engine):
-    import torch
-
     return make_tiny_engine(dtype=torch.float32, kv_cache_memory_bytes=8 << 20)
 
 
@@ -145,11 +145,66 @@ def test_the_guard_replaces_the_oldest_idle_connection_then_reserves_then_refuse
 def test_the_default_limit_fits_the_open_file_limit(monkeypatch):
     monkeypatch.setattr(connections.resource, "getrlimit", lambda _: (1024, 4096))
     limits = connection_limits(None, 8, 10.0, 30.0)
-    assert limits.max_connections + limits.reserved_connections + connections.FD_HEADROOM <= 1024
+    # open connections, the reserve and one accept burst (the backlog) all hold a file at once
+    assert limits.max_connections + limits.reserved_connections + limits.backlog + connections.FD_HEADROOM <= 1024
     with pytest.raises(ValueError, match=r"ulimit -n"):
         connection_limits(2000, 8, 10.0, 30.0)
     monkeypatch.setattr(connections.resource, "getrlimit", lambda _: (connections.resource.RLIM_INFINITY,) * 2)
     assert connection_limits(None, 8, 10.0, 30.0).max_connections == connections.DEFAULT_MAX_CONNECTIONS
+
+
+HOLD_SOCKETS = """
+import selectors, socket, sys, time
+sel, sockets = selectors.DefaultSelector(), []
+for _ in range(int(sys.argv[2])):  # all at once (non-blocking): connects the server cannot queue yet retry together
+    sock = socket.socket()
+    sock.setblocking(False)
+    sock.connect_ex(("127.0.0.1", int(sys.argv[1])))
+    sel.register(sock, selectors.EVENT_WRITE)
+    sockets.append(sock)
+deadline, pending = time.monotonic() + 60, len(sockets)
+while pending and time.monotonic() < deadline:
+    for key, _ in sel.select(timeout=1):
+        sel.unregister(key.fileobj)
+        pending -= 1
+print("open", pending, flush=True)
+sys.stdin.read()  # hold them until the test closes stdin
+"""
+
+
+def test_a_flood_of_silent_sockets_under_a_low_open_file_limit_leaves_health_answering(engine):
+    """The issue's case: a server with ~500 files to spare and 700 silent sockets from one client (another
+    process). Before, accept() failed with EMFILE (uvicorn accepts up to its 2048 backlog in one burst, and kept
+    every socket) and /health went unanswered until the sockets were released."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    low = in_use + 512
+    if hard != resource.RLIM_INFINITY and hard < low:
+        pytest.skip(f"the hard open-file limit {hard} is below {low}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # the server sizes its limits from this
+    try:
+        with serve_engine(engine) as server:
+            client = subprocess.Popen(
+                [sys.executable, "-c", HOLD_SOCKETS, str(server.port), "700"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)),
+            )
+            try:
+                assert client.stdout.readline() == "open 0\n"  # every socket connected (or was closed)
+                assert _get(server.url + "/health") == (200, {"status": "ok"})
+                guard = server.connections  # the flood passed the limit; each socket past it replaced an older one
+                assert guard.num_evicted > 0 and len(guard.open) <= guard.limits.max_connections
+            finally:
+                client.stdin.close()
+                client.wait(30)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_serve_refuses_a_limit_the_process_cannot_hold_before_loading(monkeypatch, capsys):
