@@ -25,6 +25,9 @@ class TrainReport:
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     """Carry out one fine-tuning run (see the module docstring); `log` gets the lines a user sees on the way."""
+    if not isinstance(job, TrainJob):
+        hint = "a DistillJob runs with run_distill(job)" if isinstance(job, DistillJob) else "build TrainJob(out, ...)"
+        raise TypeError(f"run takes a TrainJob, got {type(job).__name__}; {hint}")
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
     from leanlm.compress.prune.pruner import pack_pruned
     from leanlm.compress.recipe import compress
@@ -140,6 +143,9 @@ def _train_exits(job: TrainJob, ckpt, data, resuming: bool) -> TrainReport:
 
 def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainReport:
     """Carry out one distillation run: teacher, student, the teacher's top-k cache, the loop, save."""
+    if not isinstance(job, DistillJob):
+        hint = "a TrainJob runs with run(job)" if isinstance(job, TrainJob) else "build DistillJob(out, ...)"
+        raise TypeError(f"run_distill takes a DistillJob, got {type(job).__name__}; {hint}")
     from leanlm.compress.calibration import read_calibration_text
     from leanlm.formats.native import save_checkpoint
     from leanlm.train.data import TokenWindows

@@ -112,3 +112,12 @@ def test_a_job_never_writes_over_its_inputs_or_another_model(dense_and_text, tmp
     # a directory holding a run's state is that run's own: it resumes there without --overwrite
     (other / STATE_FILE).write_bytes(b"")
     assert TrainJob(other, model=str(dense), data=str(data)).state_path.is_file()
+
+
+def test_each_runner_takes_its_own_job(tmp_path):
+    with pytest.raises(TypeError, match=r"run takes a TrainJob, got DistillJob; a DistillJob runs with run_distill"):
+        run(DistillJob(tmp_path / "d"))
+    with pytest.raises(TypeError, match=r"run_distill takes a DistillJob, got TrainJob; a TrainJob runs with run\("):
+        run_distill(TrainJob(tmp_path / "t"))
+    with pytest.raises(TypeError, match="run takes a TrainJob, got dict"):
+        run({"out": str(tmp_path / "t")})
