@@ -25,7 +25,8 @@ def check_output_dir(
 ) -> Path:
     """`out` resolved, or OutputDirError when a model directory may not be written there: `out` is, is inside or
     holds one of `sources` (the model, data or other files the writer reads; with or without overwrite: replacing
-    the directory would delete them), `out` is a file, or `out` is a non-empty directory and `overwrite` is False.
+    the directory would delete them), `out` is a file, `out` is a non-empty directory and `overwrite` is False, or
+    a non-empty `out` holds the working or home directory (even with overwrite).
     Entries named in `own_files` (a training run's resumable state) do not make it non-empty. Sources that do not
     exist as paths (a bundled model name) are skipped: a Checkpoint's own `source` is the resolved file."""
     target = Path(out).expanduser().resolve()
@@ -41,14 +42,21 @@ def check_output_dir(
             )
     if target.exists() and not target.is_dir():
         raise OutputDirError(f"the output {out} is a file, not a directory; pick a directory path")
-    if target.is_dir() and not overwrite:
-        entries = sorted(e.name for e in target.iterdir() if e.name not in own_files)
-        if entries:
-            shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
-            raise OutputDirError(
-                f"the output directory {out} is not empty (it holds {shown}); pick another one, or replace it "
-                f"with --overwrite (overwrite=True in Python)"
-            )
+    entries = sorted(e.name for e in target.iterdir() if e.name not in own_files) if target.is_dir() else []
+    if entries and overwrite:
+        # replacing deletes everything there: never the directory the user works in, their home, or above them
+        for place in (Path.cwd(), Path("~").expanduser()):
+            if place.resolve().is_relative_to(target):
+                raise OutputDirError(
+                    f"the output directory {out} holds {place}; replacing it would delete that: give the model a "
+                    f"directory of its own"
+                )
+    if entries and not overwrite:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise OutputDirError(
+            f"the output directory {out} is not empty (it holds {shown}); pick another one, or replace it "
+            f"with --overwrite (overwrite=True in Python)"
+        )
     return target
 
 

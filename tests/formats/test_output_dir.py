@@ -127,3 +127,14 @@ def test_a_file_is_not_an_output_directory(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(OutputDirError, match="is a file"):
         check_output_dir(tmp_path / "f", overwrite=True)
+
+
+def test_overwrite_never_replaces_the_working_directory_or_above_it(tmp_path, monkeypatch):
+    work = tmp_path / "project" / "work"
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out in (".", "..", tmp_path):
+        with pytest.raises(OutputDirError, match="replacing it would delete that"):
+            check_output_dir(out, overwrite=True)
+    assert check_output_dir(tmp_path / "elsewhere", overwrite=True) == (tmp_path / "elsewhere").resolve()
