@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from leanlm.config import EngineConfig
 from leanlm.config.engine import option_names as engine_option_names
 from leanlm.engine import BeamSearch, BeamSearchOutput, BeamSearchParams, LLMEngine, RequestOutput
+from leanlm.formats.checkpoint import require_model_path
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.registry import DEFAULT_MODEL
@@ -40,6 +41,7 @@ def load_model(
 ):
     """The network of a bundled name, GGUF file or (quantized) HF directory, for compression or inspection: a
     LlamaForCausalLM. For its tokenizer and recipe too (to save it again), use `load_checkpoint`."""
+    require_model_path(model, "load_model")
     return load_checkpoint(model, dtype, device, progress=progress).model
 
 
@@ -59,6 +61,7 @@ class LLM:
         """`dequantize_gguf`: run a GGUF file's 4-bit linears on float weights dequantized at load, as before
         they ran on their codes (the base for re-quantization experiments; in bf16, about 3.5x the memory of
         4-bit codes)."""
+        require_model_path(model, "LLM")
         unknown = set(engine_options) - engine_option_names()
         if unknown:
             raise TypeError(
@@ -141,6 +144,11 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """Beam search over each prompt (batched, on copy-on-write shared KV blocks); outputs in input order,
         each with up to beam_width hypotheses, best score first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(
+                f"beam_search takes a BeamSearchParams (BeamSearchParams(beam_width=4, max_tokens=32)), got "
+                f"{type(params).__name__}; for sampling use generate(prompts, SamplingParams(...))"
+            )
         return BeamSearch(self.llm_engine, params).run(_as_prompt_list(prompts), use_tqdm)
 
     def best_of_n(
@@ -241,7 +249,17 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if isinstance(params, (dict, str, bytes)) or not isinstance(params, Sequence):
+        hint = "pass SamplingParams(**options)" if isinstance(params, dict) else "pass SamplingParams(...)"
+        if isinstance(params, BeamSearchParams):
+            hint = "for beam search call llm.beam_search(prompts, params)"
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or one per prompt, got {type(params).__name__}; {hint}"
+        )
     params = list(params)
+    wrong = sorted({type(p).__name__ for p in params if not isinstance(p, SamplingParams)})
+    if wrong:
+        raise TypeError(f"sampling_params must all be SamplingParams, got {', '.join(wrong)}")
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
     return params

@@ -122,6 +122,10 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        # Token ids are indices into the vocabulary: the engine checks the upper bound (it knows the vocabulary).
+        bad_ids = [t for t in self.stop_token_ids if t < 0]
+        if bad_ids:
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {bad_ids[:5]}")
         for token_id, bias in self.logit_bias:
             if token_id < 0 or not -100 <= bias <= 100:  # NaN fails the range check too
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}")

@@ -76,6 +76,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         held_out=args.held_out,
         keep_state=args.keep_state,
         device=args.device,
+        overwrite=args.overwrite,
     )
     print(run_distill(job).summary)
     return 0

@@ -63,7 +63,12 @@ def add_calibration_args(p, users: str) -> None:
 
 
 def add_output_args(p) -> None:
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (empty or new, unless --overwrite)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out directory (never the --model or --calib it reads)",
+    )
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
 
 
@@ -99,6 +104,7 @@ def run_job(args: argparse.Namespace, recipe, fmt: str) -> int:
         seq_len=args.seq_len,
         seed=args.seed,
         device=args.device,
+        overwrite=args.overwrite,
     )
     print(run_compress(job).summary)
     return 0

@@ -22,7 +22,7 @@ FRONT_ONLY = frozenset({"host", "port", "api_key", "metrics_key", "allowed_hosts
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanlm.server.launcher import check_port_free, serve
+    from leanlm.server.launcher import check_port_free, serve, serve_limits
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if f.name != "threads"}
     options["threads"] = args.num_threads  # one --threads flag: the engine's (each replica's, behind a front)
@@ -33,6 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(**options)  # validate before the (slow) model load
     router_config = RouterConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)})
     check_port_free(config.host, config.port)  # likewise: a taken port fails in a second, not after the load
+    serve_limits(config)  # and connection limits the open-file limit cannot hold
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )

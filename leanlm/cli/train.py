@@ -104,6 +104,12 @@ def add_run_args(p) -> None:
     add_dataclass_args(p, TrainConfig)
     p.add_argument("--out", required=True, help="output directory (the run's resumable state lives there too)")
     p.add_argument("--keep-state", action="store_true", help=f"keep OUT/{STATE_FILE} after the run completes")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out that holds no run state (never the model or data the run reads); a --out "
+        "with a run's state resumes that run without it",
+    )
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
 
 
@@ -136,6 +142,7 @@ def build_train_job(args: argparse.Namespace):
         held_out=args.held_out,
         keep_state=args.keep_state,
         device=args.device,
+        overwrite=args.overwrite,
     )
 
 

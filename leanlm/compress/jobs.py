@@ -36,12 +36,24 @@ class CompressJob:
     seq_len: int = 256  # tokens per calibration window
     seed: int = 0  # seeds the windows' positions in the text
     device: str | None = None  # cpu | cuda (None: cuda when present)
+    overwrite: bool = False  # replace a non-empty `out` (never the model or calibration file it reads)
 
     def __post_init__(self) -> None:
+        from leanlm.formats.output_dir import check_output_dir
+
         object.__setattr__(self, "out", Path(self.out))
+        if isinstance(self.recipe, MethodConfig):
+            raise TypeError(f"a CompressJob's recipe is a sequence of method configs: recipe=({self.recipe!r},)")
         object.__setattr__(self, "recipe", tuple(self.recipe))
         if not self.recipe:
             raise ValueError("an empty recipe compresses nothing: give at least one method config")
+        wrong = [type(cfg).__name__ for cfg in self.recipe if not isinstance(cfg, MethodConfig)]
+        if wrong:
+            raise TypeError(
+                f"a CompressJob's recipe holds method configs (RTNConfig(bits=8), GPTQConfig(...), ...), got {wrong}"
+            )
+        # before the (long) run, not at its end: the model and data it reads, and another model's directory
+        check_output_dir(self.out, [self.model, self.calib], overwrite=self.overwrite)
         if self.format not in FORMATS:
             raise ValueError(f"unknown checkpoint format {self.format!r}; use one of {', '.join(FORMATS)}")
         if self.calib is not None and not Path(self.calib).is_file():
@@ -108,7 +120,7 @@ def run_compress(job: CompressJob) -> CompressResult:
     )
     start = time.perf_counter()
     savers = {"gptq": save_gptq_checkpoint, "compressed-tensors": save_compressed_tensors_checkpoint}
-    out = savers.get(job.format, save_checkpoint)(ckpt.with_recipe(report.recipe), job.out)
+    out = savers.get(job.format, save_checkpoint)(ckpt.with_recipe(report.recipe), job.out, overwrite=job.overwrite)
     save_s = time.perf_counter() - start
     summary = format_summary(report, job.model, str(job.out), job.format, bytes_before, directory_bytes(out), save_s)
     summary += "\n" + (skipped if quality is None else quality.describe())

@@ -28,6 +28,9 @@ def compress(
     """Compress `model` in place; the report's `recipe` holds the steps a saved Checkpoint records.
     calibration: token ids [num_samples, seq_len] (see calibration_samples), needed by GPTQ, AWQ, SmoothQuant and
     LLM.int8(); optional for RTN and FP8 (then it only feeds the error report)."""
+    from leanlm.formats.checkpoint import require_network
+
+    require_network(model, "compress")
     recipe = [recipe] if isinstance(recipe, MethodConfig) else list(recipe)
     if not recipe:
         raise ValueError("the recipe is empty; pass at least one method config, e.g. RTNConfig(bits=8)")

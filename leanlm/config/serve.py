@@ -92,6 +92,33 @@ class ServeConfig:
         },
     )
 
+    max_connections: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "open HTTP connections kept; at the limit a new one replaces the oldest idle one (no request in "
+            "progress), and with every one busy it gets a reserved connection (default: sized below the "
+            "process's open-file limit, at most 2048)"
+        },
+    )
+    reserved_connections: int = dataclasses.field(
+        default=8,
+        metadata={"help": "connections beyond --max-connections, when every one is busy, that answer /health only"},
+    )
+    header_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata={
+            "help": "seconds a connection has to send a complete request head, from when it opens or its previous "
+            "response ends; a silent or slow one is closed"
+        },
+    )
+    keep_alive_timeout_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "idle seconds after a response before a keep-alive connection is closed"}
+    )
+    body_timeout_s: float = dataclasses.field(
+        default=30.0,
+        metadata={"help": "seconds a request body may go without a byte arriving before its connection is closed"},
+    )
+
     threads: int | None = dataclasses.field(
         default=None,
         metadata={
@@ -133,6 +160,19 @@ class ServeConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or unset (torch's choice), got {self.threads}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(
+                f"max_connections must be >= 1 or unset (sized from the open-file limit), got {self.max_connections}"
+            )
+        if self.reserved_connections < 1:
+            raise ValueError(
+                f"reserved_connections must be >= 1 (they keep /health answering when every connection is busy), "
+                f"got {self.reserved_connections}"
+            )
+        for name in ("header_timeout_s", "keep_alive_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):  # NaN fails too
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if self.metrics_key is not None and not self.metrics_key.strip():
             raise ValueError("metrics_key is empty; give a real key or leave it unset")
         if self.api_key is not None and not self.api_key.strip():

@@ -154,6 +154,9 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if params.experts is not None:
             self._validate_experts(params.experts)
 

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.checkpoint import Checkpoint, require_checkpoint
 from leanlm.formats.model_dir import float_tensors, write_model_dir
+from leanlm.formats.output_dir import staged_output_dir
 from leanlm.loading.shapes import check_declared_layer
 from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.linear.bitmask import BitmaskSparseLinear
@@ -91,11 +92,12 @@ def compressed_tensors_layers(
 
 
 def save_compressed_tensors_checkpoint(
-    checkpoint: Checkpoint, path: str | Path, dtype: torch.dtype = torch.bfloat16
+    checkpoint: Checkpoint, path: str | Path, dtype: torch.dtype = torch.bfloat16, *, overwrite: bool = False
 ) -> Path:
     """Write a pruned model (2:4 or unstructured, float otherwise) in the compressed-tensors layout; the layout
-    has no place for the recipe: it is not written."""
-    path, model = Path(path), checkpoint.model
+    has no place for the recipe: it is not written. `path` as save_checkpoint's (overwrite, never the source,
+    renamed into place)."""
+    model = require_checkpoint(checkpoint, "save_compressed_tensors_checkpoint").model
     packed = {n: m for n, m in model.named_modules() if isinstance(m, Sparse24Linear)}
     unstructured = {n: m for n, m in model.named_modules() if isinstance(m, BitmaskSparseLinear)}
     others = [n for n, m in model.named_modules() if isinstance(m, RuntimeLinear) and n not in packed | unstructured]
@@ -128,10 +130,8 @@ def save_compressed_tensors_checkpoint(
         if module.bias is not None:
             state[f"{name}.bias"] = module.bias.detach().to(dtype)
         zeros, total = zeros + int((weight == 0).sum()), total + weight.numel()
-    write_model_dir(checkpoint, path, state, False)
     linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, RuntimeLinear))]
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {
+    block = {
         "quant_method": "compressed-tensors",
         "version": CT_VERSION,
         "sparsity_config": {
@@ -143,5 +143,9 @@ def save_compressed_tensors_checkpoint(
             "registry_requires_subclass": False,
         },
     }
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
+    with staged_output_dir(path, [checkpoint.source], overwrite=overwrite) as staging:
+        write_model_dir(checkpoint, staging, state, False)
+        cfg = json.loads((staging / "config.json").read_text())
+        cfg["quantization_config"] = block
+        (staging / "config.json").write_text(json.dumps(cfg, indent=2))
+    return Path(path)

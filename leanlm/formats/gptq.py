@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.checkpoint import Checkpoint, require_checkpoint
 from leanlm.formats.model_dir import float_tensors, write_model_dir
+from leanlm.formats.output_dir import staged_output_dir
 from leanlm.loading.shapes import check_declared_layer
 from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
@@ -183,11 +184,13 @@ def gptq_config_block(group_size: int, desc_act: bool, sym: bool, damp_percent: 
     }
 
 
-def save_gptq_checkpoint(checkpoint: Checkpoint, path: str | Path, damp_percent: float = 0.01) -> Path:
+def save_gptq_checkpoint(
+    checkpoint: Checkpoint, path: str | Path, damp_percent: float = 0.01, *, overwrite: bool = False
+) -> Path:
     """Write the checkpoint's model in the GPTQ layout: every quantized layer must be a 4-bit group-wise layer of
     one group size; float tensors go to float16 (what GPTQ kernels expect). The layout has no place for the
-    recipe: it is not written."""
-    path, model = Path(path), checkpoint.model
+    recipe: it is not written. `path` as save_checkpoint's (overwrite, never the source, renamed into place)."""
+    model = require_checkpoint(checkpoint, "save_gptq_checkpoint").model
     layers = {n: m for n, m in model.named_modules() if isinstance(m, IntGroupWeightOnlyLinear)}
     others = [n for n, m in model.named_modules() if isinstance(m, RuntimeLinear) and n not in layers]
     if not layers or others:
@@ -201,15 +204,15 @@ def save_gptq_checkpoint(checkpoint: Checkpoint, path: str | Path, damp_percent:
     state = float_tensors(model, layers, torch.float16)
     for name, layer in layers.items():
         state.update({f"{name}.{k}": v for k, v in to_gptq_tensors(layer.cpu()).items()})
-    write_model_dir(checkpoint, path, state, "lm_head" in layers)
-    cfg = json.loads((path / "config.json").read_text())
     desc_act = any(m.perm is not None for m in layers.values())
-    cfg["quantization_config"] = gptq_config_block(
-        group_sizes.pop(), desc_act, sym=_is_symmetric(layers), damp_percent=damp_percent
-    )
-    cfg["torch_dtype"] = "float16"
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
+    block = gptq_config_block(group_sizes.pop(), desc_act, sym=_is_symmetric(layers), damp_percent=damp_percent)
+    with staged_output_dir(path, [checkpoint.source], overwrite=overwrite) as staging:
+        write_model_dir(checkpoint, staging, state, "lm_head" in layers)
+        cfg = json.loads((staging / "config.json").read_text())
+        cfg["quantization_config"] = block
+        cfg["torch_dtype"] = "float16"
+        (staging / "config.json").write_text(json.dumps(cfg, indent=2))
+    return Path(path)
 
 
 def _is_symmetric(layers: dict[str, IntGroupWeightOnlyLinear]) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.checkpoint import Checkpoint, require_model_path
 from leanlm.formats.stored import StoredCheckpoint, read_checkpoint
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.registry import DEFAULT_MODEL
@@ -33,6 +33,7 @@ def load_checkpoint(
     gguf_codes: keep a GGUF file's block-quantized linears as codes (how the engine runs it) instead of
     dequantizing them; compression starts from floats. adapt: maps the stored parts before the network is built
     (its layers and tensors; the config must stay what they fit)."""
+    require_model_path(name_or_path, "load_checkpoint")
     device = resolve_device(device)
     stored = read_checkpoint(name_or_path, progress=progress, gguf_codes=gguf_codes)
     if adapt is not None:

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from leanlm.config import ModelConfig
-from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.checkpoint import Checkpoint, require_checkpoint
 from leanlm.formats.model_dir import float_tensors, write_model_dir
+from leanlm.formats.output_dir import staged_output_dir
 from leanlm.loading.shapes import check_declared_layer
 from leanlm.model.linear.base import LINEAR_FORMATS, RuntimeLinear
 
@@ -62,22 +63,33 @@ def quantized_layers(
     return layers
 
 
-def save_checkpoint(checkpoint: Checkpoint, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_checkpoint(
+    checkpoint: Checkpoint,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    overwrite: bool = False,
+    keep_files: tuple[str, ...] = (),
+) -> Path:
     """Write the checkpoint (compressed or not) as an HF-style directory that `LLM(path)` / `--model path` loads.
 
-    Float tensors are stored in `dtype`; quantized layers keep their codes and float32 scales as they are.
-    """
-    path, model = Path(path), checkpoint.model
+    Float tensors are stored in `dtype`; quantized layers keep their codes and float32 scales as they are. A
+    non-empty `path` is replaced only with overwrite=True, never when it is (or holds, or is inside) the
+    checkpoint's source; the files are written beside it and renamed into place (formats/output_dir.py).
+    `keep_files`: files of the directory being replaced that move into the new one (a training run's state)."""
+    checkpoint = require_checkpoint(checkpoint, "save_checkpoint")
+    model = checkpoint.model
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, RuntimeLinear)}
     state = float_tensors(model, quantized, dtype)
     for name, layer in quantized.items():
         for key, tensor in layer.state_dict().items():
             state[f"{name}.{key}"] = tensor.to(dtype) if key in layer.compute_dtype_buffers else tensor
-    write_model_dir(checkpoint, path, state, "lm_head" in quantized)
     meta = {
         "format_version": FORMAT_VERSION,
         "recipe": list(checkpoint.recipe),
         "layers": {name: m.metadata() for name, m in quantized.items()},
     }
-    (path / QUANT_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-    return path
+    with staged_output_dir(path, [checkpoint.source], overwrite=overwrite, keep_files=keep_files) as staging:
+        write_model_dir(checkpoint, staging, state, "lm_head" in quantized)
+        (staging / QUANT_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    return Path(path)

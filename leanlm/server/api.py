@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leanlm.engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.loading.chat_encoding import ControlTokenError
@@ -298,6 +299,18 @@ def build_app(
         metrics_key=metrics_key,
         allowed_hosts=tuple(allowed_hosts),
     )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Routing's own errors (an unknown path, a wrong method) in the same OpenAI shape as every other error,
+        not FastAPI's {"detail": ...}; headers such as a 405's Allow are kept."""
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {
+            404: f"no route {request.url.path!r}; the API is under /v1 (see /v1/models)",
+            405: f"{request.method} is not allowed on {request.url.path!r}",
+        }.get(exc.status_code, str(exc.detail))
+        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, message, err_type, None, codes.get(exc.status_code), exc.headers)
 
     @app.get("/health")
     async def health() -> Response:

@@ -277,6 +277,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    # The deprecated spelling of tools / tool_choice: refused the same way (ignoring them would answer a request
+    # for a function call with plain text).
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
     add_generation_prompt: bool = True  # extension, as vLLM
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -287,8 +292,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise UnsupportedParameterError("tools", "tool calling is not supported; send the request without tools")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise UnsupportedParameterError(name, f"tool calling is not supported; send the request without {name}")
+        # "none" and "auto" with nothing to call change nothing; "required" or a named function ask for a call.
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise UnsupportedParameterError(
+                    name, f"tool calling is not supported; send the request without {name} (or with 'none')"
+                )
         if self.response_format is not None and self.response_format.type != "text":
             raise UnsupportedParameterError(
                 "response_format", f"response_format {self.response_format.type!r} is not supported; use 'text'"

@@ -18,6 +18,7 @@ from leanlm.train.recipes import TRAINING_CONFIGS
 from leanlm.train.trainer import TrainConfig
 
 RECIPES = ("finetune", *TRAINING_CONFIGS)  # what `--recipe` names: plain fine-tuning or a training-time sparsity
+DEFAULT_CACHE_DIR = "teacher_cache"  # OUT/DEFAULT_CACHE_DIR: a distillation's teacher top-k without --teacher-cache
 STATE_FILE = "train_state.pt"  # OUT/STATE_FILE: a run's resumable state, removed when it completes
 
 
@@ -47,6 +48,14 @@ def build_sparsity(
     return cls(sparsity=sparsity, pattern=pattern, **options)
 
 
+def _check_out(out: Path, sources: list[str | None], overwrite: bool, own_files: tuple[str, ...]) -> None:
+    """Refuse an output directory before the run (formats/output_dir.py): one that holds a run's state is that
+    run's own (it resumes and replaces its checkpoint); another non-empty one needs overwrite."""
+    from leanlm.formats.output_dir import check_output_dir
+
+    check_output_dir(out, sources, overwrite=overwrite or (out / STATE_FILE).is_file(), own_files=own_files)
+
+
 def _check_data(data: str | None) -> None:
     if data is not None and not Path(data).is_file():
         raise ValueError(f"training text {data} does not exist; pass a text file (or a MediaWiki .bz2 dump)")
@@ -71,6 +80,7 @@ class TrainJob:
     held_out: int = 4  # windows at the end of the text kept for held-out loss
     keep_state: bool = False  # keep OUT/STATE_FILE after the run completes
     device: str | None = None  # cpu | cuda (None: cuda when present)
+    overwrite: bool = False  # replace a non-empty `out` that holds no run state (never the model or data it reads)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
@@ -90,6 +100,12 @@ class TrainJob:
                 "--upcycle-experts copies the float MLPs into experts and trains them all: it does not combine with "
                 "--exits, --qat or a sparsity recipe (upcycle and fine-tune first, then prune or quantize the result)"
             )
+        _check_out(self.out, [self.model, self.data], self.overwrite, self.own_files)
+
+    @property
+    def own_files(self) -> tuple[str, ...]:
+        """What the run itself keeps in `out` besides the checkpoint: kept when the checkpoint is written."""
+        return (STATE_FILE,)
 
     @property
     def is_qat(self) -> bool:
@@ -117,6 +133,7 @@ class DistillJob:
     held_out: int = 4  # windows at the end of the text kept for held-out loss
     keep_state: bool = False  # keep OUT/STATE_FILE after the run completes
     device: str | None = None  # cpu | cuda (None: cuda when present)
+    overwrite: bool = False  # replace a non-empty `out` that holds no run state (never the models or data it reads)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
@@ -126,6 +143,12 @@ class DistillJob:
         if self.qat and self.student is None:
             raise ValueError("--qat trains a quantized student: pass it with --student DIR (leanlm quantize's output)")
         _check_data(self.data)
+        _check_out(self.out, [self.teacher, self.student, self.data], self.overwrite, self.own_files)
+
+    @property
+    def own_files(self) -> tuple[str, ...]:
+        """What the run itself keeps in `out` besides the checkpoint (its state, the default teacher cache)."""
+        return (STATE_FILE, DEFAULT_CACHE_DIR)
 
     @property
     def state_path(self) -> Path:
@@ -133,4 +156,4 @@ class DistillJob:
 
     @property
     def cache_dir(self) -> Path:
-        return self.teacher_cache if self.teacher_cache is not None else self.out / "teacher_cache"
+        return self.teacher_cache if self.teacher_cache is not None else self.out / DEFAULT_CACHE_DIR

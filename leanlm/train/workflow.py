@@ -25,6 +25,9 @@ class TrainReport:
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     """Carry out one fine-tuning run (see the module docstring); `log` gets the lines a user sees on the way."""
+    if not isinstance(job, TrainJob):
+        hint = "a DistillJob runs with run_distill(job)" if isinstance(job, DistillJob) else "build TrainJob(out, ...)"
+        raise TypeError(f"run takes a TrainJob, got {type(job).__name__}; {hint}")
     from leanlm.compress.calibration import calibration_samples, read_calibration_text
     from leanlm.compress.prune.pruner import pack_pruned
     from leanlm.compress.recipe import compress
@@ -68,7 +71,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     elif sparsity is not None:
         pack_pruned(model, sparsity, [])
     start = time.perf_counter()
-    save_checkpoint(ckpt, job.out)
+    save_checkpoint(ckpt, job.out, overwrite=True, keep_files=job.own_files)  # `out` was checked by the job
     if not job.keep_state:
         state.unlink(missing_ok=True)
     summary = format_result(result, job.model, job.out, _describe(job), before, time.perf_counter() - start)
@@ -112,7 +115,7 @@ def _train_exits(job: TrainJob, ckpt, data, resuming: bool) -> TrainReport:
     before = None if resuming else exit_statistics(model, data.held_out, config.batch_size, config.dtype)
     result = trainer.run()
     after = exit_statistics(model, data.held_out, config.batch_size, config.dtype)
-    save_checkpoint(ckpt.with_recipe([trainer.recipe_step()]), job.out)
+    save_checkpoint(ckpt.with_recipe([trainer.recipe_step()]), job.out, overwrite=True, keep_files=job.own_files)
     if not job.keep_state:
         job.state_path.unlink(missing_ok=True)
     resumed = f", resumed at step {result.resumed_from}" if result.resumed_from else ""
@@ -140,6 +143,9 @@ def _train_exits(job: TrainJob, ckpt, data, resuming: bool) -> TrainReport:
 
 def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainReport:
     """Carry out one distillation run: teacher, student, the teacher's top-k cache, the loop, save."""
+    if not isinstance(job, DistillJob):
+        hint = "a TrainJob runs with run(job)" if isinstance(job, TrainJob) else "build DistillJob(out, ...)"
+        raise TypeError(f"run_distill takes a DistillJob, got {type(job).__name__}; {hint}")
     from leanlm.compress.calibration import read_calibration_text
     from leanlm.formats.native import save_checkpoint
     from leanlm.train.data import TokenWindows
@@ -179,7 +185,10 @@ def run_distill(job: DistillJob, log: Callable[[str], None] = print) -> TrainRep
         detach_fake_quant(student)
     start = time.perf_counter()
     trained = student_ckpt.with_recipe([trainer.recipe_step()])
-    save_checkpoint(dataclasses.replace(trained, tokenizer=tokenizer), job.out)  # the teacher's: the data's tokenizer
+    # the teacher's tokenizer: the data's; `out` was checked by the job
+    save_checkpoint(
+        dataclasses.replace(trained, tokenizer=tokenizer), job.out, overwrite=True, keep_files=job.own_files
+    )
     if not job.keep_state:
         state.unlink(missing_ok=True)
     kind = "quantization-aware distillation" if job.qat else "distillation"

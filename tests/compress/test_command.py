@@ -107,3 +107,23 @@ def test_prune_command_spreads_sparsity_over_layers_with_owl(tmp_path, capsys, t
     assert main([*argv, "--owl-lambda", "0.05", "--num-samples", "4", "--out", str(out), "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "wanda: OWL layer sparsity min 45.00%, OWL layer sparsity max 55.00%" in printed  # two layers: +- lambda
+
+
+def test_quantize_never_writes_over_its_source_or_another_model(tmp_path, capsys, tiny_model, tokenizer):
+    from leanlm.formats import save_checkpoint
+    from leanlm.llm import load_model
+
+    source = save_checkpoint(Checkpoint(tiny_model(), tokenizer), tmp_path / "dense")
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    argv = ["quantize", "--model", str(source), "--method", "rtn", "--bits", "8", "--device", "cpu"]
+    for out in (source, source / "w8"):  # the source itself, or inside it: refused before anything loads
+        assert main([*argv, "--out", str(out), "--overwrite"]) == 2
+        assert "which this run reads" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    assert main([*argv, "--out", str(other)]) == 2
+    assert "is not empty" in capsys.readouterr().err and (other / "config.json").read_text() == "{}"
+    assert main([*argv, "--out", str(other), "--overwrite"]) == 0
+    assert load_model(str(other), progress=False).config.num_hidden_layers == tiny_model().config.num_hidden_layers

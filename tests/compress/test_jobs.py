@@ -52,3 +52,20 @@ def test_the_quality_check_warns_when_perplexity_more_than_doubles():
     broken = QualityCheck(27.69, 1465.9, 510)  # 2:4 magnitude + 4-bit RTN on SmolLM2-135M, measured
     assert broken.is_broken and "WARNING: perplexity grew more than 2x" in broken.describe()
     assert QualityCheck(20.0, float("nan"), 510).is_broken
+
+
+def test_a_job_refuses_its_output_before_the_run(tmp_path):
+    from leanlm.formats.output_dir import OutputDirError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(OutputDirError, match="is inside"):
+        CompressJob(out=model / "q", recipe=(RTNConfig(bits=8),), model=str(model), overwrite=True)
+    with pytest.raises(OutputDirError, match="not empty"):
+        CompressJob(out=model, recipe=(RTNConfig(bits=8),))
+    with pytest.raises(TypeError, match=r"recipe=\(RTNConfig"):
+        CompressJob(out=tmp_path / "q", recipe=RTNConfig(bits=8))
+    with pytest.raises(TypeError, match="holds method configs"):
+        CompressJob(out=tmp_path / "q", recipe=("rtn",))
+    assert CompressJob(out=model, recipe=(RTNConfig(bits=8),), overwrite=True).overwrite

@@ -174,6 +174,7 @@ def test_full_prompt_logprobs_cover_every_chunk_and_match_the_dense_reference(ma
         (dict(top_k=-2), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(n=0), "n must be"),
+        (dict(stop_token_ids=[2, -1]), "stop_token_ids must be token ids"),
     ],
 )
 def test_invalid_sampling_params_are_rejected(kwargs, match):
@@ -192,6 +193,10 @@ def test_bad_requests_fail_alone(make_tiny_engine, tokenizer):
         engine.add_request(list(range(3, 67)), SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, tokenizer.vocab_size + 5], SamplingParams())
+    with pytest.raises(ValueError, match=r"stop_token_ids \[1099511627776\] are outside the vocabulary"):
+        engine.add_request([5, 6], SamplingParams(stop_token_ids=[2, 2**40]))
+    with pytest.raises(ValueError, match="stop_token_ids .* outside the vocabulary"):
+        engine.add_request([5, 6], SamplingParams(stop_token_ids=[tokenizer.vocab_size + 5]))
     with pytest.raises(ValueError, match="needs 11 KV blocks but the cache has 8"):
         engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=4))  # fits the context, not the pool
     # its prompt fits the pool, but it outgrows the pool while generating: fails alone, the other finishes

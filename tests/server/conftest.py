@@ -16,6 +16,13 @@ from leanlm.server.api import build_app
 from leanlm.server.launcher import uvicorn_config
 
 MODEL = DEFAULT_MODEL
+CONNECTION_OPTIONS = (
+    "max_connections",
+    "reserved_connections",
+    "header_timeout_s",
+    "keep_alive_timeout_s",
+    "body_timeout_s",
+)
 
 
 class LiveServer:
@@ -46,6 +53,11 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def connections(self):
+        """The server's ConnectionGuard (leanlm/server/connections.py)."""
+        return self.server.config.http.guard
+
+    @property
     def engine(self) -> AsyncLLMEngine:
         return self.app.state.serving.engine
 
@@ -54,11 +66,13 @@ def serve_engine(
     llm_engine, api_key: str | None = None, max_queue: int = 256, max_body_bytes: int = 1 << 20, **app_options
 ):
     """A LiveServer over `llm_engine`; app_options go to build_app (metrics_key, allowed_hosts, ...), except
-    forwarded_allow_ips, which goes to uvicorn's settings as `leanlm serve --forwarded-allow-ips` does."""
+    forwarded_allow_ips and the connection limits (CONNECTION_OPTIONS), which go to uvicorn's settings as
+    `leanlm serve`'s flags do."""
     async_engine = AsyncLLMEngine(
         llm_engine, max_queue=max_queue, max_seqs_per_client=app_options.pop("max_seqs_per_client", None)
     )
     serve_options = {"forwarded_allow_ips": app_options.pop("forwarded_allow_ips", "")}
+    serve_options |= {name: app_options.pop(name) for name in CONNECTION_OPTIONS if name in app_options}
     app = build_app(async_engine, [MODEL], api_key=api_key, max_body_bytes=max_body_bytes, **app_options)
     return LiveServer(app, **serve_options)
 

@@ -31,7 +31,7 @@ def test_per_request_lists_are_bounded(tiny_engine_factory):
     ]
     at_limit = [
         {"logit_bias": {str(t): 1.0 for t in range(MAX_LOGIT_BIAS)}},
-        {"stop_token_ids": list(range(1000, 1000 + MAX_STOP_TOKEN_IDS))},
+        {"stop_token_ids": list(range(1024 - MAX_STOP_TOKEN_IDS, 1024))},  # the tiny vocabulary: [0, 1024)
         {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP},
         {"prompt": [[5, 6], [7]]},
     ]

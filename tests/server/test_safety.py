@@ -104,6 +104,20 @@ def test_api_key(tiny_engine_factory):
             assert _request(server.url, path, headers={"Authorization": "Bearer s3cret"})[0] == 404
 
 
+def test_unknown_routes_and_methods_answer_the_openai_error_shape(tiny_engine_factory):
+    with serve_engine(tiny_engine_factory()) as server:
+        status, _, body = _request(server.url, "/v1/nonexistent")
+        _assert_error(status, body, 404)
+        assert body["error"]["code"] == "not_found"
+        status, headers, body = _request(server.url, "/v1/completions")  # GET on a POST route
+        _assert_error(status, body, 405)
+        assert body["error"]["code"] == "method_not_allowed"
+        assert {k.lower(): v for k, v in headers.items()}["allow"] == "POST"
+        # "none" asks for no tool call: accepted, as with tools absent
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert _request(server.url, "/v1/chat/completions", chat | {"function_call": "none"})[0] == 200
+
+
 def test_metrics_key_and_docs_on_request(tiny_engine_factory):
     with serve_engine(tiny_engine_factory(), api_key="s3cret", metrics_key="m3trics", enable_docs=True) as server:
         assert _request(server.url, "/metrics", headers={"Authorization": "Bearer s3cret"})[0] == 401
@@ -192,6 +206,8 @@ INVALID = [
     ({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400, None),  # not a token id
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [2, 2**40]}, 400, None),  # outside the vocabulary
 ]
 
 
@@ -206,6 +222,19 @@ def test_invalid_requests_get_4xx_and_the_server_stays_healthy(tiny_engine_facto
             (
                 {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
                 "tools",
+            ),
+            # the deprecated spelling of tools is refused alike, not silently ignored
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+                "functions",
+            ),
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "function_call": {"name": "f"}},
+                "function_call",
+            ),
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+                "tool_choice",
             ),
             (
                 {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},

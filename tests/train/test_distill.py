@@ -230,8 +230,11 @@ def test_distill_command_makes_a_student_the_engine_loads(tmp_path, tokenizer, c
     stamps = [p.stat().st_mtime_ns for p in files]
     assert main([*argv[:-4], "--out", str(tmp_path / "again"), "--teacher-cache", str(out / "teacher_cache")]) == 0
     assert [p.stat().st_mtime_ns for p in files] == stamps
-    assert main([*argv, "--keep-layers", "0,9"]) == 2
+    assert main([*argv[:-4], "--out", str(tmp_path / "third"), "--device", "cpu", "--keep-layers", "0,9"]) == 2
     assert "distinct indices" in capsys.readouterr().err
+    # the finished run's directory (no state left) is not written over without --overwrite
+    assert main(argv) == 2
+    assert "is not empty" in capsys.readouterr().err
 
 
 def test_distill_into_a_quantized_student(tmp_path, tokenizer, capsys):

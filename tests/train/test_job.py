@@ -90,3 +90,34 @@ def test_an_inconsistent_train_job_is_refused(options, message, tmp_path):
 def test_an_inconsistent_distill_job_is_refused(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         DistillJob(tmp_path / "out", **options)
+
+
+def test_a_job_never_writes_over_its_inputs_or_another_model(dense_and_text, tmp_path):
+    from leanlm.formats.output_dir import OutputDirError
+    from leanlm.train.job import STATE_FILE
+
+    dense, data = dense_and_text
+    with pytest.raises(OutputDirError, match="which this run reads"):
+        TrainJob(dense, model=str(dense), data=str(data), overwrite=True)
+    with pytest.raises(OutputDirError, match="which this run reads"):
+        DistillJob(dense / "student", teacher=str(dense), data=str(data), overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(OutputDirError, match="not empty"):
+        TrainJob(other, model=str(dense), data=str(data))
+    with pytest.raises(OutputDirError, match="not empty"):
+        DistillJob(other, teacher=str(dense), data=str(data))
+    assert TrainJob(other, model=str(dense), data=str(data), overwrite=True).overwrite
+    # a directory holding a run's state is that run's own: it resumes there without --overwrite
+    (other / STATE_FILE).write_bytes(b"")
+    assert TrainJob(other, model=str(dense), data=str(data)).state_path.is_file()
+
+
+def test_each_runner_takes_its_own_job(tmp_path):
+    with pytest.raises(TypeError, match=r"run takes a TrainJob, got DistillJob; a DistillJob runs with run_distill"):
+        run(DistillJob(tmp_path / "d"))
+    with pytest.raises(TypeError, match=r"run_distill takes a DistillJob, got TrainJob; a TrainJob runs with run\("):
+        run_distill(TrainJob(tmp_path / "t"))
+    with pytest.raises(TypeError, match="run takes a TrainJob, got dict"):
+        run({"out": str(tmp_path / "t")})
