@@ -53,7 +53,7 @@ def main() -> None:
     policies = {"automatic (default)": None, "--threads 1": 1, f"--threads {cores}": cores}
     rows = []
     for name, threads in policies.items():
-        llm = LLM(DEFAULT_MODEL, dtype="bfloat16", progress=False, num_threads=threads)
+        llm = LLM(DEFAULT_MODEL, dtype="auto", progress=False, num_threads=threads)
         decode_rate(llm, 8)  # warm-up: kernels, allocator
         for machine in ("quiet", "busy"):
             rates, shares, discarded = [], [], 0
@@ -74,7 +74,7 @@ def main() -> None:
                 rates.append(rate)
                 shares.append(share)
             median = statistics.median(rates) if rates else float("nan")
-            rows.append((name, machine, median, shares, discarded, torch_threads(llm)))
+            rows.append((name, machine, median, shares, discarded, torch_threads(llm), str(llm.dtype)))
             print(rows[-1], flush=True)
     write(rows, args, cores)
 
@@ -88,14 +88,15 @@ def torch_threads(llm: LLM) -> int:
 def write(rows, args, cores: int) -> None:
     lines = [
         f"Machine: {describe_machine()}. Command: `python benchmarks/threads_contention.py"
-        f"{' --out ' + args.out if args.out else ''}`. SmolLM2-135M-Instruct (its Q4_1 GGUF on its 4-bit codes, "
-        f"bf16 activations), batch 1, {args.tokens} greedy tokens, median decode tokens/s of {args.reps} "
+        f"{' --tokens ' + str(args.tokens)}{' --reps ' + str(args.reps)}{' --out ' + args.out if args.out else ''}`. "
+        f"SmolLM2-135M-Instruct (its Q4_1 GGUF on its 4-bit codes, {rows[0][6].removeprefix('torch.')} activations as "
+        f"dtype auto picked on this CPU), batch 1, {args.tokens} greedy tokens, median decode tokens/s of {args.reps} "
         f"repetitions. Busy: {args.load * cores} busy loops on {cores} cores (load {args.load * cores}).",
         "",
         "| threads | machine | decode tok/s | other processes' CPU share per repetition | threads at the end |",
         "|---|---|---|---|---|",
     ]
-    for name, machine, median, shares, discarded, threads in rows:
+    for name, machine, median, shares, discarded, threads, _ in rows:
         kept = ", ".join(f"{s:.0%}" for s in shares) + (f" ({discarded} discarded)" if discarded else "")
         lines.append(f"| {name} | {machine} | {median:.1f} | {kept} | {threads} |")
     text = "\n".join(lines) + "\n"
