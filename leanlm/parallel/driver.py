@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -77,15 +78,19 @@ class ParallelDriver:
             self.num_steps += 1
             return run_plans(self.rank_model, runner, plans)
         except (RuntimeError, DistError) as exc:  # gloo/NCCL: a peer closed its connection, or a timeout
-            self.check_workers()
+            # a killed rank's sockets close before the kernel reaps it: give its exit a moment to become visible
+            self.check_workers(grace_s=2.0)
             self.closed = True  # the groups are in an unknown state: no collective may run on them again
             raise EngineDeadError(
                 f"a collective between the ranks failed ({type(exc).__name__}: {exc}); a rank died or hung for "
                 f"longer than parallel_timeout_s={self.rank_model.engine_config.parallel_timeout_s}"
             ) from exc
 
-    def check_workers(self) -> None:
-        """Raise EngineDeadError if a worker this driver started has exited."""
+    def check_workers(self, grace_s: float = 0.0) -> None:
+        """Raise EngineDeadError if a worker this driver started has exited (waiting up to `grace_s` for one)."""
+        deadline = time.monotonic() + grace_s
+        while grace_s > 0 and all(p.poll() is None for p in self.workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
         dead = [(i + 1, p.returncode) for i, p in enumerate(self.workers) if p.poll() is not None]
         if dead:
             self.closed = True
