@@ -19,7 +19,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from leanlm.loading.chat_template import MAX_RENDER_CHARS, render_chat_template
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import END_OF_TURN_TOKENS, GGUFTokenizerMetadata
+from leanlm.loading.gguf import GGUFTokenizerMetadata
+from leanlm.loading.gguf_config import END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 
