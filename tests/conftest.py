@@ -47,9 +47,39 @@ REAL_MODEL_FIXTURES = frozenset(
 )
 
 
+# Long real-model runs, each 20-110 s on a 2-core AMD EPYC Zen 3 (no AVX512: the PyTorch fallbacks run), marked
+# `slow` so `make test` stays short; `make test-slow` runs them. Every feature they show on the real model keeps a
+# shorter real-model test in `make test` (the other parametrizations, the tiny-model tests beside them).
+LONG_REAL_MODEL_RUNS = frozenset(
+    {
+        "tests/compress/test_real_model.py::test_gptq_is_closer_to_float_than_rtn_at_3_bits",  # 109 s
+        "tests/compress/test_real_model.py::test_teal_smollm_skips_two_fifths_of_its_inputs_and_still_answers",  # 82
+        "tests/compress/test_real_model.py::test_methods_on_the_real_model[awq-w4]",  # 42
+        "tests/compress/test_real_model.py::test_methods_on_the_real_model[llm_int8]",  # 25
+        "tests/compress/test_real_model.py::test_sparse_formats_on_smollm_decode_on_their_kernels_like_their_dense_"
+        "copies[sparse_bitmask]",  # 24
+        "tests/engine/test_long_context_real.py::test_sinks_and_a_window_on_the_real_model",  # 56
+        "tests/engine/test_long_context_real.py::test_a_kv_budget_on_the_real_model[h2o]",  # 28 (snapkv stays)
+        "tests/parallel/test_parallel_server.py::test_tp2_x_dp2_serves_the_one_process_greedy_answers",  # 38
+        "tests/parallel/test_parallel_server.py::test_the_server_checks_pass_on_a_tensor_parallel_engine["
+        "test_chat_answers_and_stream_equals_non_stream]",  # 34
+        "tests/parallel/test_parallel_server.py::test_the_server_checks_pass_on_a_tensor_parallel_engine["
+        "test_completions_n_seed_stream_equals_non_stream]",  # 27
+        "tests/parallel/test_real_model.py::test_smollm2_parallel_greedy_equals_one_process[tp2xpp2]",  # 33
+        "tests/parallel/test_real_model.py::test_smollm2_parallel_greedy_equals_one_process[pp2]",  # 24 (tp2 stays)
+        "tests/parallel/test_real_model.py::test_a_2_4_sparse_smollm2_checkpoint_under_tp2_equals_one_process",  # 29
+        "tests/engine/test_spec_decode.py::test_real_model_greedy_speculation_is_token_identical["
+        "draft:smollm2-135m-instruct]",  # 20
+        "tests/engine/test_spec_decode.py::test_real_model_greedy_speculation_is_token_identical[self:24]",  # 16
+    }
+)
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     for item in items:
+        if item.nodeid in LONG_REAL_MODEL_RUNS:
+            item.add_marker(pytest.mark.slow)
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
         if item.get_closest_marker("gpu") is not None and not has_cuda:
