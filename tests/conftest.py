@@ -71,6 +71,9 @@ LONG_REAL_MODEL_RUNS = frozenset(
         "tests/engine/test_spec_decode.py::test_real_model_greedy_speculation_is_token_identical["
         "draft:smollm2-135m-instruct]",  # 20
         "tests/engine/test_spec_decode.py::test_real_model_greedy_speculation_is_token_identical[self:24]",  # 16
+        "tests/train/test_real_model.py::test_the_cosine_term_on_smollm2_pulls_the_students_hidden_states_to_the_"
+        "teachers",  # 90
+        "tests/train/test_real_model.py::test_sr_ste_steps_recover_a_2_4_smollm2",  # 66
     }
 )
 
