@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 # Open files the process needs besides client sockets (the listening socket, model and tokenizer files, logs,
 # the engine's threads and pipes): the derived connection limit leaves this many, and a quarter of the rest.
 FD_HEADROOM = 256
+FD_MARGIN = 64  # beyond the files already open when the limits are derived: what the engine may still open
 DEFAULT_MAX_CONNECTIONS = 2048  # enough for every admitted request (max_num_seqs + max_queue) plus idle clients
 # The listen backlog is also how many connections asyncio accepts in one burst, each an open file, before any of
 # them reaches the guard: with uvicorn's 2048 a burst alone passed a 1024 open-file limit (EMFILE, /health
@@ -49,6 +51,14 @@ class ConnectionLimits:
             raise ValueError(f"timeouts must be > 0, got {self.header_timeout_s} and {self.body_timeout_s}")
 
 
+def files_in_use() -> int:
+    """Files this process holds now (0 where /proc is not there to say)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
 def open_file_limit() -> int | None:
     """The process's soft limit on open files (None: unlimited)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -59,11 +69,13 @@ def connection_limits(
     max_connections: int | None, reserved_connections: int, header_timeout_s: float, body_timeout_s: float
 ) -> ConnectionLimits:
     """The limits `leanlm serve` runs with. Open connections, the reserve and one accept burst (the backlog) must
-    fit the open-file limit less FD_HEADROOM; unset max_connections takes three quarters of what is left, at most
-    DEFAULT_MAX_CONNECTIONS. A limit the open-file limit cannot hold is a ValueError saying what to change,
-    rather than accept() failing with EMFILE under load."""
+    fit the open-file limit less FD_HEADROOM, or less the files already open and FD_MARGIN when that is more (a
+    process that already holds many, another server's among them); unset max_connections takes three quarters of
+    what is left, at most DEFAULT_MAX_CONNECTIONS. A limit the open-file limit cannot hold is a ValueError saying
+    what to change, rather than accept() failing with EMFILE under load."""
     fds = open_file_limit()
-    usable = None if fds is None else fds - FD_HEADROOM
+    kept = max(FD_HEADROOM, files_in_use() + FD_MARGIN)
+    usable = None if fds is None else fds - kept
     backlog = MAX_BACKLOG if usable is None else max(1, min(MAX_BACKLOG, usable // 8))
     if max_connections is None:
         budget = DEFAULT_MAX_CONNECTIONS if usable is None else (usable - backlog) * 3 // 4 - reserved_connections
@@ -73,7 +85,7 @@ def connection_limits(
     elif usable is not None and max_connections + reserved_connections + backlog > usable:
         raise ValueError(
             f"max_connections {max_connections} + reserved_connections {reserved_connections} + a listen backlog "
-            f"of {backlog} need more open files than this process may have ({fds}, {FD_HEADROOM} kept for the "
+            f"of {backlog} need more open files than this process may have ({fds}, {kept} kept for the "
             f"model and the engine): raise the limit (ulimit -n) or lower --max-connections"
         )
     return ConnectionLimits(max_connections, reserved_connections, header_timeout_s, body_timeout_s, backlog)

@@ -217,3 +217,14 @@ def test_serve_refuses_a_limit_the_process_cannot_hold_before_loading(monkeypatc
     assert "lower --max-connections" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--header-timeout-s", "0"]) == 2
     assert "header_timeout_s must be a positive number" in capsys.readouterr().err
+
+
+def test_the_limits_count_the_files_already_open(monkeypatch):
+    """A process that already holds 900 of its 1024 files (other servers' sockets, in the whole test suite) must not
+    size its connections as if it held 256: accept() then failed with EMFILE before the cap evicted anything."""
+    monkeypatch.setattr(connections, "open_file_limit", lambda: 1024)
+    monkeypatch.setattr(connections, "files_in_use", lambda: 900)
+    limits = connections.connection_limits(None, 8, 10.0, 30.0)
+    assert limits.max_connections + limits.reserved_connections + limits.backlog <= 1024 - 900
+    monkeypatch.setattr(connections, "files_in_use", lambda: 20)  # a fresh process: the fixed headroom holds
+    assert connections.connection_limits(None, 8, 10.0, 30.0).max_connections == (768 - 96) * 3 // 4 - 8
