@@ -74,15 +74,9 @@ def main() -> None:
                 rates.append(rate)
                 shares.append(share)
             median = statistics.median(rates) if rates else float("nan")
-            rows.append((name, machine, median, shares, discarded, torch_threads(llm), str(llm.dtype)))
+            rows.append((name, machine, median, shares, discarded, llm.llm_engine.layout().num_threads, str(llm.dtype)))
             print(rows[-1], flush=True)
     write(rows, args, cores)
-
-
-def torch_threads(llm: LLM) -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def write(rows, args, cores: int) -> None:
