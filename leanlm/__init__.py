@@ -1,5 +1,22 @@
 """LeanLM: run, compress and explain transformer language models."""
 
+import os as _os
+import sys as _sys
+
+from leanlm.kernels import isa as _isa
+
+# LEANLM_ISA caps PyTorch's kernels too, which read their caps once, when torch loads: before anything imports it.
+if "torch" not in _sys.modules:
+    _os.environ.update(_isa.torch_environment())
+elif _isa.torch_environment():
+    import logging as _logging
+
+    _logging.getLogger(__name__).warning(
+        "LEANLM_ISA caps our kernels only: torch was imported before leanlm, so its own kernels keep their level "
+        "(import leanlm first, or set %s yourself)",
+        " and ".join(_isa.torch_environment()),
+    )
+
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
 

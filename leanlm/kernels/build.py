@@ -4,7 +4,9 @@ The cache (`$LEANLM_CACHE/kernels` or `~/.cache/leanlm/kernels`, created 0700) i
 source and the build command; a cached library is loaded only when it belongs to this user and nobody else
 can write it (loading a library runs its code). Libraries link against torch's own libgomp, so the process
 keeps a single OpenMP runtime.
-Any failure (no compiler, no AVX512-BF16, a compile error) makes the kernel unavailable, never an error.
+Each kernel belongs to one ISA level (isa.py: avx2, avx512, amx) and is compiled with that level's flags; a level
+above the CPU's, or above the `LEANLM_ISA` cap, makes it unavailable. Any failure (no compiler, a missing CPU
+flag, a compile error) makes the kernel unavailable, never an error.
 """
 
 from __future__ import annotations
@@ -26,23 +28,13 @@ from pathlib import Path
 
 import torch
 
+from leanlm.kernels import isa
 from leanlm.path_trust import untrusted_reason
 
 logger = logging.getLogger(__name__)
 
-# Explicit ISA flags (not -march=native): a cached library must need only what cpu_supports_bf16() checks.
-COMPILE_FLAGS = (
-    "-O3",
-    "-std=c11",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mfma",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-)
+# The flags of every build; each level adds its explicit ISA flags (isa.COMPILE_FLAGS), never -march=native.
+COMPILE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared")
 
 
 def cache_dir() -> Path:
@@ -79,13 +71,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def build_command(compiler: str, source: Path, output: Path) -> list[str]:
+def build_command(compiler: str, source: Path, output: Path, level: str = "avx512") -> list[str]:
     lib_dir = torch_lib_dir()
     # -l:libgomp.so.1 from torch/lib (and an rpath to it): GOMP_* symbols resolve to the runtime torch
     # already loaded, instead of a second libgomp whose threads would spin against torch's.
     return [
         compiler,
         *COMPILE_FLAGS,
+        *isa.COMPILE_FLAGS[level],
         str(source),
         "-o",
         str(output),
@@ -105,15 +98,16 @@ def compile_seconds() -> float:
         return _compile_seconds
 
 
-def build_library(source: Path) -> Path:
-    """Path of the compiled library for `source`, compiling it if the cache lacks this source + command."""
+def build_library(source: Path, level: str = "avx512") -> Path:
+    """Path of the compiled library for `source` at ISA `level`, compiling it if the cache lacks this source +
+    command."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     if not (torch_lib_dir() / "libgomp.so.1").exists():
         raise RuntimeError(f"torch ships no libgomp.so.1 in {torch_lib_dir()}")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source may include
-    key_material = source.read_bytes() + headers + "\0".join(build_command(compiler, source, Path("out"))).encode()
+    key_material = source.read_bytes() + headers + "\0".join(build_command(compiler, source, Path("out"), level)).encode()
     key = hashlib.sha256(key_material).hexdigest()
     directory = cache_dir()
     target = directory / f"{source.stem}-{key[:16]}.so"
@@ -128,7 +122,7 @@ def build_library(source: Path) -> Path:
     global _compile_seconds
     started = time.perf_counter()
     try:
-        result = subprocess.run(build_command(compiler, source, tmp), capture_output=True, text=True)
+        result = subprocess.run(build_command(compiler, source, tmp, level), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed:\n{result.stderr.strip()}")
         os.chmod(tmp, 0o755)  # the linker applies the umask; a group-writable library would be refused
@@ -181,10 +175,19 @@ class NativeKernel:
     """One C function from one source file, built and bound on first use (thread-safe), or unavailable."""
 
     def __init__(
-        self, source: Path, symbol: str, argtypes: list, restype, cpu_needs: tuple[str, ...] = ("avx512_bf16",)
+        self,
+        source: Path,
+        symbol: str,
+        argtypes: list,
+        restype,
+        cpu_needs: tuple[str, ...] = ("avx512_bf16",),
+        level: str = "avx512",
     ) -> None:
+        if level not in isa.COMPILE_FLAGS:
+            raise ValueError(f"a kernel's level is one of {', '.join(isa.COMPILE_FLAGS)}, not {level!r}")
         self.source, self.symbol, self.argtypes, self.restype = source, symbol, argtypes, restype
-        self.cpu_needs = cpu_needs  # /proc/cpuinfo flags the library's instructions need
+        self.cpu_needs = cpu_needs  # /proc/cpuinfo flags the library's instructions need beyond its level's
+        self.level = level  # isa.LEVELS: the compile flags, and what the CPU and the LEANLM_ISA cap must allow
         self._fn = None
         self._reason: str | None = None
         self._lock = threading.Lock()
@@ -195,9 +198,9 @@ class NativeKernel:
         missing = [flag for flag in self.cpu_needs if flag not in cpu_flags()]
         if missing:
             raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
-        if os.environ.get("LEANLM_DISABLE_KERNELS"):
-            raise RuntimeError("disabled by LEANLM_DISABLE_KERNELS")
-        fn = getattr(load_library(build_library(self.source)), self.symbol)
+        if reason := isa.unavailable_reason(self.level):
+            raise RuntimeError(f"needs the {self.level} level: {reason}")
+        fn = getattr(load_library(build_library(self.source, self.level)), self.symbol)
         fn.argtypes, fn.restype = self.argtypes, self.restype
         return fn
 

@@ -77,8 +77,9 @@ class KernelSpec:
         args: Sequence[Arg],
         given: Sequence[str] = (),
         rules: Sequence[Rule] = (),
+        out_dtype: torch.dtype = torch.bfloat16,  # what linear() returns: the activations' dtype
     ) -> None:
-        self.kernel, self.what, self.args = kernel, what, tuple(args)
+        self.kernel, self.what, self.args, self.out_dtype = kernel, what, tuple(args), out_dtype
         self.given, self.rules = tuple(given), tuple(rules)
         self._binders: dict[str, tuple[Arg, int, int | None]] = {}
         for arg in sorted((a for a in self.args if not a.optional), key=lambda a: a.is_rows):  # weights bind first
@@ -193,11 +194,11 @@ class KernelSpec:
         return loaded(self.kernel, self.what)
 
     def linear(self, x: torch.Tensor, N: int, K: int, inputs: Sequence, ints: Sequence[int] = (), bias=None):
-        """y bf16 [..., N] from a row kernel fn(*inputs, y, M, N, K, *ints, threads, MIN_PARALLEL_BYTES) on checked
+        """y [..., N] (out_dtype) from a row kernel fn(*inputs, y, M, N, K, *ints, threads, MIN_PARALLEL_BYTES) on checked
         arguments; inputs are tensors (passed as pointers), None (NULL) or floats, in the C order."""
         fn = self.fn()
         # (x.shape[0], N) for the usual 2-D x: building a torch.Size from x.shape[:-1] costs about a microsecond
-        y = torch.empty((x.shape[0], N) if x.dim() == 2 else x.shape[:-1] + (N,), dtype=torch.bfloat16)
+        y = torch.empty((x.shape[0], N) if x.dim() == 2 else x.shape[:-1] + (N,), dtype=self.out_dtype)
         if K == 0:  # an empty sum: the bias alone
             return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
         tail = (y, x.numel() // K, N, K, *ints, torch.get_num_threads(), MIN_PARALLEL_BYTES)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from leanlm.kernels import build
+from leanlm.kernels import build, isa
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 1  # bump when the probe or its rule changes: old cached choices are then re-measured
+PROBE_VERSION = 2  # bump when the probe or its rule changes: old cached choices are then re-measured
 DECODE_ROWS = (1, 8)  # one request, and a small decode batch: the native GEMV's range for bf16
 PREFILL_ROWS = (64, 256)  # prompt chunks: torch's GEMM in either dtype
 # bf16 halves weight and KV memory, so it stays unless it is clearly slower: float32 wins only when its
@@ -111,7 +111,9 @@ def _cache_key(in_features: int, out_features: int) -> str:
         torch.__version__,
         in_features,
         out_features,
-        bool(os.environ.get("LEANLM_DISABLE_KERNELS")),
+        isa.active_level(),  # which kernels run the layer (LEANLM_ISA, LEANLM_DISABLE_KERNELS)
+        os.environ.get("ATEN_CPU_CAPABILITY", ""),
+        os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
     ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 

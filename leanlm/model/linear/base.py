@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.kernels import cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_gemm, cpu_qgemv, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeCall, NativeLinear
 from leanlm.model.linear.checks import check_shape
 from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.linear.shard import COLUMN, check_axis, part, row_bias
 from leanlm.model.linear.stack import StackedLinear
+from leanlm.model.dense_copy import DenseCopy
 from leanlm.model.packed_cache import PackedCache
 
 LINEAR_FORMATS: dict[str, type[RuntimeLinear]] = {}
@@ -41,6 +42,7 @@ class RuntimeLinear(KernelDispatch, nn.Module, ABC):
         check_shape(self.format, "bias", bias, out_features)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.packed = PackedCache()  # the weight in cpu_gemm's panel order, for 9+ bf16 rows (packs_rows)
+        self.dense = DenseCopy()  # the dequantized weight, where no kernel runs this format (dense_forward)
 
     def set_compute_dtype(self, dtype: torch.dtype) -> RuntimeLinear:
         """Cast the float buffers that take part in the model dtype's arithmetic (see compute_dtype_buffers)."""
@@ -100,8 +102,19 @@ class RuntimeLinear(KernelDispatch, nn.Module, ABC):
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
-        """y where neither kernel takes the rows (KernelDispatch): the reference path unless a format has better."""
-        return self.reference_forward(x)
+        """y where neither kernel takes the rows (KernelDispatch): dense_forward unless a format has better."""
+        return self.dense_forward(x)
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference path on a kept dequantized copy of W (dense_copy.py), made once while the memory budget
+        allows; per call (reference_forward) beyond it, on other devices, and for formats with trainable tensors."""
+        if not x.is_cpu or any(p.requires_grad for p in self.parameters(recurse=False)):
+            return self.reference_forward(x)
+        sources = tuple(getattr(self, n, None) for n in (*self.tensor_names, "perm"))
+        w = self.dense.get(sources, x.dtype, self.dequantized_weight, self.format)
+        if w is None:
+            return self.reference_forward(x)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def shard_unit(self, axis: int) -> int:
         """Features along `axis` (shard.COLUMN or ROW) that must stay in one shard (a quant group, a 2:4 group,
@@ -155,6 +168,16 @@ def packs_rows(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None
         and (bias is None or bias.dtype is torch.bfloat16)
         and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
         and cpu_gemm.quant_is_available()
+    )
+
+
+def dequantizes_avx2(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """float32 CPU activations (and bias) over CPU codes: dequantize to float32 with the AVX2 kernel, then one sgemm."""
+    return (
+        x.dtype is torch.float32
+        and x.is_cpu
+        and (bias is None or bias.dtype is torch.float32)
+        and cpu_qgemv_avx2.dequantizes(qweight)
     )
 
 

@@ -8,10 +8,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.act_quant import DynamicActQuant
-from leanlm.model.linear.base import RuntimeLinear, dequantizes_natively, packs_rows, register_format
+from leanlm.model.linear.base import (
+    RuntimeLinear,
+    dequantizes_avx2,
+    dequantizes_natively,
+    packs_rows,
+    register_format,
+)
 from leanlm.model.linear.checks import check_numel, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups
 
@@ -95,16 +101,22 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return cpu_gemm.gemm_quant(x, self.packed_weight())
 
     def few_rows_fit(self, x: torch.Tensor) -> bool:
-        bias_ok = self.bias is None or self.bias.dtype is x.dtype
-        return cpu_qgemv.should_use_int8(x, self.qweight, self.group_size) and bias_ok
+        if self.bias is not None and self.bias.dtype is not x.dtype:
+            return False
+        if x.dtype is torch.float32:
+            return cpu_qgemv_avx2.should_use_int8(x, self.qweight, self.group_size)
+        return cpu_qgemv.should_use_int8(x, self.qweight, self.group_size)
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_qgemv.linear_int8(x, self.qweight, self.scales, self.bias, self.group_size)
+        kernels = cpu_qgemv_avx2 if x.dtype is torch.float32 else cpu_qgemv
+        return kernels.linear_int8(x, self.qweight, self.scales, self.bias, self.group_size)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         if dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
             return F.linear(x, cpu_qgemv.dequantize_int8(self.qweight, self.scales, self.group_size), self.bias)
-        return self.reference_forward(x)
+        if dequantizes_avx2(x, self.qweight, self.bias):  # one float32 weight, one sgemm
+            return F.linear(x, cpu_qgemv_avx2.dequantize_int8(self.qweight, self.scales, self.group_size), self.bias)
+        return self.dense_forward(x)
 
     def native_linear(self, packed: bool = False) -> NativeLinear | None:
         if self.act_quant == "int8":

@@ -1,5 +1,6 @@
 """W4A16 / W3A16 / W2A16: group-wise 2-4 bit weight-only linears (GGUF's Q4_0 / Q4_1 / Q4_K and GPTQ load into it);
-few-row decode on the native int4 GEMV, 9+ bf16 rows on the packed GEMM, else dequantize + F.linear."""
+few-row decode on the native int4 GEMV (bf16 on AVX512, float32 on AVX2), 9+ bf16 rows on the packed GEMM, else
+dequantize + F.linear (natively where a kernel does it, once and kept where none does)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.act_quant import DynamicActQuant
-from leanlm.model.linear.base import RuntimeLinear, dequantizes_natively, packs_rows, register_format
+from leanlm.model.linear.base import (
+    RuntimeLinear,
+    dequantizes_avx2,
+    dequantizes_natively,
+    packs_rows,
+    register_format,
+)
 from leanlm.model.linear.checks import check_group_size, check_indices, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups, refuse_row_split, scaled
 from leanlm.model.quantized.numerics import unpack_int4
@@ -126,18 +133,25 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return cpu_gemm.gemm_quant(self._permuted(x), self.packed_weight())
 
     def few_rows_fit(self, x: torch.Tensor) -> bool:
-        bias_ok = self.bias is None or self.bias.dtype is x.dtype
-        return cpu_qgemv.should_use_int4(x, self.qweight, self.group_size) and bias_ok
+        if self.bias is not None and self.bias.dtype is not x.dtype:
+            return False
+        if x.dtype is torch.float32:
+            return cpu_qgemv_avx2.should_use_int4(x, self.qweight, self.group_size)
+        return cpu_qgemv.should_use_int4(x, self.qweight, self.group_size)
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         xp = self._permuted(x)
-        return cpu_qgemv.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        kernels = cpu_qgemv_avx2 if x.dtype is torch.float32 else cpu_qgemv
+        return kernels.linear_int4(xp, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         if dequantizes_natively(x, self.qweight, self.bias):  # one bf16 weight, one GEMM
             w = cpu_qgemv.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
             return F.linear(self._permuted(x), w, self.bias)
-        return self.reference_forward(x)
+        if dequantizes_avx2(x, self.qweight, self.bias):  # one float32 weight, one sgemm
+            w = cpu_qgemv_avx2.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+            return F.linear(self._permuted(x), w, self.bias)
+        return self.dense_forward(x)
 
     def native_linear(self, packed: bool = False) -> NativeLinear | None:
         if self.act_quant == "int8":

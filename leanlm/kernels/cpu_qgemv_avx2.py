@@ -1,0 +1,171 @@
+"""Weight-only int4 / int8 linear layers with float32 activations on x86-64 CPUs with AVX2 and FMA but no AVX512
+(the `avx2` level of isa.py: AMD before Zen 4, Intel client chips, older Xeons): the few-row GEMVs of decode, and
+dequantization to float32 for many-row products.
+
+The weights stay packed (4 or 8 bits a code); a decode step reads each code once and never writes a float copy of
+the weight, where the PyTorch path dequantizes every weight on every call. Results equal float64 math on the
+dequantized weight to fp32 rounding: see gemv_quant_avx2.c. Built and loaded like cpu_qgemv.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.spec import ROWS, Arg, KernelSpec, Rule, call
+
+_SOURCE = Path(__file__).with_name("gemv_quant_avx2.c")
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_AVX2 = {"cpu_needs": (), "level": "avx2"}
+_INT4_KERNEL = NativeKernel(
+    _SOURCE, "leanlm_linear_int4_f32", [_P] * 6 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2
+)  # fmt: skip
+_INT8_KERNEL = NativeKernel(_SOURCE, "leanlm_linear_int8_f32", [_P] * 5 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2)
+_DEQUANT_INT4 = NativeKernel(_SOURCE, "leanlm_dequantize_int4_f32", [_P] * 4 + [_I64] * 3 + [_INT], None, **_AVX2)
+_DEQUANT_INT8 = NativeKernel(_SOURCE, "leanlm_dequantize_int8_f32", [_P] * 3 + [_I64] * 3 + [_INT], None, **_AVX2)
+# The GEMVs take up to this many rows; from 9 on, one float32 dequantization and one sgemm (MKL / oneDNN) win:
+# the GEMVs hold at most 4 rows in registers and re-read the weight for each 4 (SmolLM2's 1536 x 576 on one
+# thread, measured on a Zen 3: see docs/engine-performance.md).
+MAX_ROWS = 8
+
+_F32, _I8, _U8 = torch.float32, torch.int8, torch.uint8
+
+
+def is_available() -> bool:
+    """True when the kernels are built and loaded (x86-64 Linux, AVX2 + FMA, a C compiler, the level allowed)."""
+    return _INT4_KERNEL.is_available() and _INT8_KERNEL.is_available()
+
+
+def unavailable_reason() -> str | None:
+    return _INT4_KERNEL.unavailable_reason or _INT8_KERNEL.unavailable_reason
+
+
+def _int4_group_ok(G: int, K: int) -> bool:
+    return type(G) is int and G > 0 and G % 32 == 0 and K % G == 0
+
+
+def _int8_group_ok(G: int, K: int) -> bool:
+    return type(G) is int and G > 0 and G % 8 == 0 and K % G == 0
+
+
+_X, _BIAS = Arg("x", _F32, (ROWS, "K")), Arg("bias", _F32, ("N",), optional=True)
+INT4_SPEC = KernelSpec(
+    _INT4_KERNEL,
+    "CPU int4 GEMV kernel (AVX2)",
+    [_X, Arg("qweight", _U8, ("N", "K/2")), Arg("scales", _F32, ("N", "K/G")), Arg("mins", _F32, ("N", "K/G")), _BIAS],
+    given=("G",),
+    rules=(Rule(("G", "K"), _int4_group_ok, "group_size must be a multiple of 32 dividing K = {K}, not {G!r}"),),
+    out_dtype=_F32,
+)
+# int8 codes [N, K], scales per group of G inputs [N, K / G]; per channel is G = K with scales viewed [N, 1]
+INT8_SPEC = KernelSpec(
+    _INT8_KERNEL,
+    "CPU int8 GEMV kernel (AVX2)",
+    [_X, Arg("qweight", _I8, ("N", "K")), Arg("scales", _F32, ("N", "K/G")), _BIAS],
+    given=("G",),
+    rules=(Rule(("G", "K"), _int8_group_ok, "group_size must be a multiple of 8 dividing K = {K}, not {G!r}"),),
+    out_dtype=_F32,
+)
+
+
+def _int8_group(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, int]:
+    """(scales [N, K / G], G): per channel (group_size None) is one group of K."""
+    if group_size is None:
+        return scales.view(-1, 1), qweight.shape[-1]
+    return scales, group_size
+
+
+def should_use_int4(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
+    """Policy: float32 rows (at most MAX_ROWS) over packed int4 codes [N, K // 2] in groups of a multiple of 32."""
+    return INT4_SPEC.rows_fit(x, qweight, None, None, None, group_size, max_rows=MAX_ROWS) and is_available()
+
+
+def should_use_int8(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None) -> bool:
+    """Policy: float32 rows (at most MAX_ROWS) over int8 codes [N, K], per channel or in groups of a multiple of 8."""
+    G = qweight.shape[-1] if group_size is None else group_size
+    return INT8_SPEC.rows_fit(x, qweight, None, None, G, max_rows=MAX_ROWS) and is_available()
+
+
+def linear_int4(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ w^T + bias -> float32 [..., N], w[n, k] = q * scales[n, g] + mins[n, g] with g = k // group_size
+    and q the code in byte k // 2 of row n (low nibble for even k). x, scales, mins, bias: contiguous float32 CPU
+    tensors; qweight uint8 [N, K // 2]. Runs on torch.get_num_threads() threads."""
+    if not INT4_SPEC.fits(x, qweight, scales, mins, bias, group_size):
+        INT4_SPEC.explain(x, qweight, scales, mins, bias, group_size)
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    return INT4_SPEC.linear(x, N, K, (x, qweight, scales, mins, bias), (group_size,), bias=bias)
+
+
+def linear_int8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ (qweight[N, K] * scales)^T + bias -> float32 [..., N]: scales [N] per channel (group_size None)
+    or [N, K // group_size] (group_size a multiple of 8: GGUF's Q8_0, Q5_0 and Q6_K blocks)."""
+    grouped, G = _int8_group(qweight, scales, group_size)
+    if not INT8_SPEC.fits(x, qweight, grouped, bias, G):
+        INT8_SPEC.explain(x, qweight, grouped, bias, G)
+    N, K = qweight.shape
+    return INT8_SPEC.linear(x, N, K, (x, qweight, grouped, bias), (G,), bias=bias)
+
+
+_DEQ_INT4 = KernelSpec(
+    _DEQUANT_INT4,
+    "CPU int4 dequantization (AVX2)",
+    [Arg("qweight", _U8, ("N", "K/2")), Arg("scales", _F32, ("N", "K/G")), Arg("mins", _F32, ("N", "K/G"))],
+    given=("G",),
+    rules=(
+        Rule(
+            ("G", "K"),
+            lambda G, K: type(G) is int and G > 0 and G % 2 == 0 and K % G == 0,
+            "group_size must be an even positive int dividing K = {K}, not {G!r}",
+        ),
+    ),
+)
+_DEQ_INT8 = KernelSpec(
+    _DEQUANT_INT8,
+    "CPU int8 dequantization (AVX2)",
+    [Arg("qweight", _I8, ("N", "K")), Arg("scales", _F32, ("N", "K/G"))],
+    given=("G",),
+    rules=(Rule(("G", "K"), lambda G, K: type(G) is int and G > 0 and K % G == 0, "bad group_size {G!r}"),),
+)
+
+
+def dequantizes(qweight: torch.Tensor) -> bool:
+    """The dequantization kernels run here, for these contiguous CPU codes."""
+    return qweight.is_cpu and qweight.is_contiguous() and _DEQUANT_INT4.is_available() and _DEQUANT_INT8.is_available()
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 [N, K] = q * scales + mins per group (product and sum rounded separately, as the reference does)."""
+    if not _DEQ_INT4.fits(qweight, scales, mins, group_size):
+        _DEQ_INT4.explain(qweight, scales, mins, group_size)
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    out = torch.empty(N, K, dtype=_F32)
+    threads = torch.get_num_threads()
+    call(_DEQ_INT4.fn(), _DEQ_INT4.kernel.symbol, qweight, scales, mins, out, N, K, group_size, threads)
+    return out
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """float32 [N, K] = int8 codes * scales ([N] per channel, or [N, K / group_size])."""
+    grouped, G = _int8_group(qweight, scales, group_size)
+    if not _DEQ_INT8.fits(qweight, grouped, G):
+        _DEQ_INT8.explain(qweight, grouped, G)
+    N, K = qweight.shape
+    out = torch.empty(N, K, dtype=_F32)
+    call(_DEQ_INT8.fn(), _DEQ_INT8.kernel.symbol, qweight, grouped, out, N, K, G, torch.get_num_threads())
+    return out
