@@ -107,7 +107,8 @@ def build_library(source: Path, level: str = "avx512") -> Path:
     if not (torch_lib_dir() / "libgomp.so.1").exists():
         raise RuntimeError(f"torch ships no libgomp.so.1 in {torch_lib_dir()}")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source may include
-    key_material = source.read_bytes() + headers + "\0".join(build_command(compiler, source, Path("out"), level)).encode()
+    command = build_command(compiler, source, Path("out"), level)
+    key_material = source.read_bytes() + headers + "\0".join(command).encode()
     key = hashlib.sha256(key_material).hexdigest()
     directory = cache_dir()
     target = directory / f"{source.stem}-{key[:16]}.so"

@@ -194,8 +194,8 @@ class KernelSpec:
         return loaded(self.kernel, self.what)
 
     def linear(self, x: torch.Tensor, N: int, K: int, inputs: Sequence, ints: Sequence[int] = (), bias=None):
-        """y [..., N] (out_dtype) from a row kernel fn(*inputs, y, M, N, K, *ints, threads, MIN_PARALLEL_BYTES) on checked
-        arguments; inputs are tensors (passed as pointers), None (NULL) or floats, in the C order."""
+        """y [..., N] (out_dtype) from a row kernel fn(*inputs, y, M, N, K, *ints, threads, MIN_PARALLEL_BYTES) on
+        checked arguments; inputs are tensors (passed as pointers), None (NULL) or floats, in the C order."""
         fn = self.fn()
         # (x.shape[0], N) for the usual 2-D x: building a torch.Size from x.shape[:-1] costs about a microsecond
         y = torch.empty((x.shape[0], N) if x.dim() == 2 else x.shape[:-1] + (N,), dtype=self.out_dtype)

@@ -12,11 +12,11 @@ from torch import nn
 
 from leanlm.kernels import cpu_gemm, cpu_qgemv, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeCall, NativeLinear
+from leanlm.model.dense_copy import DenseCopy
 from leanlm.model.linear.checks import check_shape
 from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.linear.shard import COLUMN, check_axis, part, row_bias
 from leanlm.model.linear.stack import StackedLinear
-from leanlm.model.dense_copy import DenseCopy
 from leanlm.model.packed_cache import PackedCache
 
 LINEAR_FORMATS: dict[str, type[RuntimeLinear]] = {}
