@@ -1,4 +1,5 @@
-"""All decoder layers of a decode step in one native call (decode_layers.c), on AVX512-BF16 CPUs.
+"""All decoder layers of a decode step in one native call: decode_layers.c (bf16 activations, AVX512-BF16 CPUs) or
+decode_layers_f32.c (float32 activations, AVX2 CPUs: dense layers, a float32 cache, every key read, up to 8 rows).
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
@@ -21,11 +22,15 @@ from leanlm.kernels.native_linear import NativeLinear, _Linear
 from leanlm.kernels.spec import MIN_PARALLEL_BYTES
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_KERNEL = NativeKernel(
-    source=Path(__file__).with_name("decode_layers.c"),
-    symbol="leanlm_decode_layers",
-    argtypes=[_P] * 3 + [_I64] + [_P] * 4 + [_I64] * 2 + [_P, _INT, _P, _P],
-    restype=_INT,
+_ARGTYPES = [_P] * 3 + [_I64] + [_P] * 4 + [_I64] * 2 + [_P, _INT, _P, _P]
+_KERNEL = NativeKernel(Path(__file__).with_name("decode_layers.c"), "leanlm_decode_layers", _ARGTYPES, _INT)
+_KERNEL_F32 = NativeKernel(
+    Path(__file__).with_name("decode_layers_f32.c"),
+    "leanlm_decode_layers_f32",
+    _ARGTYPES,
+    _INT,
+    cpu_needs=(),
+    level="avx2",
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
 MAX_EXPERTS = 1024  # experts per MoE layer the loop routes (MOE_MAX_EXPERTS)
@@ -134,13 +139,14 @@ class NativeLayer:
         """(out_features, in_features) of each linear, in LINEAR_ORDER."""
         return tuple((s.out_features, s.in_features) for s in self.linears)
 
-    def is_supported(self) -> bool:
-        """bf16 contiguous CPU norms and linears the kernels take."""
+    def is_supported(self, dtype: torch.dtype = _BF16) -> bool:
+        """Contiguous CPU norms of the loop's activation dtype, and linears the kernels take (the float32 loop: no
+        MoE)."""
         norms = (self.input_norm, self.post_norm)
         return (
-            all(t.is_cpu and t.is_contiguous() and t.dtype == _BF16 for t in norms)
+            all(t.is_cpu and t.is_contiguous() and t.dtype == dtype for t in norms)
             and all(s.is_supported() for s in self.linears)
-            and (self.moe is None or self.moe.is_supported())
+            and (self.moe is None or (dtype is _BF16 and self.moe.is_supported()))
         )
 
     def all_linears(self) -> list[NativeLinear]:
@@ -148,14 +154,20 @@ class NativeLayer:
 
 
 def kv_is_supported(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    dtype: torch.dtype = _BF16,
 ) -> bool:
-    """A contiguous CPU cache [N, Hkv, bs, D]: bf16, or int8 with float32 scales [N, Hkv, bs] (fp8 caches stay
-    on PyTorch)."""
+    """A contiguous CPU cache [N, Hkv, bs, D]: of the loop's activation dtype, or (the bf16 loop) int8 with float32
+    scales [N, Hkv, bs] (fp8 caches stay on PyTorch)."""
     if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache)):
         return False
     if k_scales is None or v_scales is None:
-        return k_scales is v_scales and k_cache.dtype == _BF16 == v_cache.dtype
+        return k_scales is v_scales and k_cache.dtype == dtype == v_cache.dtype
+    if dtype is not _BF16:
+        return False
     return k_cache.dtype == torch.int8 == v_cache.dtype and all(
         s.dtype == _F32 and s.is_contiguous() and s.shape == k_cache.shape[:-1] for s in (k_scales, v_scales)
     )
@@ -189,9 +201,12 @@ def _check_shapes(layers: list[NativeLayer], hidden: int, q_rows: int, kv_rows: 
     return intermediate
 
 
-def is_available() -> bool:
-    """The loop and the attention it calls are built and loaded (each linear's calls say whether theirs are)."""
-    return _KERNEL.is_available() and paged_attention.is_available()
+def is_available(dtype: torch.dtype = _BF16) -> bool:
+    """The loop for `dtype` activations (and, for bf16, the attention it calls) is built and loaded (each linear's
+    calls say whether theirs are)."""
+    if dtype is _F32:
+        return _KERNEL_F32.is_available()
+    return dtype is _BF16 and _KERNEL.is_available() and paged_attention.is_available()
 
 
 class DecodeLayers:
@@ -209,7 +224,12 @@ class DecodeLayers:
         num_kv_heads: int,
         head_dim: int,
         eps: float,
+        dtype: torch.dtype = _BF16,  # the activations': bf16 (decode_layers.c) or float32 (decode_layers_f32.c)
     ) -> None:
+        if dtype not in (_BF16, _F32):
+            raise ValueError(f"the native decode loop runs bf16 or float32 activations, not {dtype}")
+        self.dtype = dtype
+        self._fn = (_KERNEL if dtype is _BF16 else _KERNEL_F32).fn
         self._keep = (layers, final_norm, cos, sin)  # the struct holds raw pointers into these
         # Whether bind_kv succeeded. The struct then points into caches this object does not keep alive: the
         # caller (model/native_decode.py) calls the loop only while the bound caches are the forward's own.
@@ -241,7 +261,7 @@ class DecodeLayers:
             sin.data_ptr(),
             self._layers,
             final_norm.data_ptr(),
-            *paged_attention.native_entries(),
+            *(paged_attention.native_entries() if dtype is _BF16 else (None, None)),  # the f32 loop attends itself
             cpu_gemm.MIN_ROWS,
             MIN_PARALLEL_BYTES,
             eps,
@@ -256,8 +276,8 @@ class DecodeLayers:
         self._per_row += widest_input
         if any(layer.moe is not None for layer in layers):
             self._per_row += hidden  # a MoE layer's output (its experts' work space is the C loop's)
-        self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=_BF16)  # grown for larger batches
-        packed = all(linear.many_rows is not None for linear in every)
+        self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=dtype)  # grown for larger batches
+        packed = dtype is _BF16 and all(linear.many_rows is not None for linear in every)
         self.max_rows: int | None = None if packed else MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 
@@ -265,7 +285,7 @@ class DecodeLayers:
         """Point layer i at caches[i] = (k_cache, v_cache, k_scales, v_scales), each cache [N, Hkv, bs, D]. False
         (and nothing bound) when the loop cannot read them. The caches must outlive every call made on them."""
         self._has_kv = False
-        if len(caches) != len(self._layers) or not all(kv_is_supported(*c) for c in caches):
+        if len(caches) != len(self._layers) or not all(kv_is_supported(*c, dtype=self.dtype) for c in caches):
             return False
         shape = caches[0][0].shape
         if (shape[1], shape[3]) != self._kv_heads_dim or any(c[0].shape != shape for c in caches):
@@ -300,7 +320,7 @@ class DecodeLayers:
         index = (positions, slots, block_tables, seq_lens)
         if not (
             0 < M <= (self.max_rows or M)
-            and x.dtype is _BF16
+            and x.dtype is self.dtype
             and x.is_cpu
             and x.is_contiguous()
             and x.shape[1] == self.hidden
@@ -316,13 +336,13 @@ class DecodeLayers:
             )
         ):
             raise ValueError(
-                f"the native decode loop takes 1-{self.max_rows or 'any number of'} contiguous bf16 rows of "
+                f"the native decode loop takes 1-{self.max_rows or 'any number of'} contiguous {self.dtype} rows of "
                 f"{self.hidden} and int64 index tensors with one row each; got x {tuple(x.shape)} {x.dtype}"
             )
         if self._scratch.numel() < M * self._per_row:
-            self._scratch = torch.empty(M * self._per_row, dtype=_BF16)
+            self._scratch = torch.empty(M * self._per_row, dtype=self.dtype)
         out = torch.empty_like(x)
-        rc = _KERNEL.fn()(
+        rc = self._fn()(
             ctypes.byref(self._model),
             x.data_ptr(),
             out.data_ptr(),
@@ -339,5 +359,5 @@ class DecodeLayers:
             None if sink_positions is None else sink_positions.contiguous().data_ptr(),
         )
         if rc != 0:
-            raise RuntimeError(f"leanlm_decode_layers failed (code {rc}); positions {positions.tolist()}")
+            raise RuntimeError(f"the native decode loop failed (code {rc}); positions {positions.tolist()}")
         return out

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from leanlm.kernels.build import NativeKernel
+from leanlm.kernels.native_linear import NativeCall, call_entry
 from leanlm.kernels.spec import ROWS, Arg, KernelSpec, Rule, call
 
 _SOURCE = Path(__file__).with_name("gemv_quant_avx2.c")
@@ -23,7 +24,13 @@ _AVX2 = {"cpu_needs": (), "level": "avx2"}
 _INT4_KERNEL = NativeKernel(
     _SOURCE, "leanlm_linear_int4_f32", [_P] * 6 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2
 )  # fmt: skip
+_INT4_A8_KERNEL = NativeKernel(
+    _SOURCE, "leanlm_linear_int4_a8_f32", [_P] * 6 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2
+)  # fmt: skip
 _INT8_KERNEL = NativeKernel(_SOURCE, "leanlm_linear_int8_f32", [_P] * 5 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2)
+_INT8_A8_KERNEL = NativeKernel(
+    _SOURCE, "leanlm_linear_int8_a8_f32", [_P] * 5 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2
+)  # fmt: skip
 _DEQUANT_INT4 = NativeKernel(_SOURCE, "leanlm_dequantize_int4_f32", [_P] * 4 + [_I64] * 3 + [_INT], None, **_AVX2)
 _DEQUANT_INT8 = NativeKernel(_SOURCE, "leanlm_dequantize_int8_f32", [_P] * 3 + [_I64] * 3 + [_INT], None, **_AVX2)
 # The GEMVs take up to this many rows; from 9 on, one float32 dequantization and one sgemm (MKL / oneDNN) win:
@@ -37,6 +44,11 @@ _F32, _I8, _U8 = torch.float32, torch.int8, torch.uint8
 def is_available() -> bool:
     """True when the kernels are built and loaded (x86-64 Linux, AVX2 + FMA, a C compiler, the level allowed)."""
     return _INT4_KERNEL.is_available() and _INT8_KERNEL.is_available()
+
+
+def act_int8_is_available() -> bool:
+    """The W4A8 and W8A8 GEMVs (int8 activations) are built and loaded."""
+    return _INT4_A8_KERNEL.is_available() and _INT8_A8_KERNEL.is_available()
 
 
 def unavailable_reason() -> str | None:
@@ -60,6 +72,15 @@ INT4_SPEC = KernelSpec(
     rules=(Rule(("G", "K"), _int4_group_ok, "group_size must be a multiple of 32 dividing K = {K}, not {G!r}"),),
     out_dtype=_F32,
 )
+# W4A8: the same tensors, x quantized to int8 in groups of 32 inside the kernel (cpu_a8.reference's arithmetic)
+INT4_A8_SPEC = KernelSpec(
+    _INT4_A8_KERNEL,
+    "CPU int4 GEMV kernel with int8 activations (AVX2)",
+    INT4_SPEC.args,
+    given=("G",),
+    rules=INT4_SPEC.rules,
+    out_dtype=_F32,
+)
 # int8 codes [N, K], scales per group of G inputs [N, K / G]; per channel is G = K with scales viewed [N, 1]
 INT8_SPEC = KernelSpec(
     _INT8_KERNEL,
@@ -67,6 +88,17 @@ INT8_SPEC = KernelSpec(
     [_X, Arg("qweight", _I8, ("N", "K")), Arg("scales", _F32, ("N", "K/G")), _BIAS],
     given=("G",),
     rules=(Rule(("G", "K"), _int8_group_ok, "group_size must be a multiple of 8 dividing K = {K}, not {G!r}"),),
+    out_dtype=_F32,
+)
+
+
+# W8A8: int8 codes with x quantized per 32 inside the kernel; weight groups (G = K per channel) of whole 32s
+INT8_A8_SPEC = KernelSpec(
+    _INT8_A8_KERNEL,
+    "CPU int8 GEMV kernel with int8 activations (AVX2)",
+    INT8_SPEC.args,
+    given=("G",),
+    rules=(Rule(("G", "K"), _int4_group_ok, "group_size must be a multiple of 32 dividing K = {K}, not {G!r}"),),
     out_dtype=_F32,
 )
 
@@ -104,6 +136,53 @@ def linear_int4(
         INT4_SPEC.explain(x, qweight, scales, mins, bias, group_size)
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     return INT4_SPEC.linear(x, N, K, (x, qweight, scales, mins, bias), (group_size,), bias=bias)
+
+
+def should_use_int4_a8(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
+    """Policy: as should_use_int4, for int8 activations."""
+    return (
+        INT4_A8_SPEC.rows_fit(x, qweight, None, None, None, group_size, max_rows=MAX_ROWS)
+        and _INT4_A8_KERNEL.is_available()
+    )
+
+
+def linear_int4_a8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """linear_int4 on x quantized to int8 per 32 inputs (numerics.quantize_act_int8): W4A8, as llama.cpp's Q4_1 x
+    Q8_1 dot products; equals cpu_a8.reference to fp32 rounding."""
+    if not INT4_A8_SPEC.fits(x, qweight, scales, mins, bias, group_size):
+        INT4_A8_SPEC.explain(x, qweight, scales, mins, bias, group_size)
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    return INT4_A8_SPEC.linear(x, N, K, (x, qweight, scales, mins, bias), (group_size,), bias=bias)
+
+
+def should_use_int8_a8(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None) -> bool:
+    """Policy: as should_use_int8, for int8 activations (weight groups of a multiple of 32, or per channel with K
+    a multiple of 32)."""
+    G = qweight.shape[-1] if group_size is None else group_size
+    return INT8_A8_SPEC.rows_fit(x, qweight, None, None, G, max_rows=MAX_ROWS) and _INT8_A8_KERNEL.is_available()
+
+
+def linear_int8_a8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """linear_int8 on x quantized to int8 per 32 inputs: W8A8-dynamic (llama.cpp's Q8_0 x Q8_0 arithmetic); equals
+    cpu_a8.reference to fp32 rounding."""
+    grouped, G = _int8_group(qweight, scales, group_size)
+    if not INT8_A8_SPEC.fits(x, qweight, grouped, bias, G):
+        INT8_A8_SPEC.explain(x, qweight, grouped, bias, G)
+    N, K = qweight.shape
+    return INT8_A8_SPEC.linear(x, N, K, (x, qweight, grouped, bias), (G,), bias=bias)
 
 
 def linear_int8(
@@ -169,3 +248,35 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
     out = torch.empty(N, K, dtype=_F32)
     call(_DEQ_INT8.fn(), _DEQ_INT8.kernel.symbol, qweight, grouped, out, N, K, G, torch.get_num_threads())
     return out
+
+
+_INT4_CALL = call_entry(_SOURCE, "leanlm_linear_int4_f32_call", **_AVX2)
+_INT8_CALL = call_entry(_SOURCE, "leanlm_linear_int8_f32_call", **_AVX2)
+_INT4_A8_CALL = call_entry(_SOURCE, "leanlm_linear_int4_a8_f32_call", **_AVX2)
+
+
+def int4_native_call(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    act_int8: bool = False,
+) -> NativeCall | None:
+    """The float32 decode loop's call of the int4 GEMV (decode_layers_f32.c; `act_int8`: the W4A8 one): codes uint8
+    [N, K / 2], scales and mins float32 [N, K / group_size], bias float32 [N] or None; None where they are not
+    what it reads."""
+    if not INT4_SPEC.fits_partial(None, qweight, scales, mins, bias, group_size):
+        return None
+    name, entry = ("int4_a8_f32", _INT4_A8_CALL) if act_int8 else ("int4_f32", _INT4_CALL)
+    return NativeCall(name, entry, (qweight, scales, mins, bias), (group_size,))
+
+
+def int8_native_call(
+    qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int | None
+) -> NativeCall | None:
+    """As int4_native_call, for int8 codes [N, K] with scales [N] (per channel) or [N, K / group_size]."""
+    grouped, G = _int8_group(qweight, scales, group_size)
+    if not INT8_SPEC.fits_partial(None, qweight, grouped, bias, G):
+        return None
+    return NativeCall("int8_f32", _INT8_CALL, (qweight, grouped, bias), (G,))

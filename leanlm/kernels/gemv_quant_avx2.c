@@ -14,16 +14,30 @@
  */
 
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "linear_call.h"
 #include "row_driver.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define BLOCK_N 16 /* weight rows per unit of work a thread takes */
 #define SUB_ROWS 4 /* rows of x held in registers at once (a pass of up to 8 is done in two) */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192 /* how far ahead of a tile its weight rows (and their scales, mins) are prefetched */
+#endif
+
+/* Prefetch rows [row, row + n) of a row-major array with row_bytes per row (clipped to N rows): a tile's codes,
+ * scales and mins are three streams the hardware prefetcher follows late, and a miss stalls every FMA after it. */
+static inline void prefetch_rows(const void *base, int64_t row_bytes, int64_t row, int64_t n, int64_t N) {
+    if (row >= N) return;
+    if (row + n > N) n = N - row;
+    const char *p = (const char *)base + row * row_bytes, *end = (const char *)base + (row + n) * row_bytes;
+    for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
 
 ALWAYS_INLINE float hsum(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -70,11 +84,17 @@ ALWAYS_INLINE void unpack_i4(const uint8_t *src, __m256 q[4]) {
 /* Rows [m0, m0 + R) of x against weight rows [n0, n0 + NB); R * NB <= 4 keeps every accumulator in a register. */
 ALWAYS_INLINE void tile_i4(const int4_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
     const int64_t K = a->K, gs = a->gs, G = K / gs, N = a->N;
-    __m256 tot[4][4];
+    if (m0 == 0) {
+        const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
+        prefetch_rows(a->w, K / 2, ahead, NB, N);
+        prefetch_rows(a->scales, G * 4, ahead, NB, N);
+        prefetch_rows(a->mins, G * 4, ahead, NB, N);
+    }
+    __m256 tot[4][4], mins[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) tot[r][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NB; j++) tot[r][j] = mins[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m256 acc[4][4];
 #pragma GCC unroll 4
@@ -100,21 +120,21 @@ ALWAYS_INLINE void tile_i4(const int4_args *a, int64_t m0, int64_t n0, const int
 #pragma GCC unroll 4
         for (int j = 0; j < NB; j++) {
             const __m256 s = _mm256_broadcast_ss(a->scales + (n0 + j) * G + g);
+            const __m256 mn = _mm256_broadcast_ss(a->mins + (n0 + j) * G + g);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
+            for (int r = 0; r < R; r++) {
+                tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
+                /* the min term, in every lane alike: vector FMAs, so no scalar chain of G dependent FMAs per output */
+                mins[r][j] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(a->sums + (m0 + r) * G + g), mins[r][j]);
+            }
         }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; j++) {
-        const float *mn = a->mins + (n0 + j) * G;
         const float b = a->bias ? a->bias[n0 + j] : 0.0f;
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const float *S = a->sums + (m0 + r) * G;
-            float min_term = 0.0f;
-            for (int64_t g = 0; g < G; g++) min_term += mn[g] * S[g];
-            a->y[(m0 + r) * N + n0 + j] = hsum(tot[r][j]) + min_term + b;
-        }
+        for (int r = 0; r < R; r++)
+            a->y[(m0 + r) * N + n0 + j] = hsum(tot[r][j]) + _mm256_cvtss_f32(mins[r][j]) + b;
     }
 }
 
@@ -159,6 +179,378 @@ int leanlm_linear_int4_f32(const float *x, const uint8_t *w, const float *scales
     const int4_args args = {xp, sums, w, scales, mins, bias, y, K, N, gs};
     const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
     leanlm_row_passes(int4_pass, &args, M, N, BLOCK_N, threads);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------- int4, int8 activations
+ * W4A8: x quantized per call to int8 in groups of 32 (scale = max(absmax / 127, 1e-12), codes = x / scale rounded
+ * half to even, as numerics.quantize_act_int8), then each 32-code slice is one vpmaddubsw (unsigned nibbles times
+ * signed codes) and one vpmaddwd: exact integer dot products, scaled by the activation group's and the weight
+ * group's scales in fp32. The min term is min_g * (x scale * the sum of the codes), so the result is the float
+ * reference on the fake-quantized x (cpu_a8.reference) to fp32 rounding: llama.cpp's Q4_1 x Q8_1 arithmetic. */
+
+#define ACT_GROUP 32
+
+typedef struct {
+    const int8_t *xq;  /* [M, K] codes, reordered per 32 inputs as xp above */
+    const float *sx;   /* [M, K / 32] activation scales */
+    const float *tmin; /* [M, K / 32] scale * the sum of the group's codes */
+    const uint8_t *w;
+    const float *scales, *mins, *bias;
+    float *y;
+    int64_t K, N, gs;
+} int4_a8_args;
+
+ALWAYS_INLINE __m256i unpack_i4_bytes(const uint8_t *src) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    return _mm256_set_m128i(hi, lo); /* k = 0, 2, .., 30 then 1, 3, .., 31 */
+}
+
+ALWAYS_INLINE void tile_i4a8(const int4_a8_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
+    const int64_t K = a->K, gs = a->gs, G = K / gs, C = K / ACT_GROUP;
+    if (m0 == 0) { /* the first rows of x bring the tile in; later passes find it cached */
+        const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
+        prefetch_rows(a->w, K / 2, ahead, NB, a->N);
+        prefetch_rows(a->scales, G * 4, ahead, NB, a->N);
+        prefetch_rows(a->mins, G * 4, ahead, NB, a->N);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 tot[4][4], mins[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) tot[r][j] = mins[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256 acc[4][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+        __m256 tg[4]; /* the activation groups' scale * code sums over this weight group, per row */
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) tg[r] = _mm256_setzero_ps();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+            __m256i xv[4];
+            __m256 sxv[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                xv[r] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
+                sxv[r] = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
+                tg[r] = _mm256_add_ps(tg[r], _mm256_broadcast_ss(a->tmin + (m0 + r) * C + k / ACT_GROUP));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) {
+                const __m256i wv = unpack_i4_bytes(a->w + (n0 + j) * (K / 2) + k / 2);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv[r]), ones);
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sxv[r], acc[r][j]);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) {
+            const __m256 s = _mm256_broadcast_ss(a->scales + (n0 + j) * G + g);
+            const __m256 mn = _mm256_broadcast_ss(a->mins + (n0 + j) * G + g);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
+                mins[r][j] = _mm256_fmadd_ps(mn, tg[r], mins[r][j]); /* every lane alike */
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+        const float b = a->bias ? a->bias[n0 + j] : 0.0f;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            a->y[(m0 + r) * a->N + n0 + j] = hsum(tot[r][j]) + _mm256_cvtss_f32(mins[r][j]) + b;
+    }
+}
+
+ALWAYS_INLINE void rows_i4a8(const int4_a8_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
+                             const int NB) {
+    int64_t n = n_begin;
+    for (; n + NB <= n_end; n += NB) tile_i4a8(a, m0, n, R, NB);
+    for (; n < n_end; n++) tile_i4a8(a, m0, n, R, 1);
+}
+
+static void int4_a8_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const int4_a8_args *a = (const int4_a8_args *)args;
+    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
+        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
+        if (r == 1) rows_i4a8(a, i, n_begin, n_end, 1, 4);
+        else if (r == 2) rows_i4a8(a, i, n_begin, n_end, 2, 2);
+        else if (r == 3) rows_i4a8(a, i, n_begin, n_end, 3, 1);
+        else rows_i4a8(a, i, n_begin, n_end, 4, 1);
+    }
+}
+
+/* One row of x [K] to int8 codes in groups of 32 (written reordered when `reorder`), with each group's scale and
+ * scale * sum of codes. */
+static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, float *sx, float *tmin) {
+    for (int64_t c = 0; c < K / ACT_GROUP; c++) {
+        const float *xg = x + c * ACT_GROUP;
+        float absmax = 0.0f;
+        for (int t = 0; t < ACT_GROUP; t++) absmax = fmaxf(absmax, fabsf(xg[t]));
+        float s = absmax / 127.0f;
+        if (s < 1e-12f) s = 1e-12f;
+        int sum = 0;
+        for (int t = 0; t < ACT_GROUP; t++) {
+            float q = nearbyintf(xg[t] / s);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            /* 0: in place; 1: per 32, evens then odds; 2: per pair of 32s, both evens then both odds */
+            const int64_t at = reorder == 0   ? c * ACT_GROUP + t
+                               : reorder == 1 ? c * ACT_GROUP + (t % 2) * 16 + t / 2
+                                              : (c / 2) * 64 + (t % 2) * 32 + (c % 2) * 16 + t / 2;
+            codes[at] = (int8_t)q;
+            sum += (int)q;
+        }
+        sx[c] = s;
+        tmin[c] = s * (float)sum;
+    }
+}
+
+/* The same product 64 codes at a time (K a multiple of 64; groups of 32 or of a multiple of 64): one 32-byte load
+ * holds two 32-code slices, whose low nibbles meet both slices' even inputs and high nibbles both odd ones (x is
+ * reordered per 64 to match), so a pair costs two vpmaddubsw, one vpmaddwd and one conversion, half the per-32
+ * form's shuffles. Lanes 0-3 then belong to the first slice and 4-7 to the second; each is scaled by its own
+ * activation and weight scale. The min term is a dot product of the row's mins with the groups' scaled code sums. */
+typedef struct {
+    const int8_t *xq;   /* [M, K] codes, reordered per 64 */
+    const float *sxv;   /* [M, K / 64, 8]: each pair's activation scales, 4 lanes each */
+    const float *tmin;  /* [M, G]: per weight group, the sum over its slices of scale * sum of codes */
+    const uint8_t *w;
+    const float *scales, *mins, *bias;
+    float *y;
+    int64_t K, N, gs;
+} int4_a8_pair_args;
+
+/* The weight scales of a pair's two slices, 4 lanes each: two groups of 32, or one larger group for both. */
+ALWAYS_INLINE __m256 pair_scales(const float *row, int64_t p, int64_t gs) {
+    if (gs == 32) {
+        const __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(row + 2 * p)));
+        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    }
+    return _mm256_broadcast_ss(row + 64 * p / gs);
+}
+
+ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
+    const int64_t K = a->K, gs = a->gs, G = K / gs, P = K / 64;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    if (m0 == 0) {
+        const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
+        prefetch_rows(a->w, K / 2, ahead, NB, a->N);
+        prefetch_rows(a->scales, G * 4, ahead, NB, a->N);
+        prefetch_rows(a->mins, G * 4, ahead, NB, a->N);
+    }
+    __m256 tot[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) tot[r][j] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        __m256i xe[4], xo[4];
+        __m256 sx[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = a->xq + (m0 + r) * K + 64 * p;
+            xe[r] = _mm256_loadu_si256((const __m256i *)xr);
+            xo[r] = _mm256_loadu_si256((const __m256i *)(xr + 32));
+            sx[r] = _mm256_loadu_ps(a->sxv + ((m0 + r) * P + p) * 8);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(a->w + (n0 + j) * (K / 2) + 32 * p));
+            const __m256i lo = _mm256_and_si256(bytes, nibble);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            const __m256 ws = pair_scales(a->scales + (n0 + j) * G, p, gs);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                /* each 16-bit lane at most 2 * 15 * 127 per product pair: the sum of both stays below 2^15 */
+                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe[r]), _mm256_maddubs_epi16(hi, xo[r]));
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                tot[r][j] = _mm256_fmadd_ps(f, _mm256_mul_ps(sx[r], ws), tot[r][j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+        const float *mn = a->mins + (n0 + j) * G;
+        const float b = a->bias ? a->bias[n0 + j] : 0.0f;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float *T = a->tmin + (m0 + r) * G;
+            __m256 mv = _mm256_setzero_ps();
+            int64_t g = 0;
+            for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(T + g), mv);
+            float min_term = hsum(mv);
+            for (; g < G; g++) min_term += mn[g] * T[g];
+            a->y[(m0 + r) * a->N + n0 + j] = hsum(tot[r][j]) + min_term + b;
+        }
+    }
+}
+
+ALWAYS_INLINE void rows_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
+                              const int NB) {
+    int64_t n = n_begin;
+    for (; n + NB <= n_end; n += NB) tile_i4a8p(a, m0, n, R, NB);
+    for (; n < n_end; n++) tile_i4a8p(a, m0, n, R, 1);
+}
+
+static void int4_a8_pair_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const int4_a8_pair_args *a = (const int4_a8_pair_args *)args;
+    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
+        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
+        if (r == 1) rows_i4a8p(a, i, n_begin, n_end, 1, 4);
+        else if (r == 2) rows_i4a8p(a, i, n_begin, n_end, 2, 2);
+        else if (r == 3) rows_i4a8p(a, i, n_begin, n_end, 3, 1);
+        else rows_i4a8p(a, i, n_begin, n_end, 4, 1);
+    }
+}
+
+static int int4_a8_pairs(const float *x, const uint8_t *w, const float *scales, const float *mins, const float *bias,
+                         float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
+                         int64_t min_parallel_bytes) {
+    const int64_t C = K / ACT_GROUP, G = K / gs, P = K / 64;
+    float *buf = scratch_buffer((size_t)(M * K / 4 + 2 * M * C + M * P * 8 + M * G));
+    if (buf == NULL) return -2;
+    float *sx = buf, *t32 = sx + M * C, *sxv = t32 + M * C, *tmin = sxv + M * P * 8;
+    int8_t *xq = (int8_t *)(tmin + M * G);
+    for (int64_t i = 0; i < M; i++) {
+        quantize_row(x + i * K, K, 2, xq + i * K, sx + i * C, t32 + i * C);
+        for (int64_t c = 0; c < C; c++)
+            for (int l = 0; l < 4; l++) sxv[(i * P + c / 2) * 8 + (c % 2) * 4 + l] = sx[i * C + c];
+        for (int64_t g = 0; g < G; g++) {
+            float t = 0.0f;
+            for (int64_t c = g * gs / ACT_GROUP; c < (g + 1) * gs / ACT_GROUP; c++) t += t32[i * C + c];
+            tmin[i * G + g] = t;
+        }
+    }
+    const int4_a8_pair_args args = {xq, sxv, tmin, w, scales, mins, bias, y, K, N, gs};
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
+    leanlm_row_passes(int4_a8_pair_pass, &args, M, N, BLOCK_N, threads);
+    return 0;
+}
+
+int leanlm_linear_int4_a8_f32(const float *x, const uint8_t *w, const float *scales, const float *mins,
+                              const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t gs,
+                              int num_threads, int64_t min_parallel_bytes) {
+    if (M < 0 || N < 0 || K < 0 || gs <= 0 || gs % 32 != 0 || K % gs != 0) return -1;
+    if (M == 0 || N == 0) return 0;
+    if (K % 64 == 0 && (gs == 32 || gs % 64 == 0))
+        return int4_a8_pairs(x, w, scales, mins, bias, y, M, N, K, gs, num_threads, min_parallel_bytes);
+    const int64_t C = K / ACT_GROUP;
+    float *buf = scratch_buffer((size_t)(M * K / 4 + 2 * M * C));
+    if (buf == NULL) return -2;
+    float *sx = buf, *tmin = sx + M * C;
+    int8_t *xq = (int8_t *)(tmin + M * C);
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, tmin + i * C);
+    const int4_a8_args args = {xq, sx, tmin, w, scales, mins, bias, y, K, N, gs};
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
+    leanlm_row_passes(int4_a8_pass, &args, M, N, BLOCK_N, threads);
+    return 0;
+}
+
+/* W8A8: symmetric int8 weights (per channel: gs = K, or groups of a multiple of 32) with x quantized as for W4A8;
+ * vpmaddubsw needs one unsigned operand, so it multiplies |w| by x carrying w's sign (llama.cpp's Q8_0 trick). */
+typedef struct {
+    const int8_t *xq; /* [M, K] codes in their own order */
+    const float *sx;  /* [M, K / 32] */
+    const int8_t *w;  /* [N, K] */
+    const float *scales, *bias;
+    float *y;
+    int64_t K, N, gs;
+} int8_a8_args;
+
+ALWAYS_INLINE void tile_i8a8(const int8_a8_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
+    const int64_t K = a->K, gs = a->gs, G = K / gs, C = K / ACT_GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (m0 == 0) {
+        const int64_t ahead = n0 + (PREFETCH_BYTES + K - 1) / K;
+        prefetch_rows(a->w, K, ahead, NB, a->N);
+        prefetch_rows(a->scales, G * 4, ahead, NB, a->N);
+    }
+    __m256 tot[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) tot[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256 acc[4][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+            __m256i xv[4];
+            __m256 sxv[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                xv[r] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
+                sxv[r] = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(a->w + (n0 + j) * K + k));
+                const __m256i aw = _mm256_sign_epi8(wv, wv);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[r], wv));
+                    const __m256i p = _mm256_madd_epi16(p16, ones);
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sxv[r], acc[r][j]);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) {
+            const __m256 s = _mm256_broadcast_ss(a->scales + (n0 + j) * G + g);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+        const float b = a->bias ? a->bias[n0 + j] : 0.0f;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) a->y[(m0 + r) * a->N + n0 + j] = hsum(tot[r][j]) + b;
+    }
+}
+
+ALWAYS_INLINE void rows_i8a8(const int8_a8_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
+                             const int NB) {
+    int64_t n = n_begin;
+    for (; n + NB <= n_end; n += NB) tile_i8a8(a, m0, n, R, NB);
+    for (; n < n_end; n++) tile_i8a8(a, m0, n, R, 1);
+}
+
+static void int8_a8_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    const int8_a8_args *a = (const int8_a8_args *)args;
+    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
+        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
+        if (r == 1) rows_i8a8(a, i, n_begin, n_end, 1, 4);
+        else if (r == 2) rows_i8a8(a, i, n_begin, n_end, 2, 2);
+        else if (r == 3) rows_i8a8(a, i, n_begin, n_end, 3, 1);
+        else rows_i8a8(a, i, n_begin, n_end, 4, 1);
+    }
+}
+
+int leanlm_linear_int8_a8_f32(const float *x, const int8_t *w, const float *scales, const float *bias, float *y,
+                              int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
+                              int64_t min_parallel_bytes) {
+    if (M < 0 || N < 0 || K < 0 || gs <= 0 || gs % 32 != 0 || K % gs != 0) return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t C = K / ACT_GROUP;
+    float *buf = scratch_buffer((size_t)(M * K / 4 + 2 * M * C));
+    if (buf == NULL) return -2;
+    float *sx = buf, *tmin = sx + M * C;
+    int8_t *xq = (int8_t *)(tmin + M * C);
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, 0, xq + i * K, sx + i * C, tmin + i * C);
+    const int8_a8_args args = {xq, sx, w, scales, bias, y, K, N, gs};
+    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K, min_parallel_bytes);
+    leanlm_row_passes(int8_a8_pass, &args, M, N, BLOCK_N, threads);
     return 0;
 }
 
@@ -271,4 +663,29 @@ void leanlm_dequantize_int8_f32(const int8_t *w, const float *scales, float *out
             const float s = scales[n * G + g];
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) out[n * K + k] = (float)w[n * K + k] * s;
         }
+}
+
+/* ---------------------------------------------------------------------------- the decode loop's entries
+ * linear_call.h's uniform entry with float32 x and y (decode_layers_f32.c calls it so): int4 tensors (codes,
+ * scales, mins, bias) and ints (group size); int8 tensors (codes, scales [N, K / gs], bias) and ints (gs; K per
+ * channel). */
+
+int leanlm_linear_int4_f32_call(const leanlm_linear_call *c, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                                int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_int4_f32(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
+                                  (const float *)c->tensors[2], (const float *)c->tensors[3], y, M, N, K, c->ints[0],
+                                  threads, min_parallel_bytes);
+}
+
+int leanlm_linear_int8_f32_call(const leanlm_linear_call *c, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                                int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_int8_f32(x, (const int8_t *)c->tensors[0], (const float *)c->tensors[1],
+                                  (const float *)c->tensors[2], y, M, N, K, c->ints[0], threads, min_parallel_bytes);
+}
+
+int leanlm_linear_int4_a8_f32_call(const leanlm_linear_call *c, const float *x, float *y, int64_t M, int64_t N,
+                                   int64_t K, int threads, int64_t min_parallel_bytes) {
+    return leanlm_linear_int4_a8_f32(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
+                                     (const float *)c->tensors[2], (const float *)c->tensors[3], y, M, N, K,
+                                     c->ints[0], threads, min_parallel_bytes);
 }

@@ -20,9 +20,11 @@ MAX_TENSORS, MAX_INTS = 6, 2  # linear_call.h's LEANLM_CALL_TENSORS, LEANLM_CALL
 CALL_ARGTYPES = [_P] * 3 + [_I64] * 3 + [_INT, _I64]
 
 
-def call_entry(source: Path, symbol: str, cpu_needs: tuple[str, ...] = ("avx512_bf16",)) -> NativeKernel:
+def call_entry(
+    source: Path, symbol: str, cpu_needs: tuple[str, ...] = ("avx512_bf16",), level: str = "avx512"
+) -> NativeKernel:
     """A kernel library's uniform entry for the decode loop (built and loaded with the library)."""
-    return NativeKernel(source=source, symbol=symbol, argtypes=CALL_ARGTYPES, restype=_INT, cpu_needs=cpu_needs)
+    return NativeKernel(source, symbol, CALL_ARGTYPES, _INT, cpu_needs=cpu_needs, level=level)
 
 
 class _Call(ctypes.Structure):

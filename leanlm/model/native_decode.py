@@ -75,17 +75,18 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     takes any number of rows."""
     layers, rotary, cfg = model.model.layers, model.rotary_emb, model.config
     norm = model.model.norm.weight
+    dtype = norm.dtype  # the activations': bf16 (AVX512 loop) or float32 (AVX2 loop: dense layers, at most 8 rows)
     if (
         not len(layers)
         or cfg.qk_norm
         or cfg.clip_qkv is not None
         or rotary is None
         or layers[0].self_attn.backend.name != "cpu"
-        or not cpu_decode.is_available()
-        or norm.dtype != torch.bfloat16
+        or not cpu_decode.is_available(dtype)
+        or (dtype is torch.float32 and packed)
         or not norm.is_cpu
         or not norm.is_contiguous()
-        or model.model.embed_tokens.weight.dtype != torch.bfloat16
+        or model.model.embed_tokens.weight.dtype != dtype
         or rotary.cos.dtype != torch.float32
         or not rotary.cos.is_cpu
         or not paged_attention.supports_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -93,16 +94,19 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
         return None
     native: list[cpu_decode.NativeLayer] = []
     for layer in layers:
-        moe = _native_moe(layer.mlp, packed) if isinstance(layer.mlp, SparseMoeBlock) else None
+        sparse = isinstance(layer.mlp, SparseMoeBlock)
+        if sparse and dtype is torch.float32:
+            return None
+        moe = _native_moe(layer.mlp, packed) if sparse else None
         mlp = layer.mlp.experts[0] if moe is not None else layer.mlp
         modules = {**dict(layer.self_attn.named_children()), **dict(mlp.named_children())}
-        specs = tuple(_native_linear(modules.get(n), packed) for n in cpu_decode.LINEAR_ORDER)
+        specs = tuple(_native_linear(modules.get(n), packed, dtype) for n in cpu_decode.LINEAR_ORDER)
         if any(s is None or (packed and s.many_rows is None) for s in specs):
             return None
         if isinstance(layer.mlp, SparseMoeBlock) and moe is None:
             return None
         spec = cpu_decode.NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, specs, moe)
-        if not spec.is_supported():
+        if not spec.is_supported(dtype):
             return None
         native.append(spec)
     try:
@@ -115,6 +119,7 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
             cfg.num_key_value_heads,
             cfg.head_dim,
             cfg.rms_norm_eps,
+            dtype,
         )
     except ValueError as e:  # a layer the loop cannot size (the loaders refuse such checkpoints first)
         logger.warning("native decode loop off: %s", e)
@@ -140,7 +145,12 @@ def _native_moe(block: SparseMoeBlock, packed: bool) -> cpu_decode.NativeMoE | N
     return cpu_decode.NativeMoE(router, block.moe.top_k, block.moe.scoring, experts, shared, block.stats.native)
 
 
-def _native_linear(module: nn.Module, packed: bool) -> cpu_decode.NativeLinear | None:
+def _native_linear(
+    module: nn.Module, packed: bool, dtype: torch.dtype = torch.bfloat16
+) -> cpu_decode.NativeLinear | None:
+    if dtype is torch.float32:
+        native_linear_f32 = getattr(module, "native_linear_f32", None)
+        return None if native_linear_f32 is None else native_linear_f32()
     native_linear = getattr(module, "native_linear", None)
     return None if native_linear is None else native_linear(packed=packed)
 
@@ -216,6 +226,9 @@ class NativeDecodePlan:
         bound = self._for_rows(x.shape[0])
         if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]):
             return None
+        bounds = self._layer_bounds(ctx)
+        if bound.loop.dtype is torch.float32 and (bounds is not None or ctx.sink_positions is not None):
+            return None  # the float32 loop reads every key: windows and sinks stay on the PyTorch path
         return bound.loop(
             x,
             positions,
@@ -223,7 +236,7 @@ class NativeDecodePlan:
             ctx.decode_block_tables,
             ctx.decode_seq_lens,
             ctx.decode_max_seq_len,
-            self._layer_bounds(ctx),
+            bounds,
             ctx.sink_positions,
         )
 

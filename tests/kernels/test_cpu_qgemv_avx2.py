@@ -135,3 +135,77 @@ def test_layers_route_float32_rows_to_the_kernels(monkeypatch):
     monkeypatch.setattr(avx2, "dequantize_int4", lambda *a: calls.append(a) or unpack_int4(a[0]).float())
     int4(torch.randn(40, 128))
     assert len(calls) == 1  # many rows: the AVX2 dequantization, not the per-call torch reference
+
+
+def _a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from leanlm.kernels import cpu_a8
+
+    return cpu_a8.reference(x.double(), w.double(), None if bias is None else bias.double())
+
+
+def _check_a8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Against the fake-quantized float reference: integer dot products are exact, so only fp32 scaling and sums
+    differ (well below one activation code's worth)."""
+    ref = _a8_reference(x, w, bias)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    from leanlm.model.quantized.numerics import fake_quantize_act_int8
+
+    slack = (x.shape[-1] // 4 + 16) * EPS32 * (fake_quantize_act_int8(x).double().abs() @ w.double().abs().T)
+    err = (y.double() - ref).abs()
+    assert (err <= slack + 1e-6).all(), f"max err {err.max():.3g}"
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "G"),
+    [(96, 64, 32), (77, 192, 64), (40, 256, 128), (33, 576, 32), (50, 96, 32), (20, 288, 96)],
+)  # K = 96 and G = 96: the per-32 form; the others: pairs of 32
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8])
+def test_int4_with_int8_activations_matches_the_reference(N, K, G, M):
+    g = torch.Generator().manual_seed(N + M)
+    qweight, scales, mins, w = _int4(N, K, G, g)
+    x = torch.randn(M, K, generator=g)
+    x[0, 0] = 40.0  # one group with a large scale
+    x[-1, :32] = 0.0  # an all-zero group: scale floor, zero codes
+    bias = torch.randn(N, generator=g)
+    _check_a8(avx2.linear_int4_a8(x, qweight, scales, mins, G, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("G", [None, 32, 64])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_int8_with_int8_activations_matches_the_reference(G, M):
+    g = torch.Generator().manual_seed(M)
+    qweight, scales, w = _int8(45, 128, G, g)
+    qweight[0, :32] = -128  # |w| = 128 still fits vpmaddubsw's unsigned operand
+    w = (qweight.float() * scales[:, None]) if G is None else (qweight.float().view(45, -1, G) * scales[..., None])
+    w = w.reshape(45, 128)
+    x = torch.randn(M, 128, generator=g)
+    _check_a8(avx2.linear_int8_a8(x, qweight, scales, None, G), x, w, None)
+
+
+def test_int8_activation_kernels_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(7)
+    qweight, scales, mins, _ = _int4(1024, 512, 32, g)
+    q8, s8, _ = _int8(1024, 512, 32, g)
+    x = torch.randn(5, 512, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((avx2.linear_int4_a8(x, qweight, scales, mins, 32), avx2.linear_int8_a8(x, q8, s8, None, 32)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_layers_with_int8_activations_take_the_kernels():
+    from leanlm.model.linear.act_quant import set_activation_quant
+
+    g = torch.Generator().manual_seed(8)
+    qweight, scales, mins, w = _int4(96, 128, 32, g)
+    layer = IntGroupWeightOnlyLinear(qweight, scales, mins, bits=4, group_size=32)
+    wrapper = torch.nn.Sequential(layer)
+    assert set_activation_quant(wrapper, "int8") == 1
+    for rows in (1, 8, 20):  # 20 rows: the fake-quantized reference on the AVX2 dequantization
+        x = torch.randn(rows, 128, generator=g)
+        torch.testing.assert_close(layer(x).double(), _a8_reference(x, w, None), rtol=1e-5, atol=1e-5)

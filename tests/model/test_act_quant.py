@@ -10,7 +10,7 @@ import torch
 
 from leanlm.compress import RTNConfig, compress
 from leanlm.config import EngineConfig
-from leanlm.kernels import cpu_a8
+from leanlm.kernels import cpu_a8, cpu_qgemv_avx2
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
@@ -90,12 +90,13 @@ def test_which_layers_take_it():
         set_activation_quant(model, "int4")
 
 
-def test_auto_takes_int8_where_the_vnni_kernel_runs_the_layer(monkeypatch):
+def test_auto_takes_int8_where_our_kernels_run_the_layer(monkeypatch):
     cfg = tiny_config(97)
     model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
     compress(model, [RTNConfig(bits=4, group_size=32)], None, progress=False)
     total = sum(isinstance(m, IntGroupWeightOnlyLinear) for m in model.modules())
-    assert set_activation_quant(model, "auto") == 0  # a float32 model: its rows never reach the kernel
+    # a float32 model: the AVX2 level's W4A8 GEMV runs it (everywhere from AVX2 up), else nothing does
+    assert set_activation_quant(model, "auto") == (total if cpu_qgemv_avx2.act_int8_is_available() else 0)
     model.to(torch.bfloat16)
     assert set_activation_quant(model, "auto") == (total if cpu_a8.is_available() else 0)
     monkeypatch.setattr(cpu_a8, "is_available", lambda: False)  # no VNNI: the float reference would only cost time

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from leanlm.config.engine import ACT_QUANT_MODES
-from leanlm.kernels import cpu_a8
+from leanlm.kernels import cpu_a8, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.packed_cache import PackedCache
 
@@ -55,15 +55,26 @@ class DynamicActQuant:
         """x in the order the codes are stored (act-order layers gather it; the others keep it)."""
         return x
 
+    def act_quant_avx2(self, xs: torch.Tensor) -> torch.Tensor | None:
+        """y from the AVX2 level's W4A8 GEMV for float32 rows in stored order, where the format has one and it takes
+        them; else None."""
+        return None
+
     def _act_quant_forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = self.stored_order(x)
         packed = self.a8_weight()
         if cpu_a8.rows_fit(xs, packed):
             return cpu_a8.gemm(xs, packed)
+        if (y := self.act_quant_avx2(xs)) is not None:
+            return y
+        return cpu_a8.reference(xs, self.a8_stored_weight().to(x.device), self.bias)
+
+    def a8_stored_weight(self) -> torch.Tensor:
+        """The float32 weight [N, K] in the stored column order (the reference path's; formats with a native
+        dequantization override it)."""
         w = self.dequantized_weight()  # [N, K] in input order
         perm = getattr(self, "perm", None)
-        w = w if perm is None else w[:, perm]  # stored column j is input column perm[j]
-        return cpu_a8.reference(xs, w.to(x.device), self.bias)
+        return w if perm is None else w[:, perm]  # stored column j is input column perm[j]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant == "int8":
@@ -77,10 +88,15 @@ class DynamicActQuant:
 
 
 def _auto(reference: torch.Tensor) -> bool:
-    """auto's choice, from one of the model's float tensors: int8 activations where gemm_a8 itself runs the layers
-    (a bf16 model on a CPU with AVX512-VNNI); elsewhere the float reference would cost time for nothing. Decided
-    for the whole model, so offloaded layers (whose tensors are elsewhere until they run) choose as the rest."""
-    return reference.dtype is torch.bfloat16 and reference.device.type == "cpu" and cpu_a8.is_available()
+    """auto's choice, from one of the model's float tensors: int8 activations where our kernels run them (a bf16
+    model on a CPU with AVX512-VNNI: gemm_a8; a float32 model at the AVX2 level: the W4A8 / W8A8 GEMVs, as
+    llama.cpp computes); elsewhere the float reference would cost time for nothing. Decided for the whole model,
+    so offloaded layers (whose tensors are elsewhere until they run) choose as the rest."""
+    if reference.device.type != "cpu":
+        return False
+    if reference.dtype is torch.bfloat16:
+        return cpu_a8.is_available()
+    return reference.dtype is torch.float32 and cpu_qgemv_avx2.act_int8_is_available()
 
 
 def set_activation_quant(model: nn.Module, mode: str) -> int:

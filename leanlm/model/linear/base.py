@@ -88,6 +88,10 @@ class RuntimeLinear(KernelDispatch, nn.Module, ABC):
         with `packed`, with the packed GEMM its own products use from 9 rows on (see packed_weight)."""
         return None
 
+    def native_linear_f32(self) -> NativeLinear | None:
+        """This layer as the float32 decode loop (AVX2 level, at most 8 rows) runs it, or None."""
+        return None
+
     def many_rows_call(self, packed: bool) -> NativeCall | None:
         """The loop's many-row call: the packed GEMM on packed_weight(), when `packed`."""
         return cpu_gemm.native_call(self.packed_weight(), self.out_features, self.in_features) if packed else None

@@ -123,3 +123,20 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
             return self.act_quant_native(packed)
         few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
+
+    def act_quant_avx2(self, xs: torch.Tensor) -> torch.Tensor | None:
+        bias_ok = self.bias is None or self.bias.dtype is xs.dtype
+        if bias_ok and cpu_qgemv_avx2.should_use_int8_a8(xs, self.qweight, self.group_size):
+            return cpu_qgemv_avx2.linear_int8_a8(xs, self.qweight, self.scales, self.bias, self.group_size)
+        return None
+
+    def a8_stored_weight(self) -> torch.Tensor:
+        if cpu_qgemv_avx2.dequantizes(self.qweight):
+            return cpu_qgemv_avx2.dequantize_int8(self.qweight, self.scales, self.group_size)
+        return super().a8_stored_weight()
+
+    def native_linear_f32(self) -> NativeLinear | None:
+        if self.act_quant == "int8":
+            return None
+        few = cpu_qgemv_avx2.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
+        return describe(self.out_features, self.in_features, few, None, False)

@@ -158,3 +158,21 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
             return self.act_quant_native(packed)
         few = cpu_qgemv.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed, self.perm)
+
+    def native_linear_f32(self) -> NativeLinear | None:
+        a8 = self.act_quant == "int8"
+        few = cpu_qgemv_avx2.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size, a8)
+        return describe(self.out_features, self.in_features, few, None, False, self.perm)
+
+    def act_quant_avx2(self, xs: torch.Tensor) -> torch.Tensor | None:
+        if cpu_qgemv_avx2.should_use_int4_a8(xs, self.qweight, self.group_size) and self._bias_fits(xs):
+            return cpu_qgemv_avx2.linear_int4_a8(xs, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        return None
+
+    def a8_stored_weight(self) -> torch.Tensor:
+        if cpu_qgemv_avx2.dequantizes(self.qweight):
+            return cpu_qgemv_avx2.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+        return super().a8_stored_weight()
+
+    def _bias_fits(self, x: torch.Tensor) -> bool:
+        return self.bias is None or self.bias.dtype is x.dtype

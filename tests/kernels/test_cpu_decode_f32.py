@@ -1,0 +1,98 @@
+"""The float32 native decode loop (decode_layers_f32.c, the AVX2 level) against the PyTorch path it replaces: hidden
+states over several decode steps within fp32 rounding, for int4 layers (groups of 32 and 64, act-order, q/k/v
+biases) with float32 and int8 activations, batch 1, 3 and 8; when it steps aside (a bf16 cache, more than 8 rows,
+an int8 linear with int8 activations); and greedy SmolLM2 output unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanlm.compress import RTNConfig, compress
+from leanlm.kernels import cpu_decode
+from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+from leanlm.model.llama import build_model
+from tests.conftest import tiny_state_dict
+from tests.kernels.test_cpu_decode import _cache, _config, _decode
+
+pytestmark = pytest.mark.skipif(
+    not cpu_decode.is_available(torch.float32), reason="the float32 decode loop needs the AVX2 level"
+)
+
+
+def _model(group: int = 64, perm: bool = False, act_int8: bool = False, architecture: str = "llama"):
+    cfg = _config(architecture)
+    model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
+    compress(model, [RTNConfig(bits=4, group_size=group)], None, progress=False)
+    if perm:
+        gen = torch.Generator().manual_seed(5)
+        for module in model.modules():
+            if isinstance(module, IntGroupWeightOnlyLinear):
+                module.perm = torch.randperm(module.in_features, generator=gen)
+    if act_int8:
+        set_activation_quant(model, "int8")
+    return model
+
+
+@pytest.mark.parametrize(
+    ("group", "perm", "act_int8", "architecture"),
+    [
+        (64, False, False, "llama"),
+        (32, False, True, "llama"),
+        (64, False, True, "llama"),
+        (64, True, False, "llama"),
+        (64, True, True, "llama"),
+        (32, False, False, "qwen2"),  # q/k/v biases
+    ],
+)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_loop_matches_the_pytorch_path(group, perm, act_int8, architecture, batch):
+    model = _model(group, perm, act_int8, architecture)
+    plan = model.native_decode_plan()
+    assert plan.loop is not None and plan.loop.dtype is torch.float32
+    cache = _cache(model, torch.float32, num_blocks=max(64, 16 * batch))
+    native = _decode(model, True, batch, cache=cache)
+    reference = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=max(64, 16 * batch)))
+    if not act_int8:
+        torch.testing.assert_close(native, reference, rtol=2e-4, atol=2e-4)
+        return
+    # int8 activations: fp32 differences in the ops between products (RMSNorm, softmax: other summation orders) can
+    # move an input across a rounding boundary, one code apart, and the model carries that on (the PyTorch path on
+    # embeddings changed by one part in 1e6 moves as far). So: well within the int8 activations' own distance from
+    # float32 ones (1.5e-2 here; a wrong scale or order would be far beyond it), not equal.
+    set_activation_quant(model, "none")
+    float_path = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=max(64, 16 * batch)))
+    distance = ((native - reference).norm() / reference.norm()).item()
+    quantization = ((reference - float_path).norm() / float_path.norm()).item()
+    assert distance < 0.5 * quantization and quantization < 0.05, (distance, quantization)
+
+
+def test_it_steps_aside_where_it_does_not_apply():
+    model = _model()
+    assert not model.native_decode_plan().accepts(_cache(model, torch.bfloat16))  # float32 caches only
+    assert model.native_decode_plan().loop.max_rows == 8
+    cache = _cache(model, torch.float32, num_blocks=16 * 12)
+    native = _decode(model, True, 12, steps=2, cache=cache)  # 12 rows: the PyTorch path runs them
+    reference = _decode(model, False, 12, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * 12))
+    torch.testing.assert_close(native, reference, rtol=0, atol=0)
+    cfg = _config()
+    dense = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
+    assert dense.native_decode_plan().loop is None  # dense float32 linears have no float32 loop call
+
+
+@pytest.mark.real_model
+def test_smollm2_greedy_tokens_are_the_same_on_the_loop():
+    """float32 activations: the same tokens. (With int8 ones a code flip at a near tie may change a later token,
+    as on any two machines: the kernel tests above bound that.)"""
+    from leanlm import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", act_quant="none", enable_prefix_caching=False, progress=False)
+    model = llm.llm_engine.model_runner.model
+    assert model.native_decode_plan().loop.dtype is torch.float32
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["The history of the Roman Empire", "def fibonacci(n):"]
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.allow_native_decode = False
+    per_layer = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert native == per_layer
