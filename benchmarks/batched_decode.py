@@ -174,11 +174,14 @@ def timed(run, reps: int, max_other: float) -> tuple[float, int, float]:
     return best, discarded, worst
 
 
+DTYPE = "auto"  # --dtype: what every LeanLM row runs (auto: bf16 where our bf16 kernels run, float32 at AVX2)
+
+
 def leanlm_llm(model: str, batch: int, dequantize: bool, prefix_caching=False, **options) -> LLM:
-    """The engine every LeanLM row runs: bf16, capped at `batch` running requests."""
+    """The engine every LeanLM row runs: in DTYPE, capped at `batch` running requests."""
     return LLM(
         model,
-        dtype="bfloat16",
+        dtype=DTYPE,
         progress=False,
         max_num_seqs=batch,
         dequantize_gguf=dequantize,
@@ -327,8 +330,11 @@ def main() -> None:
     ap.add_argument("--engines", default=",".join(IN_PROCESS), help="in-process rows to run (default: all)")
     ap.add_argument("--linear-rows", default="8,16,32,64,128,256,512", help="'' skips the linear table")
     ap.add_argument("--max-other-cpu", type=float, default=0.10)
+    ap.add_argument("--dtype", default="auto", help="LeanLM's activations: auto (bf16 on AVX512, float32 on AVX2)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    global DTYPE
+    DTYPE = args.dtype
     peers = selected_peers(args.peers)
     wl = WORKLOADS[args.workload]
     engines = [e for e in args.engines.split(",") if e]

@@ -14,6 +14,7 @@ import torch
 
 from leanlm.analysis.peer_workers.proc_cpu import cpu_shares, take_snapshot
 from leanlm.kernels.build import cpu_model_name
+from leanlm.kernels.isa import describe as describe_isa
 
 
 @dataclass(frozen=True)
@@ -104,5 +105,5 @@ def cpu_identity() -> str:
 def describe_machine() -> str:
     return (
         f"{cpu_name()} ({cpu_identity()}), {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, {describe_isa()}"
     )

