@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from leanlm.kernels import isa
 from leanlm.model.offload import OffloadPlan
 
 
@@ -34,6 +35,7 @@ class EngineLayout:
     top_k: int | None  # experts per token
     moe_capacity_factor: float | None  # Switch capacity: assignments beyond it are dropped (None: no cap)
     speculative: str | None  # the speculative method, or None
+    kernels: str = ""  # on a CPU: the native kernels' ISA level and the CPU's (leanlm.kernels.isa); "" elsewhere
 
     @classmethod
     def of(cls, engine, offload: OffloadPlan | None) -> EngineLayout:
@@ -61,6 +63,7 @@ class EngineLayout:
             top_k=moe.top_k if moe is not None else None,
             moe_capacity_factor=ec.moe_capacity_factor,
             speculative=ec.speculative.method if ec.speculative is not None else None,
+            kernels=isa.describe() if str(engine.device) == "cpu" else "",
         )
 
     def describe(self) -> str:
@@ -68,7 +71,8 @@ class EngineLayout:
         threads = f"{self.num_threads} thread{'s' * (self.num_threads != 1)}"
         threads += " (sized to the free cores)" if self.automatic_threads else " (fixed)"
         parts = [
-            f"{self.architecture}, {self.num_layers} layers, {self.dtype} on {self.device}, {threads}",
+            f"{self.architecture}, {self.num_layers} layers, {self.dtype} on {self.device}, {threads}"
+            + (f", {self.kernels}" if self.kernels else ""),
             f"KV cache {self.num_kv_blocks} blocks x {self.block_size} tokens ({self.kv_cache_dtype}, "
             f"{self.kv_cache_bytes / 2**20:,.1f} MiB)",
         ]

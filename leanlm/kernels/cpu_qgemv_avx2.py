@@ -25,7 +25,7 @@ _INT4_KERNEL = NativeKernel(
     _SOURCE, "leanlm_linear_int4_f32", [_P] * 6 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2
 )  # fmt: skip
 _INT4_A8_KERNEL = NativeKernel(
-    _SOURCE, "leanlm_linear_int4_a8_f32", [_P] * 6 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2
+    _SOURCE, "leanlm_linear_int4_a8_f32", [_P] * 6 + [_I64] * 5 + [_INT, _I64], _INT, **_AVX2
 )  # fmt: skip
 _INT8_KERNEL = NativeKernel(_SOURCE, "leanlm_linear_int8_f32", [_P] * 5 + [_I64] * 4 + [_INT, _I64], _INT, **_AVX2)
 _INT8_A8_KERNEL = NativeKernel(
@@ -33,10 +33,13 @@ _INT8_A8_KERNEL = NativeKernel(
 )  # fmt: skip
 _DEQUANT_INT4 = NativeKernel(_SOURCE, "leanlm_dequantize_int4_f32", [_P] * 4 + [_I64] * 3 + [_INT], None, **_AVX2)
 _DEQUANT_INT8 = NativeKernel(_SOURCE, "leanlm_dequantize_int8_f32", [_P] * 3 + [_I64] * 3 + [_INT], None, **_AVX2)
-# The GEMVs take up to this many rows; from 9 on, one float32 dequantization and one sgemm (MKL / oneDNN) win:
-# the GEMVs hold at most 4 rows in registers and re-read the weight for each 4 (SmolLM2's 1536 x 576 on one
-# thread, measured on a Zen 3: see docs/engine-performance.md).
-MAX_ROWS = 8
+# The GEMVs take up to this many rows; beyond, one float32 dequantization and one sgemm (MKL / oneDNN) win. They
+# hold at most 4 rows in registers and re-read the (cached) weight for each 4. SmolLM2's 1536 x 576 and 576 x 1536
+# on 2 threads of a Zen 3 (ms, GEMV / dequantize + sgemm): float32 x at 16 rows 0.56 / 0.67, 32 rows 0.98 / 0.85;
+# int8 x (W4A8, whose inner step is 2 vpmaddubsw per 64 codes) at 64 rows 1.15-1.67 / 1.32-1.83, 128 rows
+# 3.1-3.4 / 2.3-2.7.
+MAX_ROWS = 16
+MAX_ROWS_A8 = 64
 
 _F32, _I8, _U8 = torch.float32, torch.int8, torch.uint8
 
@@ -72,15 +75,50 @@ INT4_SPEC = KernelSpec(
     rules=(Rule(("G", "K"), _int4_group_ok, "group_size must be a multiple of 32 dividing K = {K}, not {G!r}"),),
     out_dtype=_F32,
 )
-# W4A8: the same tensors, x quantized to int8 in groups of 32 inside the kernel (cpu_a8.reference's arithmetic)
+# W4A8: the same tensors, x quantized to int8 in groups of 32 inside the kernel (cpu_a8.reference's arithmetic);
+# the second given int says the scales and mins are half (HALF_SPEC)
 INT4_A8_SPEC = KernelSpec(
     _INT4_A8_KERNEL,
     "CPU int4 GEMV kernel with int8 activations (AVX2)",
     INT4_SPEC.args,
-    given=("G",),
+    given=("G", "half"),
     rules=INT4_SPEC.rules,
     out_dtype=_F32,
 )
+
+
+def half_scales_fit(G: int, K: int) -> bool:
+    """Where the W4A8 kernel reads half scales and mins: its 64-code form (K % 64, groups of 32 or 64k)."""
+    return type(G) is int and G > 0 and K % 64 == 0 and K % G == 0 and (G == 32 or G % 64 == 0)
+
+
+INT4_A8_HALF_SPEC = KernelSpec(
+    _INT4_A8_KERNEL,
+    "CPU int4 GEMV kernel with int8 activations (AVX2, half scales)",
+    [
+        _X,
+        Arg("qweight", _U8, ("N", "K/2")),
+        Arg("scales", torch.float16, ("N", "K/G")),
+        Arg("mins", torch.float16, ("N", "K/G")),
+        _BIAS,
+    ],
+    given=("G", "half"),
+    rules=(Rule(("G", "K"), half_scales_fit, "half scales need K % 64 == 0 and groups of 32 or of 64k, not {G!r}"),),
+    out_dtype=_F32,
+)
+
+
+def half_copies(scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...] | None:
+    """(scales, mins) as half where that is exact (GGUF's Q4_0 / Q4_1 keep theirs so) and the kernel reads half
+    ones: 2 bytes less per group each, a sixth of a 4-bit layer's bytes. None otherwise."""
+    K = scales.shape[-1] * group_size
+    if not (half_scales_fit(group_size, K) and _INT4_A8_KERNEL.is_available()):
+        return None
+    halves = scales.half(), mins.half()
+    exact = all(torch.equal(h.float(), f) for h, f in zip(halves, (scales, mins), strict=True))
+    return halves if exact else None
+
+
 # int8 codes [N, K], scales per group of G inputs [N, K / G]; per channel is G = K with scales viewed [N, 1]
 INT8_SPEC = KernelSpec(
     _INT8_KERNEL,
@@ -141,7 +179,7 @@ def linear_int4(
 def should_use_int4_a8(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
     """Policy: as should_use_int4, for int8 activations."""
     return (
-        INT4_A8_SPEC.rows_fit(x, qweight, None, None, None, group_size, max_rows=MAX_ROWS)
+        INT4_A8_SPEC.rows_fit(x, qweight, None, None, None, group_size, 0, max_rows=MAX_ROWS_A8)
         and _INT4_A8_KERNEL.is_available()
     )
 
@@ -155,18 +193,21 @@ def linear_int4_a8(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """linear_int4 on x quantized to int8 per 32 inputs (numerics.quantize_act_int8): W4A8, as llama.cpp's Q4_1 x
-    Q8_1 dot products; equals cpu_a8.reference to fp32 rounding."""
-    if not INT4_A8_SPEC.fits(x, qweight, scales, mins, bias, group_size):
-        INT4_A8_SPEC.explain(x, qweight, scales, mins, bias, group_size)
+    Q8_1 dot products; equals cpu_a8.reference to fp32 rounding. scales and mins: float32, or half
+    (half_copies)."""
+    half = int(scales.dtype is torch.float16)
+    spec = INT4_A8_HALF_SPEC if half else INT4_A8_SPEC
+    if not spec.fits(x, qweight, scales, mins, bias, group_size, half):
+        spec.explain(x, qweight, scales, mins, bias, group_size, half)
     N, K = qweight.shape[0], 2 * qweight.shape[1]
-    return INT4_A8_SPEC.linear(x, N, K, (x, qweight, scales, mins, bias), (group_size,), bias=bias)
+    return spec.linear(x, N, K, (x, qweight, scales, mins, bias), (group_size, half), bias=bias)
 
 
 def should_use_int8_a8(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None) -> bool:
     """Policy: as should_use_int8, for int8 activations (weight groups of a multiple of 32, or per channel with K
     a multiple of 32)."""
     G = qweight.shape[-1] if group_size is None else group_size
-    return INT8_A8_SPEC.rows_fit(x, qweight, None, None, G, max_rows=MAX_ROWS) and _INT8_A8_KERNEL.is_available()
+    return INT8_A8_SPEC.rows_fit(x, qweight, None, None, G, max_rows=MAX_ROWS_A8) and _INT8_A8_KERNEL.is_available()
 
 
 def linear_int8_a8(
@@ -264,12 +305,17 @@ def int4_native_call(
     act_int8: bool = False,
 ) -> NativeCall | None:
     """The float32 decode loop's call of the int4 GEMV (decode_layers_f32.c; `act_int8`: the W4A8 one): codes uint8
-    [N, K / 2], scales and mins float32 [N, K / group_size], bias float32 [N] or None; None where they are not
-    what it reads."""
+    [N, K / 2], scales and mins float32 [N, K / group_size] (or half, with `act_int8`: half_copies), bias float32
+    [N] or None; None where they are not what it reads."""
+    if act_int8:
+        half = int(scales.dtype is torch.float16)
+        spec = INT4_A8_HALF_SPEC if half else INT4_A8_SPEC
+        if not spec.fits_partial(None, qweight, scales, mins, bias, group_size, half):
+            return None
+        return NativeCall("int4_a8_f32", _INT4_A8_CALL, (qweight, scales, mins, bias), (group_size, half))
     if not INT4_SPEC.fits_partial(None, qweight, scales, mins, bias, group_size):
         return None
-    name, entry = ("int4_a8_f32", _INT4_A8_CALL) if act_int8 else ("int4_f32", _INT4_CALL)
-    return NativeCall(name, entry, (qweight, scales, mins, bias), (group_size,))
+    return NativeCall("int4_f32", _INT4_CALL, (qweight, scales, mins, bias), (group_size,))
 
 
 def int8_native_call(

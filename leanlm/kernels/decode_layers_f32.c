@@ -1,4 +1,4 @@
-/* Every decoder layer of a Llama-family model for up to 8 decode tokens (one per request), in one native call, with
+/* Every decoder layer of a Llama-family model for up to 64 decode tokens (one per request), in one native call, with
  * float32 activations on x86-64 CPUs with AVX2 and FMA (the `avx2` level): decode_layers.c's loop for CPUs without
  * AVX512. At batch 1 a SmolLM2 step on PyTorch spends about 26 ms in per-op overhead (some 40 small ops a layer) on
  * a Zen 3, against about 7 ms in its matrix products; here the layer loop, RMSNorm, rotary, the K/V write, paged
@@ -21,7 +21,7 @@
 #include "decode_model.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define MAX_ROWS 8 /* decode tokens per call: the GEMVs' one pass */
+#define MAX_ROWS 64 /* decode tokens per call (cpu_decode.py caps it per model: 16, or 64 on int8 activations) */
 
 /* The float32 form of linear_call.h's entry (same ABI: pointers and integers). */
 typedef int (*f32_linear_fn)(const leanlm_linear_call *call, const float *x, float *y, int64_t M, int64_t N,

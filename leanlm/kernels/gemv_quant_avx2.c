@@ -323,28 +323,50 @@ typedef struct {
     const float *sxv;   /* [M, K / 64, 8]: each pair's activation scales, 4 lanes each */
     const float *tmin;  /* [M, G]: per weight group, the sum over its slices of scale * sum of codes */
     const uint8_t *w;
-    const float *scales, *mins, *bias;
+    const void *scales, *mins; /* [N, G]: float32, or IEEE half (GGUF's own d and m, read as stored) */
+    const float *bias;
     float *y;
     int64_t K, N, gs;
 } int4_a8_pair_args;
 
-/* The weight scales of a pair's two slices, 4 lanes each: two groups of 32, or one larger group for both. */
-ALWAYS_INLINE __m256 pair_scales(const float *row, int64_t p, int64_t gs) {
-    if (gs == 32) {
-        const __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(row + 2 * p)));
-        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    }
-    return _mm256_broadcast_ss(row + 64 * p / gs);
+/* Weight scale g of a row, float32 or half. */
+ALWAYS_INLINE float scale_at(const void *row, int64_t g, const int HALF) {
+    return HALF ? _cvtsh_ss(((const uint16_t *)row)[g]) : ((const float *)row)[g];
 }
 
-ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
-    const int64_t K = a->K, gs = a->gs, G = K / gs, P = K / 64;
+/* The weight scales of a pair's two slices, 4 lanes each: two groups of 32, or one larger group for both. */
+ALWAYS_INLINE __m256 pair_scales(const void *row, int64_t p, int64_t gs, const int HALF) {
+    if (gs == 32) {
+        const __m128 two = HALF ? _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)((const uint16_t *)row + 2 * p)))
+                                : _mm_castpd_ps(_mm_load_sd((const double *)((const float *)row + 2 * p)));
+        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    }
+    return _mm256_set1_ps(scale_at(row, 64 * p / gs, HALF));
+}
+
+/* sum_g mins[g] * T[g] over a row's G groups. */
+ALWAYS_INLINE float min_dot(const void *mins, const float *T, int64_t G, const int HALF) {
+    __m256 mv = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256 m = HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mins + g)))
+                              : _mm256_loadu_ps((const float *)mins + g);
+        mv = _mm256_fmadd_ps(m, _mm256_loadu_ps(T + g), mv);
+    }
+    float total = hsum(mv);
+    for (; g < G; g++) total += scale_at(mins, g, HALF) * T[g];
+    return total;
+}
+
+ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0, const int R, const int NB,
+                              const int HALF) {
+    const int64_t K = a->K, gs = a->gs, G = K / gs, P = K / 64, side = HALF ? 2 : 4; /* bytes per scale */
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     if (m0 == 0) {
         const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
         prefetch_rows(a->w, K / 2, ahead, NB, a->N);
-        prefetch_rows(a->scales, G * 4, ahead, NB, a->N);
-        prefetch_rows(a->mins, G * 4, ahead, NB, a->N);
+        prefetch_rows(a->scales, G * side, ahead, NB, a->N);
+        prefetch_rows(a->mins, G * side, ahead, NB, a->N);
     }
     __m256 tot[4][4];
 #pragma GCC unroll 4
@@ -366,7 +388,7 @@ ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(a->w + (n0 + j) * (K / 2) + 32 * p));
             const __m256i lo = _mm256_and_si256(bytes, nibble);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-            const __m256 ws = pair_scales(a->scales + (n0 + j) * G, p, gs);
+            const __m256 ws = pair_scales((const char *)a->scales + (n0 + j) * G * side, p, gs, HALF);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 /* each 16-bit lane at most 2 * 15 * 127 per product pair: the sum of both stays below 2^15 */
@@ -378,41 +400,42 @@ ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; j++) {
-        const float *mn = a->mins + (n0 + j) * G;
+        const void *mn = (const char *)a->mins + (n0 + j) * G * side;
         const float b = a->bias ? a->bias[n0 + j] : 0.0f;
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const float *T = a->tmin + (m0 + r) * G;
-            __m256 mv = _mm256_setzero_ps();
-            int64_t g = 0;
-            for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(T + g), mv);
-            float min_term = hsum(mv);
-            for (; g < G; g++) min_term += mn[g] * T[g];
-            a->y[(m0 + r) * a->N + n0 + j] = hsum(tot[r][j]) + min_term + b;
-        }
+        for (int r = 0; r < R; r++)
+            a->y[(m0 + r) * a->N + n0 + j] = hsum(tot[r][j]) + min_dot(mn, a->tmin + (m0 + r) * G, G, HALF) + b;
     }
 }
 
 ALWAYS_INLINE void rows_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
-                              const int NB) {
+                              const int NB, const int HALF) {
     int64_t n = n_begin;
-    for (; n + NB <= n_end; n += NB) tile_i4a8p(a, m0, n, R, NB);
-    for (; n < n_end; n++) tile_i4a8p(a, m0, n, R, 1);
+    for (; n + NB <= n_end; n += NB) tile_i4a8p(a, m0, n, R, NB, HALF);
+    for (; n < n_end; n++) tile_i4a8p(a, m0, n, R, 1, HALF);
 }
 
-static void int4_a8_pair_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+ALWAYS_INLINE void pair_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end, const int HALF) {
     const int4_a8_pair_args *a = (const int4_a8_pair_args *)args;
     for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
         const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
-        if (r == 1) rows_i4a8p(a, i, n_begin, n_end, 1, 4);
-        else if (r == 2) rows_i4a8p(a, i, n_begin, n_end, 2, 2);
-        else if (r == 3) rows_i4a8p(a, i, n_begin, n_end, 3, 1);
-        else rows_i4a8p(a, i, n_begin, n_end, 4, 1);
+        if (r == 1) rows_i4a8p(a, i, n_begin, n_end, 1, 4, HALF);
+        else if (r == 2) rows_i4a8p(a, i, n_begin, n_end, 2, 2, HALF);
+        else if (r == 3) rows_i4a8p(a, i, n_begin, n_end, 3, 1, HALF);
+        else rows_i4a8p(a, i, n_begin, n_end, 4, 1, HALF);
     }
 }
 
-static int int4_a8_pairs(const float *x, const uint8_t *w, const float *scales, const float *mins, const float *bias,
-                         float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
+static void int4_a8_pair_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    pair_pass(args, m0, m, n_begin, n_end, 0);
+}
+
+static void int4_a8_pair_pass_half(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
+    pair_pass(args, m0, m, n_begin, n_end, 1);
+}
+
+static int int4_a8_pairs(const float *x, const uint8_t *w, const void *scales, const void *mins, const float *bias,
+                         float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int half, int num_threads,
                          int64_t min_parallel_bytes) {
     const int64_t C = K / ACT_GROUP, G = K / gs, P = K / 64;
     float *buf = scratch_buffer((size_t)(M * K / 4 + 2 * M * C + M * P * 8 + M * G));
@@ -431,24 +454,29 @@ static int int4_a8_pairs(const float *x, const uint8_t *w, const float *scales, 
     }
     const int4_a8_pair_args args = {xq, sxv, tmin, w, scales, mins, bias, y, K, N, gs};
     const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
-    leanlm_row_passes(int4_a8_pair_pass, &args, M, N, BLOCK_N, threads);
+    leanlm_row_passes(half ? int4_a8_pair_pass_half : int4_a8_pair_pass, &args, M, N, BLOCK_N, threads);
     return 0;
 }
 
-int leanlm_linear_int4_a8_f32(const float *x, const uint8_t *w, const float *scales, const float *mins,
-                              const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t gs,
+/* half_scales: scales and mins are IEEE half [N, G] (where they are exactly so: GGUF's Q4_0 / Q4_1 blocks keep
+ * theirs in half), read in place of float32 ones; only in the 64-code form (K % 64 == 0, groups of 32 or of a
+ * multiple of 64), else -1. */
+int leanlm_linear_int4_a8_f32(const float *x, const uint8_t *w, const void *scales, const void *mins,
+                              const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int64_t half,
                               int num_threads, int64_t min_parallel_bytes) {
     if (M < 0 || N < 0 || K < 0 || gs <= 0 || gs % 32 != 0 || K % gs != 0) return -1;
+    const int pairs = K % 64 == 0 && (gs == 32 || gs % 64 == 0);
+    if (half && !pairs) return -1;
     if (M == 0 || N == 0) return 0;
-    if (K % 64 == 0 && (gs == 32 || gs % 64 == 0))
-        return int4_a8_pairs(x, w, scales, mins, bias, y, M, N, K, gs, num_threads, min_parallel_bytes);
+    if (pairs)
+        return int4_a8_pairs(x, w, scales, mins, bias, y, M, N, K, gs, (int)half, num_threads, min_parallel_bytes);
     const int64_t C = K / ACT_GROUP;
     float *buf = scratch_buffer((size_t)(M * K / 4 + 2 * M * C));
     if (buf == NULL) return -2;
     float *sx = buf, *tmin = sx + M * C;
     int8_t *xq = (int8_t *)(tmin + M * C);
     for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, tmin + i * C);
-    const int4_a8_args args = {xq, sx, tmin, w, scales, mins, bias, y, K, N, gs};
+    const int4_a8_args args = {xq, sx, tmin, w, (const float *)scales, (const float *)mins, bias, y, K, N, gs};
     const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
     leanlm_row_passes(int4_a8_pass, &args, M, N, BLOCK_N, threads);
     return 0;
@@ -685,7 +713,7 @@ int leanlm_linear_int8_f32_call(const leanlm_linear_call *c, const float *x, flo
 
 int leanlm_linear_int4_a8_f32_call(const leanlm_linear_call *c, const float *x, float *y, int64_t M, int64_t N,
                                    int64_t K, int threads, int64_t min_parallel_bytes) {
-    return leanlm_linear_int4_a8_f32(x, (const uint8_t *)c->tensors[0], (const float *)c->tensors[1],
-                                     (const float *)c->tensors[2], (const float *)c->tensors[3], y, M, N, K,
-                                     c->ints[0], threads, min_parallel_bytes);
+    return leanlm_linear_int4_a8_f32(x, (const uint8_t *)c->tensors[0], c->tensors[1], c->tensors[2],
+                                     (const float *)c->tensors[3], y, M, N, K, c->ints[0], c->ints[1], threads,
+                                     min_parallel_bytes);
 }

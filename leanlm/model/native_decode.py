@@ -210,7 +210,7 @@ class NativeDecodePlan:
         return self._few.accepts(cache)
 
     def _for_rows(self, rows: int) -> _BoundLoop:
-        if rows <= cpu_decode.MAX_ROWS or self._few.loop is None:
+        if self._few.loop is None or rows <= max(cpu_decode.MAX_ROWS, self._few.loop.max_rows or 0):
             return self._few
         if self._many is None:
             self._many = _BoundLoop(_build_loop(self._model(), packed=True), self._layer_ids)

@@ -113,8 +113,10 @@ def test_bad_arguments_say_what_is_wrong():
     q8, s8, _ = _int8(32, 64, None, g)
     with pytest.raises(ValueError, match="group_size must be a multiple of 8"):
         avx2.linear_int8(torch.randn(1, 64), q8, torch.rand(32, 16), None, 4)
-    assert not avx2.should_use_int4(torch.randn(9, 64), qweight, 32)  # more rows: dequantize + sgemm
-    assert avx2.should_use_int4(torch.randn(8, 64), qweight, 32)
+    rows = avx2.MAX_ROWS
+    assert not avx2.should_use_int4(torch.randn(rows + 1, 64), qweight, 32)  # more rows: dequantize + sgemm
+    assert avx2.should_use_int4(torch.randn(rows, 64), qweight, 32)
+    assert avx2.should_use_int4_a8(torch.randn(avx2.MAX_ROWS_A8, 64), qweight, 32)
     assert not avx2.should_use_int8(torch.randn(1, 64).double(), q8, None)
 
 
@@ -209,3 +211,26 @@ def test_layers_with_int8_activations_take_the_kernels():
     for rows in (1, 8, 20):  # 20 rows: the fake-quantized reference on the AVX2 dequantization
         x = torch.randn(rows, 128, generator=g)
         torch.testing.assert_close(layer(x).double(), _a8_reference(x, w, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("K", "G"), [(576, 32), (1536, 64), (256, 128)])
+@pytest.mark.parametrize("M", [1, 5])
+def test_half_scales_give_the_same_result(K, G, M):
+    """GGUF's Q4_1 keeps d and m in half: read as half (a sixth fewer bytes), the result is bit for bit the float32
+    scales' one; scales half cannot hold exactly get no half copy."""
+    g = torch.Generator().manual_seed(K + M)
+    qweight, scales, mins, w = _int4(64, K, G, g)
+    scales, mins = scales.half().float(), mins.half().float()  # values half holds exactly, as a GGUF file's
+    halves = avx2.half_copies(scales, mins, G)
+    assert halves is not None and halves[0].dtype is torch.float16
+    x = torch.randn(M, K, generator=g)
+    assert torch.equal(avx2.linear_int4_a8(x, qweight, *halves, G), avx2.linear_int4_a8(x, qweight, scales, mins, G))
+    assert avx2.half_copies(scales + 1e-4, mins, G) is None  # not exact in half
+    assert avx2.half_copies(scales[:, :1].repeat(1, K // 96), mins[:, :1].repeat(1, K // 96), 96) is None  # 96
+
+
+def test_half_scales_outside_the_64_code_form_are_refused():
+    g = torch.Generator().manual_seed(9)
+    qweight, scales, mins, _ = _int4(16, 96, 32, g)  # K = 96: the per-32 form
+    with pytest.raises(ValueError, match="half scales need K % 64 == 0"):
+        avx2.linear_int4_a8(torch.randn(1, 96), qweight, scales.half(), mins.half(), 32)

@@ -22,6 +22,7 @@ from leanlm.model.linear.base import (
 )
 from leanlm.model.linear.checks import check_group_size, check_indices, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups, refuse_row_split, scaled
+from leanlm.model.packed_cache import PackedCache
 from leanlm.model.quantized.numerics import unpack_int4
 
 
@@ -66,6 +67,7 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         self.register_buffer("scales", scales.float().contiguous())  # [N, G]
         self.register_buffer("mins", mins.float().contiguous())  # [N, G]
         self.register_buffer("perm", None if perm is None else perm.long().contiguous())  # [K]
+        self.half_scales = PackedCache()  # scales and mins as half for the AVX2 W4A8 kernel, where exact
         self._init_act_quant()
 
     @classmethod
@@ -161,12 +163,24 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
 
     def native_linear_f32(self) -> NativeLinear | None:
         a8 = self.act_quant == "int8"
-        few = cpu_qgemv_avx2.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size, a8)
+        scales, mins = self._a8_scales() if a8 else (self.scales, self.mins)
+        few = cpu_qgemv_avx2.int4_native_call(self.qweight, scales, mins, self.bias, self.group_size, a8)
         return describe(self.out_features, self.in_features, few, None, False, self.perm)
+
+    def _a8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and mins the AVX2 W4A8 kernel reads: half copies where exact (GGUF's Q4_0 / Q4_1), else these."""
+        if not self.scales.is_cpu:
+            return self.scales, self.mins
+        halves = self.half_scales.get((self.scales, self.mins), self._half_copies)
+        return halves if halves is not None else (self.scales, self.mins)
+
+    def _half_copies(self, scales, mins):
+        return cpu_qgemv_avx2.half_copies(scales, mins, self.group_size)
 
     def act_quant_avx2(self, xs: torch.Tensor) -> torch.Tensor | None:
         if cpu_qgemv_avx2.should_use_int4_a8(xs, self.qweight, self.group_size) and self._bias_fits(xs):
-            return cpu_qgemv_avx2.linear_int4_a8(xs, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+            scales, mins = self._a8_scales()
+            return cpu_qgemv_avx2.linear_int4_a8(xs, self.qweight, scales, mins, self.group_size, self.bias)
         return None
 
     def a8_stored_weight(self) -> torch.Tensor:
