@@ -45,6 +45,10 @@ def load_model(
     return load_checkpoint(model, dtype, device, progress=progress).model
 
 
+def _is_float32(dtype: str | torch.dtype) -> bool:
+    return dtype is torch.float32 or (isinstance(dtype, str) and dtype.lower() in ("float32", "fp32", "float"))
+
+
 class LLM:
     """Load a model (bundled name, GGUF file or HF directory) and generate with continuous batching."""
 
@@ -68,6 +72,10 @@ class LLM:
                 f"unknown LLM option(s) {sorted(unknown)}; engine options are {sorted(engine_option_names())}"
             )
         self.engine_config = EngineConfig.from_options(**engine_options)
+        if self.engine_config.act_quant == "auto" and dtype != "auto" and _is_float32(dtype):
+            # A float32 model asked for by name keeps its exact products: auto's int8 activations for float32 are the
+            # AVX2 level's fast path, the one dtype="auto" picks there (as bf16 + int8 is on AVX512).
+            self.engine_config = dataclasses.replace(self.engine_config, act_quant="none")
         self.device = resolve_device(device)
         self.parallel = None  # the ParallelDriver of a tensor/pipeline-parallel engine (leanlm.parallel)
         options = dict(attention_backend=attention_backend, progress=progress, gguf_codes=not dequantize_gguf)

@@ -71,8 +71,7 @@ class EngineLayout:
         threads = f"{self.num_threads} thread{'s' * (self.num_threads != 1)}"
         threads += " (sized to the free cores)" if self.automatic_threads else " (fixed)"
         parts = [
-            f"{self.architecture}, {self.num_layers} layers, {self.dtype} on {self.device}, {threads}"
-            + (f", {self.kernels}" if self.kernels else ""),
+            f"{self.architecture}, {self.num_layers} layers, {self.dtype} on {self.device}, {threads}",
             f"KV cache {self.num_kv_blocks} blocks x {self.block_size} tokens ({self.kv_cache_dtype}, "
             f"{self.kv_cache_bytes / 2**20:,.1f} MiB)",
         ]
@@ -91,6 +90,8 @@ class EngineLayout:
             parts.append(f"MoE: {self.num_experts} experts, top-{self.top_k}{cap}")
         if self.speculative:
             parts.append(f"speculative: {self.speculative}")
+        if self.kernels:
+            parts.append(self.kernels)
         return "engine: " + "; ".join(parts)
 
 

@@ -1,7 +1,7 @@
 """The float32 native decode loop (decode_layers_f32.c, the AVX2 level) against the PyTorch path it replaces: hidden
 states over several decode steps within fp32 rounding, for int4 layers (groups of 32 and 64, act-order, q/k/v
 biases) with float32 and int8 activations, batch 1, 3 and 8; when it steps aside (a bf16 cache, more than 8 rows,
-an int8 linear with int8 activations); and greedy SmolLM2 output unchanged by it."""
+more rows than its GEMVs take); and greedy SmolLM2 output unchanged by it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leanlm.compress import RTNConfig, compress
-from leanlm.kernels import cpu_decode
+from leanlm.kernels import cpu_decode, cpu_qgemv_avx2
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
@@ -71,10 +71,11 @@ def test_the_loop_matches_the_pytorch_path(group, perm, act_int8, architecture, 
 def test_it_steps_aside_where_it_does_not_apply():
     model = _model()
     assert not model.native_decode_plan().accepts(_cache(model, torch.bfloat16))  # float32 caches only
-    assert model.native_decode_plan().loop.max_rows == 8
-    cache = _cache(model, torch.float32, num_blocks=16 * 12)
-    native = _decode(model, True, 12, steps=2, cache=cache)  # 12 rows: the PyTorch path runs them
-    reference = _decode(model, False, 12, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * 12))
+    rows = cpu_qgemv_avx2.MAX_ROWS + 1  # float32 activations: the loop takes 16 rows (64 with int8 ones)
+    assert model.native_decode_plan().loop.max_rows == rows - 1
+    cache = _cache(model, torch.float32, num_blocks=16 * rows)
+    native = _decode(model, True, rows, steps=2, cache=cache)  # one row more: the PyTorch path runs them
+    reference = _decode(model, False, rows, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * rows))
     torch.testing.assert_close(native, reference, rtol=0, atol=0)
     cfg = _config()
     dense = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)

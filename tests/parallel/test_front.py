@@ -366,7 +366,7 @@ def test_nested_json_and_huge_counts_get_the_servers_own_400_before_keying(tiny_
 def test_chat_completion_and_streams_pass_through(client):
     model = client.models.list().data[0].id
     assert model == DEFAULT_MODEL
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     answer = client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0)
     assert "Paris" in answer.choices[0].message.content
     chunks = list(

@@ -31,7 +31,8 @@ def test_models_lists_the_served_model(openai_client):
 
 
 def test_chat_answers_and_stream_equals_non_stream(openai_client, real_llm):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # "Answer in one word." keeps the first token clear of a near tie ("The" against "L") at every precision
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     full = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     text = full.choices[0].message.content
     assert "Paris" in text and full.choices[0].message.role == "assistant"

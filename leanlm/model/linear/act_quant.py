@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from leanlm.config.engine import ACT_QUANT_MODES
-from leanlm.kernels import cpu_a8, cpu_qgemv_avx2
+from leanlm.kernels import cpu_a8, cpu_qgemv_avx2, isa
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.packed_cache import PackedCache
 
@@ -89,14 +89,17 @@ class DynamicActQuant:
 
 def _auto(reference: torch.Tensor) -> bool:
     """auto's choice, from one of the model's float tensors: int8 activations where our kernels run them (a bf16
-    model on a CPU with AVX512-VNNI: gemm_a8; a float32 model at the AVX2 level: the W4A8 / W8A8 GEMVs, as
-    llama.cpp computes); elsewhere the float reference would cost time for nothing. Decided for the whole model,
+    model on a CPU with AVX512-VNNI: gemm_a8; a float32 model at the AVX2 level, where float32 is the fast dtype:
+    the W4A8 / W8A8 GEMVs, as llama.cpp computes; LLM(dtype="float32") asks for exact products and gets "none");
+    elsewhere the float reference would cost time for nothing. Decided for the whole model,
     so offloaded layers (whose tensors are elsewhere until they run) choose as the rest."""
     if reference.device.type != "cpu":
         return False
     if reference.dtype is torch.bfloat16:
         return cpu_a8.is_available()
-    return reference.dtype is torch.float32 and cpu_qgemv_avx2.act_int8_is_available()
+    # float32 is the fast dtype only at the AVX2 level (above it, bf16 is): there it is what dtype="auto" chose
+    at_avx2 = isa.active_level() == "avx2"
+    return reference.dtype is torch.float32 and at_avx2 and cpu_qgemv_avx2.act_int8_is_available()
 
 
 def set_activation_quant(model: nn.Module, mode: str) -> int:
