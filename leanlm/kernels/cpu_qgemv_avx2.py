@@ -75,23 +75,24 @@ INT4_SPEC = KernelSpec(
     rules=(Rule(("G", "K"), _int4_group_ok, "group_size must be a multiple of 32 dividing K = {K}, not {G!r}"),),
     out_dtype=_F32,
 )
+
+
+def a8_groups_fit(G: int, K: int) -> bool:
+    """What the W4A8 kernel's 64-code steps take: K a multiple of 64, groups of 32 or of a multiple of 64."""
+    return type(G) is int and G > 0 and K % 64 == 0 and K % G == 0 and (G == 32 or G % 64 == 0)
+
+
+_A8_RULE = Rule(("G", "K"), a8_groups_fit, "int8 activations need K % 64 == 0 and groups of 32 or of 64k, not {G!r}")
 # W4A8: the same tensors, x quantized to int8 in groups of 32 inside the kernel (cpu_a8.reference's arithmetic);
-# the second given int says the scales and mins are half (HALF_SPEC)
+# the second given int says the scales and mins are half (INT4_A8_HALF_SPEC)
 INT4_A8_SPEC = KernelSpec(
     _INT4_A8_KERNEL,
     "CPU int4 GEMV kernel with int8 activations (AVX2)",
     INT4_SPEC.args,
     given=("G", "half"),
-    rules=INT4_SPEC.rules,
+    rules=(_A8_RULE,),
     out_dtype=_F32,
 )
-
-
-def half_scales_fit(G: int, K: int) -> bool:
-    """Where the W4A8 kernel reads half scales and mins: its 64-code form (K % 64, groups of 32 or 64k)."""
-    return type(G) is int and G > 0 and K % 64 == 0 and K % G == 0 and (G == 32 or G % 64 == 0)
-
-
 INT4_A8_HALF_SPEC = KernelSpec(
     _INT4_A8_KERNEL,
     "CPU int4 GEMV kernel with int8 activations (AVX2, half scales)",
@@ -103,7 +104,7 @@ INT4_A8_HALF_SPEC = KernelSpec(
         _BIAS,
     ],
     given=("G", "half"),
-    rules=(Rule(("G", "K"), half_scales_fit, "half scales need K % 64 == 0 and groups of 32 or of 64k, not {G!r}"),),
+    rules=(_A8_RULE,),
     out_dtype=_F32,
 )
 
@@ -112,7 +113,7 @@ def half_copies(scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> tu
     """(scales, mins) as half where that is exact (GGUF's Q4_0 / Q4_1 keep theirs so) and the kernel reads half
     ones: 2 bytes less per group each, a sixth of a 4-bit layer's bytes. None otherwise."""
     K = scales.shape[-1] * group_size
-    if not (half_scales_fit(group_size, K) and _INT4_A8_KERNEL.is_available()):
+    if not (a8_groups_fit(group_size, K) and _INT4_A8_KERNEL.is_available()):
         return None
     halves = scales.half(), mins.half()
     exact = all(torch.equal(h.float(), f) for h, f in zip(halves, (scales, mins), strict=True))

@@ -45,6 +45,27 @@ ALWAYS_INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+/* rows_NAME (weight rows [n_begin, n_end) for R rows of x: NB at a time, one at a time at the end) and NAME_pass
+ * (the row driver's pass: rows of x in groups of SUB_ROWS, R * NB kept at 4 tiles of accumulators) around
+ * TILE(args, m0, n0, R, NB), whose R and NB are compile-time constants in each call. */
+#define ROW_PASSES(NAME, ARGS, TILE)                                                                                  \
+    ALWAYS_INLINE void rows_##NAME(const ARGS *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,             \
+                                   const int NB) {                                                                    \
+        int64_t n = n_begin;                                                                                          \
+        for (; n + NB <= n_end; n += NB) TILE(a, m0, n, R, NB);                                                       \
+        for (; n < n_end; n++) TILE(a, m0, n, R, 1);                                                                  \
+    }                                                                                                                 \
+    static void NAME##_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {                \
+        const ARGS *a = (const ARGS *)args;                                                                           \
+        for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {                                                             \
+            const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;                                          \
+            if (r == 1) rows_##NAME(a, i, n_begin, n_end, 1, 4);                                                      \
+            else if (r == 2) rows_##NAME(a, i, n_begin, n_end, 2, 2);                                                 \
+            else if (r == 3) rows_##NAME(a, i, n_begin, n_end, 3, 1);                                                 \
+            else rows_##NAME(a, i, n_begin, n_end, 4, 1);                                                             \
+        }                                                                                                             \
+    }
+
 /* Per calling thread: the reordered x and its group sums, kept between calls (grown when a call needs more). */
 static __thread float *scratch;
 static __thread size_t scratch_floats;
@@ -138,23 +159,7 @@ ALWAYS_INLINE void tile_i4(const int4_args *a, int64_t m0, int64_t n0, const int
     }
 }
 
-/* Weight rows [n_begin, n_end) for R rows: NB weight rows at a time, one at a time at the end. */
-ALWAYS_INLINE void rows_i4(const int4_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R, const int NB) {
-    int64_t n = n_begin;
-    for (; n + NB <= n_end; n += NB) tile_i4(a, m0, n, R, NB);
-    for (; n < n_end; n++) tile_i4(a, m0, n, R, 1);
-}
-
-static void int4_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
-    const int4_args *a = (const int4_args *)args;
-    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
-        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
-        if (r == 1) rows_i4(a, i, n_begin, n_end, 1, 4);
-        else if (r == 2) rows_i4(a, i, n_begin, n_end, 2, 2);
-        else if (r == 3) rows_i4(a, i, n_begin, n_end, 3, 1);
-        else rows_i4(a, i, n_begin, n_end, 4, 1);
-    }
-}
+ROW_PASSES(int4, int4_args, tile_i4)
 
 int leanlm_linear_int4_f32(const float *x, const uint8_t *w, const float *scales, const float *mins,
                            const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
@@ -184,111 +189,19 @@ int leanlm_linear_int4_f32(const float *x, const uint8_t *w, const float *scales
 
 /* ------------------------------------------------------------------------------------- int4, int8 activations
  * W4A8: x quantized per call to int8 in groups of 32 (scale = max(absmax / 127, 1e-12), codes = x / scale rounded
- * half to even, as numerics.quantize_act_int8), then each 32-code slice is one vpmaddubsw (unsigned nibbles times
- * signed codes) and one vpmaddwd: exact integer dot products, scaled by the activation group's and the weight
- * group's scales in fp32. The min term is min_g * (x scale * the sum of the codes), so the result is the float
- * reference on the fake-quantized x (cpu_a8.reference) to fp32 rounding: llama.cpp's Q4_1 x Q8_1 arithmetic. */
+ * half to even, as numerics.quantize_act_int8), then exact integer dot products of codes by vpmaddubsw (unsigned
+ * nibbles times signed codes) and vpmaddwd, scaled by the activation group's and the weight group's scales in fp32.
+ * The min term is min_g * (x scale * the sum of the codes), so the result is the float reference on the
+ * fake-quantized x (cpu_a8.reference) to fp32 rounding: llama.cpp's Q4_1 x Q8_1 arithmetic.
+ * 64 codes at a time (K a multiple of 64; groups of 32 or of a multiple of 64): one 32-byte load holds two 32-code
+ * slices, whose low nibbles meet both slices' even inputs and high nibbles both odd ones (x is reordered per 64 to
+ * match), so a pair costs two vpmaddubsw, one vpmaddwd and one conversion (a per-32 form, tried first, ran at half
+ * the speed). Lanes 0-3 then belong to the first slice and 4-7 to the second; each is scaled by its own activation
+ * and weight scale. The min term is a dot product of the row's mins with the groups' scaled code sums. */
 
 #define ACT_GROUP 32
 
-typedef struct {
-    const int8_t *xq;  /* [M, K] codes, reordered per 32 inputs as xp above */
-    const float *sx;   /* [M, K / 32] activation scales */
-    const float *tmin; /* [M, K / 32] scale * the sum of the group's codes */
-    const uint8_t *w;
-    const float *scales, *mins, *bias;
-    float *y;
-    int64_t K, N, gs;
-} int4_a8_args;
-
-ALWAYS_INLINE __m256i unpack_i4_bytes(const uint8_t *src) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-    return _mm256_set_m128i(hi, lo); /* k = 0, 2, .., 30 then 1, 3, .., 31 */
-}
-
-ALWAYS_INLINE void tile_i4a8(const int4_a8_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
-    const int64_t K = a->K, gs = a->gs, G = K / gs, C = K / ACT_GROUP;
-    if (m0 == 0) { /* the first rows of x bring the tile in; later passes find it cached */
-        const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
-        prefetch_rows(a->w, K / 2, ahead, NB, a->N);
-        prefetch_rows(a->scales, G * 4, ahead, NB, a->N);
-        prefetch_rows(a->mins, G * 4, ahead, NB, a->N);
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 tot[4][4], mins[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) tot[r][j] = mins[r][j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m256 acc[4][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
-        __m256 tg[4]; /* the activation groups' scale * code sums over this weight group, per row */
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) tg[r] = _mm256_setzero_ps();
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-            __m256i xv[4];
-            __m256 sxv[4];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                xv[r] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
-                sxv[r] = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
-                tg[r] = _mm256_add_ps(tg[r], _mm256_broadcast_ss(a->tmin + (m0 + r) * C + k / ACT_GROUP));
-            }
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j++) {
-                const __m256i wv = unpack_i4_bytes(a->w + (n0 + j) * (K / 2) + k / 2);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv[r]), ones);
-                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sxv[r], acc[r][j]);
-                }
-            }
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) {
-            const __m256 s = _mm256_broadcast_ss(a->scales + (n0 + j) * G + g);
-            const __m256 mn = _mm256_broadcast_ss(a->mins + (n0 + j) * G + g);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
-                mins[r][j] = _mm256_fmadd_ps(mn, tg[r], mins[r][j]); /* every lane alike */
-            }
-        }
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; j++) {
-        const float b = a->bias ? a->bias[n0 + j] : 0.0f;
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            a->y[(m0 + r) * a->N + n0 + j] = hsum(tot[r][j]) + _mm256_cvtss_f32(mins[r][j]) + b;
-    }
-}
-
-ALWAYS_INLINE void rows_i4a8(const int4_a8_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
-                             const int NB) {
-    int64_t n = n_begin;
-    for (; n + NB <= n_end; n += NB) tile_i4a8(a, m0, n, R, NB);
-    for (; n < n_end; n++) tile_i4a8(a, m0, n, R, 1);
-}
-
-static void int4_a8_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
-    const int4_a8_args *a = (const int4_a8_args *)args;
-    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
-        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
-        if (r == 1) rows_i4a8(a, i, n_begin, n_end, 1, 4);
-        else if (r == 2) rows_i4a8(a, i, n_begin, n_end, 2, 2);
-        else if (r == 3) rows_i4a8(a, i, n_begin, n_end, 3, 1);
-        else rows_i4a8(a, i, n_begin, n_end, 4, 1);
-    }
-}
-
-/* One row of x [K] to int8 codes in groups of 32 (written reordered when `reorder`), with each group's scale and
+/* One row of x [K] to int8 codes in groups of 32 (reordered per 64 when `reorder`), with each group's scale and
  * scale * sum of codes. */
 static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, float *sx, float *tmin) {
     for (int64_t c = 0; c < K / ACT_GROUP; c++) {
@@ -301,10 +214,8 @@ static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, 
         for (int t = 0; t < ACT_GROUP; t++) {
             float q = nearbyintf(xg[t] / s);
             q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-            /* 0: in place; 1: per 32, evens then odds; 2: per pair of 32s, both evens then both odds */
-            const int64_t at = reorder == 0   ? c * ACT_GROUP + t
-                               : reorder == 1 ? c * ACT_GROUP + (t % 2) * 16 + t / 2
-                                              : (c / 2) * 64 + (t % 2) * 32 + (c % 2) * 16 + t / 2;
+            /* reordered: per pair of 32s, both slices' evens, then both slices' odds */
+            const int64_t at = reorder ? (c / 2) * 64 + (t % 2) * 32 + (c % 2) * 16 + t / 2 : c * ACT_GROUP + t;
             codes[at] = (int8_t)q;
             sum += (int)q;
         }
@@ -313,11 +224,6 @@ static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, 
     }
 }
 
-/* The same product 64 codes at a time (K a multiple of 64; groups of 32 or of a multiple of 64): one 32-byte load
- * holds two 32-code slices, whose low nibbles meet both slices' even inputs and high nibbles both odd ones (x is
- * reordered per 64 to match), so a pair costs two vpmaddubsw, one vpmaddwd and one conversion, half the per-32
- * form's shuffles. Lanes 0-3 then belong to the first slice and 4-7 to the second; each is scaled by its own
- * activation and weight scale. The min term is a dot product of the row's mins with the groups' scaled code sums. */
 typedef struct {
     const int8_t *xq;   /* [M, K] codes, reordered per 64 */
     const float *sxv;   /* [M, K / 64, 8]: each pair's activation scales, 4 lanes each */
@@ -408,31 +314,16 @@ ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0
     }
 }
 
-ALWAYS_INLINE void rows_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
-                              const int NB, const int HALF) {
-    int64_t n = n_begin;
-    for (; n + NB <= n_end; n += NB) tile_i4a8p(a, m0, n, R, NB, HALF);
-    for (; n < n_end; n++) tile_i4a8p(a, m0, n, R, 1, HALF);
+ALWAYS_INLINE void tile_i4a8p_float(const int4_a8_pair_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
+    tile_i4a8p(a, m0, n0, R, NB, 0);
 }
 
-ALWAYS_INLINE void pair_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end, const int HALF) {
-    const int4_a8_pair_args *a = (const int4_a8_pair_args *)args;
-    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
-        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
-        if (r == 1) rows_i4a8p(a, i, n_begin, n_end, 1, 4, HALF);
-        else if (r == 2) rows_i4a8p(a, i, n_begin, n_end, 2, 2, HALF);
-        else if (r == 3) rows_i4a8p(a, i, n_begin, n_end, 3, 1, HALF);
-        else rows_i4a8p(a, i, n_begin, n_end, 4, 1, HALF);
-    }
+ALWAYS_INLINE void tile_i4a8p_half(const int4_a8_pair_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
+    tile_i4a8p(a, m0, n0, R, NB, 1);
 }
 
-static void int4_a8_pair_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
-    pair_pass(args, m0, m, n_begin, n_end, 0);
-}
-
-static void int4_a8_pair_pass_half(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
-    pair_pass(args, m0, m, n_begin, n_end, 1);
-}
+ROW_PASSES(int4_a8_pair, int4_a8_pair_args, tile_i4a8p_float)
+ROW_PASSES(int4_a8_pair_half, int4_a8_pair_args, tile_i4a8p_half)
 
 static int int4_a8_pairs(const float *x, const uint8_t *w, const void *scales, const void *mins, const float *bias,
                          float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int half, int num_threads,
@@ -443,7 +334,7 @@ static int int4_a8_pairs(const float *x, const uint8_t *w, const void *scales, c
     float *sx = buf, *t32 = sx + M * C, *sxv = t32 + M * C, *tmin = sxv + M * P * 8;
     int8_t *xq = (int8_t *)(tmin + M * G);
     for (int64_t i = 0; i < M; i++) {
-        quantize_row(x + i * K, K, 2, xq + i * K, sx + i * C, t32 + i * C);
+        quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, t32 + i * C);
         for (int64_t c = 0; c < C; c++)
             for (int l = 0; l < 4; l++) sxv[(i * P + c / 2) * 8 + (c % 2) * 4 + l] = sx[i * C + c];
         for (int64_t g = 0; g < G; g++) {
@@ -454,32 +345,18 @@ static int int4_a8_pairs(const float *x, const uint8_t *w, const void *scales, c
     }
     const int4_a8_pair_args args = {xq, sxv, tmin, w, scales, mins, bias, y, K, N, gs};
     const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
-    leanlm_row_passes(half ? int4_a8_pair_pass_half : int4_a8_pair_pass, &args, M, N, BLOCK_N, threads);
+    leanlm_row_passes(half ? int4_a8_pair_half_pass : int4_a8_pair_pass, &args, M, N, BLOCK_N, threads);
     return 0;
 }
 
-/* half_scales: scales and mins are IEEE half [N, G] (where they are exactly so: GGUF's Q4_0 / Q4_1 blocks keep
- * theirs in half), read in place of float32 ones; only in the 64-code form (K % 64 == 0, groups of 32 or of a
- * multiple of 64), else -1. */
+/* K a multiple of 64, groups of 32 or of a multiple of 64 (else -1). half_scales: scales and mins are IEEE half
+ * [N, G] (where they are exactly so: GGUF's Q4_0 / Q4_1 blocks keep theirs in half), read in place of float32. */
 int leanlm_linear_int4_a8_f32(const float *x, const uint8_t *w, const void *scales, const void *mins,
                               const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t gs, int64_t half,
                               int num_threads, int64_t min_parallel_bytes) {
-    if (M < 0 || N < 0 || K < 0 || gs <= 0 || gs % 32 != 0 || K % gs != 0) return -1;
-    const int pairs = K % 64 == 0 && (gs == 32 || gs % 64 == 0);
-    if (half && !pairs) return -1;
+    if (M < 0 || N < 0 || K < 0 || gs <= 0 || K % 64 != 0 || K % gs != 0 || (gs != 32 && gs % 64 != 0)) return -1;
     if (M == 0 || N == 0) return 0;
-    if (pairs)
-        return int4_a8_pairs(x, w, scales, mins, bias, y, M, N, K, gs, (int)half, num_threads, min_parallel_bytes);
-    const int64_t C = K / ACT_GROUP;
-    float *buf = scratch_buffer((size_t)(M * K / 4 + 2 * M * C));
-    if (buf == NULL) return -2;
-    float *sx = buf, *tmin = sx + M * C;
-    int8_t *xq = (int8_t *)(tmin + M * C);
-    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, tmin + i * C);
-    const int4_a8_args args = {xq, sx, tmin, w, (const float *)scales, (const float *)mins, bias, y, K, N, gs};
-    const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
-    leanlm_row_passes(int4_a8_pass, &args, M, N, BLOCK_N, threads);
-    return 0;
+    return int4_a8_pairs(x, w, scales, mins, bias, y, M, N, K, gs, (int)half, num_threads, min_parallel_bytes);
 }
 
 /* W8A8: symmetric int8 weights (per channel: gs = K, or groups of a multiple of 32) with x quantized as for W4A8;
@@ -547,23 +424,7 @@ ALWAYS_INLINE void tile_i8a8(const int8_a8_args *a, int64_t m0, int64_t n0, cons
     }
 }
 
-ALWAYS_INLINE void rows_i8a8(const int8_a8_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,
-                             const int NB) {
-    int64_t n = n_begin;
-    for (; n + NB <= n_end; n += NB) tile_i8a8(a, m0, n, R, NB);
-    for (; n < n_end; n++) tile_i8a8(a, m0, n, R, 1);
-}
-
-static void int8_a8_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
-    const int8_a8_args *a = (const int8_a8_args *)args;
-    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
-        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
-        if (r == 1) rows_i8a8(a, i, n_begin, n_end, 1, 4);
-        else if (r == 2) rows_i8a8(a, i, n_begin, n_end, 2, 2);
-        else if (r == 3) rows_i8a8(a, i, n_begin, n_end, 3, 1);
-        else rows_i8a8(a, i, n_begin, n_end, 4, 1);
-    }
-}
+ROW_PASSES(int8_a8, int8_a8_args, tile_i8a8)
 
 int leanlm_linear_int8_a8_f32(const float *x, const int8_t *w, const float *scales, const float *bias, float *y,
                               int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads,
@@ -633,22 +494,7 @@ ALWAYS_INLINE void tile_i8(const int8_args *a, int64_t m0, int64_t n0, const int
     }
 }
 
-ALWAYS_INLINE void rows_i8(const int8_args *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R, const int NB) {
-    int64_t n = n_begin;
-    for (; n + NB <= n_end; n += NB) tile_i8(a, m0, n, R, NB);
-    for (; n < n_end; n++) tile_i8(a, m0, n, R, 1);
-}
-
-static void int8_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {
-    const int8_args *a = (const int8_args *)args;
-    for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {
-        const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;
-        if (r == 1) rows_i8(a, i, n_begin, n_end, 1, 4);
-        else if (r == 2) rows_i8(a, i, n_begin, n_end, 2, 2);
-        else if (r == 3) rows_i8(a, i, n_begin, n_end, 3, 1);
-        else rows_i8(a, i, n_begin, n_end, 4, 1);
-    }
-}
+ROW_PASSES(int8, int8_args, tile_i8)
 
 int leanlm_linear_int8_f32(const float *x, const int8_t *w, const float *scales, const float *bias, float *y,
                            int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads, int64_t min_parallel_bytes) {
