@@ -1,6 +1,7 @@
-"""Weight-only int4 / int8 linear layers with float32 activations on x86-64 CPUs with AVX2 and FMA but no AVX512
-(the `avx2` level of isa.py: AMD before Zen 4, Intel client chips, older Xeons): the few-row GEMVs of decode, and
-dequantization to float32 for many-row products.
+"""Weight-only int4 / int8 linear layers with float32 activations on x86-64 CPUs with AVX2 and FMA (the `avx2` level
+of isa.py: the native path of CPUs without AVX512-BF16, such as AMD before Zen 4, Intel client chips and older
+Xeons; float32 models run it on the others too): the few-row GEMVs of decode, exact or on int8 activations (W4A8 /
+W8A8), and dequantization to float32 for many-row products.
 
 The weights stay packed (4 or 8 bits a code); a decode step reads each code once and never writes a float copy of
 the weight, where the PyTorch path dequantizes every weight on every call. Results equal float64 math on the
