@@ -18,20 +18,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx2.h"
 #include "decode_model.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_ROWS 64 /* decode tokens per call (cpu_decode.py caps it per model: 16, or 64 on int8 activations) */
 
 /* The float32 form of linear_call.h's entry (same ABI: pointers and integers). */
 typedef int (*f32_linear_fn)(const leanlm_linear_call *call, const float *x, float *y, int64_t M, int64_t N,
                              int64_t K, int threads, int64_t min_parallel_bytes);
 
-ALWAYS_INLINE float hsum(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
 /* Dot product of n floats (n a multiple of 8, as every head dim the loop takes is). */
 ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {

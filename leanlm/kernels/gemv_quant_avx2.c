@@ -20,10 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx2.h"
 #include "linear_call.h"
 #include "row_driver.h"
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define BLOCK_N 16 /* weight rows per unit of work a thread takes */
 #define SUB_ROWS 4 /* rows of x held in registers at once (a pass of up to 8 is done in two) */
 #ifndef PREFETCH_BYTES
@@ -39,10 +38,34 @@ static inline void prefetch_rows(const void *base, int64_t row_bytes, int64_t ro
     for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-ALWAYS_INLINE float hsum(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+
+/* Prefetch weight rows [n0, n0 + NB) of the tile PREFETCH_BYTES of codes ahead, with their scales and mins (mins
+ * NULL: none); row_bytes of codes and side_bytes of scales (or mins) per row. */
+ALWAYS_INLINE void prefetch_tile(const void *w, int64_t row_bytes, const void *scales, const void *mins,
+                                 int64_t side_bytes, int64_t n0, const int NB, int64_t N) {
+    const int64_t ahead = n0 + (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
+    prefetch_rows(w, row_bytes, ahead, NB, N);
+    prefetch_rows(scales, side_bytes, ahead, NB, N);
+    if (mins != NULL) prefetch_rows(mins, side_bytes, ahead, NB, N);
+}
+
+/* v[r][j] = 0 over an R x NB tile of accumulators. */
+ALWAYS_INLINE void zero_tile(__m256 v[4][4], const int R, const int NB) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) v[r][j] = _mm256_setzero_ps();
+}
+
+/* tot[r][j] += acc[r][j] * the scale of weight row n0 + j's group g (float32 scales [N, G]). */
+ALWAYS_INLINE void scale_into(__m256 tot[4][4], __m256 acc[4][4], const float *scales, int64_t n0, int64_t G,
+                              int64_t g, const int R, const int NB) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+        const __m256 s = _mm256_broadcast_ss(scales + (n0 + j) * G + g);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
+    }
 }
 
 /* rows_NAME (weight rows [n_begin, n_end) for R rows of x: NB at a time, one at a time at the end) and NAME_pass
@@ -105,23 +128,13 @@ ALWAYS_INLINE void unpack_i4(const uint8_t *src, __m256 q[4]) {
 /* Rows [m0, m0 + R) of x against weight rows [n0, n0 + NB); R * NB <= 4 keeps every accumulator in a register. */
 ALWAYS_INLINE void tile_i4(const int4_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
     const int64_t K = a->K, gs = a->gs, G = K / gs, N = a->N;
-    if (m0 == 0) {
-        const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
-        prefetch_rows(a->w, K / 2, ahead, NB, N);
-        prefetch_rows(a->scales, G * 4, ahead, NB, N);
-        prefetch_rows(a->mins, G * 4, ahead, NB, N);
-    }
+    if (m0 == 0) prefetch_tile(a->w, K / 2, a->scales, a->mins, G * 4, n0, NB, N); /* later rows find it cached */
     __m256 tot[4][4], mins[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) tot[r][j] = mins[r][j] = _mm256_setzero_ps();
+    zero_tile(tot, R, NB);
+    zero_tile(mins, R, NB);
     for (int64_t g = 0; g < G; g++) {
         __m256 acc[4][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+        zero_tile(acc, R, NB);
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
 #pragma GCC unroll 4
             for (int j = 0; j < NB; j++) {
@@ -268,17 +281,9 @@ ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0
                               const int HALF) {
     const int64_t K = a->K, gs = a->gs, G = K / gs, P = K / 64, side = HALF ? 2 : 4; /* bytes per scale */
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    if (m0 == 0) {
-        const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
-        prefetch_rows(a->w, K / 2, ahead, NB, a->N);
-        prefetch_rows(a->scales, G * side, ahead, NB, a->N);
-        prefetch_rows(a->mins, G * side, ahead, NB, a->N);
-    }
+    if (m0 == 0) prefetch_tile(a->w, K / 2, a->scales, a->mins, G * side, n0, NB, a->N);
     __m256 tot[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) tot[r][j] = _mm256_setzero_ps();
+    zero_tile(tot, R, NB);
     for (int64_t p = 0; p < P; p++) {
         __m256i xe[4], xo[4];
         __m256 sx[4];
@@ -373,22 +378,12 @@ typedef struct {
 ALWAYS_INLINE void tile_i8a8(const int8_a8_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
     const int64_t K = a->K, gs = a->gs, G = K / gs, C = K / ACT_GROUP;
     const __m256i ones = _mm256_set1_epi16(1);
-    if (m0 == 0) {
-        const int64_t ahead = n0 + (PREFETCH_BYTES + K - 1) / K;
-        prefetch_rows(a->w, K, ahead, NB, a->N);
-        prefetch_rows(a->scales, G * 4, ahead, NB, a->N);
-    }
+    if (m0 == 0) prefetch_tile(a->w, K, a->scales, NULL, G * 4, n0, NB, a->N);
     __m256 tot[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) tot[r][j] = _mm256_setzero_ps();
+    zero_tile(tot, R, NB);
     for (int64_t g = 0; g < G; g++) {
         __m256 acc[4][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+        zero_tile(acc, R, NB);
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
             __m256i xv[4];
             __m256 sxv[4];
@@ -409,12 +404,7 @@ ALWAYS_INLINE void tile_i8a8(const int8_a8_args *a, int64_t m0, int64_t n0, cons
                 }
             }
         }
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) {
-            const __m256 s = _mm256_broadcast_ss(a->scales + (n0 + j) * G + g);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
-        }
+        scale_into(tot, acc, a->scales, n0, G, g, R, NB);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; j++) {
@@ -460,16 +450,10 @@ ALWAYS_INLINE __m256 load_i8(const int8_t *src) {
 ALWAYS_INLINE void tile_i8(const int8_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
     const int64_t K = a->K, gs = a->gs, G = K / gs, N = a->N;
     __m256 tot[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) tot[r][j] = _mm256_setzero_ps();
+    zero_tile(tot, R, NB);
     for (int64_t g = 0; g < G; g++) {
         __m256 acc[4][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+        zero_tile(acc, R, NB);
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
 #pragma GCC unroll 4
             for (int j = 0; j < NB; j++) {
@@ -479,12 +463,7 @@ ALWAYS_INLINE void tile_i8(const int8_args *a, int64_t m0, int64_t n0, const int
                     acc[r][j] = _mm256_fmadd_ps(q, _mm256_loadu_ps(a->x + (m0 + r) * K + k), acc[r][j]);
             }
         }
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) {
-            const __m256 s = _mm256_broadcast_ss(a->scales + (n0 + j) * G + g);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
-        }
+        scale_into(tot, acc, a->scales, n0, G, g, R, NB);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; j++) {

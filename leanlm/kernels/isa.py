@@ -43,12 +43,10 @@ def _rank(level: str) -> int:
 
 def cpu_level(flags: frozenset[str] | None = None) -> str:
     """The highest level whose flags (and those of every level below it) this CPU has; `none` off x86-64."""
-    if platform.machine() not in ("x86_64", "AMD64") and flags is None:
-        return "none"
     if flags is None:
-        from leanlm.kernels.build import cpu_flags
-
-        flags = cpu_flags()
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return "none"
+        flags = _flags()
     level = "none"
     for candidate in LEVELS[1:]:
         if not all(f in flags for f in LEVEL_FLAGS[candidate]):

@@ -135,7 +135,7 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return cpu_gemm.gemm_quant(self._permuted(x), self.packed_weight())
 
     def few_rows_fit(self, x: torch.Tensor) -> bool:
-        if self.bias is not None and self.bias.dtype is not x.dtype:
+        if not self._bias_fits(x):
             return False
         if x.dtype is torch.float32:
             return cpu_qgemv_avx2.should_use_int4(x, self.qweight, self.group_size)
