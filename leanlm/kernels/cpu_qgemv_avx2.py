@@ -296,6 +296,7 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
 _INT4_CALL = call_entry(_SOURCE, "leanlm_linear_int4_f32_call", **_AVX2)
 _INT8_CALL = call_entry(_SOURCE, "leanlm_linear_int8_f32_call", **_AVX2)
 _INT4_A8_CALL = call_entry(_SOURCE, "leanlm_linear_int4_a8_f32_call", **_AVX2)
+_INT8_A8_CALL = call_entry(_SOURCE, "leanlm_linear_int8_a8_f32_call", **_AVX2)
 
 
 def int4_native_call(
@@ -321,10 +322,17 @@ def int4_native_call(
 
 
 def int8_native_call(
-    qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int | None
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int | None,
+    act_int8: bool = False,
 ) -> NativeCall | None:
     """As int4_native_call, for int8 codes [N, K] with scales [N] (per channel) or [N, K / group_size]."""
     grouped, G = _int8_group(qweight, scales, group_size)
-    if not INT8_SPEC.fits_partial(None, qweight, grouped, bias, G):
+    spec = INT8_A8_SPEC if act_int8 else INT8_SPEC
+    if not spec.fits_partial(None, qweight, grouped, bias, G):
         return None
+    if act_int8:
+        return NativeCall("int8_a8_f32", _INT8_A8_CALL, (qweight, grouped, bias), (G,))
     return NativeCall("int8_f32", _INT8_CALL, (qweight, grouped, bias), (G,))

@@ -32,8 +32,9 @@ class DynamicActQuant:
         """The weight group size gemm_a8 sees (None: one scale per channel)."""
         return self.group_size
 
-    def supports_act_quant(self) -> bool:
-        """Whole activation groups of 32 and weight groups made of them; act-order int4 too (x is gathered first)."""
+    def supports_act_quant(self, dtype: torch.dtype | None = None) -> bool:
+        """Whole activation groups of 32 and weight groups made of them; act-order int4 too (x is gathered first).
+        `dtype`: the model's float dtype, for formats whose only int8-activation kernel takes one (Q6_K's)."""
         return cpu_a8.shape_ok(self.in_features, self.act_group_size)
 
     @abstractmethod
@@ -47,7 +48,8 @@ class DynamicActQuant:
     def a8_weight(self) -> cpu_a8.PackedA8 | None:
         """The packed codes when the kernel can run them (CPU weights, a VNNI CPU), else None."""
         tensors = self._a8_tensors()
-        if not (tensors[0].is_cpu and cpu_a8.is_available()):
+        shape_ok = cpu_a8.shape_ok(self.in_features, self.act_group_size)  # not so for Q6_K's groups of 16
+        if not (shape_ok and tensors[0].is_cpu and cpu_a8.is_available()):
             return None
         return self.act_packed.get(tensors, self._pack_a8)
 
@@ -113,7 +115,7 @@ def set_activation_quant(model: nn.Module, mode: str) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, DynamicActQuant):
-            on = wanted and module.supports_act_quant()
+            on = wanted and module.supports_act_quant(reference.dtype)
             module.act_quant = "int8" if on else "none"
             count += on
     drop_plan = getattr(model, "drop_native_plan", None)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv, cpu_qgemv_avx2
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_kquant_avx2, cpu_qgemv, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.act_quant import DynamicActQuant
 from leanlm.model.linear.base import (
@@ -20,6 +20,7 @@ from leanlm.model.linear.base import (
 )
 from leanlm.model.linear.checks import check_numel, check_shape, matrix_shape
 from leanlm.model.linear.shard import COLUMN, groups
+from leanlm.model.packed_cache import PackedCache
 
 
 def scaled_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
@@ -61,6 +62,7 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         self.group_size = group_size
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.float().contiguous())  # [N], or [N, K / group_size]
+        self.six_bit = PackedCache()  # Q6_K-like codes in their own 6.6 bits, for the AVX2 int6 GEMV (made on use)
         self._init_act_quant()
 
     def metadata(self) -> dict[str, Any]:
@@ -124,8 +126,24 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
 
+    def supports_act_quant(self, dtype: torch.dtype | None = None) -> bool:
+        """Also Q6_K's groups of 16 in a float32 model, where its codes and scales fit the AVX2 int6 GEMV."""
+        if super().supports_act_quant(dtype):
+            return True
+        return dtype is torch.float32 and self.group_size == 16 and self.six_bit_weight() is not None
+
+    def six_bit_weight(self) -> cpu_kquant_avx2.SixBit | None:
+        """The codes and scales in Q6_K's widths (groups of 16 whose scales factor per super-block), else None."""
+        if self.group_size != 16 or not self.qweight.is_cpu:
+            return None
+        return self.six_bit.get((self.qweight, self.scales), cpu_kquant_avx2.six_bit_copy)
+
     def act_quant_avx2(self, xs: torch.Tensor) -> torch.Tensor | None:
         bias_ok = self.bias is None or self.bias.dtype is xs.dtype
+        if self.group_size == 16:
+            six = self.six_bit_weight()
+            fits = cpu_kquant_avx2.should_use_int6(xs, six, self.bias)
+            return cpu_kquant_avx2.linear_int6_a8(xs, six, self.bias) if fits else None
         if bias_ok and cpu_qgemv_avx2.should_use_int8_a8(xs, self.qweight, self.group_size):
             return cpu_qgemv_avx2.linear_int8_a8(xs, self.qweight, self.scales, self.bias, self.group_size)
         return None
@@ -136,7 +154,11 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return super().a8_stored_weight()
 
     def native_linear_f32(self) -> NativeLinear | None:
-        if self.act_quant == "int8":
-            return None
-        few = cpu_qgemv_avx2.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
+        if self.act_quant == "int8" and self.group_size == 16:
+            six = self.six_bit_weight()
+            few = None if six is None else cpu_kquant_avx2.int6_native_call(six, self.bias)
+        elif self.act_quant == "int8":
+            few = cpu_qgemv_avx2.int8_native_call(self.qweight, self.scales, self.bias, self.group_size, act_int8=True)
+        else:
+            few = cpu_qgemv_avx2.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, None, False)

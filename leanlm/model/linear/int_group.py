@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.kernels import cpu_a8, cpu_gemm, cpu_qgemv, cpu_qgemv_avx2
+from leanlm.kernels import cpu_a8, cpu_gemm, cpu_kquant_avx2, cpu_qgemv, cpu_qgemv_avx2
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.act_quant import DynamicActQuant
 from leanlm.model.linear.base import (
@@ -67,7 +67,7 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         self.register_buffer("scales", scales.float().contiguous())  # [N, G]
         self.register_buffer("mins", mins.float().contiguous())  # [N, G]
         self.register_buffer("perm", None if perm is None else perm.long().contiguous())  # [K]
-        self.half_scales = PackedCache()  # scales and mins as half for the AVX2 W4A8 kernel, where exact
+        self.compact_scales = PackedCache()  # scales and mins as the AVX2 W4A8 kernels read them best (_compact)
         self._init_act_quant()
 
     @classmethod
@@ -162,24 +162,39 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed, self.perm)
 
     def native_linear_f32(self) -> NativeLinear | None:
-        a8 = self.act_quant == "int8"
-        scales, mins = self._a8_scales() if a8 else (self.scales, self.mins)
-        few = cpu_qgemv_avx2.int4_native_call(self.qweight, scales, mins, self.bias, self.group_size, a8)
+        if self.act_quant != "int8":
+            few = cpu_qgemv_avx2.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
+        elif isinstance(compact := self._compact(), cpu_kquant_avx2.SuperScales):
+            few = cpu_kquant_avx2.int4k_native_call(self.qweight, compact, self.bias)
+        else:
+            scales, mins = compact or (self.scales, self.mins)
+            few = cpu_qgemv_avx2.int4_native_call(self.qweight, scales, mins, self.bias, self.group_size, True)
         return describe(self.out_features, self.in_features, few, None, False, self.perm)
 
-    def _a8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scales and mins the AVX2 W4A8 kernel reads: half copies where exact (GGUF's Q4_0 / Q4_1), else these."""
+    def _compact(self) -> tuple[torch.Tensor, torch.Tensor] | cpu_kquant_avx2.SuperScales | None:
+        """The scales and mins in the fewest bytes the AVX2 W4A8 kernels read exactly: half copies (GGUF's Q4_0 /
+        Q4_1 keep theirs so), Q4_K's super-block factors (4-bit codes and 6-bit scales in groups of 32), or None
+        (the float32 ones)."""
         if not self.scales.is_cpu:
-            return self.scales, self.mins
-        halves = self.half_scales.get((self.scales, self.mins), self._half_copies)
-        return halves if halves is not None else (self.scales, self.mins)
+            return None
+        return self.compact_scales.get((self.scales, self.mins), self._make_compact)
 
-    def _half_copies(self, scales, mins):
-        return cpu_qgemv_avx2.half_copies(scales, mins, self.group_size)
+    def _make_compact(self, scales, mins):
+        halves = cpu_qgemv_avx2.half_copies(scales, mins, self.group_size)
+        if halves is not None or self.group_size != 32:
+            return halves
+        return cpu_kquant_avx2.super_scales(scales, mins)
 
     def act_quant_avx2(self, xs: torch.Tensor) -> torch.Tensor | None:
-        if cpu_qgemv_avx2.should_use_int4_a8(xs, self.qweight, self.group_size) and self._bias_fits(xs):
-            scales, mins = self._a8_scales()
+        if not self._bias_fits(xs):
+            return None
+        compact = self._compact()
+        if isinstance(compact, cpu_kquant_avx2.SuperScales):
+            if cpu_kquant_avx2.should_use_int4k(xs, self.qweight, compact, self.bias):
+                return cpu_kquant_avx2.linear_int4k_a8(xs, self.qweight, compact, self.bias)
+            compact = None
+        if cpu_qgemv_avx2.should_use_int4_a8(xs, self.qweight, self.group_size):
+            scales, mins = compact or (self.scales, self.mins)
             return cpu_qgemv_avx2.linear_int4_a8(xs, self.qweight, scales, mins, self.group_size, self.bias)
         return None
 

@@ -1,0 +1,119 @@
+/* What the AVX2 GEMV libraries share (gemv_quant_avx2.c, gemv_kquant_avx2.c): the tiling constants, prefetch,
+ * accumulator tiles, the row passes around a tile, the per-thread scratch, and int8 quantization of x per 32. */
+#ifndef LEANLM_GEMV_AVX2_H
+#define LEANLM_GEMV_AVX2_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "avx2.h"
+#include "row_driver.h"
+
+#define BLOCK_N 16 /* weight rows per unit of work a thread takes */
+#define SUB_ROWS 4 /* rows of x held in registers at once (a pass of up to 8 is done in two) */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192 /* how far ahead of a tile its weight rows (and their scales, mins) are prefetched */
+#endif
+
+/* Prefetch rows [row, row + n) of a row-major array with row_bytes per row (clipped to N rows): a tile's codes,
+ * scales and mins are three streams the hardware prefetcher follows late, and a miss stalls every FMA after it. */
+static inline void prefetch_rows(const void *base, int64_t row_bytes, int64_t row, int64_t n, int64_t N) {
+    if (row >= N) return;
+    if (row + n > N) n = N - row;
+    const char *p = (const char *)base + row * row_bytes, *end = (const char *)base + (row + n) * row_bytes;
+    for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+
+/* Prefetch weight rows [n0, n0 + NB) of the tile PREFETCH_BYTES of codes ahead, with their scales and mins (mins
+ * NULL: none); row_bytes of codes and side_bytes of scales (or mins) per row. */
+ALWAYS_INLINE void prefetch_tile(const void *w, int64_t row_bytes, const void *scales, const void *mins,
+                                 int64_t side_bytes, int64_t n0, const int NB, int64_t N) {
+    const int64_t ahead = n0 + (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
+    prefetch_rows(w, row_bytes, ahead, NB, N);
+    prefetch_rows(scales, side_bytes, ahead, NB, N);
+    if (mins != NULL) prefetch_rows(mins, side_bytes, ahead, NB, N);
+}
+
+/* v[r][j] = 0 over an R x NB tile of accumulators. */
+ALWAYS_INLINE void zero_tile(__m256 v[4][4], const int R, const int NB) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; j++) v[r][j] = _mm256_setzero_ps();
+}
+
+/* tot[r][j] += acc[r][j] * the scale of weight row n0 + j's group g (float32 scales [N, G]). */
+ALWAYS_INLINE void scale_into(__m256 tot[4][4], __m256 acc[4][4], const float *scales, int64_t n0, int64_t G,
+                              int64_t g, const int R, const int NB) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+        const __m256 s = _mm256_broadcast_ss(scales + (n0 + j) * G + g);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) tot[r][j] = _mm256_fmadd_ps(acc[r][j], s, tot[r][j]);
+    }
+}
+
+/* rows_NAME (weight rows [n_begin, n_end) for R rows of x: NB at a time, one at a time at the end) and NAME_pass
+ * (the row driver's pass: rows of x in groups of SUB_ROWS, R * NB kept at 4 tiles of accumulators) around
+ * TILE(args, m0, n0, R, NB), whose R and NB are compile-time constants in each call. */
+#define ROW_PASSES(NAME, ARGS, TILE)                                                                                  \
+    ALWAYS_INLINE void rows_##NAME(const ARGS *a, int64_t m0, int64_t n_begin, int64_t n_end, const int R,             \
+                                   const int NB) {                                                                    \
+        int64_t n = n_begin;                                                                                          \
+        for (; n + NB <= n_end; n += NB) TILE(a, m0, n, R, NB);                                                       \
+        for (; n < n_end; n++) TILE(a, m0, n, R, 1);                                                                  \
+    }                                                                                                                 \
+    static void NAME##_pass(const void *args, int64_t m0, int64_t m, int64_t n_begin, int64_t n_end) {                \
+        const ARGS *a = (const ARGS *)args;                                                                           \
+        for (int64_t i = m0; i < m0 + m; i += SUB_ROWS) {                                                             \
+            const int64_t r = m0 + m - i < SUB_ROWS ? m0 + m - i : SUB_ROWS;                                          \
+            if (r == 1) rows_##NAME(a, i, n_begin, n_end, 1, 1);                                                      \
+            else if (r == 2) rows_##NAME(a, i, n_begin, n_end, 2, 1);                                                 \
+            else if (r == 3) rows_##NAME(a, i, n_begin, n_end, 3, 1);                                                 \
+            else rows_##NAME(a, i, n_begin, n_end, 4, 1);                                                             \
+        }                                                                                                             \
+    }
+
+/* Per calling thread: the reordered x and its group sums, kept between calls (grown when a call needs more). */
+static __thread float *scratch;
+static __thread size_t scratch_floats;
+
+static float *scratch_buffer(size_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch);
+        scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        scratch_floats = scratch == NULL ? 0 : floats;
+    }
+    return scratch;
+}
+
+#define ACT_GROUP 32
+
+/* One row of x [K] to int8 codes in groups of 32 (reordered per 64 when `reorder`), with each group's scale and
+ * scale * sum of codes. */
+static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, float *sx, float *tmin) {
+    for (int64_t c = 0; c < K / ACT_GROUP; c++) {
+        const float *xg = x + c * ACT_GROUP;
+        float absmax = 0.0f;
+        for (int t = 0; t < ACT_GROUP; t++) absmax = fmaxf(absmax, fabsf(xg[t]));
+        float s = absmax / 127.0f;
+        if (s < 1e-12f) s = 1e-12f;
+        int sum = 0;
+        for (int t = 0; t < ACT_GROUP; t++) {
+            float q = nearbyintf(xg[t] / s);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            /* reordered: per pair of 32s, both slices' evens, then both slices' odds */
+            const int64_t at = reorder ? (c / 2) * 64 + (t % 2) * 32 + (c % 2) * 16 + t / 2 : c * ACT_GROUP + t;
+            codes[at] = (int8_t)q;
+            sum += (int)q;
+        }
+        sx[c] = s;
+        tmin[c] = s * (float)sum;
+    }
+}
+
+
+#endif
