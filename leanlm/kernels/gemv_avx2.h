@@ -93,25 +93,43 @@ static float *scratch_buffer(size_t floats) {
 #define ACT_GROUP 32
 
 /* One row of x [K] to int8 codes in groups of 32 (reordered per 64 when `reorder`), with each group's scale and
- * scale * sum of codes. */
+ * scale * sum of codes: numerics.quantize_act_int8's arithmetic (a true division, rounding half to even). */
 static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, float *sx, float *tmin) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
     for (int64_t c = 0; c < K / ACT_GROUP; c++) {
         const float *xg = x + c * ACT_GROUP;
-        float absmax = 0.0f;
-        for (int t = 0; t < ACT_GROUP; t++) absmax = fmaxf(absmax, fabsf(xg[t]));
-        float s = absmax / 127.0f;
-        if (s < 1e-12f) s = 1e-12f;
-        int sum = 0;
-        for (int t = 0; t < ACT_GROUP; t++) {
-            float q = nearbyintf(xg[t] / s);
-            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-            /* reordered: per pair of 32s, both slices' evens, then both slices' odds */
-            const int64_t at = reorder ? (c / 2) * 64 + (t % 2) * 32 + (c % 2) * 16 + t / 2 : c * ACT_GROUP + t;
-            codes[at] = (int8_t)q;
-            sum += (int)q;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xg + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
         }
+        const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float s = _mm_cvtss_f32(_mm_max_ss(h2, _mm_movehdup_ps(h2))) / 127.0f;
+        if (s < 1e-12f) s = 1e-12f;
+        const __m256 sv = _mm256_set1_ps(s);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+            sum = _mm256_add_epi32(sum, q[i]);
+        }
+        /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
+        const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (!reorder) {
+            _mm256_storeu_si256((__m256i *)(codes + c * ACT_GROUP), p8);
+        } else { /* per pair of 32s: both slices' evens, then both slices' odds */
+            int8_t t8[ACT_GROUP];
+            _mm256_storeu_si256((__m256i *)t8, p8);
+            int8_t *even = codes + (c / 2) * 64 + (c % 2) * 16, *odd = even + 32;
+            for (int t = 0; t < ACT_GROUP / 2; t++) even[t] = t8[2 * t], odd[t] = t8[2 * t + 1];
+        }
+        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
         sx[c] = s;
-        tmin[c] = s * (float)sum;
+        tmin[c] = s * (float)total;
     }
 }
 

@@ -30,14 +30,6 @@
 
 #define SUPER 256 /* weights per super-block */
 
-/* [lo: byte i0 in every byte | hi: byte i1 in every byte] of both 128-bit lanes of v, as int16 lanes (signed bytes
- * sign-extended, unsigned zero-extended): two sub-block scales spread over the int16 lanes of one 32-code slice. */
-ALWAYS_INLINE __m256i spread_scales(__m256i v, int i0, int i1, const int SIGNED) {
-    const __m256i pick = _mm256_set_m128i(_mm_set1_epi8((char)i1), _mm_set1_epi8((char)i0));
-    const __m256i both = _mm256_shuffle_epi8(v, pick); /* each int16 lane holds the byte twice */
-    return SIGNED ? _mm256_srai_epi16(both, 8) : _mm256_srli_epi16(both, 8);
-}
-
 /* -------------------------------------------------------------------------------------------------- int4k */
 
 typedef struct {
@@ -146,6 +138,12 @@ int leanlm_linear_int4k_a8_f32(const float *x, const uint8_t *w, const uint8_t *
 
 /* --------------------------------------------------------------------------------------------------- int6 */
 
+/* A vpshufb pattern spreading int16 lane i of a 128-bit half over the low lane and lane i + 1 over the high one. */
+ALWAYS_INLINE __m256i pick16(int i) {
+    const short lo = (short)((2 * i + 1) << 8 | 2 * i), hi = (short)((2 * i + 3) << 8 | (2 * i + 2));
+    return _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+}
+
 typedef struct {
     const int8_t *xq;    /* [M, K] codes in their own order */
     const int16_t *x32;  /* [M, K / 2]: 32 * (x[2i] + x[2i + 1]), what vpmaddubsw of 32 and x gives */
@@ -180,13 +178,15 @@ ALWAYS_INLINE void tile_i6(const int6_args *a, int64_t m0, int64_t n0, const int
     for (int64_t s = 0; s < S; s++) {
         __m256 acc[4][4];
         zero_tile(acc, R, NB);
-        __m256i scv[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; j++) /* the super-block's 16 scales in both lanes */
-            scv[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(a->sc + (n0 + j) * (K / 16) + 16 * s)));
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* 128 codes: ql 64 bytes, qh 32 */
             const int64_t k0 = SUPER * s + 128 * h;
+            __m256i scv[4]; /* the half's 8 sub-block scales as int16, in both lanes */
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; j++) {
+                const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(a->sc + (n0 + j) * (K / 16) + k0 / 16));
+                scv[j] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
+            }
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) { /* slice t: codes k0 + 32 t .. + 31, one activation group */
                 const int64_t k = k0 + 32 * t;
@@ -203,8 +203,7 @@ ALWAYS_INLINE void tile_i6(const int6_args *a, int64_t m0, int64_t n0, const int
                     const __m256i ql = _mm256_loadu_si256((const __m256i *)(a->ql + (n0 + j) * (K / 2) + k0 / 2 + 32 * (t / 2)));
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(a->qh + (n0 + j) * (K / 4) + k0 / 4));
                     const __m256i u = six_bits(ql, qh, t);
-                    const int sub = 8 * h + 2 * t; /* the slice's two sub-blocks of 16 within the super-block */
-                    const __m256i c = spread_scales(scv[j], sub, sub + 1, 1);
+                    const __m256i c = _mm256_shuffle_epi8(scv[j], pick16(2 * t)); /* the slice's two sub-blocks */
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
                         /* sum (u - 32) x = u . x - 32 . x: int16 lanes within +-2 * 32 * 127; times a scale of at
