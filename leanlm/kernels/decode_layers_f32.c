@@ -84,7 +84,14 @@ static void add_rows(float *x, const float *y, int64_t n) {
 
 /* gate = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
 static void silu_mul(float *gate, const float *up, int64_t n) {
-    for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp256_ps(_mm256_sub_ps(zero, g));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
 /* Token t's K and V [Hkv, D] into its slot (block * block_size + offset) of a float32 cache [N, Hkv, bs, D]. */
@@ -109,11 +116,31 @@ static void attend(const decode_model *m, const decode_layer *layer, const float
         scores[j] = dot(q, kc + row * D, D) * scale;
         if (scores[j] > best) best = scores[j];
     }
-    float total = 0.0f;
-    for (int64_t j = 0; j < L; j++) total += (scores[j] = expf(scores[j] - best));
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 top = _mm256_set1_ps(best);
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {
+        const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
+        _mm256_storeu_ps(scores + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; j < L; j++) total += (scores[j] = expf(scores[j] - best));
     const float inv = 1.0f / total;
+    if (D == 64) { /* the usual head: the output in 8 registers, not loaded and stored per key */
+        __m256 acc[8];
+        for (int d = 0; d < 8; d++) acc[d] = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < L; jj++) {
+            const int64_t row = (blocks[jj / bs] * Hkv + kv_head) * bs + jj % bs;
+            const __m256 p = _mm256_set1_ps(scores[jj] * inv);
+            const float *vr = vc + row * D;
+            for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+        }
+        for (int d = 0; d < 8; d++) _mm256_storeu_ps(out + 8 * d, acc[d]);
+        return;
+    }
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_setzero_ps());
-    for (int64_t j = 0; j < L; j++) {
+    for (j = 0; j < L; j++) {
         const int64_t row = (blocks[j / bs] * Hkv + kv_head) * bs + j % bs;
         const __m256 p = _mm256_set1_ps(scores[j] * inv);
         const float *vr = vc + row * D;
