@@ -81,7 +81,7 @@ ALWAYS_INLINE void scale_into(__m256 tot[4][4], __m256 acc[4][4], const float *s
 static __thread float *scratch;
 static __thread size_t scratch_floats;
 
-static float *scratch_buffer(size_t floats) {
+static inline float *scratch_buffer(size_t floats) {
     if (floats > scratch_floats) {
         free(scratch);
         scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -94,7 +94,7 @@ static float *scratch_buffer(size_t floats) {
 
 /* One row of x [K] to int8 codes in groups of 32 (reordered per 64 when `reorder`), with each group's scale and
  * scale * sum of codes: numerics.quantize_act_int8's arithmetic (a true division, rounding half to even). */
-static void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, float *sx, float *tmin) {
+static inline void quantize_row(const float *x, int64_t K, int reorder, int8_t *codes, float *sx, float *tmin) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
     for (int64_t c = 0; c < K / ACT_GROUP; c++) {
         const float *xg = x + c * ACT_GROUP;

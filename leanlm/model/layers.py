@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
-from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_rows
+from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_gemv_avx2, cpu_rows
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.dispatch import KernelDispatch
 from leanlm.model.linear.shard import COLUMN, check_axis, part, row_bias
@@ -108,6 +108,11 @@ class Linear(KernelDispatch, nn.Linear):
         many = cpu_gemm.native_call(self.packed_weight(), self.out_features, self.in_features) if packed else None
         few = cpu_gemv.native_call(self.weight, self.bias)
         return describe(self.out_features, self.in_features, few, many, packed)
+
+    def native_linear_f32(self) -> NativeLinear | None:
+        """This layer as the float32 decode loop runs it (a float32 weight on the AVX2 GEMV), else None."""
+        few = cpu_gemv_avx2.native_call(self.weight, self.bias)
+        return describe(self.out_features, self.in_features, few, None, False)
 
 
 class RMSNorm(nn.Module):
