@@ -64,11 +64,11 @@ IN_PROCESS = ("codes", "codes-a8", "bf16", "int8", "int8-a8", "w8a8", "int4", "i
 RATIOS = (("codes", "hf"), ("bf16", "hf"), ("codes", "llama.cpp"), ("bf16", "ov-fp16"), ("int8", "ov-int8"))
 RATIOS += (("w8a8", "ov-int8"), ("int4", "ov-int4"), ("bf16", "vllm"), ("codes-a8", "llama.cpp"))
 RATIOS += (("int8-a8", "ov-int8"), ("int4-a8", "ov-int4"))
-HEADERS = {"codes": "LeanLM, GGUF Q4_1 codes, 16-bit act", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
+HEADERS = {"codes": "LeanLM, the GGUF's codes, 16-bit act", "bf16": "LeanLM, bf16 (dequantized)", "hf": "HF dense bf16"}
 HEADERS |= {"int8": "LeanLM int8 RTN, 16-bit act", "int4": "LeanLM int4 g64 RTN (head int8), 16-bit act"}
-HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)", "codes-a8": "LeanLM, Q4_1 codes, int8 act"}
+HEADERS |= {"w8a8": "LeanLM W8A8 SmoothQuant (head int8)", "codes-a8": "LeanLM, the GGUF's codes, int8 act"}
 HEADERS |= {"int8-a8": "LeanLM int8 RTN, int8 act", "int4-a8": "LeanLM int4 g64 RTN, int8 act"}
-HEADERS |= {"llama.cpp": "llama.cpp, GGUF Q4_1", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
+HEADERS |= {"llama.cpp": "llama.cpp, the same GGUF", "ov-fp16": "OpenVINO fp16 IR", "ov-int8": "OpenVINO int8 IR"}
 HEADERS |= {"ov-int4": "OpenVINO int4 g64 IR", "vllm": "vLLM CPU bf16"}
 SHORT = {"hf": "HF", "ov-fp16": "OpenVINO fp16", "ov-int8": "OpenVINO int8", "ov-int4": "OpenVINO int4", "vllm": "vLLM"}
 SYSTEM_PROMPT_LEN = 1024  # the shared-prefix workload's system prompt, in tokens
@@ -398,6 +398,7 @@ def main() -> None:
     print(text)
     if args.out:
         command = f"python benchmarks/batched_decode.py --workload {args.workload}"
+        command += "" if args.model == DEFAULT_MODEL else f" --model {Path(args.model).name}"
         command += "" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"
         args.out.write_text(f"# Batched decode, {args.workload} workload (`{command}`)\n\n{text}")
 
