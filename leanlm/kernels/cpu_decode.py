@@ -279,9 +279,10 @@ class DecodeLayers:
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=dtype)  # grown for larger batches
         packed = dtype is _BF16 and all(linear.many_rows is not None for linear in every)
         self.max_rows: int | None = None if packed else MAX_ROWS
-        if dtype is _F32:  # the AVX2 GEMVs beat dequantize + sgemm to 16 rows, to 64 with int8 activations
-            a8 = all(linear.name.endswith("a8_f32") for linear in every)
-            self.max_rows = cpu_qgemv_avx2.MAX_ROWS_A8 if a8 else cpu_qgemv_avx2.MAX_ROWS
+        if dtype is _F32:  # the AVX2 GEMVs beat dequantize + sgemm to 16 rows, to 64 with int8 activations;
+            # the dense float32 GEMV is level with sgemm to 64 rows, and the loop saves PyTorch's per-op steps
+            wide = all(linear.name.endswith("a8_f32") or linear.name == "f32" for linear in every)
+            self.max_rows = cpu_qgemv_avx2.MAX_ROWS_A8 if wide else cpu_qgemv_avx2.MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 
     def bind_kv(self, caches: list) -> bool:
