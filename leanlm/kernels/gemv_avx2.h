@@ -134,4 +134,44 @@ static inline void quantize_row(const float *x, int64_t K, int reorder, int8_t *
 }
 
 
+/* The W4A8 pair form (64 codes: one 32-byte load of nibbles against x reordered per 64; gemv_quant_avx2.c's W4A8
+ * and gemv_kquant_avx2.c's Q4_K share it). Rows [m0, m0 + R) of x's pair p: codes (even, odd halves) and scales. */
+ALWAYS_INLINE void pair_x(const int8_t *xq, const float *sxv, int64_t m0, int64_t K, int64_t p, const int R,
+                          __m256i xe[4], __m256i xo[4], __m256 sx[4]) {
+    const int64_t P = K / 64;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const int8_t *xr = xq + (m0 + r) * K + 64 * p;
+        xe[r] = _mm256_loadu_si256((const __m256i *)xr);
+        xo[r] = _mm256_loadu_si256((const __m256i *)(xr + 32));
+        sx[r] = _mm256_loadu_ps(sxv + ((m0 + r) * P + p) * 8);
+    }
+}
+
+/* A weight row's pair p (32 bytes of nibbles) as low and high nibbles. */
+ALWAYS_INLINE void pair_nibbles(const uint8_t *row, int64_t p, __m256i *lo, __m256i *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 32 * p));
+    *lo = _mm256_and_si256(bytes, nibble);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+}
+
+/* tot + the pair's exact integer products (lanes 0-3: the first 32-code slice, 4-7: the second) times scale. Each
+ * 16-bit lane is at most 2 * 15 * 127 per product pair: the sum of both stays below 2^15. */
+ALWAYS_INLINE __m256 pair_fma(__m256i lo, __m256i hi, __m256i xe, __m256i xo, __m256 scale, __m256 tot) {
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))), scale, tot);
+}
+
+/* M rows of x [M, K] quantized per 32 and reordered per 64 for the pair form: codes xq, scales sx and scale * code
+ * sums t32 [M, K / 32], and each pair's scales spread over its lanes, sxv [M, K / 64, 8]. */
+static inline void quantize_pairs(const float *x, int64_t M, int64_t K, int8_t *xq, float *sx, float *t32, float *sxv) {
+    const int64_t C = K / ACT_GROUP, P = K / 64;
+    for (int64_t i = 0; i < M; i++) {
+        quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, t32 + i * C);
+        for (int64_t c = 0; c < C; c++)
+            for (int l = 0; l < 4; l++) sxv[(i * P + c / 2) * 8 + (c % 2) * 4 + l] = sx[i * C + c];
+    }
+}
+
 #endif

@@ -53,8 +53,7 @@ ALWAYS_INLINE float min_dot_k(const uint8_t *mc, const float *md, const float *T
 }
 
 ALWAYS_INLINE void tile_i4k(const int4k_args *a, int64_t m0, int64_t n0, const int R, const int NB) {
-    const int64_t K = a->K, G = K / 32, S = K / SUPER, P = K / 64;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t K = a->K, G = K / 32, S = K / SUPER;
     if (m0 == 0) {
         const int64_t ahead = n0 + (PREFETCH_BYTES + K / 2 - 1) / (K / 2);
         prefetch_rows(a->w, K / 2, ahead, NB, a->N);
@@ -78,26 +77,15 @@ ALWAYS_INLINE void tile_i4k(const int4k_args *a, int64_t m0, int64_t n0, const i
             const __m256i pick = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
             __m256i xe[4], xo[4];
             __m256 sx[4];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const int8_t *xr = a->xq + (m0 + r) * K + 64 * p;
-                xe[r] = _mm256_loadu_si256((const __m256i *)xr);
-                xo[r] = _mm256_loadu_si256((const __m256i *)(xr + 32));
-                sx[r] = _mm256_loadu_ps(a->sxv + ((m0 + r) * P + p) * 8);
-            }
+            pair_x(a->xq, a->sxv, m0, K, p, R, xe, xo, sx);
 #pragma GCC unroll 4
             for (int j = 0; j < NB; j++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(a->w + (n0 + j) * (K / 2) + 32 * p));
-                const __m256i lo = _mm256_and_si256(bytes, nibble);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                __m256i lo, hi;
+                pair_nibbles(a->w + (n0 + j) * (K / 2), p, &lo, &hi);
                 const __m256 ws = _mm256_permutevar8x32_ps(gsc[j], pick); /* lanes 0-3: group 2q, 4-7: 2q + 1 */
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    /* int16 lanes 0-7: the first slice, 8-15: the second; each at most 2 * 2 * 15 * 127 */
-                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe[r]), _mm256_maddubs_epi16(hi, xo[r]));
-                    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-                    tot[r][j] = _mm256_fmadd_ps(f, _mm256_mul_ps(sx[r], ws), tot[r][j]);
-                }
+                for (int r = 0; r < R; r++)
+                    tot[r][j] = pair_fma(lo, hi, xe[r], xo[r], _mm256_mul_ps(sx[r], ws), tot[r][j]);
             }
         }
     }
@@ -125,11 +113,7 @@ int leanlm_linear_int4k_a8_f32(const float *x, const uint8_t *w, const uint8_t *
     if (buf == NULL) return -2;
     float *sx = buf, *tmin = sx + M * C, *sxv = tmin + M * C;
     int8_t *xq = (int8_t *)(sxv + M * P * 8);
-    for (int64_t i = 0; i < M; i++) {
-        quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, tmin + i * C);
-        for (int64_t c = 0; c < C; c++)
-            for (int l = 0; l < 4; l++) sxv[(i * P + c / 2) * 8 + (c % 2) * 4 + l] = sx[i * C + c];
-    }
+    quantize_pairs(x, M, K, xq, sx, tmin, sxv);
     const int4k_args args = {xq, sxv, tmin, w, sc, mc, sd, md, bias, y, K, N};
     const int threads = leanlm_pass_threads(num_threads, N, BLOCK_N, N * K / 2, min_parallel_bytes);
     leanlm_row_passes(int4k_pass, &args, M, N, BLOCK_N, threads);

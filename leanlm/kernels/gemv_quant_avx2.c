@@ -176,33 +176,20 @@ ALWAYS_INLINE float min_dot(const void *mins, const float *T, int64_t G, const i
 ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0, const int R, const int NB,
                               const int HALF) {
     const int64_t K = a->K, gs = a->gs, G = K / gs, P = K / 64, side = HALF ? 2 : 4; /* bytes per scale */
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     if (m0 == 0) prefetch_tile(a->w, K / 2, a->scales, a->mins, G * side, n0, NB, a->N);
     __m256 tot[4][4];
     zero_tile(tot, R, NB);
     for (int64_t p = 0; p < P; p++) {
         __m256i xe[4], xo[4];
         __m256 sx[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const int8_t *xr = a->xq + (m0 + r) * K + 64 * p;
-            xe[r] = _mm256_loadu_si256((const __m256i *)xr);
-            xo[r] = _mm256_loadu_si256((const __m256i *)(xr + 32));
-            sx[r] = _mm256_loadu_ps(a->sxv + ((m0 + r) * P + p) * 8);
-        }
+        pair_x(a->xq, a->sxv, m0, K, p, R, xe, xo, sx);
 #pragma GCC unroll 4
         for (int j = 0; j < NB; j++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(a->w + (n0 + j) * (K / 2) + 32 * p));
-            const __m256i lo = _mm256_and_si256(bytes, nibble);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            __m256i lo, hi;
+            pair_nibbles(a->w + (n0 + j) * (K / 2), p, &lo, &hi);
             const __m256 ws = pair_scales((const char *)a->scales + (n0 + j) * G * side, p, gs, HALF);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                /* each 16-bit lane at most 2 * 15 * 127 per product pair: the sum of both stays below 2^15 */
-                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe[r]), _mm256_maddubs_epi16(hi, xo[r]));
-                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-                tot[r][j] = _mm256_fmadd_ps(f, _mm256_mul_ps(sx[r], ws), tot[r][j]);
-            }
+            for (int r = 0; r < R; r++) tot[r][j] = pair_fma(lo, hi, xe[r], xo[r], _mm256_mul_ps(sx[r], ws), tot[r][j]);
         }
     }
 #pragma GCC unroll 4
@@ -234,10 +221,8 @@ static int int4_a8_pairs(const float *x, const uint8_t *w, const void *scales, c
     if (buf == NULL) return -2;
     float *sx = buf, *t32 = sx + M * C, *sxv = t32 + M * C, *tmin = sxv + M * P * 8;
     int8_t *xq = (int8_t *)(tmin + M * G);
+    quantize_pairs(x, M, K, xq, sx, t32, sxv);
     for (int64_t i = 0; i < M; i++) {
-        quantize_row(x + i * K, K, 1, xq + i * K, sx + i * C, t32 + i * C);
-        for (int64_t c = 0; c < C; c++)
-            for (int l = 0; l < 4; l++) sxv[(i * P + c / 2) * 8 + (c % 2) * 4 + l] = sx[i * C + c];
         for (int64_t g = 0; g < G; g++) {
             float t = 0.0f;
             for (int64_t c = g * gs / ACT_GROUP; c < (g + 1) * gs / ACT_GROUP; c++) t += t32[i * C + c];
