@@ -77,7 +77,10 @@ class EngineConfig:
     )
     parallel_timeout_s: float = dataclasses.field(
         default=300.0,
-        metadata={"help": "a collective (or a rank's start) that takes longer fails the engine with an error"},
+        metadata={
+            "help": "a collective between the ranks that takes longer fails the engine with an error (starting the "
+            "ranks and loading the model may take up to 900 s; a rank that exits meanwhile fails the start at once)"
+        },
     )
     # leanlm.engine.preemption: auto picks per request whichever its cost estimate says is cheaper
     preemption_mode: str = dataclasses.field(

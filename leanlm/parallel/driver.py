@@ -52,7 +52,7 @@ class ParallelDriver:
         self.caller_threads = torch.get_num_threads()  # given back by close()
         torch.set_num_threads(rank_threads(spec))
         try:
-            self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress, store)
+            self.rank_model: RankModel = build_rank(spec, DRIVER_RANK, progress, store, self.check_workers)
         except BaseException:
             for p in self.workers:  # they may wait on a collective this rank will never join
                 p.terminate()

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from leanlm.model.llama import LlamaForCausalLM
 from leanlm.parallel import wire
 from leanlm.parallel.pipeline import cut_stage, run_pipeline, stage_bounds
 from leanlm.parallel.tensor import kv_heads_per_rank, shard_model
-from leanlm.parallel.world import DRIVER_RANK, Layout, RankContext, init_rank, join_store
+from leanlm.parallel.world import DRIVER_RANK, Layout, RankContext, init_rank, join_store, wait_for_ranks
 
 _TYPED = ("speculative", "early_exit")  # EngineConfig fields that are not JSON (refused with parallelism anyway)
 
@@ -149,17 +150,29 @@ def parallel_num_kv_blocks(config: ModelConfig, engine_config: EngineConfig, kv_
     return num_blocks
 
 
-def build_rank(spec: RankSpec, rank_idx: int, progress: bool = False, store: dist.Store | None = None) -> RankModel:
+def build_rank(
+    spec: RankSpec,
+    rank_idx: int,
+    progress: bool = False,
+    store: dist.Store | None = None,
+    check_peers: Callable[[], None] | None = None,
+) -> RankModel:
     """Join the world, load the checkpoint, check that every rank loaded the same one, keep this rank's slice. The
-    driver of a local world passes the store it serves (world.serve_store); a worker joins it at spec.init_method."""
+    driver of a local world passes the store it serves (world.serve_store) and `check_peers` (raises if a worker
+    exited); a worker joins the store at spec.init_method. Ranks wait for each other before forming the groups and
+    before comparing what they loaded for world.START_TIMEOUT_S, not parallel_timeout_s (which bounds steps)."""
     layout = spec.layout
     engine_config = spec.engine_config()
     timeout_s = engine_config.parallel_timeout_s
     if store is None and spec.init_method.startswith("tcp://"):
         store = join_store(spec.init_method, layout.world_size, timeout_s)
+    if store is not None:  # under torchrun (env://) its rendezvous waits for the ranks
+        wait_for_ranks(store, rank_idx, layout.world_size, "joined", spec.secret, check_peers)
     rank = init_rank(rank_idx, layout, torch.device(spec.device), timeout_s, store, spec.secret)
     options = dict(attention_backend=spec.attention_backend, progress=progress, gguf_codes=spec.gguf_codes)
     checkpoint = load_checkpoint(spec.model, spec.dtype, rank.device, **options)
+    if rank.store is not None:
+        wait_for_ranks(rank.store, rank_idx, layout.world_size, "loaded", spec.secret, check_peers)
     model, config = checkpoint.model, checkpoint.model.config  # the whole model's: sharding replaces model.config
     dtype = model.model.norm.weight.dtype
     facts = {

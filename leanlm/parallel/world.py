@@ -15,7 +15,8 @@ import hashlib
 import hmac
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,10 @@ from leanlm.parallel.tensor import TensorGroup
 
 DRIVER_RANK = 0  # the caller's process: it loads first, runs the scheduler and stage 0
 LOOPBACK = "127.0.0.1"
+# How long ranks wait for each other to start and to load, whatever parallel_timeout_s (which bounds collectives):
+# a worker first imports torch and reads the checkpoint, which on a busy machine or a large model takes far longer
+# than a step may. A rank that exits meanwhile ends the wait at once (wait_for_ranks' check_peers).
+START_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,7 @@ class RankContext:
 
     def proof(self, message: str) -> str:
         """HMAC-SHA256 of `message` under the secret ("" without one)."""
-        if not self.secret:
-            return ""
-        return hmac.new(bytes.fromhex(self.secret), message.encode(), hashlib.sha256).hexdigest()
+        return proof(self.secret, message)
 
     @property
     def stage(self) -> int:
@@ -90,6 +93,44 @@ class RankContext:
     def peer(self, stage: int) -> int:
         """The rank of `stage` that holds this rank's tensor slice (hidden states pass between such ranks)."""
         return self.layout.rank_at(stage, self.tp.rank)
+
+
+def proof(secret: str | None, message: str) -> str:
+    """HMAC-SHA256 of `message` under `secret` (hex; "" without one)."""
+    if not secret:
+        return ""
+    return hmac.new(bytes.fromhex(secret), message.encode(), hashlib.sha256).hexdigest()
+
+
+def wait_for_ranks(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    stage: str,
+    secret: str | None = None,
+    check_peers: Callable[[], None] | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+) -> None:
+    """Announce on the store that `rank` reached `stage` of start-up, then wait for every other rank to announce it
+    too: up to `timeout_s`, asking `check_peers` (which raises if a rank's process has exited) as it polls. Keys are
+    named by the secret where there is one, as the step keys are. (Polled with check, not a blocking wait: c10d logs
+    a warning for every wait that times out.)"""
+
+    def key(r: int) -> str:
+        return f"leanlm/start/{proof(secret, f'{stage}/{r}') or f'{stage}/{r}'}"
+
+    store.set(key(rank), b"1")
+    others = [key(r) for r in range(world_size) if r != rank]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(others):
+        if check_peers is not None:
+            check_peers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {rank}: the other ranks did not reach '{stage}' of start-up within {timeout_s:.0f} s; "
+                "see their log above (a worker that cannot import LeanLM or read the checkpoint?)"
+            )
+        time.sleep(0.02)
 
 
 def backend_for(device: torch.device) -> str:
@@ -165,6 +206,11 @@ def init_rank(
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     world = dict(rank=rank, world_size=layout.world_size, timeout=timeout)
+    # torch names the default group by a per-process counter that only destroy_process_group resets, so a start that
+    # failed inside init_process_group would leave this process naming its groups differently from fresh workers
+    # (each waiting for keys the other never writes): start from the name a fresh process uses.
+    if hasattr(dist.distributed_c10d, "_world"):
+        dist.distributed_c10d._world.group_count = 0
     with _gloo_on_loopback() if store is not None else contextlib.nullcontext():
         if store is not None:
             if device.type == "cuda":

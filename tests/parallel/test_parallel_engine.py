@@ -94,6 +94,64 @@ def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(parallel_chec
         llm.close()
 
 
+# A worker that joins the store and announces it has started, then exits before the groups form: rank 0's
+# init_process_group then fails inside torch (which advances torch's count of group names, see world.init_rank).
+_DESERTER = """
+import os, sys
+from leanlm.parallel.driver import SPEC_ENV
+from leanlm.parallel.rank import RankSpec
+from leanlm.parallel.world import join_store, wait_for_ranks
+spec = RankSpec.from_json(os.environ[SPEC_ENV])
+store = join_store(spec.init_method, 2, 30)
+wait_for_ranks(store, 1, 2, "joined", spec.secret)
+sys.exit(0)
+"""
+
+
+def _spawn_instead(monkeypatch, code: str) -> None:
+    """Rank 1 runs `code` (in a real child process, with the spec in its environment) instead of the worker."""
+    import subprocess
+    import sys
+
+    from leanlm.parallel import driver
+
+    def spawn(spec):
+        env = dict(os.environ, **{driver.SPEC_ENV: spec.to_json(), driver.RANK_ENV: "1", "OMP_NUM_THREADS": "1"})
+        return [subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL)]
+
+    monkeypatch.setattr(driver, "spawn_workers", spawn)
+
+
+def test_a_worker_that_dies_at_start_up_fails_the_engine_at_once_not_after_the_timeout(
+    parallel_checkpoints, monkeypatch
+):
+    _spawn_instead(monkeypatch, "import sys; sys.exit(3)")
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(exit status 3\)"):
+        LLM(parallel_checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2)
+    assert time.monotonic() - started < 30  # the start-up wait is world.START_TIMEOUT_S (900 s)
+
+
+def test_a_start_that_failed_inside_torch_leaves_the_process_able_to_start_another_engine(
+    parallel_checkpoints, monkeypatch
+):
+    with monkeypatch.context() as patch:
+        _spawn_instead(patch, _DESERTER)
+        with pytest.raises(RuntimeError):  # DistStoreError: rank 1's gloo address never came
+            LLM(parallel_checkpoints["dense"], dtype="float32", progress=False, tensor_parallel_size=2,
+                parallel_timeout_s=2)  # fmt: skip
+    want = _run(parallel_checkpoints["dense"])
+    _assert_same(_run(parallel_checkpoints["dense"], tensor_parallel_size=2, parallel_timeout_s=20), want)
+
+
+def test_a_collective_timeout_shorter_than_a_workers_start_up_still_starts(parallel_checkpoints, monkeypatch):
+    """parallel_timeout_s bounds steps, not start-up: a worker slower to start than it (importing torch on a busy
+    machine; a large checkpoint) must not fail the engine."""
+    _spawn_instead(monkeypatch, "import time; time.sleep(2); from leanlm.parallel import worker; worker.main()")
+    want = _run(parallel_checkpoints["dense"])
+    _assert_same(_run(parallel_checkpoints["dense"], tensor_parallel_size=2, parallel_timeout_s=0.5), want)
+
+
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_swap_preemption_moves_every_ranks_slice(parallel_checkpoints, tp, pp):
     """A KV pool too small for the batch: requests are swapped out and back on every rank, and the tokens are the
