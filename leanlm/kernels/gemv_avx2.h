@@ -135,18 +135,7 @@ static inline void quantize_row(const float *x, int64_t K, int reorder, int8_t *
 
 
 /* The W4A8 pair form (64 codes: one 32-byte load of nibbles against x reordered per 64; gemv_quant_avx2.c's W4A8
- * and gemv_kquant_avx2.c's Q4_K share it). Rows [m0, m0 + R) of x's pair p: codes (even, odd halves) and scales. */
-ALWAYS_INLINE void pair_x(const int8_t *xq, const float *sxv, int64_t m0, int64_t K, int64_t p, const int R,
-                          __m256i xe[4], __m256i xo[4], __m256 sx[4]) {
-    const int64_t P = K / 64;
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const int8_t *xr = xq + (m0 + r) * K + 64 * p;
-        xe[r] = _mm256_loadu_si256((const __m256i *)xr);
-        xo[r] = _mm256_loadu_si256((const __m256i *)(xr + 32));
-        sx[r] = _mm256_loadu_ps(sxv + ((m0 + r) * P + p) * 8);
-    }
-}
+ * and gemv_kquant_avx2.c's Q4_K share it). */
 
 /* A weight row's pair p (32 bytes of nibbles) as low and high nibbles. */
 ALWAYS_INLINE void pair_nibbles(const uint8_t *row, int64_t p, __m256i *lo, __m256i *hi) {
@@ -161,6 +150,17 @@ ALWAYS_INLINE void pair_nibbles(const uint8_t *row, int64_t p, __m256i *lo, __m2
 ALWAYS_INLINE __m256 pair_fma(__m256i lo, __m256i hi, __m256i xe, __m256i xo, __m256 scale, __m256 tot) {
     const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))), scale, tot);
+}
+
+/* tot + row `row` of x's pair p against a weight pair's nibbles (lo, hi) and scales ws. x is read from memory (L1)
+ * here, per weight row, on purpose: holding a tile's x in registers (8 code vectors and 4 scale vectors for 4 rows)
+ * spilled the accumulators to the stack, and each FMA then waited on a store-to-load round trip (4x slower). */
+ALWAYS_INLINE __m256 pair_row(const int8_t *xq, const float *sxv, int64_t row, int64_t K, int64_t p, __m256i lo,
+                              __m256i hi, __m256 ws, __m256 tot) {
+    const int8_t *xr = xq + row * K + 64 * p;
+    const __m256i xe = _mm256_loadu_si256((const __m256i *)xr), xo = _mm256_loadu_si256((const __m256i *)(xr + 32));
+    const __m256 sx = _mm256_loadu_ps(sxv + (row * (K / 64) + p) * 8);
+    return pair_fma(lo, hi, xe, xo, _mm256_mul_ps(sx, ws), tot);
 }
 
 /* M rows of x [M, K] quantized per 32 and reordered per 64 for the pair form: codes xq, scales sx and scale * code

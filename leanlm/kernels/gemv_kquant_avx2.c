@@ -75,17 +75,13 @@ ALWAYS_INLINE void tile_i4k(const int4k_args *a, int64_t m0, int64_t n0, const i
         for (int q = 0; q < 4; q++) {
             const int64_t p = 4 * s + q;
             const __m256i pick = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
-            __m256i xe[4], xo[4];
-            __m256 sx[4];
-            pair_x(a->xq, a->sxv, m0, K, p, R, xe, xo, sx);
 #pragma GCC unroll 4
             for (int j = 0; j < NB; j++) {
                 __m256i lo, hi;
                 pair_nibbles(a->w + (n0 + j) * (K / 2), p, &lo, &hi);
                 const __m256 ws = _mm256_permutevar8x32_ps(gsc[j], pick); /* lanes 0-3: group 2q, 4-7: 2q + 1 */
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    tot[r][j] = pair_fma(lo, hi, xe[r], xo[r], _mm256_mul_ps(sx[r], ws), tot[r][j]);
+                for (int r = 0; r < R; r++) tot[r][j] = pair_row(a->xq, a->sxv, m0 + r, K, p, lo, hi, ws, tot[r][j]);
             }
         }
     }
@@ -174,14 +170,6 @@ ALWAYS_INLINE void tile_i6(const int6_args *a, int64_t m0, int64_t n0, const int
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) { /* slice t: codes k0 + 32 t .. + 31, one activation group */
                 const int64_t k = k0 + 32 * t;
-                __m256i xv[4], xc[4];
-                __m256 sxv[4];
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    xv[r] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
-                    xc[r] = _mm256_loadu_si256((const __m256i *)(a->x32 + (m0 + r) * (K / 2) + k / 2));
-                    sxv[r] = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
-                }
 #pragma GCC unroll 4
                 for (int j = 0; j < NB; j++) {
                     const __m256i ql = _mm256_loadu_si256((const __m256i *)(a->ql + (n0 + j) * (K / 2) + k0 / 2 + 32 * (t / 2)));
@@ -189,12 +177,15 @@ ALWAYS_INLINE void tile_i6(const int6_args *a, int64_t m0, int64_t n0, const int
                     const __m256i u = six_bits(ql, qh, t);
                     const __m256i c = _mm256_shuffle_epi8(scv[j], pick16(2 * t)); /* the slice's two sub-blocks */
 #pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
+                    for (int r = 0; r < R; r++) { /* x from L1, not held in registers (see pair_row) */
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
+                        const __m256i xc = _mm256_loadu_si256((const __m256i *)(a->x32 + (m0 + r) * (K / 2) + k / 2));
+                        const __m256 sxv = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
                         /* sum (u - 32) x = u . x - 32 . x: int16 lanes within +-2 * 32 * 127; times a scale of at
                          * most 128 and summed in pairs: int32 */
-                        const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv[r]), xc[r]);
+                        const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv), xc);
                         const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, c));
-                        acc[r][j] = _mm256_fmadd_ps(f, sxv[r], acc[r][j]);
+                        acc[r][j] = _mm256_fmadd_ps(f, sxv, acc[r][j]);
                     }
                 }
             }

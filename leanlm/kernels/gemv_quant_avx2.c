@@ -180,16 +180,13 @@ ALWAYS_INLINE void tile_i4a8p(const int4_a8_pair_args *a, int64_t m0, int64_t n0
     __m256 tot[4][4];
     zero_tile(tot, R, NB);
     for (int64_t p = 0; p < P; p++) {
-        __m256i xe[4], xo[4];
-        __m256 sx[4];
-        pair_x(a->xq, a->sxv, m0, K, p, R, xe, xo, sx);
 #pragma GCC unroll 4
         for (int j = 0; j < NB; j++) {
             __m256i lo, hi;
             pair_nibbles(a->w + (n0 + j) * (K / 2), p, &lo, &hi);
             const __m256 ws = pair_scales((const char *)a->scales + (n0 + j) * G * side, p, gs, HALF);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) tot[r][j] = pair_fma(lo, hi, xe[r], xo[r], _mm256_mul_ps(sx[r], ws), tot[r][j]);
+            for (int r = 0; r < R; r++) tot[r][j] = pair_row(a->xq, a->sxv, m0 + r, K, p, lo, hi, ws, tot[r][j]);
         }
     }
 #pragma GCC unroll 4
@@ -266,22 +263,17 @@ ALWAYS_INLINE void tile_i8a8(const int8_a8_args *a, int64_t m0, int64_t n0, cons
         __m256 acc[4][4];
         zero_tile(acc, R, NB);
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-            __m256i xv[4];
-            __m256 sxv[4];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                xv[r] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
-                sxv[r] = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
-            }
 #pragma GCC unroll 4
             for (int j = 0; j < NB; j++) {
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(a->w + (n0 + j) * K + k));
                 const __m256i aw = _mm256_sign_epi8(wv, wv);
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[r], wv));
+                for (int r = 0; r < R; r++) { /* x from L1, not held in registers (see pair_row) */
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + r) * K + k));
+                    const __m256 sxv = _mm256_broadcast_ss(a->sx + (m0 + r) * C + k / ACT_GROUP);
+                    const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
                     const __m256i p = _mm256_madd_epi16(p16, ones);
-                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sxv[r], acc[r][j]);
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sxv, acc[r][j]);
                 }
             }
         }
