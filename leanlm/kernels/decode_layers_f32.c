@@ -104,18 +104,37 @@ static void store_kv(const decode_model *m, const decode_layer *layer, const flo
     }
 }
 
-/* One query head of one token over its first L keys (paged): out [D] = softmax(q k^T * scale) v. scores: [L]. */
-static void attend(const decode_model *m, const decode_layer *layer, const float *q, const int64_t *blocks, int64_t L,
-                   int64_t kv_head, float *out, float *scores) {
-    const int64_t D = m->head_dim, bs = m->block_size, Hkv = m->num_kv_heads;
-    const float *kc = (const float *)layer->k_cache, *vc = (const float *)layer->v_cache;
-    const float scale = (float)m->scale;
-    float best = -INFINITY;
-    for (int64_t j = 0; j < L; j++) {
-        const int64_t row = (blocks[j / bs] * Hkv + kv_head) * bs + j % bs;
-        scores[j] = dot(q, kc + row * D, D) * scale;
-        if (scores[j] > best) best = scores[j];
+/* The 8 sums of a[0..7]'s lanes, in order: a transposing add tree (7 adds for 8 sums, not 8 horizontal sums). */
+ALWAYS_INLINE __m256 hsum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* [0123 low halves | 0123 high] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* out[i] = (q . k[i]) * scale for n rows of k [n, D] (D a multiple of 8): 8 rows at a time, q's slice of 8 read once
+ * per slice for all 8 rows. */
+static void qk_rows(const float *q, const float *k, int64_t n, int64_t D, float scale, float *out) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D; c += 8) {
+            const __m256 qc = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + (i + r) * D + c), acc[r]);
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8(acc), sv));
     }
+    for (; i < n; i++) out[i] = dot(q, k + i * D, D) * scale;
+}
+
+/* softmax in place over L scores; returns 1 / the sum of the exponentials (the caller scales by it). */
+static float softmax_unnormalized(float *scores, int64_t L) {
+    float best = -INFINITY;
+    for (int64_t j = 0; j < L; j++)
+        if (scores[j] > best) best = scores[j];
     __m256 sum = _mm256_setzero_ps();
     const __m256 top = _mm256_set1_ps(best);
     int64_t j = 0;
@@ -126,38 +145,69 @@ static void attend(const decode_model *m, const decode_layer *layer, const float
     }
     float total = hsum(sum);
     for (; j < L; j++) total += (scores[j] = expf(scores[j] - best));
-    const float inv = 1.0f / total;
+    return 1.0f / total;
+}
+
+/* out [D] = sum_j p[j] * inv * v_j over the first L values (paged: block after block, [bs, D] rows in each). */
+static void weigh_values(const decode_model *m, const decode_layer *layer, const int64_t *blocks, int64_t L,
+                         int64_t kv_head, const float *p, float inv, float *out) {
+    const int64_t D = m->head_dim, bs = m->block_size, Hkv = m->num_kv_heads;
+    const float *vc = (const float *)layer->v_cache;
     if (D == 64) { /* the usual head: the output in 8 registers, not loaded and stored per key */
         __m256 acc[8];
         for (int d = 0; d < 8; d++) acc[d] = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < L; jj++) {
-            const int64_t row = (blocks[jj / bs] * Hkv + kv_head) * bs + jj % bs;
-            const __m256 p = _mm256_set1_ps(scores[jj] * inv);
-            const float *vr = vc + row * D;
-            for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+        for (int64_t b = 0; b * bs < L; b++) {
+            const float *vb = vc + (blocks[b] * Hkv + kv_head) * bs * D;
+            const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+            for (int64_t o = 0; o < n; o++) {
+                const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv);
+                for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + o * D + 8 * d), acc[d]);
+            }
         }
         for (int d = 0; d < 8; d++) _mm256_storeu_ps(out + 8 * d, acc[d]);
         return;
     }
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_setzero_ps());
-    for (j = 0; j < L; j++) {
-        const int64_t row = (blocks[j / bs] * Hkv + kv_head) * bs + j % bs;
-        const __m256 p = _mm256_set1_ps(scores[j] * inv);
-        const float *vr = vc + row * D;
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(out + d)));
+    for (int64_t b = 0; b * bs < L; b++) {
+        const float *vb = vc + (blocks[b] * Hkv + kv_head) * bs * D;
+        const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + o * D + d), _mm256_loadu_ps(out + d)));
+        }
     }
 }
 
-/* Every (token, head) pair, split over threads when there is enough of it (a parallel region costs microseconds). */
+/* The G query heads of one token that share KV head kv_head, over its first L keys (paged): out [G, D] =
+ * softmax(q k^T * scale) v per head. A block's keys are read for all G heads while in L1, and walked block by block
+ * (no division per key). scores: [G, L]. */
+static void attend_group(const decode_model *m, const decode_layer *layer, const float *q, const int64_t *blocks,
+                         int64_t L, int64_t kv_head, int64_t G, float *out, float *scores) {
+    const int64_t D = m->head_dim, bs = m->block_size, Hkv = m->num_kv_heads;
+    const float *kc = (const float *)layer->k_cache;
+    for (int64_t b = 0; b * bs < L; b++) {
+        const float *kb = kc + (blocks[b] * Hkv + kv_head) * bs * D;
+        const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+        for (int64_t g = 0; g < G; g++) qk_rows(q + g * D, kb, n, D, (float)m->scale, scores + g * L + b * bs);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = softmax_unnormalized(scores + g * L, L);
+        weigh_values(m, layer, blocks, L, kv_head, scores + g * L, inv, out + g * D);
+    }
+}
+
+/* Every (token, KV head) pair with its query heads, split over threads when there is enough of it (a parallel
+ * region costs microseconds). */
 static int attention(const decode_model *m, const decode_layer *layer, const float *q, const int64_t *block_tables,
                      const int64_t *seq_lens, int64_t max_blocks, int64_t max_seq_len, float *attn, int64_t M,
                      int threads) {
-    const int64_t H = m->num_heads, group = m->num_heads / m->num_kv_heads, D = m->head_dim;
+    const int64_t H = m->num_heads, Hkv = m->num_kv_heads, group = H / Hkv, D = m->head_dim;
     int64_t work = 0;
     for (int64_t t = 0; t < M; t++) work += seq_lens[t];
     const int team = work * H * D >= 65536 && threads > 1 ? threads : 1;
-    float *scores = malloc((size_t)team * (size_t)(max_seq_len > 0 ? max_seq_len : 1) * sizeof(float));
+    const size_t per_thread = (size_t)group * (size_t)(max_seq_len > 0 ? max_seq_len : 1);
+    float *scores = malloc((size_t)team * per_thread * sizeof(float));
     if (scores == NULL) return -31;
     for (int64_t t = 0; t < M; t++)
         if (seq_lens[t] < 1 || seq_lens[t] > max_seq_len || seq_lens[t] > max_blocks * m->block_size) {
@@ -165,10 +215,12 @@ static int attention(const decode_model *m, const decode_layer *layer, const flo
             return -21;
         }
 #pragma omp parallel for num_threads(team) schedule(static)
-    for (int64_t p = 0; p < M * H; p++) {
-        const int64_t t = p / H, h = p % H;
-        float *mine = scores + (int64_t)omp_get_thread_num() * max_seq_len;
-        attend(m, layer, q + p * D, block_tables + t * max_blocks, seq_lens[t], h / group, attn + p * D, mine);
+    for (int64_t p = 0; p < M * Hkv; p++) {
+        const int64_t t = p / Hkv, kvh = p % Hkv;
+        float *mine = scores + (size_t)omp_get_thread_num() * per_thread;
+        const int64_t first = t * H + kvh * group; /* query heads kvh * group .. + group - 1 of token t */
+        attend_group(m, layer, q + first * D, block_tables + t * max_blocks, seq_lens[t], kvh, group,
+                     attn + first * D, mine);
     }
     free(scores);
     return 0;

@@ -68,6 +68,19 @@ def test_the_loop_matches_the_pytorch_path(group, perm, act_int8, architecture, 
     assert distance < 0.5 * quantization and quantization < 0.05, (distance, quantization)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_blocks_of_16_keys_take_the_eight_key_score_path_and_match(batch, monkeypatch):
+    """BLOCK is 4 above, so every block's scores come one key at a time; in blocks of 16 (the engine's default) the
+    attention scores 8 keys at once (qk_rows) and walks full and partial blocks."""
+    from tests.kernels import test_cpu_decode
+
+    monkeypatch.setattr(test_cpu_decode, "BLOCK", 16)
+    model = _model(64)
+    native = _decode(model, True, batch, cache=_cache(model, torch.float32, num_blocks=16 * batch))
+    reference = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=16 * batch))
+    torch.testing.assert_close(native, reference, rtol=2e-4, atol=2e-4)
+
+
 def test_it_steps_aside_where_it_does_not_apply():
     model = _model()
     assert not model.native_decode_plan().accepts(_cache(model, torch.bfloat16))  # float32 caches only
