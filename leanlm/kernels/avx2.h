@@ -15,6 +15,13 @@ ALWAYS_INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+/* The largest of 8 float lanes. */
+ALWAYS_INLINE float hmax(__m256 v) {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
 /* e^x in 8 float lanes: n = round(x log2 e), r = x - n ln 2 in two parts (Cody-Waite), e^r by its Taylor series to
  * degree 6 (|r| <= 0.35: relative error < 2e-7), times 2^n built in the exponent bits. x is clamped to [-87, 88]:
  * below, e^-87 (a softmax term that small, or 1 + e^x in SiLU, rounds as if it were 0); above, e^88 (finite; the

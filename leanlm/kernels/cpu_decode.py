@@ -1,5 +1,5 @@
 """All decoder layers of a decode step in one native call: decode_layers.c (bf16 activations, AVX512-BF16 CPUs) or
-decode_layers_f32.c (float32 activations, AVX2 CPUs: dense layers, a float32 cache, every key read, up to 8 rows).
+decode_layers_f32.c (float32 activations, AVX2 CPUs: dense layers, a float32 or int8 cache, every key read).
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
@@ -160,14 +160,12 @@ def kv_is_supported(
     v_scales: torch.Tensor | None,
     dtype: torch.dtype = _BF16,
 ) -> bool:
-    """A contiguous CPU cache [N, Hkv, bs, D]: of the loop's activation dtype, or (the bf16 loop) int8 with float32
-    scales [N, Hkv, bs] (fp8 caches stay on PyTorch)."""
+    """A contiguous CPU cache [N, Hkv, bs, D]: of the loop's activation dtype, or int8 with float32 scales
+    [N, Hkv, bs] (fp8 caches stay on PyTorch)."""
     if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache)):
         return False
     if k_scales is None or v_scales is None:
         return k_scales is v_scales and k_cache.dtype == dtype == v_cache.dtype
-    if dtype is not _BF16:
-        return False
     return k_cache.dtype == torch.int8 == v_cache.dtype and all(
         s.dtype == _F32 and s.is_contiguous() and s.shape == k_cache.shape[:-1] for s in (k_scales, v_scales)
     )

@@ -5,12 +5,14 @@
  * attention over a float32 cache, SiLU-and-multiply and the residual adds run in C, and the products call each
  * linear's own kernel (linear_call.h, the float32 entries of gemv_quant_avx2.c) through its function pointer.
  *
- * It runs dense layers over a float32 KV cache where every key is read (no sliding window, sinks or MoE layer):
+ * It runs dense layers over a float32 KV cache, or an int8 one (a float32 scale per token and KV head, as
+ * kv_quant.py: a quarter of the bytes attention reads), where every key is read (no sliding window, sinks or MoE):
  * cpu_decode.py only builds it for such models, and it returns -32 for anything else rather than guess.
  * Numerics follow the PyTorch path's float32 ops (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, rotate-half rotary
  * with separate products and sums, softmax(q k^T * scale) v); sums run in another order, so results agree to fp32
  * rounding, not bit for bit. */
 
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -94,14 +96,43 @@ static void silu_mul(float *gate, const float *up, int64_t n) {
     for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* Token t's K and V [Hkv, D] into its slot (block * block_size + offset) of a float32 cache [N, Hkv, bs, D]. */
+/* One head's row x [D] (D a multiple of 8) into an int8 cache row with its scale, as kv_quant.quantize_kv: scale =
+ * absmax / 127 (at least FLT_MIN), codes = x / scale (a true division) rounded half to even, saturated. */
+static void store_int8_row(const float *x, int8_t *codes, float *scale, int64_t D) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    float s = hmax(m) / 127.0f;
+    if (s < FLT_MIN) s = FLT_MIN;
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < D; i += 8) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(codes + i), _mm_packs_epi16(q16, q16));
+    }
+    *scale = s;
+}
+
+/* Token t's K and V [Hkv, D] into its slot (block * block_size + offset) of a cache [N, Hkv, bs, D]: float32, or
+ * int8 with a float32 scale per (slot, head) [N, Hkv, bs] where the layer has scales. */
 static void store_kv(const decode_model *m, const decode_layer *layer, const float *k, const float *v, int64_t slot) {
     const int64_t block = slot / m->block_size, offset = slot % m->block_size, D = m->head_dim;
     for (int64_t h = 0; h < m->num_kv_heads; h++) {
         const int64_t row = (block * m->num_kv_heads + h) * m->block_size + offset;
-        memcpy((float *)layer->k_cache + row * D, k + h * D, (size_t)D * sizeof(float));
-        memcpy((float *)layer->v_cache + row * D, v + h * D, (size_t)D * sizeof(float));
+        if (layer->k_scales != NULL) {
+            store_int8_row(k + h * D, (int8_t *)layer->k_cache + row * D, layer->k_scales + row, D);
+            store_int8_row(v + h * D, (int8_t *)layer->v_cache + row * D, layer->v_scales + row, D);
+        } else {
+            memcpy((float *)layer->k_cache + row * D, k + h * D, (size_t)D * sizeof(float));
+            memcpy((float *)layer->v_cache + row * D, v + h * D, (size_t)D * sizeof(float));
+        }
     }
+}
+
+/* 8 int8 codes as floats. */
+ALWAYS_INLINE __m256 load8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 /* The 8 sums of a[0..7]'s lanes, in order: a transposing add tree (7 adds for 8 sums, not 8 horizontal sums). */
@@ -130,6 +161,27 @@ static void qk_rows(const float *q, const float *k, int64_t n, int64_t D, float 
     for (; i < n; i++) out[i] = dot(q, k + i * D, D) * scale;
 }
 
+/* qk_rows over int8 rows with a scale each (ks [n]): out[i] = (q . codes[i]) * ks[i] * scale. */
+static void qk_rows_i8(const float *q, const int8_t *k, const float *ks, int64_t n, int64_t D, float scale, float *out) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D; c += 8) {
+            const __m256 qc = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qc, load8_i8(k + (i + r) * D + c), acc[r]);
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(hsum8(acc), _mm256_loadu_ps(ks + i)), sv));
+    }
+    for (; i < n; i++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8_i8(k + i * D + c), acc);
+        out[i] = hsum(acc) * ks[i] * scale;
+    }
+}
+
 /* softmax in place over L scores; returns 1 / the sum of the exponentials (the caller scales by it). */
 static float softmax_unnormalized(float *scores, int64_t L) {
     float best = -INFINITY;
@@ -148,20 +200,28 @@ static float softmax_unnormalized(float *scores, int64_t L) {
     return 1.0f / total;
 }
 
-/* out [D] = sum_j p[j] * inv * v_j over the first L values (paged: block after block, [bs, D] rows in each). */
+/* out [D] = sum_j p[j] * inv * v_j over the first L values (paged: block after block, [bs, D] rows in each); an
+ * int8 cache's rows are codes times their scale. */
 static void weigh_values(const decode_model *m, const decode_layer *layer, const int64_t *blocks, int64_t L,
                          int64_t kv_head, const float *p, float inv, float *out) {
     const int64_t D = m->head_dim, bs = m->block_size, Hkv = m->num_kv_heads;
-    const float *vc = (const float *)layer->v_cache;
+    const float *vc = (const float *)layer->v_cache, *vs = layer->v_scales;
+    const int8_t *vq = (const int8_t *)layer->v_cache;
     if (D == 64) { /* the usual head: the output in 8 registers, not loaded and stored per key */
         __m256 acc[8];
         for (int d = 0; d < 8; d++) acc[d] = _mm256_setzero_ps();
         for (int64_t b = 0; b * bs < L; b++) {
-            const float *vb = vc + (blocks[b] * Hkv + kv_head) * bs * D;
-            const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+            const int64_t row0 = (blocks[b] * Hkv + kv_head) * bs, n = L - b * bs < bs ? L - b * bs : bs;
             for (int64_t o = 0; o < n; o++) {
-                const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv);
-                for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + o * D + 8 * d), acc[d]);
+                if (vs != NULL) {
+                    const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv * vs[row0 + o]);
+                    for (int d = 0; d < 8; d++)
+                        acc[d] = _mm256_fmadd_ps(w, load8_i8(vq + (row0 + o) * D + 8 * d), acc[d]);
+                } else {
+                    const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv);
+                    for (int d = 0; d < 8; d++)
+                        acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + (row0 + o) * D + 8 * d), acc[d]);
+                }
             }
         }
         for (int d = 0; d < 8; d++) _mm256_storeu_ps(out + 8 * d, acc[d]);
@@ -169,12 +229,14 @@ static void weigh_values(const decode_model *m, const decode_layer *layer, const
     }
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_setzero_ps());
     for (int64_t b = 0; b * bs < L; b++) {
-        const float *vb = vc + (blocks[b] * Hkv + kv_head) * bs * D;
-        const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+        const int64_t row0 = (blocks[b] * Hkv + kv_head) * bs, n = L - b * bs < bs ? L - b * bs : bs;
         for (int64_t o = 0; o < n; o++) {
-            const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv);
-            for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + o * D + d), _mm256_loadu_ps(out + d)));
+            const int64_t row = row0 + o;
+            const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv * (vs != NULL ? vs[row] : 1.0f));
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 val = vs != NULL ? load8_i8(vq + row * D + d) : _mm256_loadu_ps(vc + row * D + d);
+                _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, val, _mm256_loadu_ps(out + d)));
+            }
         }
     }
 }
@@ -185,11 +247,16 @@ static void weigh_values(const decode_model *m, const decode_layer *layer, const
 static void attend_group(const decode_model *m, const decode_layer *layer, const float *q, const int64_t *blocks,
                          int64_t L, int64_t kv_head, int64_t G, float *out, float *scores) {
     const int64_t D = m->head_dim, bs = m->block_size, Hkv = m->num_kv_heads;
-    const float *kc = (const float *)layer->k_cache;
     for (int64_t b = 0; b * bs < L; b++) {
-        const float *kb = kc + (blocks[b] * Hkv + kv_head) * bs * D;
-        const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-        for (int64_t g = 0; g < G; g++) qk_rows(q + g * D, kb, n, D, (float)m->scale, scores + g * L + b * bs);
+        const int64_t row0 = (blocks[b] * Hkv + kv_head) * bs, n = L - b * bs < bs ? L - b * bs : bs;
+        for (int64_t g = 0; g < G; g++) {
+            float *out = scores + g * L + b * bs;
+            if (layer->k_scales != NULL)
+                qk_rows_i8(q + g * D, (const int8_t *)layer->k_cache + row0 * D, layer->k_scales + row0, n, D,
+                           (float)m->scale, out);
+            else
+                qk_rows(q + g * D, (const float *)layer->k_cache + row0 * D, n, D, (float)m->scale, out);
+        }
     }
     for (int64_t g = 0; g < G; g++) {
         const float inv = softmax_unnormalized(scores + g * L, L);
@@ -231,7 +298,7 @@ static int attention(const decode_model *m, const decode_layer *layer, const flo
  * [M, max_blocks] int64. scratch: float32, M * (hidden + 2 * H * D + 2 * Hkv * D + 2 * intermediate + the widest
  * linear input) elements. layer_bounds and sink_positions must be NULL (every key read). Returns 0, a negative
  * kernel status, -20 for a position outside the rotary table, -21 for a bad sequence length, -31 when memory runs
- * out, -32 for a layer or request this loop does not run (MoE, an int8 cache, sliding windows or sinks). */
+ * out, -32 for a layer or request this loop does not run (MoE, sliding windows or sinks). */
 int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_t M, const int64_t *positions,
                              const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens,
                              int64_t max_blocks, int64_t max_seq_len, float *scratch, int threads,
@@ -239,7 +306,7 @@ int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_
     const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, hid = m->hidden, I = m->intermediate;
     if (M < 1 || M > MAX_ROWS || layer_bounds != NULL || sink_positions != NULL || D % 8 != 0) return -32;
     for (int64_t li = 0; li < m->num_layers; li++)
-        if (m->layers[li].moe.router != NULL || m->layers[li].k_scales != NULL) return -32;
+        if (m->layers[li].moe.router != NULL) return -32;
     for (int64_t t = 0; t < M; t++)
         if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
     float *h = scratch;              /* [M, hidden]: normed input, then o_proj / down_proj output */

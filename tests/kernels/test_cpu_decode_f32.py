@@ -81,9 +81,29 @@ def test_blocks_of_16_keys_take_the_eight_key_score_path_and_match(batch, monkey
     torch.testing.assert_close(native, reference, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_an_int8_kv_cache_matches_the_pytorch_path_on_it(batch, block, monkeypatch):
+    """kv_cache_dtype int8 (a scale per token and KV head): the loop quantizes K/V as kv_quant does and attends over
+    codes times scales. A K/V value at a rounding boundary may land one code apart (fp32 differences before the
+    write), so: far closer to the PyTorch path on the same cache than that path is to a float32 cache."""
+    from tests.kernels import test_cpu_decode
+
+    monkeypatch.setattr(test_cpu_decode, "BLOCK", block)
+    model = _model(64)
+    blocks = max(64, 16 * batch)
+    native = _decode(model, True, batch, cache=_cache(model, torch.int8, num_blocks=blocks))
+    reference = _decode(model, False, batch, cache=_cache(model, torch.int8, num_blocks=blocks))
+    float_cache = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=blocks))
+    distance = ((native - reference).norm() / reference.norm()).item()
+    quantization = ((reference - float_cache).norm() / float_cache.norm()).item()
+    assert distance < 0.1 * quantization and quantization < 0.05, (distance, quantization)
+
+
 def test_it_steps_aside_where_it_does_not_apply():
     model = _model()
-    assert not model.native_decode_plan().accepts(_cache(model, torch.bfloat16))  # float32 caches only
+    assert not model.native_decode_plan().accepts(_cache(model, torch.bfloat16))  # float32 or int8 caches only
+    assert not model.native_decode_plan().accepts(_cache(model, torch.float8_e4m3fn))
     rows = cpu_qgemv_avx2.MAX_ROWS + 1  # float32 activations: the loop takes 16 rows (64 with int8 ones)
     assert model.native_decode_plan().loop.max_rows == rows - 1
     cache = _cache(model, torch.float32, num_blocks=16 * rows)
