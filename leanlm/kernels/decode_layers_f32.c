@@ -143,26 +143,15 @@ ALWAYS_INLINE __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* out[i] = (q . k[i]) * scale for n rows of k [n, D] (D a multiple of 8): 8 rows at a time, q's slice of 8 read once
- * per slice for all 8 rows. */
-static void qk_rows(const float *q, const float *k, int64_t n, int64_t D, float scale, float *out) {
-    const __m256 sv = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 acc[8];
-        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < D; c += 8) {
-            const __m256 qc = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + (i + r) * D + c), acc[r]);
-        }
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8(acc), sv));
-    }
-    for (; i < n; i++) out[i] = dot(q, k + i * D, D) * scale;
+/* 8 values of a cache row at element `at`: float32, or int8 codes widened (I8, compile-time). */
+ALWAYS_INLINE __m256 cache8(const void *rows, int64_t at, const int I8) {
+    return I8 ? load8_i8((const int8_t *)rows + at) : _mm256_loadu_ps((const float *)rows + at);
 }
 
-/* qk_rows over int8 rows with a scale each (ks [n]): out[i] = (q . codes[i]) * ks[i] * scale. */
-static void qk_rows_i8(const float *q, const int8_t *k, const float *ks, int64_t n, int64_t D, float scale, float *out) {
+/* out[i] = (q . k[i]) * scale for n rows of k [n, D] (D a multiple of 8), times ks[i] for int8 rows: 8 rows at a
+ * time, q's slice of 8 read once per slice for all 8 rows. */
+ALWAYS_INLINE void qk_rows(const float *q, const void *k, const float *ks, int64_t n, int64_t D, float scale,
+                           float *out, const int I8) {
     const __m256 sv = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -171,13 +160,19 @@ static void qk_rows_i8(const float *q, const int8_t *k, const float *ks, int64_t
         for (int64_t c = 0; c < D; c += 8) {
             const __m256 qc = _mm256_loadu_ps(q + c);
 #pragma GCC unroll 8
-            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qc, load8_i8(k + (i + r) * D + c), acc[r]);
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qc, cache8(k, (i + r) * D + c, I8), acc[r]);
         }
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(hsum8(acc), _mm256_loadu_ps(ks + i)), sv));
+        __m256 sums = hsum8(acc);
+        if (I8) sums = _mm256_mul_ps(sums, _mm256_loadu_ps(ks + i));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(sums, sv));
     }
     for (; i < n; i++) {
+        if (!I8) {
+            out[i] = dot(q, (const float *)k + i * D, D) * scale;
+            continue;
+        }
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8_i8(k + i * D + c), acc);
+        for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), cache8(k, i * D + c, 1), acc);
         out[i] = hsum(acc) * ks[i] * scale;
     }
 }
@@ -201,27 +196,20 @@ static float softmax_unnormalized(float *scores, int64_t L) {
 }
 
 /* out [D] = sum_j p[j] * inv * v_j over the first L values (paged: block after block, [bs, D] rows in each); an
- * int8 cache's rows are codes times their scale. */
-static void weigh_values(const decode_model *m, const decode_layer *layer, const int64_t *blocks, int64_t L,
-                         int64_t kv_head, const float *p, float inv, float *out) {
+ * int8 cache's rows (I8) are codes times their scale, the scale folded into the weight. */
+ALWAYS_INLINE void weigh_values_of(const decode_model *m, const decode_layer *layer, const int64_t *blocks, int64_t L,
+                                   int64_t kv_head, const float *p, float inv, float *out, const int I8) {
     const int64_t D = m->head_dim, bs = m->block_size, Hkv = m->num_kv_heads;
-    const float *vc = (const float *)layer->v_cache, *vs = layer->v_scales;
-    const int8_t *vq = (const int8_t *)layer->v_cache;
+    const void *vc = layer->v_cache;
+    const float *vs = layer->v_scales;
     if (D == 64) { /* the usual head: the output in 8 registers, not loaded and stored per key */
         __m256 acc[8];
         for (int d = 0; d < 8; d++) acc[d] = _mm256_setzero_ps();
         for (int64_t b = 0; b * bs < L; b++) {
             const int64_t row0 = (blocks[b] * Hkv + kv_head) * bs, n = L - b * bs < bs ? L - b * bs : bs;
             for (int64_t o = 0; o < n; o++) {
-                if (vs != NULL) {
-                    const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv * vs[row0 + o]);
-                    for (int d = 0; d < 8; d++)
-                        acc[d] = _mm256_fmadd_ps(w, load8_i8(vq + (row0 + o) * D + 8 * d), acc[d]);
-                } else {
-                    const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv);
-                    for (int d = 0; d < 8; d++)
-                        acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + (row0 + o) * D + 8 * d), acc[d]);
-                }
+                const __m256 w = _mm256_set1_ps(I8 ? p[b * bs + o] * inv * vs[row0 + o] : p[b * bs + o] * inv);
+                for (int d = 0; d < 8; d++) acc[d] = _mm256_fmadd_ps(w, cache8(vc, (row0 + o) * D + 8 * d, I8), acc[d]);
             }
         }
         for (int d = 0; d < 8; d++) _mm256_storeu_ps(out + 8 * d, acc[d]);
@@ -232,13 +220,17 @@ static void weigh_values(const decode_model *m, const decode_layer *layer, const
         const int64_t row0 = (blocks[b] * Hkv + kv_head) * bs, n = L - b * bs < bs ? L - b * bs : bs;
         for (int64_t o = 0; o < n; o++) {
             const int64_t row = row0 + o;
-            const __m256 w = _mm256_set1_ps(p[b * bs + o] * inv * (vs != NULL ? vs[row] : 1.0f));
-            for (int64_t d = 0; d < D; d += 8) {
-                const __m256 val = vs != NULL ? load8_i8(vq + row * D + d) : _mm256_loadu_ps(vc + row * D + d);
-                _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, val, _mm256_loadu_ps(out + d)));
-            }
+            const __m256 w = _mm256_set1_ps(I8 ? p[b * bs + o] * inv * vs[row] : p[b * bs + o] * inv);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, cache8(vc, row * D + d, I8), _mm256_loadu_ps(out + d)));
         }
     }
+}
+
+static void weigh_values(const decode_model *m, const decode_layer *layer, const int64_t *blocks, int64_t L,
+                         int64_t kv_head, const float *p, float inv, float *out) {
+    if (layer->v_scales != NULL) weigh_values_of(m, layer, blocks, L, kv_head, p, inv, out, 1);
+    else weigh_values_of(m, layer, blocks, L, kv_head, p, inv, out, 0);
 }
 
 /* The G query heads of one token that share KV head kv_head, over its first L keys (paged): out [G, D] =
@@ -252,10 +244,10 @@ static void attend_group(const decode_model *m, const decode_layer *layer, const
         for (int64_t g = 0; g < G; g++) {
             float *out = scores + g * L + b * bs;
             if (layer->k_scales != NULL)
-                qk_rows_i8(q + g * D, (const int8_t *)layer->k_cache + row0 * D, layer->k_scales + row0, n, D,
-                           (float)m->scale, out);
+                qk_rows(q + g * D, (const int8_t *)layer->k_cache + row0 * D, layer->k_scales + row0, n, D,
+                        (float)m->scale, out, 1);
             else
-                qk_rows(q + g * D, (const float *)layer->k_cache + row0 * D, n, D, (float)m->scale, out);
+                qk_rows(q + g * D, (const float *)layer->k_cache + row0 * D, NULL, n, D, (float)m->scale, out, 0);
         }
     }
     for (int64_t g = 0; g < G; g++) {
