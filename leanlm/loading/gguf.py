@@ -65,17 +65,22 @@ _PERMUTED_ARCHITECTURES = ("llama", "mixtral")
 class GGUFTokenizerMetadata:
     """The tokenizer a GGUF file describes, under llama.cpp's `tokenizer.ggml.*` keys."""
 
-    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) is the one we build
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE) are the ones we build
     pre: str  # tokenizer.ggml.pre: which pre-tokenizer split the merges were learned with
-    tokens: tuple[str, ...]  # id -> token, spelled in the byte-level alphabet
-    token_types: tuple[int, ...]  # id -> llama.cpp type: 1 normal, 3 control, 4 user-defined, ...
-    merges: tuple[str, ...]  # "a b" pairs, best first
+    tokens: tuple[str, ...]  # id -> token: gpt2's spelled in the byte-level alphabet, llama's with "▁" for a space
+    # id -> llama.cpp type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    token_types: tuple[int, ...]
+    scores: tuple[float, ...]  # id -> SentencePiece score (higher merges first); empty when the file has none
+    merges: tuple[str, ...]  # "a b" pairs, best first (gpt2); SentencePiece files have none: scores rank merges
     bos_token_id: int | None
     eos_token_id: int | None
     unk_token_id: int | None
     pad_token_id: int | None
-    add_bos_token: bool
+    add_bos_token: bool  # absent: True for "llama" (llama.cpp's and HF's default for SentencePiece), else False
     add_eos_token: bool
+    # SentencePiece prepends "▁" to text (and to the text after each control or user-defined token, as llama.cpp
+    # does); absent: True for "llama", llama.cpp's default. Byte-level BPE ignores it.
+    add_space_prefix: bool
     chat_template: str | None
 
 
@@ -245,22 +250,41 @@ def gguf_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
     if not tokens:
         raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens; it carries no tokenizer")
     types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores = field(reader, "tokenizer.ggml.scores") or []
+    _check_per_token("tokenizer.ggml.token_type", types, len(tokens))
+    if scores:
+        _check_per_token("tokenizer.ggml.scores", scores, len(tokens))
+    model = str(required(reader, "tokenizer.ggml.model"))
+    is_spm = model == "llama"
 
     def optional_id(key: str) -> int | None:
         value = field(reader, f"tokenizer.ggml.{key}")
         return None if value is None else int(value)
 
     return GGUFTokenizerMetadata(
-        model=str(required(reader, "tokenizer.ggml.model")),
+        model=model,
         pre=str(field(reader, "tokenizer.ggml.pre", "default")),
         tokens=tuple(tokens),
         token_types=tuple(int(t) for t in types),
+        scores=tuple(float(s) for s in scores),
         merges=tuple(field(reader, "tokenizer.ggml.merges") or ()),
         bos_token_id=optional_id("bos_token_id"),
         eos_token_id=optional_id("eos_token_id"),
         unk_token_id=optional_id("unknown_token_id"),
         pad_token_id=optional_id("padding_token_id"),
-        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token", is_spm)),
         add_eos_token=bool(field(reader, "tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=bool(field(reader, "tokenizer.ggml.add_space_prefix", is_spm)),
         chat_template=field(reader, "tokenizer.chat_template"),
     )
+
+
+def _check_per_token(key: str, values: object, num_tokens: int) -> None:
+    """A per-token array must have one entry per token: one of another length would pair tokens with the wrong type
+    or score, silently."""
+    if not isinstance(values, list) or len(values) != num_tokens:
+        got = f"{len(values)} entries" if isinstance(values, list) else f"a {type(values).__name__}"
+        raise ModelLoadError(
+            f"GGUF metadata {key} has {got} but tokenizer.ggml.tokens has {num_tokens}; it needs one per token: "
+            "the file is damaged or was written by a broken converter, re-download or re-convert it"
+        )

@@ -16,8 +16,9 @@ from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile
 from leanlm.loading.gguf_moe import gguf_moe_config, moe_architecture, moe_config_fields
 
-# Tokens that end a chat turn in the families we support; added to eos_token_ids when present.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+# Tokens that end a chat turn in the families we support; added to eos_token_ids when present. Gemma's chat template
+# closes every turn with "<end_of_turn>\n": an instruction-tuned Gemma ends its reply there, not at <eos>.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 
