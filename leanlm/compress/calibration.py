@@ -282,7 +282,7 @@ def run_layers(
     hidden = runner = None
     if samples is not None:
         device = model.model.norm.weight.device
-        hidden = model.model.embed_tokens(samples.to(device))  # [S, T, d]
+        hidden = model.model.embed(samples.to(device))  # [S, T, d]
         runner = LayerRunner(model, samples.shape[1], batch)
     layers = model.model.layers
     planners = [m for m in methods if NEEDS_PLAN in m.needs]

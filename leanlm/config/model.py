@@ -1,23 +1,20 @@
-"""ModelConfig: one Llama-family decoder (llama, qwen2 are flags, not classes), built from an HF `config.json`
-dict or from GGUF metadata (`leanlm.loading.gguf`); RopeScaling; the dtype names."""
+"""ModelConfig: the shape and hyper-parameters of one decoder, whose architecture (leanlm.model.architectures) says
+what its block is; built from an HF `config.json` dict or from GGUF metadata (`leanlm.loading.gguf`); the dtype
+names."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from leanlm.config.moe import MoEConfig, check_hf_expressible, moe_from_hf, moe_to_hf
+from leanlm.config.rope import RopeScaling, hf_rope_scaling
 from leanlm.config.values import check_bool, check_dict, check_float, check_int, check_list, optional, required, to_int
+from leanlm.model.architectures import SUPPORTED_ARCHITECTURES, Architecture, get_architecture
+from leanlm.model.architectures.spec import HIDDEN_ACTS
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
-# HF's class for each architecture (what `architectures` in config.json names)
-HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "mixtral": "MixtralForCausalLM",
-              "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}  # fmt: skip
-_BIAS_DEFAULT = {"qwen2": True, "qwen2_moe": True}  # q/k/v bias when config.json does not say
 # The longest context we build rotary tables for: 2^20 positions x D/2 x cos/sin in float32 is already 512 MiB
 # at head_dim 128. A larger value in a file is damage (or a model we cannot serve), never something to allocate.
 MAX_POSITION_EMBEDDINGS = 1 << 20
@@ -43,36 +40,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3 style frequency-dependent RoPE scaling (rope_type 'llama3'); 'linear' divides positions."""
-
-    rope_type: str  # "llama3" | "linear"
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use 'llama3' or 'linear'")
-        check_float(self.factor, "rope_scaling factor", 0.0)
-        check_float(self.low_freq_factor, "rope_scaling low_freq_factor", 0.0)
-        check_float(self.high_freq_factor, "rope_scaling high_freq_factor", 0.0)
-        check_int(self.original_max_position_embeddings, "rope_scaling original_max_position_embeddings")
-        # llama3's smoothing divides by their difference
-        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
-                f"rope_scaling high_freq_factor ({self.high_freq_factor}) must be above low_freq_factor "
-                f"({self.low_freq_factor})"
-            )
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder, with HF field names. Mixtral, Qwen2-MoE and OLMoE are
-    this decoder with a sparse MLP (`moe`); OLMoE adds `qk_norm` and `clip_qkv`."""
+    """Shape and hyper-parameters of a decoder, with HF field names. What is fixed per family (norms, q/k norms,
+    embedding scale, ...) is its `arch`; what checkpoints of one family vary is here."""
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES; qwen2 = llama + q/k/v bias
+    architecture: str  # one of SUPPORTED_ARCHITECTURES: HF's model_type
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -94,17 +66,19 @@ class ModelConfig:
     exit_layers: tuple[int, ...] = ()
     exit_adapter_rank: int = 0
     moe: MoEConfig | None = None  # the sparse MLP of the layers it names (leanlm.model.moe); None: dense
-    qk_norm: bool = False  # RMSNorm over the whole q and k projections before rotary (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after projection (OLMoE, OLMo)
     # sliding-window attention as trained (Mistral, Qwen2's use_sliding_window + max_window_layers, `layer_types`):
     # layer i's queries read only the last layer_windows[i] tokens, themselves included; None or () : every token
     layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the MLP gate's activation: one of HIDDEN_ACTS
+    query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power (Gemma); None: head_dim's
+    attn_logit_softcapping: float | None = None  # attention scores c * tanh(s / c) (Gemma 2); None: uncapped
+    final_logit_softcapping: float | None = None  # logits likewise (Gemma 2)
+    rope_local_theta: float | None = None  # the rope base of the sliding-window layers (Gemma 3); None: rope_theta
+    rotary_dim: int | None = None  # rotary on the first rotary_dim of each head (Phi-4-mini); None: all head_dim
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        get_architecture(self.architecture)  # a ValueError listing the supported ones
         for field in (
             "vocab_size",
             "hidden_size",
@@ -134,7 +108,7 @@ class ModelConfig:
         check_float(self.rope_theta, "ModelConfig.rope_theta", 0.0)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
-        for flag in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+        for flag in ("tie_word_embeddings", "attention_bias"):
             check_bool(getattr(self, flag), f"ModelConfig.{flag}")
         if self.bos_token_id is not None:
             check_int(self.bos_token_id, "ModelConfig.bos_token_id", minimum=0)
@@ -153,7 +127,7 @@ class ModelConfig:
             )
         if self.moe is not None and self.moe.sparse_layers and max(self.moe.sparse_layers) >= self.num_hidden_layers:
             raise ValueError(f"moe.sparse_layers {self.moe.sparse_layers} name layers past {self.num_hidden_layers}")
-        if self.architecture in ("mixtral", "qwen2_moe", "olmoe") and self.moe is None:
+        if self.arch.moe and self.moe is None:
             raise ValueError(f"a {self.architecture} model needs its MoEConfig (moe=)")
         if self.moe is not None:
             check_hf_expressible(self.architecture, self.moe)
@@ -167,13 +141,50 @@ class ModelConfig:
                 f"layer_windows needs one window (a token count >= 1, or None for full attention) per layer "
                 f"({self.num_hidden_layers}), got {self.layer_windows}"
             )
-        if self.qk_norm and self.architecture != "olmoe":
-            raise ValueError("qk_norm (a norm over the whole q and k projections) is OLMoE's; use architecture='olmoe'")
+        self._check_block()
         if self.clip_qkv is not None:
             check_float(self.clip_qkv, "ModelConfig.clip_qkv", 0.0)
         check_int(self.exit_adapter_rank, "ModelConfig.exit_adapter_rank", minimum=0)
         if self.exit_adapter_rank and not layers:
             raise ValueError(f"exit_adapter_rank {self.exit_adapter_rank} needs exit_layers (the heads it adapts)")
+
+    def _check_block(self) -> None:
+        """The knobs of the block: values a file may carry wrong."""
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden activation {self.hidden_act!r} is not supported; supported: {HIDDEN_ACTS}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+            if getattr(self, name) is not None:
+                check_float(getattr(self, name), f"ModelConfig.{name}", 0.0)
+        if self.rotary_dim is not None:
+            check_int(self.rotary_dim, "ModelConfig.rotary_dim")
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+                raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope" and 2 * len(scaling.short_factor) != self.rope_dim:
+            raise ValueError(
+                f"longrope gives {len(scaling.short_factor)} factors; the rotary dimension {self.rope_dim} needs "
+                f"{self.rope_dim // 2}"
+            )
+
+    @property
+    def arch(self) -> Architecture:
+        """What this model's block is (leanlm.model.architectures)."""
+        return get_architecture(self.architecture)
+
+    @property
+    def qk_norm(self) -> str:
+        """ "" (none), "whole" (one norm over every head's q or k: OLMoE) or "head" (per head: Qwen3, Gemma 3)."""
+        return self.arch.qk_norm
+
+    @property
+    def rope_dim(self) -> int:
+        """How many of each head's dimensions rotary turns (the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
 
     def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
         """The shape the HF tensor `hf_name` (`model.layers.3.mlp.down_proj.weight`, ...) has in this model: [out,
@@ -192,8 +203,8 @@ class ModelConfig:
             "down_proj": (hidden, inter),
             "embed_tokens": (self.vocab_size, hidden),
             "lm_head": (self.vocab_size, hidden),
-            "q_norm": (q_rows,),
-            "k_norm": (kv_rows,),
+            "q_norm": (self.head_dim,) if self.qk_norm == "head" else (q_rows,),
+            "k_norm": (self.head_dim,) if self.qk_norm == "head" else (kv_rows,),
         }
         module, kind = hf_name.rsplit(".", 2)[-2:]
         if self.moe is not None:
@@ -211,9 +222,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM / Qwen2ForCausalLM). Every value is
-        checked for its kind and range here, so that a wrong one is a ValueError naming its key (the loader makes
-        it a ModelLoadError), never an exception from the math it would have reached."""
+        """Build from a Hugging Face `config.json` dict: the keys every family shares here, its own through its
+        architecture's `read_config`. Every value is checked for its kind and range, so that a wrong one is a
+        ValueError naming its key (the loader makes it a ModelLoadError), never an exception from the math."""
         check_dict(cfg, "config.json")
         model_type = cfg.get("model_type")
         if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
@@ -221,6 +232,7 @@ class ModelConfig:
                 f"config.json model_type {model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        arch = get_architecture(model_type)
         num_heads = to_int(required(cfg, "num_attention_heads"), "num_attention_heads")
         hidden = to_int(required(cfg, "hidden_size"), "hidden_size")
         num_layers = to_int(required(cfg, "num_hidden_layers"), "num_hidden_layers")
@@ -238,8 +250,7 @@ class ModelConfig:
         eos_ids = check_list(eos, "eos_token_id") if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         bos = cfg.get("bos_token_id")
         clip = cfg.get("clip_qkv")
-        bias_default = _BIAS_DEFAULT.get(model_type, False)
-        return cls(
+        fields = dict(
             architecture=model_type,
             vocab_size=to_int(required(cfg, "vocab_size"), "vocab_size"),
             hidden_size=hidden,
@@ -256,10 +267,10 @@ class ModelConfig:
             rope_theta=check_float(
                 optional(cfg, "rope_theta", optional(rope_params, "rope_theta", 10000.0)), "rope_theta"
             ),
-            rope_scaling=_hf_rope_scaling(raw_scaling),
+            rope_scaling=hf_rope_scaling(raw_scaling, cfg),
             tie_word_embeddings=check_bool(optional(cfg, "tie_word_embeddings", False), "tie_word_embeddings"),
             attention_bias=check_bool(
-                optional(cfg, "attention_bias", optional(cfg, "qkv_bias", bias_default)), "attention_bias (qkv_bias)"
+                optional(cfg, "attention_bias", optional(cfg, "qkv_bias", arch.qkv_bias)), "attention_bias (qkv_bias)"
             ),
             bos_token_id=None if bos is None else to_int(bos, "bos_token_id", minimum=0),
             eos_token_ids=tuple(to_int(i, "eos_token_id", minimum=0) for i in eos_ids),
@@ -268,16 +279,20 @@ class ModelConfig:
                 to_int(k, "leanlm_exits.layers") for k in check_list(exits.get("layers", ()), "leanlm_exits.layers")
             ),
             exit_adapter_rank=to_int(optional(exits, "adapter_rank", 0), "leanlm_exits.adapter_rank", minimum=0),
-            moe=moe_from_hf(model_type, cfg, num_layers),
-            qk_norm=model_type == "olmoe",
+            moe=moe_from_hf(arch.moe, cfg, num_layers),
             clip_qkv=None if clip is None else check_float(clip, "clip_qkv", 0.0),
-            layer_windows=hf_layer_windows(model_type, cfg, num_layers),
+            layer_windows=hf_layer_windows(arch, cfg, num_layers),
+            hidden_act=str(cfg.get("hidden_act") or arch.default_act),
         )
+        if arch.read_config is not None:
+            fields |= arch.read_config(cfg, num_layers)
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` a Hugging Face loader reads for this model."""
+        arch = self.arch
         cfg: dict[str, Any] = {
-            "architectures": [HF_CLASSES[self.architecture]],
+            "architectures": [arch.hf_class],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -290,47 +305,25 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.architecture in ("llama", "olmoe"):
-            cfg["attention_bias"] = self.attention_bias
-        if self.architecture == "llama":
-            cfg["mlp_bias"] = False
-        if self.architecture == "qwen2_moe":
-            cfg["qkv_bias"] = self.attention_bias
         if self.moe is not None:
-            cfg |= moe_to_hf(self.architecture, self.moe, self.num_hidden_layers)
+            cfg |= moe_to_hf(arch.moe, self.moe, self.num_hidden_layers)
         if self.clip_qkv is not None:
             cfg["clip_qkv"] = self.clip_qkv
         if self.rope_scaling is not None:
-            cfg["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+            cfg["rope_scaling"] = self.rope_scaling.to_hf()
         cfg |= layer_windows_to_hf(self.architecture, self.layer_windows)
+        if arch.write_config is not None:
+            cfg |= arch.write_config(self)
         if self.exit_layers:  # HF loaders ignore the key (and the exits' tensors)
             cfg["leanlm_exits"] = {"layers": list(self.exit_layers), "adapter_rank": self.exit_adapter_rank}
         return cfg
 
 
-def _hf_rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
-    """config.json's rope_scaling (or rope_parameters) object; None for default rotary."""
-    rope_type = raw.get("rope_type", raw.get("type"))
-    if rope_type in (None, "default"):
-        return None
-    if not isinstance(rope_type, str):
-        raise ValueError(f"rope_scaling rope_type must be a string, got {rope_type!r}")
-    return RopeScaling(
-        rope_type=rope_type,
-        factor=check_float(required(raw, "factor", "rope_scaling"), "rope_scaling factor", 0.0),
-        low_freq_factor=check_float(optional(raw, "low_freq_factor", 1.0), "rope_scaling low_freq_factor", 0.0),
-        high_freq_factor=check_float(optional(raw, "high_freq_factor", 4.0), "rope_scaling high_freq_factor", 0.0),
-        original_max_position_embeddings=to_int(
-            optional(raw, "original_max_position_embeddings", 8192), "rope_scaling original_max_position_embeddings"
-        ),
-    )
-
-
-def hf_layer_windows(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+def hf_layer_windows(arch: Architecture, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window from an HF config.json, as transformers reads it: `layer_types` where the
     config lists them ("sliding_attention" layers get `sliding_window`); else Qwen2's use_sliding_window from layer
     max_window_layers on; else, for Mistral and Mixtral, `sliding_window` on every layer. () when every layer is
@@ -346,11 +339,11 @@ def hf_layer_windows(model_type: str, cfg: dict[str, Any], num_layers: int) -> t
         if unknown:
             raise ValueError(f"config.json layer_types has {unknown[:3]}; leanlm runs full and sliding attention")
         windows = tuple(window if t == "sliding_attention" and window else None for t in types)
-    elif model_type in ("qwen2", "qwen2_moe"):
+    elif arch.model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         start = to_int(optional(cfg, "max_window_layers", num_layers), "max_window_layers", minimum=0)
         on = check_bool(optional(cfg, "use_sliding_window", False), "use_sliding_window") and window
         windows = tuple(window if on and i >= start else None for i in range(num_layers)) if on else ()
-    elif model_type in ("mistral", "mixtral") and window:
+    elif arch.window_every_layer and window:
         windows = (window,) * num_layers
     else:
         windows = ()
@@ -365,5 +358,5 @@ def layer_windows_to_hf(architecture: str, windows: tuple[int | None, ...]) -> d
     if len(sizes) > 1:
         raise ValueError(f"HF configs hold one sliding_window size; these layers have {sorted(sizes)}")
     types = ["sliding_attention" if w is not None else "full_attention" for w in windows]
-    extra = {"use_sliding_window": True} if architecture in ("qwen2", "qwen2_moe") else {}
+    extra = {"use_sliding_window": True} if architecture in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") else {}
     return {"sliding_window": sizes.pop(), "layer_types": types} | extra

@@ -67,13 +67,14 @@ class MoEConfig:
 
 
 def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoEConfig of an HF mixtral / qwen2_moe / olmoe config.json, or of a llama / qwen2 one carrying
-    `leanlm_moe`; None for a dense model."""
-    if model_type not in ("mixtral", "olmoe", "qwen2_moe"):
+    """The MoEConfig of a config.json whose experts `model_type` (an Architecture's `moe` kind: mixtral, qwen2_moe,
+    olmoe, qwen3_moe) describes, or of a dense family's one carrying `leanlm_moe`; None for a dense model."""
+    if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
         raw = cfg.get("leanlm_moe")
         return None if raw is None else MoEConfig.from_dict(raw)
-    experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
-    width_key = "moe_intermediate_size" if model_type == "qwen2_moe" else "intermediate_size"
+    # transformers >= 5 writes Qwen3-MoE's count as num_local_experts; its checkpoints say num_experts
+    experts_key = "num_local_experts" if model_type == "mixtral" or "num_experts" not in cfg else "num_experts"
+    width_key = "moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe") else "intermediate_size"
     renorm = model_type == "mixtral" or check_bool(optional(cfg, "norm_topk_prob", False), "norm_topk_prob")
     common = dict(
         num_experts=to_int(required(cfg, experts_key), experts_key),
@@ -84,7 +85,7 @@ def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoECon
             optional(cfg, "router_aux_loss_coef", 0.0), "router_aux_loss_coef", 0.0, open_minimum=False
         ),
     )
-    if model_type != "qwen2_moe":
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
         return MoEConfig(**common)
     step = to_int(optional(cfg, "decoder_sparse_step", 1), "decoder_sparse_step")
     dense = {
@@ -94,7 +95,10 @@ def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoECon
     # every layer sparse is the usual case: then nothing walks the layers (a config may claim 2**31 - 1 of them)
     every = step == 1 and not dense
     sparse = () if every else tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    shared = to_int(optional(cfg, "shared_expert_intermediate_size", 0), "shared_expert_intermediate_size", minimum=0)
+    shared = 0
+    if model_type == "qwen2_moe":
+        key = "shared_expert_intermediate_size"
+        shared = to_int(optional(cfg, key, 0), key, minimum=0)
     return MoEConfig(
         **common,
         shared_expert_intermediate_size=shared,
@@ -114,14 +118,16 @@ def moe_to_hf(model_type: str, moe: MoEConfig, num_layers: int) -> dict[str, Any
               "output_router_logits": False}  # fmt: skip
     if model_type == "olmoe":
         return common | {"intermediate_size": moe.expert_intermediate_size}
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         sparse = set(range(num_layers) if moe.sparse_layers is None else moe.sparse_layers)
-        return common | {
+        out = common | {
             "moe_intermediate_size": moe.expert_intermediate_size,
-            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(num_layers) if i not in sparse],
         }
+        if model_type == "qwen3_moe":  # transformers >= 5 reads num_local_experts
+            return out | {"num_local_experts": moe.num_experts}
+        return out | {"shared_expert_intermediate_size": moe.shared_expert_intermediate_size}
     return {"leanlm_moe": moe.to_dict()}
 
 
@@ -131,6 +137,7 @@ def check_hf_expressible(model_type: str, moe: MoEConfig) -> None:
         "mixtral": dict(scoring=("softmax_renorm",), shared=False, gate=False, layers=False),
         "olmoe": dict(scoring=("softmax", "softmax_renorm"), shared=False, gate=False, layers=False),
         "qwen2_moe": dict(scoring=("softmax", "softmax_renorm"), shared=True, gate=True, layers=True),
+        "qwen3_moe": dict(scoring=("softmax", "softmax_renorm"), shared=False, gate=False, layers=True),
     }.get(model_type)
     if wants is None:
         return

@@ -86,7 +86,7 @@ class EarlyExit:
         [T, V] when a step exited, else None: the caller computes them from the final hidden as usual)."""
         if not ctx.is_all_decode:
             raise ValueError("the early exit runs decode steps only (one new token per request)")
-        x = self.model.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self.model.model.embed(input_ids)  # [T, hidden]
         self._stats.num_steps += 1
         self._stats.num_tokens += x.shape[0]
         before = x

@@ -33,6 +33,7 @@ from leanlm.loading.gguf_moe import (
     legacy_expert_name,
     moe_stored_shape,
 )
+from leanlm.model.architectures import Architecture
 from leanlm.model.linear.base import RuntimeLinear
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
@@ -56,9 +57,6 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that carry no weights of their own (llama3 rope factors become RopeScaling instead).
 _SKIPPED_TENSORS = ("rope_freqs.weight",)
-# llama.cpp's LlamaModel converter (which converts Mixtral too) permutes Q/K rows for its interleaved rotary;
-# qwen2, qwen2moe and olmoe use the NEOX (rotate-half) layout and are written as they are.
-_PERMUTED_ARCHITECTURES = ("llama", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -146,20 +144,23 @@ def dequantize_tensor(data: np.ndarray, qtype) -> np.ndarray:
     return out.reshape(*rows_shape, data.shape[-1] // type_size * block_size)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (ModelLoadError when unknown)."""
+def hf_tensor_name(gguf_name: str, arch: Architecture | None = None) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (ModelLoadError when unknown); `arch`'s
+    own names (Gemma's sandwich norms) before the Llama ones."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if (expert := legacy_expert_name(gguf_name)) is not None:
         return expert
+    names = _LAYER_NAMES if arch is None else _LAYER_NAMES | arch.gguf_layer_names
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
+        what = "a llama-family" if arch is None else f"a {arch.model_type}"
         raise ModelLoadError(
-            f"GGUF tensor {gguf_name!r} is not part of a llama, qwen2, mixtral, qwen2moe or olmoe model; the file "
-            "holds an architecture we do not support"
+            f"GGUF tensor {gguf_name!r} is not part of {what} model as llama.cpp writes it; the file holds an "
+            "architecture or variant we do not support"
         )
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -178,7 +179,7 @@ def _tensor_parts(tensor: GGUFTensor, config: ModelConfig) -> list[tuple[str, np
     stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if is_expert_tensor(tensor.name):
         return expert_parts(tensor.name, stored, tensor.data, config)
-    name = hf_tensor_name(tensor.name)
+    name = hf_tensor_name(tensor.name, config.arch)
     expected = config.tensor_shape(name)
     # The metadata and the tensor infos must agree before Q/K un-permutation reshapes by head count.
     if moe_stored_shape(name, stored, expected) != expected:
@@ -207,7 +208,7 @@ def gguf_state_dict(
     for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
         for name, data, expected in _tensor_parts(tensor, config):
             heads = None
-            if config.architecture in _PERMUTED_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
+            if config.arch.gguf_permutes_qk and (".q_proj." in name or ".k_proj." in name):
                 heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             if keep_codes and tensor.tensor_type in CODE_TYPES and _is_linear_weight(name):
                 if name == "model.embed_tokens.weight":  # a lookup table: dequantized below; as the tied head, codes
@@ -217,7 +218,10 @@ def gguf_state_dict(
                     row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
                     coded[name.removesuffix(".weight")] = (tensor.tensor_type, data, expected, row_order)
                     continue
-            state_dict[name] = _dequantized(tensor, data, expected, heads).to(dtype).contiguous()
+            weight = _dequantized(tensor, data, expected, heads)
+            if config.arch.gguf_norm_offset and name.endswith("norm.weight"):  # llama.cpp folded Gemma's +1 in
+                weight = weight - config.arch.gguf_norm_offset
+            state_dict[name] = weight.to(dtype).contiguous()
     # a bias (qwen2's q/k/v) stays float, on the runtime layer
     quantized = {m: runtime_linear(*args, bias=state_dict.pop(m + ".bias", None)) for m, args in coded.items()}
     return state_dict, quantized

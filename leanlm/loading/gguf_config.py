@@ -15,6 +15,7 @@ from leanlm.config.values import check_float, to_int
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile
 from leanlm.loading.gguf_moe import gguf_moe_config, moe_architecture, moe_config_fields
+from leanlm.model.architectures import get_architecture
 
 # Tokens that end a chat turn in the families we support; added to eos_token_ids when present. Gemma's chat template
 # closes every turn with "<end_of_turn>\n": an instruction-tuned Gemma ends its reply there, not at <eos>.
@@ -89,6 +90,9 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
     if architecture == "mixtral" and moe.sparse_layers is not None:  # llama.cpp runs a dense MLP where no router is;
         architecture = "llama"  # HF's Mixtral cannot, so it is a llama model with a leanlm_moe block
     bos = field(reader, "tokenizer.ggml.bos_token_id")
+    head_dim = hidden // num_heads if head_dim is None else to_int(head_dim, head_dim_key)
+    own = get_architecture(architecture).read_gguf
+    extra = {} if own is None else own(reader.fields.get, arch, num_layers, head_dim)
     return ModelConfig(
         architecture=architecture,
         vocab_size=to_int(vocab_size, f"{arch}.vocab_size"),
@@ -99,7 +103,7 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
         num_key_value_heads=to_int(
             field(reader, f"{arch}.attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv"
         ),
-        head_dim=hidden // num_heads if head_dim is None else to_int(head_dim, head_dim_key),
+        head_dim=head_dim,
         max_position_embeddings=to_int(
             required(reader, f"{arch}.context_length"), f"{arch}.context_length", maximum=1 << 64
         ),
@@ -118,6 +122,7 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
         name=str(field(reader, "general.name", "")),
         moe=moe,
         **moe_config_fields(arch, reader.fields.get),
+        **extra,
     )
 
 

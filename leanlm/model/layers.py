@@ -116,15 +116,22 @@ class Linear(KernelDispatch, nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like the HF reference, cast back after."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like the HF reference, cast back after. Gemma's scales
+    by (1 + weight): `offset` 1, its stored weight kept as HF writes it."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset  # the gain is offset + weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
         dtype = x.dtype
+        if self.offset:
+            # Gemma's order: normalise and scale in float32, one rounding at the end
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (xf * (self.offset + self.weight.float())).to(dtype)
         if cpu_rows.should_use_rows(x) and self.weight.dtype is torch.bfloat16 and self.weight.is_contiguous():
             # few rows: the native loop's arithmetic, so both paths agree bit for bit
             return cpu_rows.rms_norm(x, self.weight, self.eps)
@@ -136,13 +143,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [D/2], with Llama 3's frequency-dependent scaling when configured."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, long: bool = True) -> torch.Tensor:
+    """Inverse frequencies [D/2], with Llama 3's frequency-dependent scaling when configured; longrope's divided by
+    its long factors (or, with `long` False, its short ones)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).float()
+    if scaling.rope_type == "longrope":
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        return (inv_freq / factors).float()
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -156,32 +167,63 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_mid, mid, scaled).float()
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the HF layout) over a cos/sin table indexed by absolute positions."""
+class Rope(tuple):
+    """(cos, sin) [T, 1, D_rot/2] for every layer, and `local`: the pair the sliding-window layers rotate with when
+    they have a rope base of their own (Gemma 3), else None. Unpacks as the pair."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+    local: tuple[torch.Tensor, torch.Tensor] | None
+
+    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor, local=None) -> Rope:
+        rope = super().__new__(cls, (cos, sin))
+        rope.local = local
+        return rope
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the HF layout) over a cos/sin table indexed by absolute positions; `local_theta`: a second
+    table for the sliding-window layers (Gemma 3). Longrope's table takes its short factors below the original
+    context and its long ones past it, per position (as vLLM; HF switches every position at once by the sequence's
+    length, which a cache of rotated keys cannot follow), both scaled by its attention factor."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        local_theta: float | None = None,
+    ) -> None:
         super().__init__()
+        self.magnitude = 1.0 if scaling is None else scaling.magnitude  # cos and sin are multiplied by it
         inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        if scaling is not None and scaling.rope_type == "longrope":
+            short = min(max_positions, scaling.original_max_position_embeddings)
+            freqs[:short] = torch.outer(
+                torch.arange(short, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling, False)
+            )
         # Buffers stay float32 (not saved): the table is exact and small.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * self.magnitude, persistent=False)
+        self.register_buffer("sin", freqs.sin() * self.magnitude, persistent=False)
+        self.local = None if local_theta is None else RotaryEmbedding(head_dim, max_positions, local_theta, None)
 
     def ensure(self, num_positions: int) -> None:
         """Grow the table to hold positions 0 .. num_positions - 1 (past the model's context: a bounded window
         keeps every query's distance to its keys within what the model was trained on), doubling at least. The
         new rows' angles are taken in float64, so far positions keep their accuracy; the old rows stay as they are."""
+        if self.local is not None:
+            self.local.ensure(num_positions)
         have = self.cos.shape[0]
         if num_positions <= have:
             return
         size = max(num_positions, 2 * have)
         positions = torch.arange(have, size, dtype=torch.float64, device=self.cos.device)
         freqs = torch.outer(positions, self.inv_freq.double())  # [new, D/2]
-        self.cos = torch.cat((self.cos, freqs.cos().float()))
-        self.sin = torch.cat((self.sin, freqs.sin().float()))
+        self.cos = torch.cat((self.cos, (freqs.cos() * self.magnitude).float()))
+        self.sin = torch.cat((self.sin, (freqs.sin() * self.magnitude).float()))
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos, sin for `positions` [T], each [T, 1, D/2] in the compute dtype; looked up once per forward.
 
         Half-precision models rotate in their own dtype, as the HF reference does; float32 and float64 stay
@@ -189,10 +231,14 @@ class RotaryEmbedding(nn.Module):
         """
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+        return Rope(cos, sin, None if self.local is None else tuple(self.local(positions, dtype)))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by (cos, sin) [T, 1, D/2]."""
+    """x [T, heads, D] rotated by (cos, sin) [T, 1, D_rot/2]: its first D_rot dimensions (all, but for a partial
+    rotary), the rest passed through."""
+    turned = 2 * cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,6 +1,7 @@
-"""One Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 via `attention_bias`) over flat token batches.
+"""The one decoder every architecture runs (leanlm.model.architectures declares how each differs from Llama: norms,
+q/k norms, embedding scale, activations, soft-caps, rotary), over flat token batches.
 
-Module and weight names follow HF's LlamaForCausalLM, so HF state dicts load as they are.
+Module and weight names follow HF's, so HF state dicts load as they are (fused files are split on read).
 """
 
 from __future__ import annotations
@@ -13,67 +14,94 @@ from torch import nn
 
 from leanlm.config import ModelConfig
 from leanlm.model.attention import AttentionBackend, get_backend
+from leanlm.model.capped_attention import capped_attention
 from leanlm.model.context import get_forward_context
 from leanlm.model.exit_head import build_exits
 from leanlm.model.kv_quant import store_kv
-from leanlm.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from leanlm.model.layers import Linear, RMSNorm, Rope, RotaryEmbedding, apply_rotary
 from leanlm.model.mlp import LlamaMLP
 from leanlm.model.moe import SparseMoeBlock
 from leanlm.model.native_decode import NativeDecodePlan
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention of every architecture: q/k/v projections, the family's q/k norms and clamp, rotary (the
+    sliding layers' own where the model has one), the paged backend, soft-capped scores where the config caps them."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of the forward context's KV cache this attention reads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, bias=config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
-        # OLMoE: RMSNorm over the whole q and k projections (all heads at once), then q, k, v clamped
-        self.q_norm = RMSNorm(q_size, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(kv_size, config.rms_norm_eps) if config.qk_norm else None
+        # OLMoE: RMSNorm over the whole q and k projections (all heads at once); Qwen3, Gemma 3: over each head
+        self.per_head_norm = config.qk_norm == "head"
+        q_norm, k_norm = (self.head_dim, self.head_dim) if self.per_head_norm else (q_size, kv_size)
+        offset = config.arch.norm_offset
+        self.q_norm = RMSNorm(q_norm, config.rms_norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, config.rms_norm_eps, offset) if config.qk_norm else None
         self.clip_qkv = config.clip_qkv
+        self.softcap = config.attn_logit_softcapping
         self.backend = backend
         # a sliding window the model was trained with: queries read only the last `window` keys (None: all)
         self.window = config.layer_windows[layer_idx] if config.layer_windows else None
 
     def _project(self, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None, heads: int) -> torch.Tensor:
-        """x [T, hidden] -> [T, heads, D] through `proj`, then `norm` and the clamp where the model has them."""
+        """x [..., hidden] -> [..., heads, D] through `proj`, then `norm` and the clamp where the model has them."""
         y = proj(x)
-        if norm is not None:
+        if norm is not None and not self.per_head_norm:
             y = norm(y)
         if self.clip_qkv is not None:
             y = y.clamp(-self.clip_qkv, self.clip_qkv)
-        return y.view(x.shape[0], heads, self.head_dim)
+        y = y.view(*x.shape[:-1], heads, self.head_dim)
+        return y if norm is None or not self.per_head_norm else norm(y)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def layer_rope(self, rope: Rope | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) this layer rotates with: the local table in a sliding layer of a model that has one."""
+        local = getattr(rope, "local", None)
+        return local if local is not None and self.window is not None else rope
+
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed inputs x [..., hidden] -> q [..., H, D], k, v [..., Hkv, D]; q and k rotated. Both forwards (the
+        paged one here, leanlm.model.forward's over whole sequences) start from it."""
+        rope = self.layer_rope(rope)
+        q = self._project(x, self.q_proj, self.q_norm, self.num_heads)
+        k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)
+        v = self._project(x, self.v_proj, None, self.num_kv_heads)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
         q = self._project(x, self.q_proj, self.q_norm, self.num_heads)  # [T, H, D]
         k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)  # [T, Hkv, D]
         v = self._project(x, self.v_proj, None, self.num_kv_heads)
         q_sink = None if ctx.sink_rope is None else apply_rotary(q, *ctx.sink_rope)  # the re-based sinks' query
+        rope = self.layer_rope(rope)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         kv = ctx.kv_cache.layer(self.layer_idx)
-        out = self.backend.forward(q, k, v, kv, self.scale, ctx, self.window, q_sink)
+        if self.softcap is None:
+            out = self.backend.forward(q, k, v, kv, self.scale, ctx, self.window, q_sink)
+        else:
+            out = capped_attention(q, k, v, kv, self.scale, ctx, self.window, q_sink, self.softcap)
         if ctx.query_observer is not None:
             ctx.query_observer(self.layer_idx, q, kv)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
-    def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def write_kv(self, x: torch.Tensor, rope: Rope) -> None:
         """Store the K/V of normed inputs x [T, hidden] in this layer's cache at the forward context's slots,
         attending to nothing: CALM's state propagation for a token that left the network before this layer."""
         ctx = get_forward_context()
         k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)  # [T, Hkv, D]
         v = self._project(x, self.v_proj, None, self.num_kv_heads)
         kv = ctx.kv_cache.layer(self.layer_idx)
-        store_kv(kv.k_cache, kv.k_scales, apply_rotary(k, *rope), ctx.kv_write_index)
+        store_kv(kv.k_cache, kv.k_scales, apply_rotary(k, *self.layer_rope(rope)), ctx.kv_write_index)
         store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
 
 
@@ -108,14 +136,15 @@ def layer_groups(config: ModelConfig, sparse: bool) -> tuple[LinearGroup, ...]:
     """A decoder layer's linear groups. In a sparse layer each expert is its own group (each sees only the tokens
     routed to it); the norm feeds the router and every expert, so no scale folds into it (can_fold False); the
     router is no linear of any group: it stays float."""
-    # v_proj's output channels reach o_proj one-to-one only without grouped-query attention; OLMoE's k/q norms
-    # and clamps stand between the input norm and the attention, so nothing folds there either.
+    # v_proj's output channels reach o_proj one-to-one only without grouped-query attention; OLMoE's norms over all
+    # of q and k and the clamps stand between the input norm and the attention, so nothing folds there either (a
+    # per-head q/k norm acts on q_proj's outputs, not on its inputs: the input norm still folds).
     attention = (
         LinearGroup(
             "input_layernorm",
             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "self_attn",
-            can_fold=not config.qk_norm and config.clip_qkv is None,
+            can_fold=config.qk_norm != "whole" and config.clip_qkv is None,
         ),  # fmt: skip
         LinearGroup(
             "self_attn.v_proj",
@@ -123,27 +152,52 @@ def layer_groups(config: ModelConfig, sparse: bool) -> tuple[LinearGroup, ...]:
             can_fold=config.num_attention_heads == config.num_key_value_heads and config.clip_qkv is None,
         ),
     )
+    mlp_norm = mlp_norm_name(config)
     if not sparse:
-        return attention + mlp_groups("mlp", "post_attention_layernorm")
+        return attention + mlp_groups("mlp", mlp_norm)
     experts = [f"mlp.experts.{e}" for e in range(config.moe.num_experts)]
     if config.moe.shared_expert_intermediate_size:
         experts.append("mlp.shared_expert")
-    return attention + sum((mlp_groups(p, "post_attention_layernorm", can_fold=False) for p in experts), ())
+    return attention + sum((mlp_groups(p, mlp_norm, can_fold=False) for p in experts), ())
+
+
+def mlp_norm_name(config: ModelConfig) -> str:
+    """The norm whose output the MLP reads: Llama's post_attention_layernorm, or Gemma's pre_feedforward_layernorm
+    (its post_attention_layernorm normalises the attention's output)."""
+    return "pre_feedforward_layernorm" if config.arch.sandwich_norms else "post_attention_layernorm"
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with sandwich norms (Gemma) each branch's output
+    is normed too before it is added."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
         sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
         self.linear_groups = layer_groups(config, sparse)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        offset, eps, hidden = config.arch.norm_offset, config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
         self.self_attn = LlamaAttention(config, backend, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config) if sparse else LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.sandwich = config.arch.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.mlp = SparseMoeBlock(config) if sparse else LlamaMLP(hidden, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The residual stream x [..., hidden] after the attention branch's output and then the MLP branch."""
+        x = x + (self.post_attention_layernorm(attn_out) if self.sandwich else attn_out)
+        h = self.mlp_norm(x)
+        out = self.mlp(h.reshape(-1, h.shape[-1])).view_as(h)  # flat rows [N, hidden]: a sparse MLP routes rows
+        return x + (self.post_feedforward_layernorm(out) if self.sandwich else out)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.after_attention(x, self.self_attn(self.input_layernorm(x), rope))
 
 
 class LlamaModel(nn.Module):
@@ -154,9 +208,18 @@ class LlamaModel(nn.Module):
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.arch.norm_offset)
+        # Gemma: embeddings times sqrt(hidden), that factor rounded to the compute dtype as HF does
+        self.embed_scale = config.hidden_size**0.5 if config.arch.scales_embeddings else None
         # trained early exits (config.exit_layers): read by drafts and training only, never by this forward
         self.exits = build_exits(config.hidden_size, config.rms_norm_eps, config.exit_layers, config.exit_adapter_rank)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> the residual stream's first value [..., hidden]: every forward starts here."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         """Embeddings x [T, hidden] -> final-normed hidden [T, hidden]."""
@@ -185,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
         self.allow_native_decode = True  # False keeps every step on the PyTorch path (tests compare the two)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self.model.embed(input_ids)  # [T, hidden]
         ctx = get_forward_context()
         if self.allow_native_decode and ctx.is_all_decode and ctx.query_observer is None:
             hidden = self.native_decode_plan().run(x, positions, ctx)
@@ -214,7 +277,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_adapter is not None:
             hidden = self.head_adapter(hidden)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """This model cut after `num_layers` decoder layers, then the head: through the trained exit at that
@@ -305,6 +370,6 @@ def build_model(
         )
     model.load_state_dict(weights, assign=True, strict=not quantized)
     model.rotary_emb = RotaryEmbedding(
-        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        config.rope_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, config.rope_local_theta
     ).to(device)
     return model.eval().requires_grad_(False)

@@ -68,6 +68,20 @@ def _modules_read(model: nn.Module) -> list[nn.Module]:
     return modules
 
 
+def _is_plain_block(cfg) -> bool:
+    """The block the native loop computes: Llama's (pre-norms, SiLU gate, full rotary, 1/sqrt(D) scale, no q/k norm,
+    no clamp, no soft-cap, one rope base)."""
+    return (
+        cfg.arch.is_llama_block
+        and cfg.hidden_act == "silu"
+        and cfg.clip_qkv is None
+        and cfg.rotary_dim is None
+        and cfg.rope_local_theta is None
+        and cfg.attn_logit_softcapping is None
+        and cfg.query_pre_attn_scalar in (None, cfg.head_dim)
+    )
+
+
 def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | None:
     """The loop over every layer, when each piece is on a path it has: the native attention backend, bf16 norms
     and embeddings, and linears that are bf16, int8 weight-only, group-wise int2-4, W8A8 or 2:4 sparse, mixed
@@ -78,8 +92,7 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     dtype = norm.dtype  # the activations': bf16 (AVX512 loop) or float32 (AVX2 loop: dense layers, at most 8 rows)
     if (
         not len(layers)
-        or cfg.qk_norm
-        or cfg.clip_qkv is not None
+        or not _is_plain_block(cfg)
         or rotary is None
         or layers[0].self_attn.backend.name != "cpu"
         or not cpu_decode.is_available(dtype)

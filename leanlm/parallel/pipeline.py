@@ -56,7 +56,7 @@ def stage_forward(runner: ModelRunner, rank: RankContext, plan: StepPlan, x: tor
     ctx = runner.context_for(plan)
     with forward_context(ctx):
         if rank.is_first_stage:
-            x = model.model.embed_tokens(plan.input_ids)  # [T, hidden]
+            x = model.model.embed(plan.input_ids)  # [T, hidden]
         rope = model.rotary_emb(plan.positions, x.dtype)
         for layer in model.model.layers:
             x = layer(x, rope)

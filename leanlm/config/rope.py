@@ -1,0 +1,103 @@
+"""RopeScaling: how a model stretches rotary position embeddings past the context it was pretrained on: 'linear'
+(positions divided), 'llama3' (Llama 3.1's frequency-dependent division), 'longrope' (Phi-3's per-frequency factors,
+LongRoPE, Ding et al. 2024), read from config.json's rope_scaling / rope_parameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from leanlm.config.values import check_float, check_list, optional, required, to_int
+
+ROPE_TYPES = ("llama3", "linear", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str  # one of ROPE_TYPES
+    factor: float  # llama3 / linear: the division of low frequencies (positions); longrope: context / original
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # the context the model was pretrained on
+    # longrope: one divisor per frequency (D_rot / 2 of them) for positions below the original context, and past it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # longrope: cos and sin are multiplied by it; None: LongRoPE's sqrt(1 + ln(factor) / ln(original context))
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use one of {ROPE_TYPES}")
+        check_float(self.factor, "rope_scaling factor", 0.0)
+        check_float(self.low_freq_factor, "rope_scaling low_freq_factor", 0.0)
+        check_float(self.high_freq_factor, "rope_scaling high_freq_factor", 0.0)
+        to_int(self.original_max_position_embeddings, "rope_scaling original_max_position_embeddings")
+        # llama3's smoothing divides by their difference
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling high_freq_factor ({self.high_freq_factor}) must be above low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
+        if self.rope_type == "longrope":
+            if not self.short_factor or len(self.short_factor) != len(self.long_factor):
+                raise ValueError("longrope rope_scaling needs short_factor and long_factor lists of one length")
+            for f in self.short_factor + self.long_factor:
+                check_float(f, "rope_scaling short_factor / long_factor", 0.0)
+        if self.attention_factor is not None:
+            check_float(self.attention_factor, "rope_scaling attention_factor", 0.0)
+
+    @property
+    def magnitude(self) -> float:
+        """What cos and sin are multiplied by (longrope's attention factor; 1 for the others)."""
+        if self.rope_type != "longrope":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The rope_scaling object of config.json."""
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            out |= {"low_freq_factor": self.low_freq_factor, "high_freq_factor": self.high_freq_factor}
+        if self.rope_type == "longrope":
+            out |= {"short_factor": list(self.short_factor), "long_factor": list(self.long_factor)}
+            if self.attention_factor is not None:
+                out["attention_factor"] = self.attention_factor
+        return out | {"original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+def hf_rope_scaling(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
+    """config.json's rope_scaling (or rope_parameters) object; None for default rotary. `cfg` is the whole config:
+    Phi-3 keeps original_max_position_embeddings there, and its factor is the ratio of the two contexts."""
+    rope_type = raw.get("rope_type", raw.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if not isinstance(rope_type, str):
+        raise ValueError(f"rope_scaling rope_type must be a string, got {rope_type!r}")
+    rope_type = "longrope" if rope_type in ("su", "longrope") else rope_type  # Phi-3's first configs said "su"
+    original = optional(
+        raw, "original_max_position_embeddings", optional(cfg, "original_max_position_embeddings", 8192)
+    )
+    original = to_int(original, "rope_scaling original_max_position_embeddings")
+    if rope_type == "longrope":
+        context = to_int(optional(cfg, "max_position_embeddings", original), "max_position_embeddings")
+        attention = raw.get("attention_factor")
+        return RopeScaling(
+            rope_type="longrope",
+            factor=check_float(optional(raw, "factor", context / original), "rope_scaling factor", 0.0),
+            original_max_position_embeddings=original,
+            short_factor=tuple(check_list(required(raw, "short_factor", "rope_scaling"), "short_factor")),
+            long_factor=tuple(check_list(required(raw, "long_factor", "rope_scaling"), "long_factor")),
+            attention_factor=None if attention is None else check_float(attention, "attention_factor", 0.0),
+        )
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=check_float(required(raw, "factor", "rope_scaling"), "rope_scaling factor", 0.0),
+        low_freq_factor=check_float(optional(raw, "low_freq_factor", 1.0), "rope_scaling low_freq_factor", 0.0),
+        high_freq_factor=check_float(optional(raw, "high_freq_factor", 4.0), "rope_scaling high_freq_factor", 0.0),
+        original_max_position_embeddings=original,
+    )
