@@ -112,6 +112,11 @@ def expert_params(s: ModelShape) -> int:
     return (3 if s.mlp_gated else 2) * s.hidden_size * s.intermediate_size
 
 
+def qk_norm_params(s: ModelShape) -> int:
+    """One layer's q/k norm weights: over all of q and k (OLMoE), one D-wide norm each (Qwen3, Gemma 3), or none."""
+    return {"whole": s.attention_width + s.kv_width, "head": 2 * s.head_dim}.get(s.qk_norm, 0)
+
+
 def param_counts(s: ModelShape) -> ParamCounts:
     d, L = s.hidden_size, s.num_hidden_layers
     per_width = (3 if s.mlp_gated else 2) * d  # an MLP's matrices per unit of its width
@@ -135,7 +140,7 @@ def param_counts(s: ModelShape) -> ParamCounts:
         mlp_shared=shared,
         biases=L * (attention_bias + dense_bias),
         router=lm * d * (s.num_experts + (1 if s.shared_expert_gate else 0)),
-        norms=(2 * L + 1) * norm_params + (L * (s.attention_width + s.kv_width) if s.qk_norm else 0),
+        norms=(s.norms_per_layer * L + 1) * norm_params + L * qk_norm_params(s),
     )
 
 

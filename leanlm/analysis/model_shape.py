@@ -38,7 +38,10 @@ class ModelShape:
     shared_expert_gate: bool = False  # its sigmoid gate, a [1, d] vector per MoE layer
     num_moe_layers: int | None = None  # layers with experts; None: all of them (when is_moe)
     dense_intermediate_size: int = 0  # FFN width of the layers without experts (Qwen2-MoE's mlp_only_layers)
-    qk_norm: bool = False  # norms over the whole q and k projections (OLMoE): (H + Hkv) * D weights per layer
+    # q/k norms: "whole" over all of q and k (OLMoE: (H + Hkv) * D weights per layer), "head" one per head shared by
+    # the heads (Qwen3, Gemma 3: 2 * D per layer); "" none
+    qk_norm: str = ""
+    norms_per_layer: int = 2  # Gemma 2/3 norm each branch's output too: 4
     max_context: int | None = None  # tokens the model was trained to attend to (max_position_embeddings); None: unknown
 
     def __post_init__(self) -> None:
@@ -131,6 +134,7 @@ def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
         num_moe_layers=None if sparse in (None, config.num_hidden_layers) else sparse,
         dense_intermediate_size=config.intermediate_size if sparse not in (None, config.num_hidden_layers) else 0,
         qk_norm=config.qk_norm,
+        norms_per_layer=4 if config.arch.sandwich_norms else 2,
         max_context=config.max_position_embeddings,
     )
 
@@ -205,7 +209,7 @@ PRESETS: dict[str, ModelShape] = {
         head_dim=128,
         num_experts=64,
         experts_per_token=8,
-        qk_norm=True,
+        qk_norm="whole",
         max_context=4096,
     ),
     # Qwen1.5-MoE-A2.7B: 60 experts of 1408, top-4, and a gated shared expert of 5632 in all 24 layers.

@@ -301,7 +301,13 @@ class LlamaForCausalLM(nn.Module):
         count = self.config.num_hidden_layers
         if not 0 <= start < end <= count:
             raise ValueError(f"a span of layers [{start}, {end}) needs 0 <= start < end <= {count}")
-        config = dataclasses.replace(self.config, num_hidden_layers=end - start, exit_layers=(), exit_adapter_rank=0)
+        config = dataclasses.replace(
+            self.config,
+            num_hidden_layers=end - start,
+            exit_layers=(),
+            exit_adapter_rank=0,
+            layer_windows=self.config.layer_windows[start:end],
+        )
         with torch.device("meta"):
             span = LlamaForCausalLM(config)
         exit_head = self.model.exits[str(end)] if str(end) in self.model.exits and end < count else None

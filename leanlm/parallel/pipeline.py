@@ -43,7 +43,10 @@ def cut_stage(model: LlamaForCausalLM, start: int, stop: int, is_first: bool, is
         model.model.embed_tokens = None
     if not is_last:
         model.model.norm, model.lm_head = None, None
-    model.config = dataclasses.replace(model.config, num_hidden_layers=stop - start, exit_layers=())
+    windows = model.config.layer_windows[start:stop]  # the stage's layers' own (Mistral, Gemma)
+    model.config = dataclasses.replace(
+        model.config, num_hidden_layers=stop - start, exit_layers=(), layer_windows=windows
+    )
     model.disable_native_decode()  # its plan reads the layers this stage no longer holds
     return model
 

@@ -32,7 +32,7 @@ def dense_logits(model, ids: torch.Tensor) -> torch.Tensor:
     from leanlm.compress.calibration import LayerRunner
 
     runner = LayerRunner(model, ids.shape[1], ids.shape[0])
-    h = model.model.embed_tokens(ids)
+    h = model.model.embed(ids)
     for layer in model.model.layers:
         h = runner(layer, h)
     return model.compute_logits(model.model.norm(h))

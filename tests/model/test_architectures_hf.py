@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from leanlm.analysis.estimate import param_counts
+from leanlm.analysis.model_shape import load_shape
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine import LLMEngine
 from leanlm.loading import load_hf_dir, save_hf_dir
@@ -118,14 +120,14 @@ def _hf_model(case: str):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """case -> (HF model, our float32 model loaded from the directory HF wrote)."""
+    """case -> (HF model, our float32 model loaded from the directory HF wrote, that directory)."""
     out = {}
     for case in CASES:
         hf = _hf_model(case)
         path = tmp_path_factory.mktemp(case)
         hf.save_pretrained(path)
         config, state = load_hf_dir(path, dtype=torch.float32, progress=False)
-        out[case] = (hf, build_model(config, state, torch.float32))
+        out[case] = (hf, build_model(config, state, torch.float32), path)
     return out
 
 
@@ -135,7 +137,7 @@ def _prompt(n: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_logprobs_match_hf(saved, case):
-    hf, ours = saved[case]
+    hf, ours, _ = saved[case]
     ids = _prompt(20)  # past the sliding windows (6) and, for longrope, nothing past its original context
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids[None]).logits[0].double(), -1)
@@ -157,7 +159,7 @@ def _engine(model, tokenizer) -> LLMEngine:
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "gemma2", "gemma3", "phi3"])
 def test_greedy_tokens_match_hf_and_a_batch_matches_each_alone(saved, case, tokenizer):
-    hf, ours = saved[case]
+    hf, ours, _ = saved[case]
     prompts = [_prompt(n, seed).tolist() for n, seed in ((11, 3), (5, 4), (17, 5))]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     engine = _engine(ours, tokenizer)
@@ -177,7 +179,7 @@ def test_greedy_tokens_match_hf_and_a_batch_matches_each_alone(saved, case, toke
 @pytest.mark.parametrize("case", list(CASES))
 def test_saved_directory_is_hfs_own(saved, case, tmp_path):
     """What we save, HF loads as its own class with the same logits (Phi-3's projections fused again)."""
-    hf, ours = saved[case]
+    hf, ours, _ = saved[case]
     state = {
         k: v for k, v in ours.state_dict().items() if not (ours.config.tie_word_embeddings and k == "lm_head.weight")
     }
@@ -193,3 +195,10 @@ def test_saved_directory_is_hfs_own(saved, case, tmp_path):
 def test_an_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ValueError, match="supported: llama, mistral, qwen2.*gemma3_text.*phi3"):
         ModelConfig.from_hf_dict({"model_type": "falcon", "hidden_size": 8})
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_counts_hfs_parameters_from_config_json_alone(saved, case):
+    hf, _, path = saved[case]
+    shape, _ = load_shape(path)
+    assert param_counts(shape).total == sum(p.numel() for p in hf.parameters())

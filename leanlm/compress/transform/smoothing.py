@@ -18,8 +18,9 @@ def fold_scales(layer: nn.Module, producer: str, linears: tuple[str, ...], scale
     """Divide the producer's output channels by `scales` [K] and multiply the linears' input columns by it."""
     prod = layer.get_submodule(producer)
     s = scales.double()
-    if prod.weight.dim() == 1:  # a norm: its per-channel gain
-        set_tensor(prod, "weight", prod.weight.double() / s)
+    if prod.weight.dim() == 1:  # a norm: its per-channel gain, offset + weight (Gemma's offset 1)
+        offset = getattr(prod, "offset", 0.0)
+        set_tensor(prod, "weight", (offset + prod.weight.double()) / s - offset)
     else:  # a linear: its output rows (and bias)
         set_tensor(prod, "weight", prod.weight.double() / s[:, None])
         if getattr(prod, "bias", None) is not None:

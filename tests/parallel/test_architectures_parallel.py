@@ -1,0 +1,57 @@
+"""The new architectures' blocks under tensor and pipeline parallelism give the one-process engine's greedy tokens
+and logprobs (float32): Qwen3's per-head q/k norms and Gemma 3's local rope and windows with heads split unevenly
+over 2 ranks, Gemma 2's soft-capped attention and logits over 2 stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.native import save_checkpoint
+from leanlm.loading import load_hf_dir
+from leanlm.model.llama import build_model
+from tests.parallel.test_parallel_engine import _assert_same, _run
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+              head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
+CASES = {
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}, dict(tensor_parallel_size=2)),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        dict(tensor_parallel_size=2),
+    ),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        dict(pipeline_parallel_size=2),
+    ),
+}
+
+
+def _checkpoint(case: str, root, tokenizer) -> str:
+    cls, cfg_cls, extra, _ = CASES[case]
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(vocab_size=tokenizer.vocab_size, **COMMON, **extra))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(root / "hf")
+    config, state = load_hf_dir(root / "hf", dtype=torch.float32, progress=False)
+    save_checkpoint(
+        Checkpoint(build_model(config, state, torch.float32), tokenizer), root / "ours", dtype=torch.float32
+    )
+    return str(root / "ours")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_engine_equals_one_process(case, tmp_path):
+    from tests.tiny_tokenizer import tiny_tokenizer
+
+    path = _checkpoint(case, tmp_path, tiny_tokenizer())
+    _assert_same(_run(path, **CASES[case][3]), _run(path))
