@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 REAL_MODEL_FIXTURES = frozenset(
     {
         "smollm_path",
+        "gemma3_path",
         "smollm",
         "real_tokenizer",
         "hf_smollm",
@@ -103,6 +104,16 @@ def _return_memory_after_each_module():
 def smollm_path():
     """The bundled default model's GGUF file (installed by `make install`)."""
     return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """Gemma 3 270M's GGUF file (the registry's "gemma3-270m", installed by `make install`); skipped without it."""
+    from leanlm.loading.registry import BUNDLED_MODELS, is_installed
+
+    if not is_installed(BUNDLED_MODELS["gemma3-270m"]):
+        pytest.skip("gemma3-270m is not installed: `make install`, or `leanlm models pull gemma3-270m`")
+    return resolve_model("gemma3-270m")
 
 
 @pytest.fixture(scope="session")

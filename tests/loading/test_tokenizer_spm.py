@@ -7,7 +7,6 @@ HF's GGUF converter. Real-model tier: Gemma 3 270M's 262,144-token vocabulary ag
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 
@@ -269,8 +268,6 @@ def test_tiny_vocabulary_ids_match_hfs_gguf_tokenizer(tmp_path):
 # ---------------------------------------------------------------------------------------------- Gemma 3
 # The real vocabulary: 262,144 tokens, add_space_prefix False, whitespace-run and HTML user-defined tokens.
 
-GEMMA3_FILE = Path("/work/gemma_dl/gemma-3-270m-q4_k_m.gguf")  # sha256 a5fd3b62...; the registry's "gemma3-270m"
-
 GEMMA_TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "def fib(n):\n    if n < 2:\n        return n\n\n\n    return fib(n - 1) + fib(n - 2)  # two  spaces\n",
@@ -291,17 +288,8 @@ GEMMA_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_path() -> Path:
-    # LEANLM_GEMMA3_GGUF first, then the downloaded file; the registry's "gemma3-270m" will replace both
-    path = Path(os.environ.get("LEANLM_GEMMA3_GGUF", GEMMA3_FILE))
-    if not path.is_file():
-        pytest.skip(f"Gemma 3 270M GGUF not found at {path}; set LEANLM_GEMMA3_GGUF to its path")
-    return path
-
-
-@pytest.fixture(scope="module")
-def gemma_meta(gemma_path) -> GGUFTokenizerMetadata:
-    return gguf_tokenizer_metadata(open_gguf(gemma_path))
+def gemma_meta(gemma3_path) -> GGUFTokenizerMetadata:
+    return gguf_tokenizer_metadata(open_gguf(gemma3_path))
 
 
 @pytest.fixture(scope="module")
@@ -310,10 +298,10 @@ def gemma(gemma_meta) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_gemma(gemma_path):
-    """HF's GGUF converter (~30 s on 2 cores: it derives the merges in Python)."""
+def hf_gemma(gemma3_path):
+    """HF's GGUF converter (~30 s on 2 cores: it derives the merges in Python; the tests using it are `slow`)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name)
+    return transformers.AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)
 
 
 @pytest.mark.real_model
@@ -333,6 +321,7 @@ def test_gemma3_special_ids(gemma):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 @pytest.mark.parametrize("text", GEMMA_TEXTS)
 def test_gemma3_ids_match_hf(gemma, hf_gemma, text):
     ids = gemma.encode(text)
@@ -344,6 +333,7 @@ def test_gemma3_ids_match_hf(gemma, hf_gemma, text):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_gemma3_wikitext_ids_match_hf(gemma, hf_gemma):
     """The first 200 lines of WikiText-2's test split (CRLF kept), one by one and as one text."""
     from leanlm.data import wikitext2_test_path
