@@ -117,6 +117,19 @@ def qk_norm_params(s: ModelShape) -> int:
     return {"whole": s.attention_width + s.kv_width, "head": 2 * s.head_dim}.get(s.qk_norm, 0)
 
 
+def attention_params(s: ModelShape) -> int:
+    """One layer's attention matrices: q, k, v, o; under MLA the query (or its bottleneck), the latent projection,
+    its per-head expansion and o."""
+    d = s.hidden_size
+    if not s.kv_lora_rank:
+        return d * (s.attention_width + 2 * s.kv_width) + s.attention_width * d
+    heads, rank = s.num_attention_heads, s.kv_lora_rank
+    query = d * s.q_lora_rank + s.q_lora_rank * s.attention_width if s.q_lora_rank else d * s.attention_width
+    nope = s.head_dim - s.qk_rope_head_dim
+    latent = d * (rank + s.qk_rope_head_dim) + rank * heads * (nope + s.v_head_dim)
+    return query + latent + heads * s.v_head_dim * d
+
+
 def param_counts(s: ModelShape) -> ParamCounts:
     d, L = s.hidden_size, s.num_hidden_layers
     per_width = (3 if s.mlp_gated else 2) * d  # an MLP's matrices per unit of its width
@@ -134,13 +147,13 @@ def param_counts(s: ModelShape) -> ParamCounts:
         embed_tokens=s.vocab_size * d,
         position_embeddings=s.num_position_embeddings * d,
         lm_head=0 if s.tie_word_embeddings else s.vocab_size * d,
-        attention=L * (d * (s.attention_width + 2 * s.kv_width) + s.attention_width * d),
+        attention=L * attention_params(s),
         mlp=routed * s.num_experts + shared,
         mlp_active=routed * s.experts_per_token + shared,
         mlp_shared=shared,
         biases=L * (attention_bias + dense_bias),
         router=lm * d * (s.num_experts + (1 if s.shared_expert_gate else 0)),
-        norms=(s.norms_per_layer * L + 1) * norm_params + L * qk_norm_params(s),
+        norms=(s.norms_per_layer * L + 1) * norm_params + L * (qk_norm_params(s) + s.kv_lora_rank + s.q_lora_rank),
     )
 
 
@@ -181,7 +194,10 @@ def streamed_weight_bytes(s: ModelShape, fmt: NumberFormat, num_tokens: int) -> 
 
 
 def kv_bytes_per_token(s: ModelShape, fmt: NumberFormat) -> float:
-    """K and V rows of every layer: 2 * L * Hkv * D values (MQA/GQA shrink Hkv)."""
+    """K and V rows of every layer: 2 * L * Hkv * D values (MQA/GQA shrink Hkv); under MLA one latent row per layer,
+    L * (kv_lora_rank + qk_rope_head_dim) values."""
+    if s.kv_lora_rank:
+        return s.num_hidden_layers * (s.kv_lora_rank + s.qk_rope_head_dim) * fmt.bits_per_value / 8
     return 2 * s.num_hidden_layers * s.kv_width * fmt.bits_per_value / 8
 
 

@@ -42,6 +42,13 @@ class ModelShape:
     # the heads (Qwen3, Gemma 3: 2 * D per layer); "" none
     qk_norm: str = ""
     norms_per_layer: int = 2  # Gemma 2/3 norm each branch's output too: 4
+    # multi-head latent attention (DeepSeek-V2/V3): the KV latent's width (0: not MLA; the cache then holds it and
+    # qk_rope_head_dim per token and layer), the queries' bottleneck (0: none), the shared rotary key's and each
+    # head's value width; head_dim is q/k's per head
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     max_context: int | None = None  # tokens the model was trained to attend to (max_position_embeddings); None: unknown
 
     def __post_init__(self) -> None:
@@ -112,6 +119,14 @@ class ModelShape:
         return self.num_key_value_heads * self.head_dim
 
 
+def _mla_fields(config: ModelConfig) -> dict[str, int]:
+    mla = config.mla
+    if mla is None:
+        return {}
+    return {"kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank or 0,
+            "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim}  # fmt: skip
+
+
 def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
     """Our runnable models are all gated-SiLU, RMSNorm, RoPE decoders; an MoE one carries its experts."""
     moe = config.moe
@@ -135,6 +150,7 @@ def shape_from_config(config: ModelConfig, name: str = "") -> ModelShape:
         dense_intermediate_size=config.intermediate_size if sparse not in (None, config.num_hidden_layers) else 0,
         qk_norm=config.qk_norm,
         norms_per_layer=4 if config.arch.sandwich_norms else 2,
+        **_mla_fields(config),
         max_context=config.max_position_embeddings,
     )
 

@@ -114,7 +114,7 @@ class LayerRunner:
         blocks_per_seq = -(-seq_len // _BLOCK_SIZE)
         # One layer's cache, reused by each layer in turn (a PagedKVCache view per layer, see _run).
         self.kv = PagedKVCache.allocate(
-            1, batch * blocks_per_seq, cfg.num_key_value_heads, _BLOCK_SIZE, cfg.head_dim, param.dtype, param.device
+            1, batch * blocks_per_seq, cfg.cache_kv_heads, _BLOCK_SIZE, cfg.cache_head_dim, param.dtype, param.device
         ).kv  # [1, 2, N, Hkv, bs, D]
         self.block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         positions = torch.arange(seq_len, device=param.device)

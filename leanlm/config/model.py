@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from leanlm.config.mla import MLAConfig
 from leanlm.config.moe import MoEConfig, check_hf_expressible, moe_from_hf, moe_to_hf
 from leanlm.config.rope import RopeScaling, hf_rope_scaling
 from leanlm.config.values import check_bool, check_dict, check_float, check_int, check_list, optional, required, to_int
@@ -76,6 +77,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits likewise (Gemma 2)
     rope_local_theta: float | None = None  # the rope base of the sliding-window layers (Gemma 3); None: rope_theta
     rotary_dim: int | None = None  # rotary on the first rotary_dim of each head (Phi-4-mini); None: all head_dim
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3); head_dim is then q/k's per head
 
     def __post_init__(self) -> None:
         get_architecture(self.architecture)  # a ValueError listing the supported ones
@@ -159,6 +161,10 @@ class ModelConfig:
             check_int(self.rotary_dim, "ModelConfig.rotary_dim")
             if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
                 raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
+        if self.mla is not None and (
+            not isinstance(self.mla, MLAConfig) or self.mla.qk_head_dim != self.head_dim or self.rotary_dim
+        ):
+            raise ValueError(f"an MLA model's head_dim ({self.head_dim}) is qk_nope + qk_rope of its {self.mla}")
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope" and 2 * len(scaling.short_factor) != self.rope_dim:
             raise ValueError(
@@ -179,12 +185,27 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """How many of each head's dimensions rotary turns (the rest pass through)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads a paged cache block holds per layer: one latent "head" under MLA."""
+        return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Values per cache head, token and K or V slot: MLA's latent row is split over the two slots."""
+        return self.head_dim if self.mla is None else self.mla.latent_width // 2
 
     @property
     def attention_scale(self) -> float:
         """What q . k is multiplied by before the softmax."""
-        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+        scale = (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+        if self.mla is not None and self.rope_scaling is not None:  # DeepSeek's yarn temperature, squared
+            scale *= self.rope_scaling.softmax_scale
+        return scale
 
     def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
         """The shape the HF tensor `hf_name` (`model.layers.3.mlp.down_proj.weight`, ...) has in this model: [out,
@@ -206,6 +227,8 @@ class ModelConfig:
             "q_norm": (self.head_dim,) if self.qk_norm == "head" else (q_rows,),
             "k_norm": (self.head_dim,) if self.qk_norm == "head" else (kv_rows,),
         }
+        if self.mla is not None:
+            shapes |= self._mla_shapes()
         module, kind = hf_name.rsplit(".", 2)[-2:]
         if self.moe is not None:
             width = self.moe.expert_intermediate_size if ".mlp.experts." in hf_name else None
@@ -214,7 +237,25 @@ class ModelConfig:
                 shapes |= {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
             shapes |= {"gate": (self.moe.num_experts, hidden), "shared_expert_gate": (1, hidden)}
         shape = shapes.get(module, (hidden,))  # the rest are norms: [hidden]
-        return shape[:1] if kind == "bias" else shape
+        return shape[:1] if kind in ("bias", "e_score_correction_bias") else shape
+
+    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+        mla, heads, hidden = self.mla, self.num_attention_heads, self.hidden_size
+        shapes = {
+            "q_proj": (heads * mla.qk_head_dim, hidden),
+            "kv_a_proj_with_mqa": (mla.latent_width, hidden),
+            "kv_a_layernorm": (mla.kv_lora_rank,),
+            "kv_b_proj": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+            "o_proj": (hidden, heads * mla.v_head_dim),
+        }
+        if mla.q_lora_rank is not None:
+            rank = mla.q_lora_rank
+            shapes |= {
+                "q_a_proj": (rank, hidden),
+                "q_a_layernorm": (rank,),
+                "q_b_proj": (heads * mla.qk_head_dim, rank),
+            }
+        return shapes
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -16,7 +16,9 @@ from leanlm.config.values import check_bool, check_dict, check_float, check_int,
 #   softmax_renorm - those probabilities renormalised to sum to 1 over the k chosen (Mixtral; norm_topk_prob true)
 #   ones           - every chosen expert counts 1: the experts partition one dense FFN (MoEfication), so top-k = E
 #                    is the dense model exactly
-SCORINGS = ("softmax", "softmax_renorm", "ones")
+#   sigmoid        - their sigmoid scores (DeepSeek-V3 with norm_topk_prob false)
+#   sigmoid_renorm - those scores renormalised over the k chosen (DeepSeek-V3)
+SCORINGS = ("softmax", "softmax_renorm", "ones", "sigmoid", "sigmoid_renorm")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,14 @@ class MoEConfig:
     shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared expert (Qwen2-MoE); False: added as is
     sparse_layers: tuple[int, ...] | None = None  # the layers with experts; None: every layer
     router_aux_loss_coef: float = 0.0  # Switch's load-balancing loss weight, for training
+    # DeepSeek's group-limited routing: the E experts form num_groups groups, and a token picks its k experts only
+    # from its topk_groups best groups (a group's score: its best expert's (softmax), or its best two's sum (sigmoid))
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights are multiplied by it (DeepSeek)
+    # a learned per-expert bias added to the scores for choosing experts only, not to their weights (DeepSeek-V3's
+    # auxiliary-loss-free balancing): the router's e_score_correction_bias [E]
+    score_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
@@ -44,6 +54,27 @@ class MoEConfig:
             raise ValueError("MoEConfig.shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
         for i in self.sparse_layers or ():
             check_int(i, "MoEConfig.sparse_layers (layer indices)", minimum=0)
+        check_int(self.num_groups, "MoEConfig.num_groups")
+        check_int(self.topk_groups, "MoEConfig.topk_groups")
+        check_float(self.routed_scaling_factor, "MoEConfig.routed_scaling_factor", 0.0)
+        check_bool(self.score_bias, "MoEConfig.score_bias")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError(
+                f"MoEConfig: {self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} of them per "
+                "token: the groups must divide the experts, and a token cannot pick more groups than there are"
+            )
+        if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+            raise ValueError(f"MoEConfig: {self.topk_groups} groups hold fewer than top_k = {self.top_k} experts")
+
+    @property
+    def is_plain(self) -> bool:
+        """Routing the native kernels compute: softmax scores, one group, no bias, weights unscaled."""
+        return (
+            self.scoring in ("softmax", "softmax_renorm", "ones")
+            and self.num_groups == 1
+            and not self.score_bias
+            and self.routed_scaling_factor == 1.0
+        )
 
     def is_sparse(self, layer_idx: int) -> bool:
         return self.sparse_layers is None or layer_idx in self.sparse_layers
@@ -69,6 +100,8 @@ class MoEConfig:
 def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
     """The MoEConfig of a config.json whose experts `model_type` (an Architecture's `moe` kind: mixtral, qwen2_moe,
     olmoe, qwen3_moe) describes, or of a dense family's one carrying `leanlm_moe`; None for a dense model."""
+    if model_type == "deepseek":  # its architecture's read_config reads them
+        return None
     if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
         raw = cfg.get("leanlm_moe")
         return None if raw is None else MoEConfig.from_dict(raw)
@@ -109,6 +142,8 @@ def moe_from_hf(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoECon
 
 def moe_to_hf(model_type: str, moe: MoEConfig, num_layers: int) -> dict[str, Any]:
     """The config.json keys HF's own class for `model_type` reads (`leanlm_moe` for llama / qwen2 MoEs)."""
+    if model_type == "deepseek":  # its architecture's write_config writes them
+        return {}
     if model_type == "mixtral":
         return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
                 "intermediate_size": moe.expert_intermediate_size, "router_aux_loss_coef": moe.router_aux_loss_coef,

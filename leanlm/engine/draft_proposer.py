@@ -217,9 +217,9 @@ def _separate(
     cache = PagedKVCache.allocate(
         cfg.num_hidden_layers,
         target_cache.num_blocks,
-        cfg.num_key_value_heads,
+        cfg.cache_kv_heads,
         target_cache.block_size,
-        cfg.head_dim,
+        cfg.cache_head_dim,
         dtype,
         target_cache.device,
     )

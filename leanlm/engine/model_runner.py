@@ -38,7 +38,8 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     8-bit cache (int8/fp8) keeps one float32 scale per (token, KV head) and a float cache none."""
     element = torch.empty(0, dtype=dtype).element_size()
     scale = torch.empty(0, dtype=SCALE_DTYPE).element_size() if is_quantized(dtype) else 0
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * (config.head_dim * element + scale)
+    heads, head_dim = config.cache_kv_heads, config.cache_head_dim  # MLA: one latent row per token, split in two
+    return 2 * config.num_hidden_layers * block_size * heads * (head_dim * element + scale)
 
 
 def num_kv_blocks_for(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
@@ -79,9 +80,9 @@ class ModelRunner:
         self.kv_cache = PagedKVCache.allocate(
             cfg.num_hidden_layers,
             self.num_blocks,
-            cfg.num_key_value_heads,
+            cfg.cache_kv_heads,
             self.block_size,
-            cfg.head_dim,
+            cfg.cache_head_dim,
             self.kv_cache_dtype,
             device,
         )
@@ -101,7 +102,7 @@ class ModelRunner:
         swap_bytes = engine_config.swap_space_bytes
         self.host_kv_pool = HostKVPool.sized(self.own_caches(), swap_bytes) if engine_config.can_swap else None
         budget = KVBudget.of(engine_config.long_context, self.block_size)  # H2O / SnapKV scoring and compaction
-        heads = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        heads = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.cache_kv_heads, cfg.cache_head_dim)
         self.kv_evictor = KVEvictor(budget, *heads, device) if budget is not None else None
 
     def _spec_decoder(

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config import RopeScaling
+from leanlm.config.rope import yarn_inv_freq
 from leanlm.kernels import cpu_gemm, cpu_gemv, cpu_gemv_avx2, cpu_rows
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.linear.dispatch import KernelDispatch
@@ -154,6 +155,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, long
     if scaling.rope_type == "longrope":
         factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
         return (inv_freq / factors).float()
+    if scaling.rope_type == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, theta, scaling).float()
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor

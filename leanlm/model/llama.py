@@ -19,6 +19,7 @@ from leanlm.model.context import get_forward_context
 from leanlm.model.exit_head import build_exits
 from leanlm.model.kv_quant import store_kv
 from leanlm.model.layers import Linear, RMSNorm, Rope, RotaryEmbedding, apply_rotary
+from leanlm.model.mla import LatentAttention
 from leanlm.model.mlp import LlamaMLP
 from leanlm.model.moe import SparseMoeBlock
 from leanlm.model.native_decode import NativeDecodePlan
@@ -140,17 +141,21 @@ def layer_groups(config: ModelConfig, sparse: bool) -> tuple[LinearGroup, ...]:
     # of q and k and the clamps stand between the input norm and the attention, so nothing folds there either (a
     # per-head q/k norm acts on q_proj's outputs, not on its inputs: the input norm still folds).
     attention = (
-        LinearGroup(
-            "input_layernorm",
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "self_attn",
-            can_fold=config.qk_norm != "whole" and config.clip_qkv is None,
-        ),  # fmt: skip
-        LinearGroup(
-            "self_attn.v_proj",
-            ("self_attn.o_proj",),
-            can_fold=config.num_attention_heads == config.num_key_value_heads and config.clip_qkv is None,
-        ),
+        latent_groups(config)
+        if config.mla is not None
+        else (
+            LinearGroup(
+                "input_layernorm",
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn",
+                can_fold=config.qk_norm != "whole" and config.clip_qkv is None,
+            ),  # fmt: skip
+            LinearGroup(
+                "self_attn.v_proj",
+                ("self_attn.o_proj",),
+                can_fold=config.num_attention_heads == config.num_key_value_heads and config.clip_qkv is None,
+            ),
+        )
     )
     mlp_norm = mlp_norm_name(config)
     if not sparse:
@@ -159,6 +164,22 @@ def layer_groups(config: ModelConfig, sparse: bool) -> tuple[LinearGroup, ...]:
     if config.moe.shared_expert_intermediate_size:
         experts.append("mlp.shared_expert")
     return attention + sum((mlp_groups(p, mlp_norm, can_fold=False) for p in experts), ())
+
+
+def latent_groups(config: ModelConfig) -> tuple[LinearGroup, ...]:
+    """MLA's groups: the input norm feeds the query (or its bottleneck) and the latent projection; the latent's and
+    the query bottleneck's norms feed their expansions; the expanded values reach o_proj through the softmax mix of
+    every head's own rows, which no per-channel scale survives (can_fold False)."""
+    a = "self_attn."
+    q_in = a + ("q_proj" if config.mla.q_lora_rank is None else "q_a_proj")
+    groups = [
+        LinearGroup("input_layernorm", (q_in, a + "kv_a_proj_with_mqa"), "self_attn"),
+        LinearGroup(a + "kv_a_layernorm", (a + "kv_b_proj",)),
+        LinearGroup(a + "kv_b_proj", (a + "o_proj",), can_fold=False),
+    ]
+    if config.mla.q_lora_rank is not None:
+        groups.insert(1, LinearGroup(a + "q_a_layernorm", (a + "q_b_proj",)))
+    return tuple(groups)
 
 
 def mlp_norm_name(config: ModelConfig) -> str:
@@ -177,7 +198,9 @@ class LlamaDecoderLayer(nn.Module):
         self.linear_groups = layer_groups(config, sparse)
         offset, eps, hidden = config.arch.norm_offset, config.rms_norm_eps, config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps, offset)
-        self.self_attn = LlamaAttention(config, backend, layer_idx)
+        self.self_attn = (
+            LatentAttention(config, layer_idx) if config.mla is not None else LlamaAttention(config, backend, layer_idx)
+        )
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
         self.sandwich = config.arch.sandwich_norms
         if self.sandwich:

@@ -27,9 +27,11 @@ class Router(nn.Module):
     """logits [T, E] = x W^T with W [E, hidden]. Not an nn.Linear: quantizers, pruners and shards leave the router
     in float (llm-compressor and vLLM keep `mlp.gate` unquantized: it is tiny, and its argmax decides everything)."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, score_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # DeepSeek-V3: added to the scores when choosing experts, never to their weights
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if score_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype))
@@ -85,19 +87,40 @@ class ExpertLoad:
         return self.assignments_requested - sum(self._load)
 
 
-def route(logits: torch.Tensor, moe: MoEConfig, mask: torch.Tensor | None = None) -> Routing:
-    """Top-k of softmax(logits [T, E]) in float32 (as HF's routers), weighted by `moe.scoring`; `mask` [T, E] bool
-    keeps each token to its allowed experts (static task routing)."""
+def route(
+    logits: torch.Tensor, moe: MoEConfig, mask: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> Routing:
+    """Top-k of softmax(logits [T, E]) (sigmoid for DeepSeek-V3's scorings) in float32 (as HF's routers), weighted by
+    `moe.scoring`, chosen among the token's best groups where the experts are grouped, by scores plus `bias` [E]
+    where the router has one; `mask` [T, E] bool keeps each token to its allowed experts (static task routing)."""
     logits = logits.float()
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
-    if moe.scoring == "softmax_renorm":
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    sigmoid = moe.scoring.startswith("sigmoid")
+    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    choice = probs if bias is None else probs + bias.float()
+    if moe.num_groups > 1:
+        choice = _best_groups(choice, moe, best_two=sigmoid)
+    if bias is None and moe.num_groups == 1:
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+    else:  # chosen on the biased or grouped scores, weighted by the plain ones
+        experts = torch.topk(choice, moe.top_k, dim=-1).indices
+        weights = probs.gather(1, experts)
+    if moe.scoring in ("softmax_renorm", "sigmoid_renorm"):
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
     elif moe.scoring == "ones":
         weights = torch.ones_like(weights)
-    return Routing(experts, weights, probs)
+    return Routing(experts, weights * moe.routed_scaling_factor, probs)
+
+
+def _best_groups(scores: torch.Tensor, moe: MoEConfig, best_two: bool) -> torch.Tensor:
+    """scores [T, E] with the experts outside each token's topk_groups best groups masked out (DeepSeek's
+    group-limited routing: a group scores its best expert, or with `best_two` its best two's sum)."""
+    grouped = scores.view(scores.shape[0], moe.num_groups, -1)  # [T, G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1) if best_two else grouped.max(dim=-1).values  # [T, G]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, torch.topk(group_scores, moe.topk_groups, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
 
 
 def capacity_keep(
@@ -137,7 +160,7 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None
         self.moe = moe
         hidden = config.hidden_size
-        self.gate = Router(hidden, moe.num_experts)
+        self.gate = Router(hidden, moe.num_experts, moe.score_bias)
         self.experts = nn.ModuleList(LlamaMLP(hidden, moe.expert_intermediate_size) for _ in range(moe.num_experts))
         self.shared_expert = (
             LlamaMLP(hidden, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
@@ -157,10 +180,10 @@ class SparseMoeBlock(nn.Module):
         ([T, k] bool; None: every one), under the forward context's expert mask."""
         mask = current_expert_mask(x.shape[0])
         capacity = self.policy.capacity(x.shape[0], self.moe.top_k, self.moe.num_experts)
-        if mask is None and capacity is None and self.native_routing(x):
+        if mask is None and capacity is None and self.moe.is_plain and self.native_routing(x):
             # bf16 CPU rows: the native decode loop's routing, so a step's bits do not depend on which path ran it
             return (*cpu_rows.moe_route(x, self.gate.weight, self.moe.top_k, self.moe.scoring), None)
-        routing = route(self.gate(x), self.moe, mask)
+        routing = route(self.gate(x), self.moe, mask, getattr(self.gate, "e_score_correction_bias", None))
         self.last_routing = routing if torch.is_grad_enabled() else None
         if capacity is None:
             return routing.experts, routing.weights, None

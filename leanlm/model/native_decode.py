@@ -79,6 +79,7 @@ def _is_plain_block(cfg) -> bool:
         and cfg.rope_local_theta is None
         and cfg.attn_logit_softcapping is None
         and cfg.query_pre_attn_scalar in (None, cfg.head_dim)
+        and cfg.mla is None
     )
 
 
@@ -148,7 +149,7 @@ def _native_mlp(mlp: nn.Module, packed: bool) -> tuple | None:
 def _native_moe(block: SparseMoeBlock, packed: bool) -> cpu_decode.NativeMoE | None:
     """The block as the loop runs it; None where it cannot: a gated shared expert, or an expert off the kernels. The
     loop counts its routing into the block's own counters."""
-    if block.shared_expert_gate is not None or not isinstance(block.gate, Router):
+    if block.shared_expert_gate is not None or not isinstance(block.gate, Router) or not block.moe.is_plain:
         return None
     experts = tuple(_native_mlp(e, packed) for e in block.experts)
     shared = None if block.shared_expert is None else _native_mlp(block.shared_expert, packed)

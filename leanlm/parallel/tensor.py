@@ -161,6 +161,11 @@ def shard_model(model: LlamaForCausalLM, tp: TensorGroup, expert_parallel: bool 
     if tp.size == 1:
         return model
     config = model.config
+    if config.mla is not None:
+        raise ValueError(
+            "tensor parallelism does not split multi-head latent attention (DeepSeek) yet: serve it with "
+            "tensor_parallel_size 1 (pipeline_parallel_size splits its layers instead)"
+        )
     if config.qk_norm == "whole":  # per-head norms (Qwen3, Gemma 3) are the same on every head: they shard as is
         raise ValueError(
             "OLMoE's q/k norms run over every head at once, which a tensor shard holds only part of: serve it with "

@@ -30,6 +30,11 @@ _LONGROPE = dict(
     long_factor=[2.0 + 0.5 * i for i in range(8)],
     original_max_position_embeddings=64,
 )
+# MLA with a latent of 32 (+ a shared rotary key of 8) for 4 heads of q/k 16 + 8 and v 16; 8 experts of 32 after a
+# dense first layer, 2 per token, and a shared expert
+_DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                 moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, tie_word_embeddings=False)  # fmt: skip
 # case -> (HF class, HF config class, config kwargs)
 CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
@@ -96,6 +101,42 @@ CASES = {
             tie_word_embeddings=False,
         ),
     ),  # fmt: skip
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(_DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    ),
+    "deepseek_v3-yarn": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
+            _DEEPSEEK,
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            rope_interleave=False,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=64,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+                rope_theta=10000.0,
+            ),
+        ),
+    ),  # fmt: skip
+    "deepseek_v2": (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        dict(
+            _DEEPSEEK,
+            q_lora_rank=40,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        ),
+    ),  # fmt: skip
     "phi3-partial-rotary": (
         "Phi3ForCausalLM",
         "Phi3Config",
@@ -115,6 +156,9 @@ def _hf_model(case: str):
     with torch.no_grad():  # every weight off its init (norms at 0 or 1 would hide a missing +1 or a skipped norm)
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.2)
+        for name, b in hf.named_buffers():  # DeepSeek-V3's routing bias
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return hf
 
 
@@ -157,7 +201,7 @@ def _engine(model, tokenizer) -> LLMEngine:
     return LLMEngine(model, tokenizer, config, torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "gemma2", "gemma3", "phi3", "deepseek_v3", "deepseek_v2"])
 def test_greedy_tokens_match_hf_and_a_batch_matches_each_alone(saved, case, tokenizer):
     hf, ours, _ = saved[case]
     prompts = [_prompt(n, seed).tolist() for n, seed in ((11, 3), (5, 4), (17, 5))]

@@ -43,7 +43,7 @@ def _hf_pair(arch: str, tie: bool, rope_scaling: dict | None = None):
 def _paged_logits(model, ids: torch.Tensor, chunks: list[int], block_ids: list[int], block_size: int = 4):
     cfg = model.config
     cache = PagedKVCache.allocate(
-        cfg.num_hidden_layers, 16, cfg.num_key_value_heads, block_size, cfg.head_dim, torch.float64, "cpu"
+        cfg.num_hidden_layers, 16, cfg.cache_kv_heads, block_size, cfg.cache_head_dim, torch.float64, "cpu"
     )
     done, outs = 0, []
     for n in chunks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from leanlm.model.architectures.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from leanlm.model.architectures.gemma import GEMMA2, GEMMA3
 from leanlm.model.architectures.llama import LLAMA, MISTRAL
 from leanlm.model.architectures.mixtral import MIXTRAL
@@ -13,7 +14,21 @@ from leanlm.model.architectures.spec import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.model_type: arch
-    for arch in (LLAMA, MISTRAL, QWEN2, MIXTRAL, QWEN2_MOE, OLMOE, QWEN3, QWEN3_MOE, GEMMA2, GEMMA3, PHI3)
+    for arch in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        MIXTRAL,
+        QWEN2_MOE,
+        OLMOE,
+        QWEN3,
+        QWEN3_MOE,
+        GEMMA2,
+        GEMMA3,
+        PHI3,
+        DEEPSEEK_V2,
+        DEEPSEEK_V3,
+    )
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

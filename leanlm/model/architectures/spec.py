@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 QK_NORMS = ("", "whole", "head")  # none; one RMSNorm over every head's q (k) at once (OLMoE); one per head (Qwen3)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activation
-MOE_KINDS = ("", "mixtral", "qwen2_moe", "olmoe", "qwen3_moe")  # how config.json spells the experts ("": dense)
+# how config.json spells the experts: "" dense (or a leanlm_moe block); "deepseek": the architecture's read_config
+MOE_KINDS = ("", "mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek")
 
 # state dict (file names) -> state dict (model names), or back; config gives the shapes to split by
 Field = Callable[[str], Any]  # GGUF metadata key -> value, or None when absent
