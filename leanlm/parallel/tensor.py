@@ -16,6 +16,7 @@ from torch import nn
 from leanlm.model.layers import Linear
 from leanlm.model.linear.shard import COLUMN, ROW, part
 from leanlm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from leanlm.model.mla import LatentAttention
 from leanlm.model.moe import SparseMoeBlock
 from leanlm.parallel.heads import HeadShard, split_heads
 
@@ -130,6 +131,22 @@ def shard_attention(attn: LlamaAttention, heads: list[HeadShard], tp: TensorGrou
     attn.num_heads, attn.num_kv_heads = mine.num_heads, mine.num_kv_heads
 
 
+def shard_latent_attention(attn: LatentAttention, heads: list[HeadShard], tp: TensorGroup) -> None:
+    """MLA cut to rank tp.rank's heads: the query's and kv_b_proj's per-head rows, o_proj's per-head columns. The
+    latent (kv_a_proj_with_mqa, its norm, the query bottleneck) is every head's: each rank keeps it whole and caches
+    the same latent rows."""
+    mine = heads[tp.rank]
+    q_sizes = tuple(h.num_heads * attn.head_dim for h in heads)
+    name = "q_proj" if hasattr(attn, "q_proj") else "q_b_proj"
+    setattr(attn, name, own_shard(getattr(attn, name).shard(COLUMN, tp.rank, tp.size, q_sizes)))
+    kv_sizes = tuple(h.num_heads * (attn.nope + attn.v_dim) for h in heads)
+    attn.kv_b_proj = own_shard(attn.kv_b_proj.shard(COLUMN, tp.rank, tp.size, kv_sizes))
+    o_sizes = tuple(h.num_heads * attn.v_dim for h in heads)
+    hidden = attn.o_proj.out_features
+    attn.o_proj = RowParallelLinear(own_shard(attn.o_proj.shard(ROW, tp.rank, tp.size, o_sizes)), tp, hidden)
+    attn.num_heads = attn.num_kv_heads = mine.num_heads
+
+
 def shard_mlp(mlp: LlamaMLP, tp: TensorGroup) -> None:
     """gate/up column-parallel, down row-parallel: the FFN's intermediate features split evenly."""
     hidden = mlp.down_proj.out_features
@@ -161,11 +178,6 @@ def shard_model(model: LlamaForCausalLM, tp: TensorGroup, expert_parallel: bool 
     if tp.size == 1:
         return model
     config = model.config
-    if config.mla is not None:
-        raise ValueError(
-            "tensor parallelism does not split multi-head latent attention (DeepSeek) yet: serve it with "
-            "tensor_parallel_size 1 (pipeline_parallel_size splits its layers instead)"
-        )
     if config.qk_norm == "whole":  # per-head norms (Qwen3, Gemma 3) are the same on every head: they shard as is
         raise ValueError(
             "OLMoE's q/k norms run over every head at once, which a tensor shard holds only part of: serve it with "
@@ -173,7 +185,10 @@ def shard_model(model: LlamaForCausalLM, tp: TensorGroup, expert_parallel: bool 
         )
     heads = split_heads(config.num_attention_heads, config.num_key_value_heads, tp.size)
     for layer in model.model.layers:
-        shard_attention(layer.self_attn, heads, tp)
+        if isinstance(layer.self_attn, LatentAttention):
+            shard_latent_attention(layer.self_attn, heads, tp)
+        else:
+            shard_attention(layer.self_attn, heads, tp)
         if isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp = shard_moe(layer.mlp, tp, expert_parallel)
         else:
