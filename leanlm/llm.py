@@ -78,7 +78,7 @@ class LLM:
             self.engine_config = dataclasses.replace(self.engine_config, act_quant="none")
         self.device = resolve_device(device)
         self.parallel = None  # the ParallelDriver of a tensor/pipeline-parallel engine (leanlm.parallel)
-        options = dict(attention_backend=attention_backend, progress=progress, gguf_codes=not dequantize_gguf)
+        options = dict(attention_backend=attention_backend, progress=progress, dequantize_gguf=dequantize_gguf)
         if self.engine_config.world_size > 1:
             self._start_parallel(model, dtype, options)
             return

@@ -39,8 +39,9 @@ class Case:
     engine_options: dict = field(default_factory=dict)
     # greedy: positions whose recorded margin is below this are near ties; the comparison stops there
     tie_margin: float = 1e-3
-    # run the GGUF's Q4_1 linears on their codes; the other cases use the file dequantized (recorded so)
-    gguf_codes: bool = False
+    # as LLM(dequantize_gguf=...): False runs the GGUF's Q4_1 linears on their codes; the other cases use the file
+    # dequantized (recorded so). The case names ("bf16_gguf_codes") are the keys of golden_outputs.json: kept
+    dequantize_gguf: bool = True
 
 
 CASES = (
@@ -60,8 +61,10 @@ CASES = (
     Case("fp32_beam3", "float32", kind="beam", max_tokens=12),
     # Without the int4 kernels (another CPU) the codes run as bf16-rounded weights, not exact codes arithmetic:
     # logits move by a few bf16 steps (0.125 near 20), so ties are wider than for the dense bf16 cases.
-    Case("bf16_gguf_codes", "bfloat16", tie_margin=0.5, gguf_codes=True),
-    Case("bf16_gguf_codes_batched", "bfloat16", prompts=PROMPTS + SHARED_PROMPTS, tie_margin=0.5, gguf_codes=True),
+    Case("bf16_gguf_codes", "bfloat16", tie_margin=0.5, dequantize_gguf=False),
+    Case(
+        "bf16_gguf_codes_batched", "bfloat16", prompts=PROMPTS + SHARED_PROMPTS, tie_margin=0.5, dequantize_gguf=False
+    ),
 )
 
 
@@ -73,7 +76,7 @@ def run_case(case: Case) -> list[dict]:
         dtype=case.dtype,
         progress=False,
         num_kv_blocks=256,
-        dequantize_gguf=not case.gguf_codes,
+        dequantize_gguf=case.dequantize_gguf,
         act_quant="none",  # recorded on 16-bit activations (int8 ones became the default later, issue 38)
         **case.engine_options,
     )

@@ -4,7 +4,7 @@ for every other bad input; before, pyo3's PanicException (a BaseException) passe
 from __future__ import annotations
 
 from leanlm import cli
-from leanlm.loading.safetensors import save_hf_dir
+from leanlm.formats.hf_dir import save_hf_dir
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.loading.test_tokenizer import RUNTIME_PANIC_PATTERN, RUNTIME_PANIC_TEXT, panicking_tokenizer_json
 from tests.tiny_tokenizer import tiny_tokenizer

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.real_model  # the bundled model throughout
 @pytest.fixture(scope="module")
 def llm():
     # float weights dequantized at load: the numbers of the GGUF codes path (the same dequantization, once), at
-    # float32 GEMV speed rather than a dequantization per product (tests/loading/test_gguf_codes.py runs codes)
+    # float32 GEMV speed rather than a dequantization per product (tests/formats/gguf/test_codes.py runs codes)
     return LLM(dtype="float32", progress=False, max_num_seqs=16, dequantize_gguf=True)
 
 

@@ -253,10 +253,11 @@ def load_shape(name_or_path: str | Path) -> tuple[ModelShape, str]:
     Only metadata is read, never the weights."""
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)], "preset"
+    from leanlm.formats.gguf import open_gguf
+    from leanlm.formats.gguf.config import gguf_model_config
+    from leanlm.formats.hf_dir import read_hf_config
     from leanlm.formats.inspect import inspect
     from leanlm.loading.errors import ModelLoadError
-    from leanlm.loading.gguf import gguf_model_config, open_gguf
-    from leanlm.loading.safetensors import read_hf_config
 
     try:
         source = inspect(name_or_path)

@@ -1,5 +1,5 @@
 """ModelConfig: the shape and hyper-parameters of one decoder, whose architecture (leanlm.model.architectures) says
-what its block is; built from an HF `config.json` dict or from GGUF metadata (`leanlm.loading.gguf`); the dtype
+what its block is; built from an HF `config.json` dict or from GGUF metadata (`leanlm.formats.gguf.config`); the dtype
 names."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Checkpoint formats, one module each, read and written together: native.py (LeanLM's own: safetensors +
-quantization_config.json), gptq.py, compressed_tensors.py, gguf.py (read only). A Checkpoint carries the model,
-its tokenizer and recipe; `load_checkpoint` (loader.py) is the one loader, dispatching on saved metadata."""
+"""Checkpoint formats, one unit each, read and written together: native.py (LeanLM's own: safetensors +
+quantization_config.json), gptq.py, compressed_tensors.py, hf_dir.py (plain HF directories), gguf/ (read only). A
+Checkpoint carries the model, its tokenizer and recipe; `load_checkpoint` (loader.py) is the one loader, dispatching
+on saved metadata."""
 
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint

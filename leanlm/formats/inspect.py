@@ -9,10 +9,10 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
+from leanlm.formats.gguf import is_gguf_file
+from leanlm.formats.hf_dir import is_hf_dir
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import is_gguf_file
 from leanlm.loading.registry import resolve_model
-from leanlm.loading.safetensors import is_hf_dir
 
 
 class ModelFormat(enum.Enum):

@@ -24,18 +24,18 @@ def load_checkpoint(
     *,
     attention_backend: str = "auto",
     progress: bool = True,
-    gguf_codes: bool = False,
+    dequantize_gguf: bool = True,
     adapt: Callable[[StoredCheckpoint], StoredCheckpoint] | None = None,
 ) -> Checkpoint:
     """A bundled name, GGUF file or (quantized) HF directory as a Checkpoint: the network in `dtype` ("auto":
     what runs fastest on `device`) on `device`, its tokenizer and recipe.
 
-    gguf_codes: keep a GGUF file's block-quantized linears as codes (how the engine runs it) instead of
-    dequantizing them; compression starts from floats. adapt: maps the stored parts before the network is built
-    (its layers and tensors; the config must stay what they fit)."""
+    dequantize_gguf: dequantize a GGUF file's block-quantized linears to float (compression starts from floats);
+    False keeps them as codes, which is how the engine (LLM) runs it. adapt: maps the stored parts before the
+    network is built (its layers and tensors; the config must stay what they fit)."""
     require_model_path(name_or_path, "load_checkpoint")
     device = resolve_device(device)
-    stored = read_checkpoint(name_or_path, progress=progress, gguf_codes=gguf_codes)
+    stored = read_checkpoint(name_or_path, progress=progress, dequantize_gguf=dequantize_gguf)
     if adapt is not None:
         stored = adapt(stored)
     dtype = resolve_dtype(dtype, device, stored.config)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from leanlm.formats.checkpoint import Checkpoint
-from leanlm.loading.safetensors import save_hf_dir
+from leanlm.formats.hf_dir import save_hf_dir
 
 
 def float_tensors(model: nn.Module, skip: Collection[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:

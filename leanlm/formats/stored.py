@@ -16,14 +16,14 @@ from torch import nn
 
 from leanlm.config import ModelConfig
 from leanlm.formats.compressed_tensors import compressed_tensors_layers, read_compressed_tensors_config
-from leanlm.formats.gguf import read_gguf
+from leanlm.formats.gguf import open_gguf, read_gguf
+from leanlm.formats.gguf.tokenizer import gguf_tokenizer_metadata
 from leanlm.formats.gptq import gptq_layers, read_gptq_config
+from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.formats.inspect import ModelFormat, inspect
 from leanlm.formats.native import quantized_layers, read_quantization_config
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import gguf_tokenizer_metadata, open_gguf
 from leanlm.loading.registry import resolve_model
-from leanlm.loading.safetensors import load_hf_dir
 from leanlm.loading.shapes import check_checkpoint_shapes
 from leanlm.loading.tokenizer import Tokenizer
 
@@ -43,17 +43,17 @@ class StoredCheckpoint:
 
 
 def read_checkpoint(
-    name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, gguf_codes: bool = False
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, dequantize_gguf: bool = True
 ) -> StoredCheckpoint:
     """Resolve a bundled name or path and read it; every failure is a ModelLoadError saying what to do.
 
-    A GGUF file is dequantized to float unless `gguf_codes`: then its Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 linears
+    A GGUF file is dequantized to float when `dequantize_gguf`; otherwise its Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 linears
     (and a tied head in such a format) stay codes in runtime layers (`quantized`), which is how the engine
     runs it. Compression starts from floats.
     """
     source = inspect(name_or_path)
     if source.format is ModelFormat.GGUF:
-        config, state_dict, quantized, tokenizer = read_gguf(source.path, dtype, progress, gguf_codes)
+        config, state_dict, quantized, tokenizer = read_gguf(source.path, dtype, progress, dequantize_gguf)
         return StoredCheckpoint(config, state_dict, tokenizer, source.path, quantized)
     return _read_hf_dir(source.path, source.format, dtype, progress)
 

@@ -38,7 +38,7 @@ def start_driver(
         device,
         engine_config,
         attention_backend=options["attention_backend"],
-        gguf_codes=options["gguf_codes"],
+        dequantize_gguf=options["dequantize_gguf"],
         init_method=init_method,
         secret=secret,
     )

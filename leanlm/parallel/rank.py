@@ -37,7 +37,7 @@ class RankSpec:
     dtype: str  # as LLM(dtype=...) takes it ("auto", "float32", ...)
     device: str  # "cpu" or "cuda" (rank r drives cuda:r)
     attention_backend: str
-    gguf_codes: bool  # run a GGUF's quantized linears on their codes (LLM's dequantize_gguf=False)
+    dequantize_gguf: bool  # as LLM(dequantize_gguf=...): a GGUF's quantized linears as floats, not on their codes
     engine: dict[str, Any]  # EngineConfig's fields but the typed ones
     init_method: str  # tcp://127.0.0.1:port (the driver's store), or env:// under torchrun
     # the world's shared secret (hex; None under torchrun): it reaches the workers in their environment, which only
@@ -169,7 +169,7 @@ def build_rank(
     if store is not None:  # under torchrun (env://) its rendezvous waits for the ranks
         wait_for_ranks(store, rank_idx, layout.world_size, "joined", spec.secret, check_peers)
     rank = init_rank(rank_idx, layout, torch.device(spec.device), timeout_s, store, spec.secret)
-    options = dict(attention_backend=spec.attention_backend, progress=progress, gguf_codes=spec.gguf_codes)
+    options = dict(attention_backend=spec.attention_backend, progress=progress, dequantize_gguf=spec.dequantize_gguf)
     checkpoint = load_checkpoint(spec.model, spec.dtype, rank.device, **options)
     if rank.store is not None:
         wait_for_ranks(rank.store, rank_idx, layout.world_size, "loaded", spec.secret, check_peers)

@@ -243,7 +243,8 @@ def test_shape_validation_says_what_to_do():
 
 def test_kv_estimate_matches_what_the_engine_allocates(smollm_shape):
     from leanlm.engine.model_runner import ModelRunner
-    from leanlm.loading.gguf import gguf_model_config, open_gguf
+    from leanlm.formats.gguf import open_gguf
+    from leanlm.formats.gguf.config import gguf_model_config
     from leanlm.loading.registry import resolve_model
     from leanlm.model.llama import LlamaForCausalLM
 

@@ -69,7 +69,7 @@ def test_mixtral_config_dir_agrees_with_the_preset(tmp_path):
 
 
 def test_moe_gguf_file_gives_its_shape(tmp_path):
-    from tests.loading.moe_gguf import write_moe_gguf
+    from tests.formats.gguf.moe_gguf import write_moe_gguf
     from tests.model.test_moe_hf import hf_model
 
     hf = hf_model("qwen2_moe")

@@ -9,7 +9,8 @@ import pytest
 
 from leanlm.analysis.load_generator import LoadConfig, run_load_sync
 from leanlm.analysis.peers import LlamaServer, LlamaServerConfig, PeerUnavailable, find_llama_server
-from leanlm.loading.gguf import gguf_model_config, open_gguf
+from leanlm.formats.gguf import open_gguf
+from leanlm.formats.gguf.config import gguf_model_config
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from leanlm.compress import (
     WandaConfig,
     compress,
 )
-from leanlm.loading import load_hf_dir
+from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.numerics import sqnr_db
 from tests.compress.conftest import dense_logits

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
+from leanlm.formats.gguf import load_gguf
+from leanlm.formats.hf_dir import save_hf_dir
 from leanlm.formats.stored import StoredCheckpoint, read_checkpoint
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import load_gguf
-from leanlm.loading.safetensors import save_hf_dir
 
 
 def test_default_model(smollm, smollm_dir):

@@ -12,16 +12,16 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from leanlm.compress import RTNConfig, compress
+from leanlm.formats.gguf.codes import runtime_linear
 from leanlm.kernels import cpu_a8, cpu_decode, cpu_kquant_avx2
-from leanlm.loading.gguf_codes import runtime_linear
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.numerics import pack_int4
 from tests.conftest import tiny_state_dict
+from tests.formats.gguf.test_codes import _random_blocks
 from tests.kernels.test_cpu_decode import _cache, _config, _decode
-from tests.loading.test_gguf_codes import _random_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_kquant_avx2.is_available(), reason="the K-quant GEMVs need AVX2")
 

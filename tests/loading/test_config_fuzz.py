@@ -19,9 +19,9 @@ import torch
 from gguf import GGUFValueType as V
 
 from leanlm.config.moe import MoEConfig
+from leanlm.formats.hf_dir import save_hf_dir
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.safetensors import save_hf_dir
 from tests.conftest import tiny_config, tiny_state_dict
 from tests.loading.conftest import bounded, write_tiny_gguf
 from tests.tiny_tokenizer import tiny_tokenizer

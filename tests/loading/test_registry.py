@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from leanlm.formats.gguf import load_gguf
 from leanlm.loading import registry
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import load_gguf
 from leanlm.loading.registry import (
     BUNDLED_MODELS,
     DEFAULT_MODEL,

@@ -9,11 +9,11 @@ import struct
 import numpy as np
 import pytest
 
+from leanlm.formats.hf_dir import load_hf_dir, save_hf_dir
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.safetensors import load_hf_dir, save_hf_dir
 from leanlm.loading.safetensors_header import check_safetensors_header
+from tests.formats.test_hf_dir import random_state_dict, tiny_config
 from tests.loading.conftest import bounded
-from tests.loading.test_safetensors import random_state_dict, tiny_config
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ from leanlm.compress import GPTQConfig, MagnitudeConfig, RTNConfig, compress
 from leanlm.formats import save_checkpoint, save_gptq_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.compressed_tensors import save_compressed_tensors_checkpoint
+from leanlm.formats.hf_dir import save_hf_dir
 from leanlm.formats.stored import read_checkpoint
 from leanlm.kernels import cpu_decode
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.safetensors import save_hf_dir
 from leanlm.model.layers import Linear
 from leanlm.model.llama import build_model
 from tests.conftest import tiny_config, tiny_state_dict

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from leanlm.formats.gguf import load_gguf
+from leanlm.loading import gguf_tokenizer
 from leanlm.loading import tokenizer as tokenizer_module
 from leanlm.loading.chat_template import ChatTemplateError
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import load_gguf
 from leanlm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
@@ -219,7 +220,7 @@ def test_qwen2_split_regex_is_hfs(tiny_gguf):
     pytest.importorskip("transformers")
     from transformers.models.qwen2 import tokenization_qwen2
 
-    assert tokenizer_module._QWEN2_SPLIT == tokenization_qwen2.PRETOKENIZE_REGEX
+    assert gguf_tokenizer._QWEN2_SPLIT == tokenization_qwen2.PRETOKENIZE_REGEX
     _, _, meta = load_gguf(tiny_gguf("qwen2", True)[0], progress=False)
     tok = Tokenizer.from_gguf_metadata(meta)
     assert meta.pre == "qwen2"
@@ -291,7 +292,8 @@ def test_a_tokenizer_that_panics_on_a_probe_is_refused_at_load(tmp_path):
 
 def test_the_real_tokenizer_passes_the_load_probes(smollm_dir, tmp_path):
     """The probes refuse no sound tokenizer: SmolLM2's, saved as a tokenizer.json, loads and round-trips them."""
-    from leanlm.loading.gguf import gguf_tokenizer_metadata, open_gguf
+    from leanlm.formats.gguf import open_gguf
+    from leanlm.formats.gguf.tokenizer import gguf_tokenizer_metadata
 
     gguf_file = smollm_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
     Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(gguf_file))).save(tmp_path)

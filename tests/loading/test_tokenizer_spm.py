@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from leanlm.formats.gguf import open_gguf
+from leanlm.formats.gguf.tokenizer import gguf_tokenizer_metadata
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import GGUFTokenizerMetadata, gguf_tokenizer_metadata, open_gguf
-from leanlm.loading.tokenizer import Tokenizer, build_gguf_tokenizer
+from leanlm.loading.gguf_tokenizer import GGUFTokenizerMetadata, build_gguf_tokenizer
+from leanlm.loading.tokenizer import Tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp token types
 SPACE = "\u2581"

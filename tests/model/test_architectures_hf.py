@@ -12,7 +12,7 @@ from leanlm.analysis.estimate import param_counts
 from leanlm.analysis.model_shape import load_shape
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.engine import LLMEngine
-from leanlm.loading import load_hf_dir, save_hf_dir
+from leanlm.formats.hf_dir import load_hf_dir, save_hf_dir
 from leanlm.model.architectures import SUPPORTED_ARCHITECTURES
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams

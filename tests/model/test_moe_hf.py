@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from leanlm.config import ModelConfig
-from leanlm.loading import load_hf_dir, save_hf_dir
-from leanlm.loading.moe_names import to_model_names
+from leanlm.formats.hf_dir import load_hf_dir, save_hf_dir
+from leanlm.formats.moe_names import to_model_names
 from leanlm.model.llama import build_model
 from tests.model.test_llama import _paged_logits
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.formats.native import save_checkpoint
-from leanlm.loading import load_hf_dir
 from leanlm.model.llama import build_model
 from tests.parallel.test_parallel_engine import _assert_same, _run
 

@@ -51,7 +51,7 @@ def test_a_2_4_sparse_smollm2_checkpoint_under_tp2_equals_one_process(tmp_path):
     from leanlm.formats.loader import load_checkpoint
     from leanlm.formats.native import save_checkpoint
 
-    checkpoint = load_checkpoint(MODEL, "float32", progress=False, gguf_codes=False)
+    checkpoint = load_checkpoint(MODEL, "float32", progress=False, dequantize_gguf=True)
     compress(checkpoint.model, [MagnitudeConfig(pattern="2:4")], progress=False)
     save_checkpoint(checkpoint, tmp_path, dtype=torch.float32)
     assert '"sparse24"' in (tmp_path / "quantization_config.json").read_text()

@@ -1,6 +1,6 @@
 """Mixtral: Llama's block with a sparse MLP of renormalised top-k experts; its files name experts
-`block_sparse_moe.experts.{e}.w1|w3|w2` (leanlm.loading.moe_names maps them). llama.cpp writes it as a llama file
-with `llama.expert_count` (leanlm.loading.gguf_moe)."""
+`block_sparse_moe.experts.{e}.w1|w3|w2` (leanlm.formats.moe_names maps them). llama.cpp writes it as a llama file
+with `llama.expert_count` (leanlm.formats.gguf.moe)."""
 
 from leanlm.model.architectures.spec import Architecture
 

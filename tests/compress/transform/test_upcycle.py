@@ -14,8 +14,8 @@ from leanlm.compress import RTNConfig, UpcycleConfig, compress
 from leanlm.compress.transform.upcycle import upcycled_block
 from leanlm.formats import save_checkpoint
 from leanlm.formats.checkpoint import Checkpoint
+from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.llm import LLM, load_model
-from leanlm.loading import load_hf_dir
 from leanlm.model.llama import build_model
 from leanlm.model.moe import SparseMoeBlock
 from leanlm.sampling_params import SamplingParams

@@ -1,26 +1,7 @@
-"""GGUF's block formats kept as codes, so a llama.cpp file runs at its own bits with no `quantize` step:
-  - 4-bit Q4_0, Q4_1 and Q4_K linears become IntGroupWeightOnlyLinear layers (4-bit codes in groups of 32,
-    w = q * scale + min) that the int4 kernels compute on;
-  - 8-bit Q8_0, 5-bit Q5_0 and 6-bit Q6_K linears become group-wise Int8WeightOnlyLinear layers (signed int8
-    codes in groups of 32, 16 for Q6_K; w = q * scale) that the int8 kernels compute on (Q5_0 and Q6_K then
-    read 8 bits a weight, not 5.5 or 6.6: still half of bf16).
-
-Each group's scale and min are products of an fp16 and a small integer, exact in float32, so the layer's
-dequantized weight equals `gguf.quants.dequantize` bit for bit (tests/loading/test_gguf_codes.py).
-Block layouts (llama.cpp ggml-common.h), per 32 weights unless said:
-  Q4_0: d fp16, 16 bytes of nibbles; w = d * (q - 8).
-  Q4_1: d fp16, m fp16, 16 bytes; w = d * q + m.
-  Q4_K: per 256 weights d fp16, dmin fp16, 12 bytes of 6-bit (scale, min) pairs for 8 groups, 128 bytes;
-        w = d * sc_j * q - dmin * m_j.
-  Q8_0: d fp16, 32 int8; w = d * q.
-  Q5_0: d fp16, 4 bytes qh (bit e: the fifth bit of element e), 16 bytes of nibbles; w = d * (q - 16).
-  Q6_K: per 256 weights 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales (one per 16
-        weights), d fp16; w = d * sc_j * (q - 32). Per half of 128 weights, ql byte l holds elements l and
-        l + 64 (low, high nibble) and byte l + 32 elements l + 32 and l + 96; qh byte l holds the high bits
-        of elements l, l + 32, l + 64, l + 96 at bits 0, 2, 4, 6.
-In the nibble formats a 32-byte (or 16-byte) run holds elements i (low nibble) and i + 32 (or + 16) (high).
-Other types (Q5_1, Q5_K, Q2_K, Q3_K, floats) are dequantized as before.
-"""
+"""GGUF's block formats kept as codes, so a llama.cpp file runs at its own bits with no `quantize` step: Q4_0, Q4_1
+and Q4_K linears become IntGroupWeightOnlyLinear layers, Q8_0, Q5_0 and Q6_K group-wise Int8WeightOnlyLinear ones,
+each dequantizing to `gguf.quants.dequantize`'s weight bit for bit (tests/formats/gguf/test_codes.py). Other types
+(Q5_1, Q5_K, Q2_K, Q3_K, floats) are dequantized by tensors.py."""
 
 from __future__ import annotations
 
@@ -30,6 +11,28 @@ from gguf import GGMLQuantizationType
 
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
+
+# The runtime layers:
+#   - 4-bit Q4_0, Q4_1 and Q4_K linears become IntGroupWeightOnlyLinear layers (4-bit codes in groups of 32,
+#     w = q * scale + min) that the int4 kernels compute on;
+#   - 8-bit Q8_0, 5-bit Q5_0 and 6-bit Q6_K linears become group-wise Int8WeightOnlyLinear layers (signed int8
+#     codes in groups of 32, 16 for Q6_K; w = q * scale) that the int8 kernels compute on (Q5_0 and Q6_K then
+#     read 8 bits a weight, not 5.5 or 6.6: still half of bf16).
+#
+# Each group's scale and min are products of an fp16 and a small integer, exact in float32, so the layer's
+# dequantized weight equals `gguf.quants.dequantize` bit for bit (tests/formats/gguf/test_codes.py).
+# Block layouts (llama.cpp ggml-common.h), per 32 weights unless said:
+#   Q4_0: d fp16, 16 bytes of nibbles; w = d * (q - 8).
+#   Q4_1: d fp16, m fp16, 16 bytes; w = d * q + m.
+#   Q4_K: per 256 weights d fp16, dmin fp16, 12 bytes of 6-bit (scale, min) pairs for 8 groups, 128 bytes;
+#         w = d * sc_j * q - dmin * m_j.
+#   Q8_0: d fp16, 32 int8; w = d * q.
+#   Q5_0: d fp16, 4 bytes qh (bit e: the fifth bit of element e), 16 bytes of nibbles; w = d * (q - 16).
+#   Q6_K: per 256 weights 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales (one per 16
+#         weights), d fp16; w = d * sc_j * (q - 32). Per half of 128 weights, ql byte l holds elements l and
+#         l + 64 (low, high nibble) and byte l + 32 elements l + 32 and l + 96; qh byte l holds the high bits
+#         of elements l, l + 32, l + 64, l + 96 at bits 0, 2, 4, 6.
+# In the nibble formats a 32-byte (or 16-byte) run holds elements i (low nibble) and i + 32 (or + 16) (high).
 
 GROUP = 32
 Q = GGMLQuantizationType

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from leanlm.config import RopeScaling
+from leanlm.formats.gguf import load_gguf
+from leanlm.formats.gguf.tensors import unpermute_rotary
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import load_gguf, unpermute_rotary
 from tests.loading.conftest import llama_cpp_permute, write_tiny_gguf
 
 

@@ -12,14 +12,12 @@ import numpy as np
 
 from leanlm.config import ModelConfig, RopeScaling
 from leanlm.config.values import check_float, to_int
+from leanlm.formats.gguf.moe import gguf_moe_config, moe_architecture, moe_config_fields
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile
-from leanlm.loading.gguf_moe import gguf_moe_config, moe_architecture, moe_config_fields
+from leanlm.loading.tokenizer import END_OF_TURN_TOKENS
 from leanlm.model.architectures import get_architecture
 
-# Tokens that end a chat turn in the families we support; added to eos_token_ids when present. Gemma's chat template
-# closes every turn with "<end_of_turn>\n": an instruction-tuned Gemma ends its reply there, not at <eos>.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 
@@ -175,6 +173,3 @@ def _llama3_scaling(stored: np.ndarray, reader: GGUFFile, arch: str, orig_ctx: i
             "factors 1/4; this rope scaling variant is not supported"
         )
     return scaling
-
-
-# ---------------------------------------------------------------------------------------------- tensors

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from leanlm.config import ModelConfig
+from leanlm.formats.hf_dir import expected_tensor_names, load_hf_dir, save_hf_dir
 from leanlm.formats.stored import read_checkpoint
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.safetensors import expected_tensor_names, load_hf_dir, save_hf_dir
 
 
 def tiny_config(arch: str, tied: bool, vocab_size: int = 49152) -> ModelConfig:

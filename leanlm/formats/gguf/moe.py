@@ -1,15 +1,5 @@
 """Mixture-of-experts models in GGUF, as llama.cpp's convert_hf_to_gguf.py writes them: which architecture and
-MoEConfig the metadata describes, and the per-expert HF weights inside each layer's [E, ...] expert tensor.
-
-llama.cpp's layout (gguf-py constants.py / tensor_mapping.py; convert_hf_to_gguf.py stacks the HF experts):
-  blk.N.ffn_gate_inp      router [E, hidden]                   -> model.layers.N.mlp.gate
-  blk.N.ffn_{gate,up,down}_exps  one 3-D tensor [E, out, in]   -> model.layers.N.mlp.experts.{e}.{gate,up,down}_proj
-  blk.N.ffn_{gate,up,down}_shexp shared expert (Qwen2-MoE)     -> model.layers.N.mlp.shared_expert.*
-  blk.N.ffn_gate_inp_shexp       its sigmoid gate [hidden]     -> model.layers.N.mlp.shared_expert_gate [1, hidden]
-  blk.N.attn_{q,k}_norm          OLMoE's norms over q and k    -> model.layers.N.self_attn.{q,k}_norm
-Mixtral is `general.architecture = llama` with `llama.expert_count`; its expert width is `llama.feed_forward_length`.
-Early Mixtral files hold one 2-D tensor per expert, blk.N.ffn_{gate,up,down}.E.weight; they load too.
-"""
+MoEConfig the metadata describes, and the per-expert HF weights inside each layer's [E, ...] expert tensor."""
 
 from __future__ import annotations
 
@@ -24,6 +14,15 @@ from leanlm.config.moe import MoEConfig
 from leanlm.config.values import check_bool, check_float, to_int
 from leanlm.loading.errors import ModelLoadError
 from leanlm.model.architectures import ARCHITECTURES, by_gguf_name
+
+# llama.cpp's layout (gguf-py constants.py / tensor_mapping.py; convert_hf_to_gguf.py stacks the HF experts):
+#   blk.N.ffn_gate_inp      router [E, hidden]                   -> model.layers.N.mlp.gate
+#   blk.N.ffn_{gate,up,down}_exps  one 3-D tensor [E, out, in]   -> model.layers.N.mlp.experts.{e}.{gate,up,down}_proj
+#   blk.N.ffn_{gate,up,down}_shexp shared expert (Qwen2-MoE)     -> model.layers.N.mlp.shared_expert.*
+#   blk.N.ffn_gate_inp_shexp       its sigmoid gate [hidden]     -> model.layers.N.mlp.shared_expert_gate [1, hidden]
+#   blk.N.attn_{q,k}_norm          OLMoE's norms over q and k    -> model.layers.N.self_attn.{q,k}_norm
+# Mixtral is `general.architecture = llama` with `llama.expert_count`; its expert width is `llama.feed_forward_length`.
+# Early Mixtral files hold one 2-D tensor per expert, blk.N.ffn_{gate,up,down}.E.weight; they load too.
 
 # GGUF name (after "blk.{i}.") -> HF name (after "model.layers.{i}.") of the tensors only MoE layers have
 MOE_LAYER_NAMES = {

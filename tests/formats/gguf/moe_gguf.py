@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from leanlm.config import ModelConfig
-from leanlm.loading.moe_names import to_model_names
+from leanlm.formats.moe_names import to_model_names
 from tests.loading.conftest import TINY_MERGES, TINY_TOKENS, llama_cpp_permute
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}

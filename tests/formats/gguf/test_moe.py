@@ -1,5 +1,5 @@
 """Mixtral, Qwen2-MoE and OLMoE GGUF files, written by gguf-py's GGUFWriter as llama.cpp's converter lays them out
-(tests/loading/moe_gguf.py), load with the logits of HF transformers' own classes (float64, within 1e-5)."""
+(tests/formats/gguf/moe_gguf.py), load with the logits of HF transformers' own classes (float64, within 1e-5)."""
 
 import dataclasses
 
@@ -8,14 +8,13 @@ import torch
 
 from leanlm.config import ModelConfig
 from leanlm.config.moe import MoEConfig
-from leanlm.formats.gguf import read_gguf
+from leanlm.formats.gguf import load_gguf, read_gguf
+from leanlm.formats.gguf.moe import expert_parts, gguf_moe_config, moe_architecture
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf import load_gguf
-from leanlm.loading.gguf_moe import expert_parts, gguf_moe_config, moe_architecture
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
-from tests.loading.moe_gguf import write_moe_gguf
+from tests.formats.gguf.moe_gguf import write_moe_gguf
 from tests.model.test_llama import _paged_logits
 from tests.model.test_moe_hf import hf_logits, hf_model
 
@@ -73,7 +72,7 @@ def test_quantized_experts_load_as_codes_per_expert(case, qtype, layer, tmp_path
     config, state, _ = load_gguf(path, dtype=torch.float64, progress=False)
     for name, tensor in encoded.items():  # dequantized: gguf's own dequantization of each expert, exactly
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
-    coded_config, floats, coded, _ = read_gguf(path, torch.float64, progress=False, keep_codes=True)
+    coded_config, floats, coded, _ = read_gguf(path, torch.float64, progress=False, dequantize_gguf=False)
     experts = [n for n in coded if ".mlp.experts." in n]
     assert len(experts) == 3 * config.moe.num_experts * len([i for i in range(3) if config.moe.is_sparse(i)])
     assert all(isinstance(coded[n], layer) for n in experts)
@@ -95,7 +94,7 @@ def test_early_mixtral_files_with_one_tensor_per_expert(qtype, tmp_path):
     assert config.architecture == "mixtral" and set(state) == set(encoded)
     if qtype == "F32":
         torch.testing.assert_close(_logits(config, state), hf_logits(hf, IDS), atol=1e-5, rtol=0)
-    _, _, coded, _ = read_gguf(tmp_path / "old.gguf", torch.float64, progress=False, keep_codes=qtype != "F32")
+    _, _, coded, _ = read_gguf(tmp_path / "old.gguf", torch.float64, progress=False, dequantize_gguf=qtype == "F32")
     assert (qtype != "F32") == isinstance(coded.get("model.layers.2.mlp.experts.5.down_proj"), Int8WeightOnlyLinear)
 
 

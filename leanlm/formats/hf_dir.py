@@ -1,8 +1,6 @@
-"""Load a Hugging Face model directory: `config.json` + `model.safetensors` (or shards listed in the index).
-
-Tensor names are kept as stored (HF names); a tied model has no `lm_head.weight`. Every problem with the
-files becomes a ModelLoadError that names the file and says what to do.
-"""
+"""Hugging Face model directories, read and written: `config.json` + `model.safetensors` (or shards listed in the
+index). Tensor names are HF's (MoE files' mapped by moe_names.py); a tied model has no `lm_head.weight`. Every
+problem with the files becomes a ModelLoadError that names the file and says what to do."""
 
 from __future__ import annotations
 
@@ -16,8 +14,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from leanlm.config import ModelConfig
+from leanlm.formats.moe_names import to_file_names, to_model_names
 from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.moe_names import to_file_names, to_model_names
 from leanlm.loading.safetensors_header import check_safetensors_header
 from leanlm.loading.shapes import check_held_experts
 

@@ -1,17 +1,11 @@
-"""Read a GGUF file (llama.cpp's format): metadata -> ModelConfig, tensors -> a float HF-named state dict
-(and, on request, linears in the block formats our kernels compute on, kept as codes: gguf_codes.py).
-
-Every other quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the Q/K rows of *llama*
-models (Mixtral included) permuted for its interleaved rotary layout; we undo that so weights match HF's
-rotate-half convention. MoE files (Mixtral, Qwen2-MoE, OLMoE: their metadata and [E, ...] expert tensors) are
-read through gguf_moe.py.
-"""
+"""GGUF tensors -> a float HF-named state dict (and, on request, linears in the block formats our kernels compute on,
+kept as codes: codes.py). Every other quant type is dequantized with `gguf.quants.dequantize`. llama.cpp stores the
+Q/K rows of *llama* models (Mixtral included) permuted for its interleaved rotary layout; we undo that so weights match
+HF's rotate-half convention. MoE expert tensors are read through moe.py."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
 import gguf.quants
 import numpy as np
@@ -21,18 +15,16 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from leanlm.config import ModelConfig
-from leanlm.loading.errors import ModelLoadError
-from leanlm.loading.gguf_codes import CODE_TYPES, runtime_linear
-from leanlm.loading.gguf_config import field, gguf_model_config, required
-from leanlm.loading.gguf_file import GGUFFile, GGUFTensor, read_gguf
-from leanlm.loading.gguf_header import GGUF_MAGIC
-from leanlm.loading.gguf_moe import (
+from leanlm.formats.gguf.codes import CODE_TYPES, runtime_linear
+from leanlm.formats.gguf.moe import (
     MOE_LAYER_NAMES,
     expert_parts,
     is_expert_tensor,
     legacy_expert_name,
     moe_stored_shape,
 )
+from leanlm.loading.errors import ModelLoadError
+from leanlm.loading.gguf_file import GGUFFile, GGUFTensor
 from leanlm.model.architectures import Architecture
 from leanlm.model.linear.base import RuntimeLinear
 
@@ -57,73 +49,6 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that carry no weights of their own (llama3 rope factors become RopeScaling instead).
 _SKIPPED_TENSORS = ("rope_freqs.weight",)
-
-
-@dataclass(frozen=True)
-class GGUFTokenizerMetadata:
-    """The tokenizer a GGUF file describes, under llama.cpp's `tokenizer.ggml.*` keys."""
-
-    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE) are the ones we build
-    pre: str  # tokenizer.ggml.pre: which pre-tokenizer split the merges were learned with
-    tokens: tuple[str, ...]  # id -> token: gpt2's spelled in the byte-level alphabet, llama's with "▁" for a space
-    # id -> llama.cpp type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    token_types: tuple[int, ...]
-    scores: tuple[float, ...]  # id -> SentencePiece score (higher merges first); empty when the file has none
-    merges: tuple[str, ...]  # "a b" pairs, best first (gpt2); SentencePiece files have none: scores rank merges
-    bos_token_id: int | None
-    eos_token_id: int | None
-    unk_token_id: int | None
-    pad_token_id: int | None
-    add_bos_token: bool  # absent: True for "llama" (llama.cpp's and HF's default for SentencePiece), else False
-    add_eos_token: bool
-    # SentencePiece prepends "▁" to text (and to the text after each control or user-defined token, as llama.cpp
-    # does); absent: True for "llama", llama.cpp's default. Byte-level BPE ignores it.
-    add_space_prefix: bool
-    chat_template: str | None
-
-
-def is_gguf_file(path: Path) -> bool:
-    """True when `path` is a file starting with the GGUF magic (we never trust the extension)."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
-
-
-def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata]:
-    """Read config, dequantized HF-named state dict and tokenizer metadata from one GGUF file."""
-    reader = open_gguf(path)
-    config = gguf_model_config(reader)
-    state_dict, _ = gguf_state_dict(reader, config, dtype=dtype, progress=progress)
-    return config, state_dict, gguf_tokenizer_metadata(reader)
-
-
-# ---------------------------------------------------------------------------------------------- reading
-
-
-def open_gguf(path: str | Path) -> GGUFFile:
-    """Open and validate a GGUF file; any problem becomes a ModelLoadError that says what to do."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(
-            f"model file {path} does not exist; check the path, or use a bundled model name (see `leanlm models list`)"
-        )
-    if not is_gguf_file(path):
-        raise ModelLoadError(
-            f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); pass a .gguf "
-            "model file or a Hugging Face model directory with config.json"
-        )
-    try:
-        return read_gguf(path)  # the bounded scan checks every count, length, tensor type and byte range
-    except ModelLoadError:
-        raise
-    except Exception as e:  # what the scan does not model (the big-endian path's GGUFReader, a bad ggml type)
-        raise ModelLoadError(
-            f"GGUF file {path} has a corrupt or truncated header ({type(e).__name__}: {e}); re-download it, or "
-            "re-assemble a bundled model with `leanlm models pull NAME`"
-        ) from e
 
 
 _BLOCKS_PER_CALL = 1 << 16  # bounds the temporaries of one dequantize_blocks call (~2M weights)
@@ -195,11 +120,11 @@ def gguf_state_dict(
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
-    keep_codes: bool = False,
+    dequantize_gguf: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, RuntimeLinear]]:
     """Every tensor under its HF name, in HF's [out, in] layout (a layer's [E, out, in] expert tensor as E
-    per-expert weights): dequantized to `dtype`, except, with `keep_codes`, linears in a block format the kernels
-    compute on (gguf_codes.CODE_TYPES), which come back as runtime layers by module name. The embedding is a
+    per-expert weights): dequantized to `dtype`, except, unless `dequantize_gguf`, linears in a block format the
+    kernels compute on (codes.CODE_TYPES), which come back as runtime layers by module name. The embedding is a
     lookup table and always dequantized; a tied head in such a format comes back as an "lm_head" layer on the
     embedding's codes (the caller unties the config). Routers stay float: they are no linear layer."""
     state_dict: dict[str, torch.Tensor] = {}
@@ -210,7 +135,7 @@ def gguf_state_dict(
             heads = None
             if config.arch.gguf_permutes_qk and (".q_proj." in name or ".k_proj." in name):
                 heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-            if keep_codes and tensor.tensor_type in CODE_TYPES and _is_linear_weight(name):
+            if not dequantize_gguf and tensor.tensor_type in CODE_TYPES and _is_linear_weight(name):
                 if name == "model.embed_tokens.weight":  # a lookup table: dequantized below; as the tied head, codes
                     if config.tie_word_embeddings:
                         coded["lm_head"] = (tensor.tensor_type, data, expected, None)
@@ -243,52 +168,3 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, expected: tuple[int, ...]
     weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
     weight = weight.reshape(expected)
     return weight if heads is None else unpermute_rotary(weight, heads)
-
-
-# ---------------------------------------------------------------------------------------------- tokenizer
-
-
-def gguf_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
-    """Collect the `tokenizer.*` keys the Tokenizer is built from."""
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    if not tokens:
-        raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens; it carries no tokenizer")
-    types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    scores = field(reader, "tokenizer.ggml.scores") or []
-    _check_per_token("tokenizer.ggml.token_type", types, len(tokens))
-    if scores:
-        _check_per_token("tokenizer.ggml.scores", scores, len(tokens))
-    model = str(required(reader, "tokenizer.ggml.model"))
-    is_spm = model == "llama"
-
-    def optional_id(key: str) -> int | None:
-        value = field(reader, f"tokenizer.ggml.{key}")
-        return None if value is None else int(value)
-
-    return GGUFTokenizerMetadata(
-        model=model,
-        pre=str(field(reader, "tokenizer.ggml.pre", "default")),
-        tokens=tuple(tokens),
-        token_types=tuple(int(t) for t in types),
-        scores=tuple(float(s) for s in scores),
-        merges=tuple(field(reader, "tokenizer.ggml.merges") or ()),
-        bos_token_id=optional_id("bos_token_id"),
-        eos_token_id=optional_id("eos_token_id"),
-        unk_token_id=optional_id("unknown_token_id"),
-        pad_token_id=optional_id("padding_token_id"),
-        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token", is_spm)),
-        add_eos_token=bool(field(reader, "tokenizer.ggml.add_eos_token", False)),
-        add_space_prefix=bool(field(reader, "tokenizer.ggml.add_space_prefix", is_spm)),
-        chat_template=field(reader, "tokenizer.chat_template"),
-    )
-
-
-def _check_per_token(key: str, values: object, num_tokens: int) -> None:
-    """A per-token array must have one entry per token: one of another length would pair tokens with the wrong type
-    or score, silently."""
-    if not isinstance(values, list) or len(values) != num_tokens:
-        got = f"{len(values)} entries" if isinstance(values, list) else f"a {type(values).__name__}"
-        raise ModelLoadError(
-            f"GGUF metadata {key} has {got} but tokenizer.ggml.tokens has {num_tokens}; it needs one per token: "
-            "the file is damaged or was written by a broken converter, re-download or re-convert it"
-        )

@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from leanlm.formats.gguf.codes import CODE_TYPES, INT8_TYPES, runtime_linear
 from leanlm.formats.stored import read_checkpoint
-from leanlm.loading.gguf_codes import CODE_TYPES, INT8_TYPES, runtime_linear
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
@@ -64,7 +64,7 @@ def test_row_order_and_bias(qtype):
 def test_checkpoint_keeps_codes(tmp_path, arch, linear_type):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, arch, tied=False, linear_type=linear_type)
-    codes = read_checkpoint(path, progress=False, gguf_codes=True)
+    codes = read_checkpoint(path, progress=False, dequantize_gguf=False)
     dense = read_checkpoint(path, progress=False)
     linears = {k.removesuffix(".weight") for k in expected if k.endswith("proj.weight") or k == "lm_head.weight"}
     assert set(codes.quantized) == linears
@@ -92,7 +92,7 @@ def test_a_tied_head_in_a_block_format_runs_on_the_embedding_codes(tmp_path):
     (the config untied), the embedding stays a float lookup table, and both equal the dequantized file."""
     path = tmp_path / "tied.gguf"
     expected = write_tiny_gguf(path, "llama", tied=True, linear_type="Q4_1", embedding_type="Q8_0")
-    codes = read_checkpoint(path, progress=False, gguf_codes=True)
+    codes = read_checkpoint(path, progress=False, dequantize_gguf=False)
     dense = read_checkpoint(path, progress=False)
     assert dense.config.tie_word_embeddings and not codes.config.tie_word_embeddings
     head = codes.quantized["lm_head"]
@@ -112,7 +112,7 @@ def test_dequantize_tensor_is_gguf_dequantize(qtype, monkeypatch):
     """The loader's run-of-blocks dequantization gives gguf-py's values, across call boundaries too."""
     from gguf import GGML_QUANT_SIZES
 
-    from leanlm.loading import gguf as gguf_loader
+    from leanlm.formats.gguf import tensors as gguf_loader
 
     monkeypatch.setattr(gguf_loader, "_BLOCKS_PER_CALL", 7)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -129,7 +129,7 @@ def test_dequantize_tensor_is_gguf_dequantize(qtype, monkeypatch):
 def test_the_bundled_file_runs_every_linear_and_its_head_on_codes(smollm):
     """SmolLM2's Q4_1 linears as int4 codes and its tied Q8_0 embedding as an int8 g32 head, each equal to the
     dequantized file, and the float32 model on them computes the dequantized model's logits."""
-    codes = read_checkpoint(DEFAULT_MODEL, progress=False, gguf_codes=True)
+    codes = read_checkpoint(DEFAULT_MODEL, progress=False, dequantize_gguf=False)
     linears = [n for n in codes.quantized if n != "lm_head"]
     assert len(linears) == 210 and all(isinstance(codes.quantized[n], IntGroupWeightOnlyLinear) for n in linears)
     for name in linears:
