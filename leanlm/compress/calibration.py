@@ -33,6 +33,7 @@ from leanlm.compress.base import (
 )
 from leanlm.model.context import build_forward_context, forward_context
 from leanlm.model.llama import LlamaAttention
+from leanlm.model.mla import LatentAttention
 from leanlm.model.paged_kv import PagedKVCache
 
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -139,7 +140,7 @@ class LayerRunner:
     def run_module(self, layer: nn.Module, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One submodule of `layer` (its attention, MLP or a linear) on whole sequences x [S, T, K] -> [S, T, N].
         A module that owns a KV cache is attention and also takes the rotary tables."""
-        if isinstance(module, LlamaAttention):
+        if isinstance(module, (LlamaAttention, LatentAttention)):
             return self._run(layer, lambda flat, rope: module(flat, rope), x)
         return self._run(layer, lambda flat, rope: module(flat), x)
 
@@ -152,7 +153,7 @@ class LayerRunner:
             chunk = hidden[start : start + self.batch]
             n = chunk.shape[0]
             ctx = build_forward_context([self.seq_len] * n, [self.seq_len] * n, self.block_ids[:n], cache)
-            rope = tuple(t[: n * self.seq_len] for t in self.rope)
+            rope = self.rope.first(n * self.seq_len)
             with forward_context(ctx):
                 out = fn(chunk.reshape(-1, chunk.shape[-1]), rope)
             if keep:
@@ -239,6 +240,8 @@ def observe_inputs(
     inputs = {name: obs.result() for name, obs in observers.items()}
     if keep_rows:
         for fed in inputs.values():
+            if fed.sequences.shape[0] != keep_rows:  # an expert sees only the rows routed to it: no whole sequences
+                continue
             fed.sequences = fed.sequences.view(num_seqs, seq_len, -1)
             fed.run = functools.partial(run.run_module, layer)
     return inputs

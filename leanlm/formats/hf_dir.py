@@ -77,16 +77,32 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
-    attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    attention = _attention_modules(config)
     norms = ["input_layernorm", "post_attention_layernorm"]
     norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if config.arch.sandwich_norms else []
     norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         names += [prefix + p + ".weight" for p in attention + _mlp_modules(config, i) + norms]
+        if config.moe is not None and config.moe.score_bias and config.moe.is_sparse(i):
+            names.append(prefix + "mlp.gate.e_score_correction_bias")  # DeepSeek-V3's routing bias
         if config.attention_bias:
-            names += [prefix + f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+            biased = (
+                ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")
+                if config.mla is not None
+                else ("q_proj", "k_proj", "v_proj")
+            )
+            names += [prefix + f"self_attn.{p}.bias" for p in biased if f"self_attn.{p}" in attention]
     return names
+
+
+def _attention_modules(config: ModelConfig) -> list[str]:
+    """The attention's modules with weights: q/k/v/o, or MLA's (leanlm.model.mla)."""
+    if config.mla is None:
+        return ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    query = ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+    latent = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    return [f"self_attn.{m}" for m in query + latent]
 
 
 def shard_files(path: Path) -> list[Path]:

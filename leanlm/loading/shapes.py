@@ -49,7 +49,7 @@ def check_checkpoint_shapes(
         module, _, kind = name.rpartition(".")
         if not _is_decoder_module(module, config, source):
             continue
-        if kind not in ("weight", "bias"):
+        if kind not in ("weight", "bias", "e_score_correction_bias"):  # the last: DeepSeek-V3's router bias
             raise ModelLoadError(
                 f"{source}: {name} belongs to no layer the checkpoint describes (a quantized layer's tensor without "
                 f"the rest of its layer, or metadata that does not name it); re-quantize or re-download it"

@@ -181,6 +181,11 @@ class Rope(tuple):
         rope.local = local
         return rope
 
+    def first(self, num_rows: int) -> Rope:
+        """The tables of the first `num_rows` positions (the local pair's too)."""
+        local = None if self.local is None else tuple(t[:num_rows] for t in self.local)
+        return Rope(self[0][:num_rows], self[1][:num_rows], local)
+
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the HF layout) over a cos/sin table indexed by absolute positions; `local_theta`: a second

@@ -85,31 +85,41 @@ class LatentAttention(nn.Module):
         if ctx.sink_rope is not None:
             raise ValueError("attention sinks re-rotate queries, which MLA's shared rotary key does not support")
         q_nope, q_rot = self._queries(x, rope)  # [T, H, nope], [T, H, R]
-        self.store(self.latent(x, rope), ctx)
+        rows = self.store(self.latent(x, rope), ctx)  # [T, W] as stored
         out = torch.empty(x.shape[0], self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        prompt_starts = {span.token_start for span in ctx.prefills}
-        starts = ctx.query_start_loc.tolist()
+        spans = {span.token_start: span for span in ctx.prefills}
+        # Prompts with nothing cached before them expand the step's own rows, all in one kv_b_proj call over the
+        # step's tokens (the rows calibration observes kv_b_proj on); a chunk after a cached prefix expands its
+        # request's cached rows; a decode row attends in latent space.
+        step_kv = self.expand(rows) if any(s.seq_len == s.token_end - s.token_start for s in ctx.prefills) else None
         absorbed = None  # kv_b_proj's weight, read once per forward when a decode row needs it
+        starts = ctx.query_start_loc.tolist()
         for b, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
             if end == start:
                 continue
-            seq_len = int(ctx.seq_lens[b])
-            rows = self.cached_rows(ctx, b, seq_len, x.dtype)  # [S, W]
+            seq_len, span = int(ctx.seq_lens[b]), spans.get(start)
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=x.device)
-            pattern = ctx.patterns.prefill if start in prompt_starts else ctx.patterns.decode
+            pattern = ctx.patterns.decode if span is None else ctx.patterns.prefill
             mask = allowed(q_pos, torch.arange(seq_len, device=x.device), pattern)  # [n, S]
-            if start in prompt_starts:
-                out[start:end] = self._expanded(q_nope[start:end], q_rot[start:end], rows, mask)
+            if span is not None and seq_len == end - start:
+                keys, values = step_kv[0][start:end], step_kv[1][start:end]
+                out[start:end] = self._expanded(q_nope[start:end], q_rot[start:end], keys, values, mask)
+            elif span is not None:
+                keys, values = self.expand(self.cached_rows(ctx, b, seq_len, x.dtype))
+                out[start:end] = self._expanded(q_nope[start:end], q_rot[start:end], keys, values, mask)
             else:
                 absorbed = self._weight() if absorbed is None else absorbed
-                out[start:end] = self._absorbed(q_nope[start:end], q_rot[start:end], rows, mask, absorbed)
+                rows_b = self.cached_rows(ctx, b, seq_len, x.dtype)  # [S, W]
+                out[start:end] = self._absorbed(q_nope[start:end], q_rot[start:end], rows_b, mask, absorbed)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
 
-    def store(self, rows: torch.Tensor, ctx: ForwardContext) -> None:
-        """The step's cache rows [T, W] into this layer's K slot (first half) and V slot (second half)."""
+    def store(self, rows: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step's cache rows [T, W] into this layer's K slot (first half) and V slot (second half); -> the rows
+        as stored (an 8-bit cache's rounding included), which every attention then reads."""
         kv, half = ctx.kv_cache.layer(self.layer_idx), rows.shape[-1] // 2
-        store_kv(kv.k_cache, kv.k_scales, rows[:, None, :half], ctx.kv_write_index)
-        store_kv(kv.v_cache, kv.v_scales, rows[:, None, half:], ctx.kv_write_index)
+        first = store_kv(kv.k_cache, kv.k_scales, rows[:, None, :half], ctx.kv_write_index)
+        second = store_kv(kv.v_cache, kv.v_scales, rows[:, None, half:], ctx.kv_write_index)
+        return torch.cat((first, second), dim=-1)[:, 0].to(rows.dtype)
 
     def cached_rows(self, ctx: ForwardContext, b: int, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
         """Request b's first seq_len cache rows [S, W]."""
@@ -122,9 +132,8 @@ class LatentAttention(nn.Module):
         """CALM's state propagation: the cache rows of normed inputs x [T, hidden], attending to nothing."""
         self.store(self.latent(x, rope), get_forward_context())
 
-    def _expanded(self, q_nope, q_rot, rows, mask) -> torch.Tensor:
-        """Per-head keys and values from the latents: q [n, H, .] over rows [S, W] -> [n, H, v]."""
-        k, v = self.expand(rows)  # [S, H, qk], [S, H, v]
+    def _expanded(self, q_nope, q_rot, k, v, mask) -> torch.Tensor:
+        """q [n, H, .] over expanded keys [S, H, qk] and values [S, H, v] -> [n, H, v]."""
         q = torch.cat((q_nope, q_rot), -1)
         scores = torch.einsum("nhd,shd->hns", q, k) * self.scale
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(v.dtype)

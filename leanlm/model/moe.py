@@ -281,10 +281,11 @@ class MoESizes:
         blocks = moe_blocks(model)
         if not blocks:
             return None
-        embed = model.get_submodule("model.embed_tokens")
-        tied = any(p is embed.weight for p in model.get_submodule("lm_head").parameters())
+        # a pipeline stage may hold neither (leanlm.parallel.pipeline.cut_stage)
+        embed, head = getattr(model.model, "embed_tokens", None), getattr(model, "lm_head", None)
+        tied = embed is not None and head is not None and any(p is embed.weight for p in head.parameters())
         experts = sum(module_bytes(b.experts) for b in blocks)
-        dense = module_bytes(model) - experts - (0 if tied else module_bytes(embed))
+        dense = module_bytes(model) - experts - (0 if tied or embed is None else module_bytes(embed))
         return cls(tuple(module_bytes(_local_expert(b)) for b in blocks), dense)
 
 

@@ -44,8 +44,11 @@ def cut_stage(model: LlamaForCausalLM, start: int, stop: int, is_first: bool, is
     if not is_last:
         model.model.norm, model.lm_head = None, None
     windows = model.config.layer_windows[start:stop]  # the stage's layers' own (Mistral, Gemma)
+    moe = model.config.moe
+    if moe is not None and moe.sparse_layers is not None:  # its layers with experts, counted from the stage's first
+        moe = dataclasses.replace(moe, sparse_layers=tuple(i - start for i in moe.sparse_layers if start <= i < stop))
     model.config = dataclasses.replace(
-        model.config, num_hidden_layers=stop - start, exit_layers=(), layer_windows=windows
+        model.config, num_hidden_layers=stop - start, exit_layers=(), layer_windows=windows, moe=moe
     )
     model.disable_native_decode()  # its plan reads the layers this stage no longer holds
     return model

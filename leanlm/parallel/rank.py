@@ -142,7 +142,11 @@ def parallel_num_kv_blocks(config: ModelConfig, engine_config: EngineConfig, kv_
     heads = kv_heads_per_rank(config.num_attention_heads, config.num_key_value_heads, tp)
     layers = max(stop - start for start, stop in stage_bounds(config.num_hidden_layers, pp))
     largest = dataclasses.replace(config, num_attention_heads=heads, num_key_value_heads=heads)
-    largest = dataclasses.replace(largest, num_hidden_layers=layers, layer_windows=config.layer_windows[:layers])
+    # sized for its KV only: per-layer windows and expert layers of a shorter stack are not what it measures
+    moe = None if config.moe is None else dataclasses.replace(config.moe, sparse_layers=None)
+    largest = dataclasses.replace(
+        largest, num_hidden_layers=layers, layer_windows=config.layer_windows[:layers], moe=moe
+    )
     per_block = kv_cache_bytes_per_block(largest, engine_config.block_size, kv_dtype)
     num_blocks = engine_config.kv_cache_memory_bytes // per_block
     if num_blocks < 1:

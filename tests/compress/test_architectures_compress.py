@@ -28,13 +28,32 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidd
 CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(sliding_window=8, query_pre_attn_scalar=32)),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=64,
+            q_lora_rank=64,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),  # fmt: skip
 }
 
 
 def _model(case: str, tmp_path):
     cls, cfg_cls, extra = CASES[case]
     torch.manual_seed(0)
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**COMMON, **extra))
+    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**(COMMON | extra)))
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -74,5 +93,5 @@ def test_methods_run_through_the_declared_groups(case, tmp_path):
         compress(model, recipe, calib, progress=False)
         sqnr[name] = sqnr_db(ref, dense_logits(model, calib))
     assert sqnr["gptq"] > sqnr["rtn"] and sqnr["awq"] > sqnr["rtn"]
-    assert sqnr["w8a8"] > 25
+    assert sqnr["w8a8"] > max(20, sqnr["gptq"])  # 8 bits: far above 3
     assert min(sqnr["sparsegpt"], sqnr["wanda"]) > sqnr["magnitude"]

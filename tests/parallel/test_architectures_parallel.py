@@ -1,6 +1,7 @@
 """The new architectures' blocks under tensor and pipeline parallelism give the one-process engine's greedy tokens
 and logprobs (float32): Qwen3's per-head q/k norms and Gemma 3's local rope and windows with heads split unevenly
-over 2 ranks, Gemma 2's soft-capped attention and logits over 2 stages."""
+over 2 ranks, Gemma 2's soft-capped attention and logits over 2 stages, DeepSeek's latent attention and routing over
+2 ranks (V3) and 2 stages (V2)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ transformers = pytest.importorskip("transformers")
 
 COMMON = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
               head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
+# MLA's 6 heads split 3 + 3 (each rank caches the whole latent), 4 experts of 32 after a dense first layer
+_DEEPSEEK = dict(num_key_value_heads=6, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                 moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1)  # fmt: skip
 CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}, dict(tensor_parallel_size=2)),
     "gemma3": (
@@ -24,6 +29,18 @@ CASES = {
         "Gemma3TextConfig",
         dict(sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
         dict(tensor_parallel_size=2),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(_DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+        dict(tensor_parallel_size=2),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        dict(_DEEPSEEK, q_lora_rank=None, topk_method="greedy"),
+        dict(pipeline_parallel_size=2),
     ),
     "gemma2": (
         "Gemma2ForCausalLM",
@@ -37,7 +54,8 @@ CASES = {
 def _checkpoint(case: str, root, tokenizer) -> str:
     cls, cfg_cls, extra, _ = CASES[case]
     torch.manual_seed(0)
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(vocab_size=tokenizer.vocab_size, **COMMON, **extra))
+    kwargs = COMMON | extra  # a case's own values win
+    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(vocab_size=tokenizer.vocab_size, **kwargs))
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.2)

@@ -144,7 +144,7 @@ class AWQ(Method):
             fed = inputs[group.linears[0]]
             linears = [layer.get_submodule(n) for n in group.linears]
             w_mean = weight_mean([lin.weight for lin in linears], cfg) if cfg.duo_scaling else None
-            if cfg.block_loss:
+            if cfg.block_loss and fed.run is not None:  # an expert's rows are no whole sequences: scored alone
                 module = layer.get_submodule(group.block)
                 seqs = fed.sequences[: max(1, cfg.max_search_rows // fed.sequences.shape[1])]  # [S', T, K]
                 s = search_block_scales(linears, lambda: fed.run(module, seqs), fed.mean_abs, cfg, w_mean)
