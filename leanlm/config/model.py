@@ -224,6 +224,8 @@ class ModelConfig:
             "down_proj": (hidden, inter),
             "embed_tokens": (self.vocab_size, hidden),
             "lm_head": (self.vocab_size, hidden),
+            "qkv_proj": (q_rows + 2 * kv_rows, hidden),  # Phi-3's files, split on read
+            "gate_up_proj": (2 * inter, hidden),
             "q_norm": (self.head_dim,) if self.qk_norm == "head" else (q_rows,),
             "k_norm": (self.head_dim,) if self.qk_norm == "head" else (kv_rows,),
         }

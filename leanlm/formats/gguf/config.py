@@ -90,8 +90,8 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     head_dim = hidden // num_heads if head_dim is None else to_int(head_dim, head_dim_key)
     own = get_architecture(architecture).read_gguf
-    extra = {} if own is None else own(reader.fields.get, arch, num_layers, head_dim)
-    return ModelConfig(
+    extra = {} if own is None else own(reader.fields.get, arch, num_layers, head_dim, _tensor_values(reader))
+    fields = dict(
         architecture=architecture,
         vocab_size=to_int(vocab_size, f"{arch}.vocab_size"),
         hidden_size=hidden,
@@ -120,8 +120,21 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
         name=str(field(reader, "general.name", "")),
         moe=moe,
         **moe_config_fields(arch, reader.fields.get),
-        **extra,
     )
+    return ModelConfig(**(fields | extra))  # the architecture's own reading wins
+
+
+def _tensor_values(reader: GGUFFile):
+    """name -> a float32 tensor's values as a float64 array (None when absent or not float32): the rope factor tensors
+    some converters write in place of metadata."""
+
+    def values(name: str) -> np.ndarray | None:
+        found = next((t for t in reader.tensors if t.name == name), None)
+        if found is None or found.tensor_type.name != "F32":
+            return None
+        return np.asarray(found.data, dtype=np.float64).reshape(-1)
+
+    return values
 
 
 def _eos_token_ids(eos_token_id: int | None, tokens: list[str]) -> tuple[int, ...]:

@@ -48,7 +48,9 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that carry no weights of their own (llama3 rope factors become RopeScaling instead).
-_SKIPPED_TENSORS = ("rope_freqs.weight",)
+_SKIPPED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# fused projections (Phi-3's attn_qkv, its gate + up ffn_up): dequantized, then split by the architecture's name map
+_FUSED = (".qkv_proj.", ".gate_up_proj.")
 
 
 _BLOCKS_PER_CALL = 1 << 16  # bounds the temporaries of one dequantize_blocks call (~2M weights)
@@ -147,13 +149,18 @@ def gguf_state_dict(
             if config.arch.gguf_norm_offset and name.endswith("norm.weight"):  # llama.cpp folded Gemma's +1 in
                 weight = weight - config.arch.gguf_norm_offset
             state_dict[name] = weight.to(dtype).contiguous()
+    if config.arch.to_model_names is not None:  # Phi-3's fused projections, apart
+        state_dict = config.arch.to_model_names(config, state_dict)
     # a bias (qwen2's q/k/v) stays float, on the runtime layer
     quantized = {m: runtime_linear(*args, bias=state_dict.pop(m + ".bias", None)) for m, args in coded.items()}
     return state_dict, quantized
 
 
 def _is_linear_weight(name: str) -> bool:
-    """A weight that becomes a runtime linear: not a bias, a norm, the router or the shared expert's gate."""
+    """A weight that becomes a runtime linear: not a bias, a norm, the router, the shared expert's gate or a fused
+    projection (split in floats)."""
+    if any(f in name for f in _FUSED):
+        return False
     return name.endswith(".weight") and not name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight"))
 
 

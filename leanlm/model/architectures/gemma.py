@@ -91,7 +91,7 @@ def _integral(value: float | None) -> int | float | None:
     return int(value) if value is not None and float(value).is_integer() else value
 
 
-def _read_gguf(field: Field, arch: str, num_layers: int, head_dim: int) -> dict[str, Any]:
+def _read_gguf(field: Field, arch: str, num_layers: int, head_dim: int, tensor=None) -> dict[str, Any]:
     """llama.cpp's Gemma graphs: the window pattern and Gemma 3's local rope base are fixed in code, not metadata."""
     model_type = "gemma2" if arch == "gemma2" else "gemma3_text"
     window = field(f"{arch}.attention.sliding_window")

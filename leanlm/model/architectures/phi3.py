@@ -79,9 +79,46 @@ def _write(config) -> dict[str, Any]:
     return out
 
 
+def _read_gguf(field, arch: str, num_layers: int, head_dim: int, tensor) -> dict[str, Any]:
+    """llama.cpp's Phi-3 files: the rotary width as rope.dimension_count, LongRoPE's factors as the tensors
+    rope_factors_short / rope_factors_long with its attention factor and original context in metadata, the window
+    on every layer."""
+    from leanlm.config.rope import RopeScaling
+    from leanlm.config.values import to_int
+
+    # every Phi-3 head is hidden / heads wide; the converter writes the rotary part of it as rope.dimension_count
+    head_dim = to_int(field(f"{arch}.embedding_length"), "embedding_length") // to_int(
+        field(f"{arch}.attention.head_count"), "attention.head_count"
+    )
+    out: dict[str, Any] = {"head_dim": head_dim}
+    rotary = field(f"{arch}.rope.dimension_count")
+    if rotary is not None and to_int(rotary, f"{arch}.rope.dimension_count") != head_dim:
+        out["rotary_dim"] = to_int(rotary, f"{arch}.rope.dimension_count")
+    short, long = tensor("rope_factors_short.weight"), tensor("rope_factors_long.weight")
+    if short is not None and long is not None:
+        original = to_int(field(f"{arch}.rope.scaling.original_context_length") or 4096, "original_context_length")
+        attention = field(f"{arch}.rope.scaling.attn_factor")
+        context = to_int(field(f"{arch}.context_length"), f"{arch}.context_length")
+        out["rope_scaling"] = RopeScaling(
+            rope_type="longrope",
+            factor=context / original,
+            original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in short),
+            long_factor=tuple(float(f) for f in long),
+            attention_factor=None if attention is None else check_float(attention, "rope.scaling.attn_factor", 0.0),
+        )
+    window = field(f"{arch}.attention.sliding_window")
+    if window:
+        out["layer_windows"] = (to_int(window, f"{arch}.attention.sliding_window"),) * num_layers
+    return out
+
+
 PHI3 = Architecture(
     "phi3",
     "Phi3ForCausalLM",
+    gguf_name="phi3",
+    gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    read_gguf=_read_gguf,
     window_every_layer=True,
     read_config=_read,
     write_config=_write,

@@ -47,8 +47,9 @@ class Architecture:
     # config.json -> extra ModelConfig fields (its own knobs), and back; None: Llama's keys say everything
     read_config: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
     write_config: Callable[[ModelConfig], dict[str, Any]] | None = None
-    # GGUF metadata -> extra ModelConfig fields: (field, general.architecture, layers, head_dim) -> fields
-    read_gguf: Callable[[Field, str, int, int], dict[str, Any]] | None = None
+    # GGUF metadata -> extra ModelConfig fields: (field, general.architecture, layers, head_dim, tensor) -> fields,
+    # where tensor(name) is a small metadata-like tensor's values (Phi-3's rope factors), or None
+    read_gguf: Callable[[Field, str, int, int, Callable], dict[str, Any]] | None = None
     # tensors that files hold fused and the model holds apart (Phi-3's qkv_proj): split on read, fused on write
     to_model_names: NameMap | None = None
     to_file_names: NameMap | None = None
