@@ -1,6 +1,6 @@
-"""Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 (LongRoPE; partial rotary as Phi-4-mini) GGUF files (written as llama.cpp's converter writes them:
-tests/formats/gguf/arch_gguf.py) load with HF transformers' logits (HF in float32: its grouped expert GEMM takes
-no float64; within 1e-4), and as an LLM."""
+"""Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 (LongRoPE; partial rotary as Phi-4-mini) GGUF files (written as
+llama.cpp's converter writes them: tests/formats/gguf/arch_gguf.py) load with HF transformers' logits (HF in
+float32: its grouped expert GEMM takes no float64; within 1e-4), and as an LLM."""
 
 import pytest
 import torch
