@@ -42,6 +42,18 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return 2 * config.num_hidden_layers * block_size * heads * (head_dim * element + scale)
 
 
+def _check_long_context(config: ModelConfig, engine_config: EngineConfig) -> None:
+    """Refuse, before anything is allocated, runtime attention sinks on a model whose attention cannot re-rotate a
+    query for them: MLA's shared rotary key, and Gemma 2's soft-capped scores (attended outside the paged backends)."""
+    if engine_config.long_context.attention_sinks and (
+        config.mla is not None or config.attn_logit_softcapping is not None
+    ):
+        raise ValueError(
+            f"attention_sinks are not supported for {config.architecture} (its attention cannot re-rotate a query for "
+            "the sinks); use attention_window alone, or no runtime long-context pattern"
+        )
+
+
 def num_kv_blocks_for(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
     if engine_config.num_kv_blocks is not None:
         return engine_config.num_kv_blocks
@@ -67,6 +79,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.config: ModelConfig = model.config
+        _check_long_context(self.config, engine_config)
         set_routing_policy(model, engine_config.routing_policy())  # capacity / BPR; no-op on a dense model
         self.act_quant_layers = set_activation_quant(model, engine_config.act_quant)  # W4A8 / W8A8-dynamic
         self.block_size = engine_config.block_size
