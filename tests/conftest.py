@@ -106,6 +106,22 @@ def smollm_path():
     return resolve_model(DEFAULT_MODEL)
 
 
+def hf_tiny(cls_name: str, config_name: str, **config):
+    """A tiny random HF transformers model (its classes named), every weight moved off its init by N(0, 0.2) (a norm
+    left at 0 or 1 would hide a missing +1 or a skipped norm), and DeepSeek-V3's routing bias by N(0, 0.1)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls_name)(getattr(transformers, config_name)(**config)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
+    return hf
+
+
 @pytest.fixture(scope="session")
 def gemma3_path():
     """Gemma 3 270M's GGUF file (the registry's "gemma3-270m", installed by `make install`); skipped without it."""

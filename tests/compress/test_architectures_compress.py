@@ -19,6 +19,7 @@ from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.model.llama import build_model
 from leanlm.model.quantized.numerics import sqnr_db
 from tests.compress.conftest import dense_logits
+from tests.conftest import hf_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,11 +53,7 @@ CASES = {
 
 def _model(case: str, tmp_path):
     cls, cfg_cls, extra = CASES[case]
-    torch.manual_seed(0)
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**(COMMON | extra)))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
+    hf = hf_tiny(cls, cfg_cls, **(COMMON | extra))
     hf.save_pretrained(tmp_path)
     config, state = load_hf_dir(tmp_path, dtype=torch.float32, progress=False)
     return build_model(config, state, torch.float32)
@@ -93,5 +90,5 @@ def test_methods_run_through_the_declared_groups(case, tmp_path):
         compress(model, recipe, calib, progress=False)
         sqnr[name] = sqnr_db(ref, dense_logits(model, calib))
     assert sqnr["gptq"] > sqnr["rtn"] and sqnr["awq"] > sqnr["rtn"]
-    assert sqnr["w8a8"] > max(20, sqnr["gptq"])  # 8 bits: far above 3
+    assert sqnr["w8a8"] > sqnr["gptq"] + 6  # 8 bits: far above 3 (routing flips bound it on a tiny MoE)
     assert min(sqnr["sparsegpt"], sqnr["wanda"]) > sqnr["magnitude"]

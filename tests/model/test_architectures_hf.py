@@ -16,7 +16,7 @@ from leanlm.formats.hf_dir import load_hf_dir, save_hf_dir
 from leanlm.model.architectures import SUPPORTED_ARCHITECTURES
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
-from tests.conftest import run_to_completion
+from tests.conftest import hf_tiny, run_to_completion
 from tests.model.test_llama import _paged_logits
 
 transformers = pytest.importorskip("transformers")
@@ -151,15 +151,7 @@ CASES = {
 
 def _hf_model(case: str):
     cls, cfg_cls, extra = CASES[case]
-    torch.manual_seed(0)
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**COMMON, **extra)).eval()
-    with torch.no_grad():  # every weight off its init (norms at 0 or 1 would hide a missing +1 or a skipped norm)
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-        for name, b in hf.named_buffers():  # DeepSeek-V3's routing bias
-            if name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.1)
-    return hf
+    return hf_tiny(cls, cfg_cls, **COMMON, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from leanlm.formats.checkpoint import Checkpoint
 from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.formats.native import save_checkpoint
 from leanlm.model.llama import build_model
+from tests.conftest import hf_tiny
 from tests.parallel.test_parallel_engine import _assert_same, _run
 
 transformers = pytest.importorskip("transformers")
@@ -53,12 +54,7 @@ CASES = {
 
 def _checkpoint(case: str, root, tokenizer) -> str:
     cls, cfg_cls, extra, _ = CASES[case]
-    torch.manual_seed(0)
-    kwargs = COMMON | extra  # a case's own values win
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(vocab_size=tokenizer.vocab_size, **kwargs))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
+    hf = hf_tiny(cls, cfg_cls, vocab_size=tokenizer.vocab_size, **(COMMON | extra))  # a case's own values win
     hf.save_pretrained(root / "hf")
     config, state = load_hf_dir(root / "hf", dtype=torch.float32, progress=False)
     save_checkpoint(

@@ -11,8 +11,7 @@ import numpy as np
 
 from leanlm.config import ModelConfig
 from leanlm.formats.moe_names import to_model_names
-from tests.formats.gguf.moe_gguf import gguf_tokens
-from tests.loading.conftest import TINY_MERGES
+from tests.formats.gguf.moe_gguf import write_tiny_tokenizer
 
 GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 _LAYER = {
@@ -112,10 +111,4 @@ def _metadata(writer, config: ModelConfig) -> None:
         writer.add_tensor("rope_factors_long.weight", np.array(scaling.long_factor, dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(scaling.short_factor, dtype=np.float32))
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-    tokens = gguf_tokens(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 5 if t.startswith("[PAD") else 1 for t in tokens])
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    write_tiny_tokenizer(writer, config.vocab_size)

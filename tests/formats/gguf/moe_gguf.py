@@ -39,6 +39,17 @@ def gguf_tokens(vocab_size: int) -> list[str]:
     return TINY_TOKENS + [f"[PAD{i}]" for i in range(len(TINY_TOKENS), vocab_size)]
 
 
+def write_tiny_tokenizer(writer, vocab_size: int) -> None:
+    """The tiny byte-level BPE as GGUF tokenizer keys: tokens padded to `vocab_size`, their types, merges, eos."""
+    tokens = gguf_tokens(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 5 if t.startswith("[PAD") else 1 for t in tokens])
+    writer.add_token_merges(TINY_MERGES)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+
+
 def write_moe_gguf(
     path: Path, hf, qtype: str = "F32", write_norm_key: bool = False, legacy_experts: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -130,10 +141,4 @@ def _write_metadata(writer, config: ModelConfig, hf_config, write_norm_key: bool
 
     file_type = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"]
     writer.add_file_type(int(file_type))
-    tokens = gguf_tokens(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 5 if t.startswith("[PAD") else 1 for t in tokens])
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    write_tiny_tokenizer(writer, config.vocab_size)

@@ -8,6 +8,7 @@ import torch
 from leanlm import LLM, SamplingParams
 from leanlm.formats.gguf import load_gguf
 from leanlm.model.llama import build_model
+from tests.conftest import hf_tiny
 from tests.formats.gguf.arch_gguf import write_arch_gguf
 from tests.model.test_llama import _paged_logits
 
@@ -85,12 +86,7 @@ IDS = torch.randint(3, VOCAB, (19,), generator=torch.Generator().manual_seed(3))
 
 def _hf(case: str):
     cls, cfg_cls, extra = CASES[case]
-    torch.manual_seed(0)
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**(COMMON | extra))).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return hf
+    return hf_tiny(cls, cfg_cls, **(COMMON | extra))
 
 
 @pytest.mark.parametrize("case", list(CASES))
