@@ -84,7 +84,9 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
     vocab_size = field(reader, f"{arch}.vocab_size", len(tokens))
     if vocab_size == 0 and not tokens:
         raise ModelLoadError("GGUF metadata has neither a vocab_size nor a token list; the file is corrupt")
-    moe = gguf_moe_config(arch, reader.fields.get, tensor_names, num_layers)
+    # DeepSeek's routing (sigmoid, groups, scaled weights) is its architecture's to read (read_gguf below)
+    own_moe = get_architecture(architecture).moe == "deepseek"
+    moe = None if own_moe else gguf_moe_config(arch, reader.fields.get, tensor_names, num_layers)
     if architecture == "mixtral" and moe.sparse_layers is not None:  # llama.cpp runs a dense MLP where no router is;
         architecture = "llama"  # HF's Mixtral cannot, so it is a llama model with a leanlm_moe block
     bos = field(reader, "tokenizer.ggml.bos_token_id")
@@ -112,7 +114,7 @@ def _model_config(reader: GGUFFile) -> ModelConfig:
             1.0,
         ),
         rope_theta=check_float(field(reader, f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base", 0.0),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=None if own_moe else _rope_scaling(reader, arch),  # DeepSeek's YaRN: its read_gguf
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=None if bos is None else to_int(bos, "tokenizer.ggml.bos_token_id", minimum=0),

@@ -131,7 +131,8 @@ def gguf_state_dict(
     embedding's codes (the caller unties the config). Routers stay float: they are no linear layer."""
     state_dict: dict[str, torch.Tensor] = {}
     coded: dict[str, tuple] = {}  # module name -> runtime_linear's arguments, built once the biases are read
-    tensors = [t for t in reader.tensors if t.name not in _SKIPPED_TENSORS]
+    skipped = _SKIPPED_TENSORS + config.arch.gguf_skipped
+    tensors = [t for t in reader.tensors if not any(t.name.endswith(n) for n in skipped)]
     for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
         for name, data, expected in _tensor_parts(tensor, config):
             heads = None

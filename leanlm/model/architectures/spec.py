@@ -44,6 +44,8 @@ class Architecture:
     gguf_norm_offset: float = 0.0  # llama.cpp stores norm weights with norm_offset folded in (Gemma: +1)
     # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N."), beyond the Llama ones
     gguf_layer_names: dict[str, str] = field(default_factory=dict)
+    # GGUF tensors (name endings) that repeat what others hold (DeepSeek's attn_k_b / attn_v_b halves of attn_kv_b)
+    gguf_skipped: tuple[str, ...] = ()
     # config.json -> extra ModelConfig fields (its own knobs), and back; None: Llama's keys say everything
     read_config: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
     write_config: Callable[[ModelConfig], dict[str, Any]] | None = None

@@ -13,7 +13,8 @@ from leanlm.config import ModelConfig
 from leanlm.formats.moe_names import to_model_names
 from tests.formats.gguf.moe_gguf import write_tiny_tokenizer
 
-GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}  # fmt: skip
 _LAYER = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -28,6 +29,13 @@ _LAYER = {
     "mlp.gate": "ffn_gate_inp",
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3, fused as HF holds it
     "mlp.gate_up_proj": "ffn_up",
+    "self_attn.q_a_proj": "attn_q_a",  # DeepSeek's MLA
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+    **{f"mlp.shared_expert.{p}_proj": f"ffn_{p}_shexp" for p in ("gate", "up", "down")},
 }
 _GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
@@ -60,7 +68,12 @@ def write_arch_gguf(path: Path, hf) -> ModelConfig:
         module, kind = rest.rsplit(".", 1)
         if ".experts." in rest:
             continue
+        if kind == "e_score_correction_bias":  # DeepSeek-V3's routing bias
+            writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", w.astype(np.float32))
+            continue
         writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", w.astype(np.float32))
+        if module == "self_attn.kv_b_proj":  # the converter adds its per-head halves, k_b transposed
+            _add_kv_halves(writer, f"blk.{layer}", w, config)
     for layer in range(config.num_hidden_layers):
         if config.moe is not None and config.moe.is_sparse(layer):
             for proj in ("gate", "up", "down"):  # [E, out, in], as convert stacks them
@@ -76,6 +89,51 @@ def write_arch_gguf(path: Path, hf) -> ModelConfig:
     return config
 
 
+def _add_kv_halves(writer, prefix: str, w: np.ndarray, config: ModelConfig) -> None:
+    mla, heads = config.mla, config.num_attention_heads
+    kv_b = w.reshape(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+    k_b = np.ascontiguousarray(kv_b[:, : mla.qk_nope_head_dim].transpose(0, 2, 1))  # [H, L, nope]
+    writer.add_tensor(f"{prefix}.attn_k_b.weight", k_b.astype(np.float32))
+    writer.add_tensor(
+        f"{prefix}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, mla.qk_nope_head_dim :]).astype(np.float32)
+    )
+
+
+def _deepseek_metadata(writer, config: ModelConfig) -> None:
+    """DeepseekV2Model.set_gguf_parameters (MLA-era): the latent's widths as key/value length, the heads' as *_mla."""
+    mla, moe = config.mla, config.moe
+    writer.add_key_length(mla.kv_lora_rank + mla.qk_rope_head_dim)
+    writer.add_value_length(mla.kv_lora_rank)
+    writer.add_key_length_mla(mla.qk_head_dim)
+    writer.add_value_length_mla(mla.v_head_dim)
+    writer.add_rope_dimension_count(mla.qk_rope_head_dim)
+    if mla.q_lora_rank is not None:
+        writer.add_q_lora_rank(mla.q_lora_rank)
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    writer.add_leading_dense_block_count(min(moe.sparse_layers or (0,)))
+    writer.add_expert_shared_count(moe.shared_expert_intermediate_size // moe.expert_intermediate_size)
+    writer.add_expert_weights_scale(moe.routed_scaling_factor)
+    writer.add_expert_weights_norm(moe.scoring == "sigmoid_renorm")
+    import gguf
+
+    gating = gguf.ExpertGatingFuncType
+    writer.add_expert_gating_func(gating.SIGMOID if moe.scoring.startswith("sigmoid") else gating.SOFTMAX)
+    writer.add_expert_group_count(moe.num_groups)
+    writer.add_expert_group_used_count(moe.topk_groups)
+    scaling = config.rope_scaling
+    if scaling is not None:
+        writer.add_rope_scaling_type(gguf_rope_type("yarn"))
+        writer.add_rope_scaling_factor(scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+        writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
+
+
+def gguf_rope_type(name: str):
+    import gguf
+
+    return gguf.RopeScalingType(name)
+
+
 def _metadata(writer, config: ModelConfig) -> None:
     import gguf
 
@@ -88,6 +146,8 @@ def _metadata(writer, config: ModelConfig) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     if config.architecture == "phi3":  # Phi3MiniModel: the rotary width, LongRoPE's factors as tensors
         writer.add_rope_dimension_count(config.rope_dim)
+    elif config.mla is not None:
+        _deepseek_metadata(writer, config)
     else:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)

@@ -1,6 +1,6 @@
-"""Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 (LongRoPE; partial rotary as Phi-4-mini) GGUF files (written as
-llama.cpp's converter writes them: tests/formats/gguf/arch_gguf.py) load with HF transformers' logits (HF in
-float32: its grouped expert GEMM takes no float64; within 1e-4), and as an LLM."""
+"""Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 (LongRoPE; partial rotary as Phi-4-mini) and DeepSeek-V2/V3 GGUF files
+(written as llama.cpp's converter writes them: tests/formats/gguf/arch_gguf.py) load with HF transformers' logits (HF
+in float32: its grouped expert GEMM takes no float64; within 1e-4), and as an LLM."""
 
 import pytest
 import torch
@@ -19,6 +19,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attent
               head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
 # what llama.cpp's graphs fix in code, the HF configs say the same: Gemma's attention scale from head_dim, Gemma 2's
 # every-other and Gemma 3's five-to-one window patterns, Gemma 3's local rope base 10000
+# llama.cpp's deepseek2 (V2 and V3 alike): MLA with a latent of 32 for 4 heads, 8 experts after a dense first layer
+_DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                 v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, tie_word_embeddings=False, head_dim=8)  # fmt: skip
 CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_hidden_layers=3, tie_word_embeddings=False)),
     "qwen3_moe": (
@@ -54,6 +58,29 @@ CASES = {
             pad_token_id=0,
             head_dim=16,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75),
+        ),
+    ),  # fmt: skip
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(_DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    ),
+    "deepseek_v2-yarn": (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        dict(
+            _DEEPSEEK,
+            q_lora_rank=None,
+            topk_method="greedy",
+            routed_scaling_factor=1.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=64,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+                rope_theta=10000.0,
+            ),
         ),
     ),  # fmt: skip
     "gemma2": (
@@ -94,7 +121,7 @@ def test_gguf_matches_hf(case, tmp_path):
     hf = _hf(case)
     want = write_arch_gguf(tmp_path / f"{case}.gguf", hf)
     config, state, _ = load_gguf(tmp_path / f"{case}.gguf", dtype=torch.float64, progress=False)
-    assert config.architecture == want.architecture and config.layer_windows == want.layer_windows
+    assert (config.architecture, config.layer_windows, config.moe) == (want.architecture, want.layer_windows, want.moe)
     with torch.no_grad():
         ref = hf(IDS[None]).logits[0].double()
     got = _paged_logits(build_model(config, state, torch.float64), IDS, [8, 1, 6, 4], list(range(16)))
