@@ -58,7 +58,10 @@ HF_CASES = (
             {"rope_type": "llama3", "factor": "8"},
             {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0},  # 0 division
             {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0},
-            {"rope_type": "yarn", "factor": 2.0},
+            {"rope_type": "dynamic", "factor": 2.0},  # NTK-aware dynamic scaling: not supported
+            {"rope_type": "yarn"},  # no factor
+            {"rope_type": "yarn", "factor": 2.0, "beta_fast": -1.0},
+            {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]},  # no long factors
             {"rope_type": ["linear"], "factor": 2.0},
             {"type": "linear", "factor": math.inf},
         )

@@ -1,5 +1,6 @@
 """The new architectures' blocks under tensor and pipeline parallelism give the one-process engine's greedy tokens
-and logprobs (float32): Qwen3's per-head q/k norms and Gemma 3's local rope and windows with heads split unevenly
+and logprobs (float32): Qwen3's per-head q/k norms (and Qwen3-MoE's experts), Phi-3's split projections with a
+partial rotary and Gemma 3's local rope and windows with heads split unevenly
 over 2 ranks, Gemma 2's soft-capped attention and logits over 2 stages, DeepSeek's latent attention and routing over
 2 ranks (V3) and 2 stages (V2)."""
 
@@ -25,6 +26,23 @@ _DEEPSEEK = dict(num_key_value_heads=6, kv_lora_rank=32, qk_rope_head_dim=8, qk_
                  first_k_dense_replace=1)  # fmt: skip
 CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}, dict(tensor_parallel_size=2)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+        dict(tensor_parallel_size=2),
+    ),
+    "phi3": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(
+            head_dim=16,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75),
+        ),
+        dict(tensor_parallel_size=2),
+    ),  # fmt: skip
     "gemma3": (
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
