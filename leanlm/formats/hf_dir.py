@@ -185,7 +185,7 @@ def load_hf_dir(
         state_dict = to_model_names(config, state_dict)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}; the checkpoint does not match its config") from e
-    check_held_experts(config, state_dict, path / "config.json", _EXPERT_KEYS.get(config.architecture))
+    check_held_experts(config, state_dict, path / "config.json", _expert_count_key(config))
     modules = {name.rsplit(".", 1)[0] for name in state_dict}
     missing = [
         n
@@ -237,14 +237,15 @@ def save_hf_dir(
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
-# the config.json key of the expert count, by architecture (llama and qwen2 MoEs: leanlm_moe's)
-_EXPERT_KEYS = {
-    "mixtral": "num_local_experts",
-    "qwen2_moe": "num_experts",
-    "olmoe": "num_experts",
-    "qwen3_moe": "num_experts",
-}
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _expert_count_key(config: ModelConfig) -> str | None:
+    """The config.json key that gave the expert count, for the message (None: a leanlm_moe block's)."""
+    kind = config.arch.moe
+    if not kind:
+        return None
+    return {"mixtral": "num_local_experts", "deepseek": "n_routed_experts"}.get(kind, "num_experts")
 
 
 def _remove_stale_weights(path: Path, written: set[str]) -> None:
