@@ -18,11 +18,13 @@ elif _isa.torch_environment():
     )
 
 from leanlm.config import EngineConfig, ModelConfig
+from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutputKind",
     "BeamSearchParams",
     "EngineConfig",

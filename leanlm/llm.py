@@ -17,6 +17,7 @@ from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.model.device import resolve_device
 from leanlm.model.offload import OffloadedLayers, offload_layers
+from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
 from leanlm.selection import (
     Extractor,
@@ -145,6 +146,26 @@ class LLM:
             engine.add_request(token_ids, final_only[id(sp)], prompt_text=text)
             for (text, token_ids), sp in zip(tokenized, params_list)
         ]
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Embed every prompt (batched, through the same engine as generation, prefill only): each output's
+        `embedding` is a [hidden] float32 CPU tensor, the final normed hidden state of the last token (or the mean of
+        all tokens: PoolingParams(pooling="mean")), L2-normalized unless PoolingParams(normalize=False)."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        engine = self.llm_engine
+        tokenized = [engine.tokenize_prompt(p) for p in prompt_list]
+        for _, token_ids in tokenized:
+            engine.validate(token_ids, params)
+        ids = [engine.add_request(token_ids, params, prompt_text=text) for text, token_ids in tokenized]
         return self._run(ids, use_tqdm)
 
     def beam_search(

@@ -14,7 +14,7 @@ from leanlm.engine.layout import EngineLayout
 from leanlm.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from leanlm.engine.outputs import CompletionOutput, RequestOutput
 from leanlm.engine.request_stream import RequestStream
-from leanlm.engine.step_plan import StepPlan
+from leanlm.engine.step_plan import StepOutput, StepPlan
 
 __all__ = [
     "AsyncLLMEngine",
@@ -34,6 +34,7 @@ __all__ = [
     "RequestFailedError",
     "RequestOutput",
     "RequestStream",
+    "StepOutput",
     "StepPlan",
     "kv_cache_bytes_per_block",
 ]

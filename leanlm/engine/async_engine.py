@@ -30,6 +30,7 @@ from leanlm.engine.engine import LLMEngine
 from leanlm.engine.errors import EngineDeadError, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.engine.outputs import RequestOutput, SchedulerStats
 from leanlm.engine.request_stream import RequestStream
+from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class EngineSnapshot:
 class AddRequest:
     request_id: str
     token_ids: list[int]  # tokenized and validated on the event loop
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prompt_text: str | None  # reported back in outputs
 
 
@@ -150,19 +151,20 @@ class AsyncLLMEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         prompt_text: str | None = None,
         client: str | None = None,
     ) -> RequestStream:
-        """Validate and queue a request; raises ValueError (bad input), QueueFullError or
+        """Validate and queue a request (PoolingParams: an embedding); raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
         `prompt_text` names the text of a prompt given as token ids."""
         self._check_accepting()
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
-        stream = self._open_stream(request_id, params.n, client)
+        num_seqs = params.n if isinstance(params, SamplingParams) else 1  # PoolingParams: one embedding
+        stream = self._open_stream(request_id, num_seqs, client)
         self._send(AddRequest(stream.request_id, token_ids, params, prompt_text))
         return stream
 

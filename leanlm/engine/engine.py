@@ -28,7 +28,7 @@ from leanlm.engine.preemption import PreemptionCosts, Swapper
 from leanlm.engine.request import Request
 from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.spec_decode import SpecStats
-from leanlm.engine.step_plan import StepPlan
+from leanlm.engine.step_plan import StepOutput, StepPlan
 from leanlm.engine.swap_space import SwapSpace
 from leanlm.engine.threads import ThreadSizer
 from leanlm.loading.tokenizer import Tokenizer
@@ -36,7 +36,11 @@ from leanlm.model.attention_pattern import kv_window
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.moe import MoESizes, MoEStats, moe_stats
 from leanlm.model.offload import OffloadPlan
-from leanlm.sampling_params import SamplingParams
+from leanlm.pooling_params import PoolingParams
+from leanlm.sampling_params import RequestOutputKind, SamplingParams
+
+# The sampling settings an embedding request carries (it samples nothing): one output, when it finishes.
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ class LLMEngine:
             )
         return None, token_ids
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty after tokenization; give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -142,8 +146,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens but the context holds {self.max_model_len} "
                 f"(prompt + at least one generated token); shorten the prompt"
             )
+        if isinstance(params, PoolingParams):
+            self._validate_pooling()
+            params = EMBEDDING_SAMPLING
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a SamplingParams (or PoolingParams to embed), got {type(params).__name__}")
         needed = self.kv_cache_manager.peak_blocks(len(prompt_token_ids) + 1)
         if needed > self.num_kv_blocks:
             raise ValueError(
@@ -160,6 +167,11 @@ class LLMEngine:
         if params.experts is not None:
             self._validate_experts(params.experts)
 
+    def _validate_pooling(self) -> None:
+        """Embeddings read the final hidden states of the whole model: refused where a step does not end there."""
+        if self.model_runner.early_exit is not None:
+            raise ValueError("embeddings are not available with early exit on; start the engine without early_exit")
+
     def _validate_experts(self, experts: tuple[int, ...]) -> None:
         moe = self.model_config.moe
         if moe is None:
@@ -172,11 +184,12 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         prompt_text: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id.
+        """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id. With
+        PoolingParams the request embeds its prompt (RequestOutput.embedding) and generates nothing.
 
         `prompt_text` names the text of a prompt given as token ids (it is reported back, not re-tokenized).
         """
@@ -186,6 +199,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            request = Request(request_id, token_ids, EMBEDDING_SAMPLING, device=self.device, pooling_params=params)
+            self.output_processor.add(request_id, prompt_text, [request])
+            self.scheduler.add_request(request)
+            return request_id
         # The children share `params` (n is the parent's; a child's own seed is seed + i, see Request): copies
         # would repeat its per-request lists n times.
         children = [
@@ -255,7 +273,7 @@ class LLMEngine:
         return list(self.output_processor.parent_ids())
 
     def set_step_forward(
-        self, forward: Callable[[ModelRunner, list[StepPlan]], list[torch.Tensor]], num_microbatches: int = 1
+        self, forward: Callable[[ModelRunner, list[StepPlan]], list[StepOutput]], num_microbatches: int = 1
     ) -> None:
         """Run each step's forward through `forward(runner, plans)` (leanlm.parallel: the plans go to every rank
         first), with the step's requests split into `num_microbatches` plans (a pipeline's micro-batches)."""

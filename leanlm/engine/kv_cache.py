@@ -142,9 +142,10 @@ class KVCacheManager:
         """Longest run of cached full blocks matching the request's tokens, and the tokens they cover.
 
         At least the last token is left uncomputed: the model must run on >= 1 token to give logits.
-        Requests asking for prompt logprobs skip the lookup: they need every prompt position computed.
+        Requests asking for prompt logprobs or a mean-pooled embedding skip the lookup: they need every prompt
+        position computed.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.needs_every_prompt_token:
             return [], 0
         if self._is_budgeted(request):
             return [], 0

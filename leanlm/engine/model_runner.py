@@ -22,7 +22,7 @@ from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.engine.spec_decode import SpecDecoder
-from leanlm.engine.step_plan import PromptRows, StepPlan, plan_step, split_microbatches
+from leanlm.engine.step_plan import PromptRows, StepOutput, StepPlan, plan_step, split_microbatches
 from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.attention_pattern import StepPatterns
 from leanlm.model.context import ForwardContext, build_forward_context, forward_context
@@ -108,8 +108,9 @@ class ModelRunner:
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
         exits = engine_config.early_exit
         self.early_exit = EarlyExit(model, exits) if exits is not None else None  # CALM, decode steps only
-        # plans -> their logits [R, V] each: this process's forwards, or (leanlm.parallel) the plans run by every rank
-        self.step_forward: Callable[[list[StepPlan]], list[torch.Tensor]] = self.forward_all
+        # plans -> their outputs (logits [R, V], pooled rows) each: this process's forwards, or (leanlm.parallel) the
+        # plans run by every rank
+        self.step_forward: Callable[[list[StepPlan]], list[StepOutput]] = self.forward_all
         self.num_microbatches = 1  # parts a step is split into (a pipeline keeps several in flight)
         # Swap preemption's host copies of every cache indexed by this runner's block ids (a separate draft's too)
         swap_bytes = engine_config.swap_space_bytes
@@ -145,11 +146,13 @@ class ModelRunner:
         # one part, or (pipeline parallelism) micro-batches of consecutive requests, in flight together
         parts = split_microbatches(scheduler_output, self.num_microbatches)
         planned = [plan_step(part, self.device) for part in parts]
-        logits = self.step_forward([p.plan for p in planned])  # per part [R, V] in the model's dtype
+        outputs = self.step_forward([p.plan for p in planned])
         sampled: list[list[int]] = []
         logprobs: list[list[dict[int, float]] | None] = []
+        pooled: list[torch.Tensor | None] = []
         scored = []
-        for part, step, part_logits in zip(parts, planned, logits):
+        for part, step, output in zip(parts, planned, outputs):
+            part_logits = output.logits  # [R, V] in the model's dtype
             part_sampled: list[list[int]] = [[] for _ in part.scheduled_requests]
             part_logprobs: list[list[dict[int, float]] | None] = [None] * len(part.scheduled_requests)
             if step.sample_rows:
@@ -159,6 +162,7 @@ class ModelRunner:
                 self._sample(part, step.sample_rows, sample_logits, part_sampled, part_logprobs)
             sampled += part_sampled
             logprobs += part_logprobs
+            pooled += _pooled_per_request(len(part.scheduled_requests), step.pool_requests, output.pooled)
             prompt_logits = part_logits[step.plan.num_sample_rows :]
             scored += _prompt_logprobs(part.scheduled_requests, step.prompt_rows, prompt_logits)
         prompt_logprobs = [entries for entries, _ in scored]
@@ -167,18 +171,20 @@ class ModelRunner:
         if self.spec_decoder is not None:
             self.spec_decoder.forget(scheduler_output.finished_request_ids)
             spec_token_ids = self.spec_decoder.propose(requests, sampled, scheduler_output.block_ids)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids)
+        pooled_out = pooled if any(p is not None for p in pooled) else None
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids, pooled_out)
 
-    def forward_all(self, plans: list[StepPlan]) -> list[torch.Tensor]:
+    def forward_all(self, plans: list[StepPlan]) -> list[StepOutput]:
         """The plans' forwards, one after the other, on this process alone."""
         return [self.forward(plan) for plan in plans]
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step's forward on this process's model and cache: the copy-on-write copies, the layers, and the
-        logits of plan.logit_rows [R, V]. Every rank of a parallel model runs it on the same plan."""
+    def forward(self, plan: StepPlan) -> StepOutput:
+        """Run one step's forward on this process's model and cache: the copy-on-write copies, the layers, the
+        logits of plan.logit_rows [R, V] and the pooled rows of plan.pool_segments. Every rank of a parallel model
+        runs it on the same plan."""
         self.move_blocks(plan)
         if not plan.num_tokens:
-            return torch.zeros(0, self.config.vocab_size, device=self.device)
+            return StepOutput(torch.zeros(0, self.config.vocab_size, device=self.device))
         ctx = self.context_for(plan)
         if plan.expert_subsets:
             ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
@@ -186,15 +192,15 @@ class ModelRunner:
             ctx = self.kv_evictor.attach(ctx)
         started = time.perf_counter()
         with forward_context(ctx):
-            if self.early_exit is not None and ctx.is_all_decode:
+            if self.early_exit is not None and ctx.is_all_decode and not plan.pool_segments:
                 hidden, exit_logits = self.early_exit.forward(plan.input_ids, plan.positions, ctx)  # [T, V] or None
                 if exit_logits is not None:
-                    return exit_logits[plan.logit_rows]
+                    return StepOutput(exit_logits[plan.logit_rows])
             else:
                 hidden = self.model(plan.input_ids, plan.positions)  # [T, hidden]
         if self.spec_decoder is not None and ctx.is_all_decode:
             self.spec_decoder.record_target_step(time.perf_counter() - started)
-        return self.model.compute_logits(hidden[plan.logit_rows])
+        return StepOutput.of(self.model.compute_logits(hidden[plan.logit_rows]), hidden, plan)
 
     def context_for(self, plan: StepPlan) -> ForwardContext:
         """The forward context of a plan over this runner's cache, with the runtime attention patterns (a window
@@ -267,6 +273,17 @@ class ModelRunner:
         if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
             self.host_kv_pool.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         self.copy_blocks(plan.blocks_to_copy)
+
+
+def _pooled_per_request(
+    num_requests: int, pool_requests: list[int], pooled: torch.Tensor | None
+) -> list[torch.Tensor | None]:
+    """Per request of a part, its pooled row [hidden] float32 CPU this step, or None."""
+    out: list[torch.Tensor | None] = [None] * num_requests
+    if pooled is not None:
+        for row, idx in zip(pooled.cpu(), pool_requests, strict=True):
+            out[idx] = row
+    return out
 
 
 def _prompt_logprobs(

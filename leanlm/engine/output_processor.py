@@ -183,6 +183,7 @@ class OutputProcessor:
             metrics=_metrics(first),
             prompt_logprobs_full=_full_prompt_logprobs(first) if parent.finished else None,
             kind=RequestOutputKind.DELTA if is_delta else RequestOutputKind.CUMULATIVE,
+            embedding=first.embedding,
         )
 
     def _cumulative(self, child: _CompletionState) -> CompletionOutput:

@@ -74,6 +74,17 @@ class ModelRunnerOutput:
     prompt_logprobs_full: list[torch.Tensor | None] | None = None
     # Per request: draft tokens proposed for the next step (speculative decoding); None when nothing proposes.
     spec_token_ids: list[list[int]] | None = None
+    # per request, the pooled final hidden row(s) [hidden] float32 CPU of an embedding request's chunk (the sum of its
+    # rows, or its last row); None for the others, or for all when no embedding request pooled this step
+    pooled: list[torch.Tensor | None] | None = None
+
+    def prompt_logprobs_of(self, idx: int) -> tuple[list[dict[int, float] | None] | None, torch.Tensor | None]:
+        """Request idx's prompt logprob entries and full log-softmax rows from this step (each None if none)."""
+        full = self.prompt_logprobs_full[idx] if self.prompt_logprobs_full else None
+        return (self.prompt_logprobs[idx] if self.prompt_logprobs else None), full
+
+    def pooled_row(self, idx: int) -> torch.Tensor | None:
+        return self.pooled[idx] if self.pooled else None
 
 
 @dataclass
@@ -137,6 +148,9 @@ class RequestOutput:
     # CUMULATIVE: outputs hold everything so far. DELTA: only what is new since the request's previous output
     # (text, token_ids and logprobs of each completion; prompt_logprobs in the first output only).
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # An embedding request's (PoolingParams), once finished: [hidden] float32 on CPU; its outputs hold one empty
+    # completion that carries the finish reason.
+    embedding: torch.Tensor | None = None
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         device: torch.device | str = "cpu",
         keeps_kv: bool = False,
         seed_offset: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
@@ -96,6 +98,22 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        # An embedding request (pooling_params set) computes its prompt and samples nothing: its chunks' pooled
+        # hidden states accumulate in pooled_sum [hidden] float32 (mean: the sum of every prompt row; last: the
+        # final row), and `embedding` [hidden] float32 CPU is set when the prompt is done.
+        self.pooling_params = pooling_params
+        self.pooled_sum: torch.Tensor | None = None
+        self.embedding: torch.Tensor | None = None
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Every prompt position must be computed here (prompt logprobs, mean pooling): no prefix-cache hits."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is not None or (pooling is not None and pooling.needs_every_token)
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +148,14 @@ class Request:
         if max_model_len is not None:
             room = min(room, max_model_len - self.num_tokens - num_new_tokens - 1)
         return room
+
+    def add_prompt_logprobs(self, entries: list[dict[int, float] | None] | None, full: torch.Tensor | None) -> None:
+        """Record a chunk's prompt logprob entries (the runner scores only those not recorded yet: a preempted request
+        recomputes its prompt) and, with full_prompt_logprobs, the same rows' whole log-softmax [n, V]."""
+        if entries:
+            self.prompt_logprobs.extend(entries)
+        if full is not None:
+            self.prompt_logprobs_full.append(full)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from leanlm.config import EngineConfig
 from leanlm.engine.kv_cache import KVCacheManager
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from leanlm.engine.pooling import add_chunk
 from leanlm.engine.preemption import Swapper
 from leanlm.engine.request import Request, RequestStatus
 from leanlm.engine.shared_kv import SharedKV
@@ -348,6 +349,11 @@ class Scheduler:
         for idx, request in enumerate(scheduler_output.scheduled_requests):
             if request.is_finished:
                 continue  # aborted between schedule() and update()
+            if request.is_embedding:  # prefill only: it pools its rows, and finishes with its prompt
+                if add_chunk(request, scheduler_output.num_scheduled_tokens[idx], runner_output.pooled_row(idx)):
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    changed.append(request)
+                continue
             sampled = runner_output.sampled_token_ids[idx]
             num_drafts = scheduler_output.num_spec_tokens(idx)
             # Drafts the verification rejected have KV in the cache that later tokens overwrite.
@@ -360,13 +366,7 @@ class Scheduler:
                 self._fork_siblings(request)
             request.num_draft_tokens += num_drafts
             request.num_accepted_tokens += num_drafts - num_rejected
-            prompt_logprobs = runner_output.prompt_logprobs[idx] if runner_output.prompt_logprobs else None
-            if prompt_logprobs:
-                # only entries not recorded yet (a preempted request recomputes its prompt), from len(prompt_logprobs)
-                request.prompt_logprobs.extend(prompt_logprobs)
-            full = runner_output.prompt_logprobs_full[idx] if runner_output.prompt_logprobs_full else None
-            if full is not None:
-                request.prompt_logprobs_full.append(full)  # same rows as the entries just recorded
+            request.add_prompt_logprobs(*runner_output.prompt_logprobs_of(idx))
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
             status = append_tokens(
                 request, sampled, logprobs, self.eos_token_ids, self.max_model_len, self.stop_checker

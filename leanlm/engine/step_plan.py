@@ -48,6 +48,9 @@ class StepPlan:
     num_sample_rows: int  # the first rows of logit_rows: each sampling request's last row (and its drafts' rows)
     # static task routing: (first row, end row, experts) of each request that pins an MoE model's expert subset
     expert_subsets: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    # embedding requests: (first row, end row) of the final hidden rows each pools this step, summed (mean pooling)
+    # or the one last row (last-token pooling); StepOutput.pooled has one row per segment, in this order
+    pool_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def expert_mask(self, num_experts: int) -> torch.Tensor:
         """[T, E] bool: the experts each row may use (all, but in the pinned requests' rows)."""
@@ -76,6 +79,23 @@ class PlannedStep:
     plan: StepPlan
     sample_rows: list[int]  # requests whose chunk ends at their last token: they sample
     prompt_rows: list[PromptRows | None]  # per request: its prompt logprob entries (None: prompt_logprobs off)
+    pool_requests: list[int] = dataclasses.field(default_factory=list)  # requests behind plan.pool_segments, in order
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one plan's forward gives back to the scheduler's process."""
+
+    logits: torch.Tensor  # [R, V] of plan.logit_rows, in the model's dtype
+    pooled: torch.Tensor | None = None  # [P, hidden] float32: per plan.pool_segments, its rows' sum; None: none
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, hidden: torch.Tensor, plan: StepPlan) -> StepOutput:
+        """The logits, and the pooled rows of the final (normed) hidden states [T, hidden] the plan asks for."""
+        if not plan.pool_segments:
+            return cls(logits)
+        pooled = torch.stack([hidden[start:end].float().sum(dim=0) for start, end in plan.pool_segments])
+        return cls(logits, pooled)
 
 
 def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
@@ -83,6 +103,7 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
     ids: list[int] = []
     positions: list[int] = []
     seq_lens, sample_rows, sample_idx, prompt_idx, prompt_rows, subsets = [], [], [], [], [], []
+    pool_segments, pool_requests = [], []
     for i, (req, n) in enumerate(zip(so.scheduled_requests, so.num_scheduled_tokens)):
         row_start = len(ids)
         start = req.num_computed_tokens
@@ -92,7 +113,12 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
             ids.extend(so.spec_token_ids[i])  # drafts follow the last real token
         positions.extend(range(start, start + n))
         seq_lens.append(start - req.num_evicted_tokens + n)  # KV slots: past an eviction, fewer than positions
-        if start + n - num_drafts == req.num_tokens:
+        if req.is_embedding:
+            segment = _pool_segment(req, start, n)
+            if segment is not None:
+                pool_segments.append((row_start + segment[0], row_start + segment[1]))
+                pool_requests.append(i)
+        elif start + n - num_drafts == req.num_tokens:
             sample_rows.append(i)
             sample_idx.extend(range(len(ids) - 1 - num_drafts, len(ids)))
         if req.sampling_params.experts is not None:
@@ -115,8 +141,19 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
         logit_rows=torch.tensor(sample_idx + prompt_idx, **as_long),
         num_sample_rows=len(sample_idx),
         expert_subsets=subsets,
+        pool_segments=pool_segments,
     )
-    return PlannedStep(plan, sample_rows, prompt_rows)
+    return PlannedStep(plan, sample_rows, prompt_rows, pool_requests)
+
+
+def _pool_segment(req: Request, start: int, num_new: int) -> tuple[int, int] | None:
+    """The rows (relative to the chunk) an embedding request pools from its chunk [start, start + num_new): every
+    row for mean pooling, the prompt's last row for last-token pooling (None before the chunk that holds it)."""
+    if req.pooling_params.pooling == "mean":
+        return 0, num_new
+    if start + num_new < req.num_prompt_tokens:
+        return None
+    return num_new - 1, num_new
 
 
 def split_microbatches(so: SchedulerOutput, num_parts: int) -> list[SchedulerOutput]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import DistError
 
-from leanlm.engine import EngineDeadError, LLMEngine, ModelRunner, StepPlan
+from leanlm.engine import EngineDeadError, LLMEngine, ModelRunner, StepOutput, StepPlan
 from leanlm.parallel.machine import cores_per_process, spawn_child
 from leanlm.parallel.rank import RankModel, RankSpec, build_rank, run_plans, send_plans
 from leanlm.parallel.world import DRIVER_RANK, close_world
@@ -68,7 +68,7 @@ class ParallelDriver:
         microbatches = self.rank_model.engine_config.pipeline_microbatches or layout.pipeline_parallel_size
         engine.set_step_forward(self.forward, microbatches if layout.pipeline_parallel_size > 1 else 1)
 
-    def forward(self, runner: ModelRunner, plans: list[StepPlan]) -> list[torch.Tensor]:
+    def forward(self, runner: ModelRunner, plans: list[StepPlan]) -> list[StepOutput]:
         """The step on every rank: announce and broadcast the plans, then run this rank's part on `runner`."""
         if self.closed:
             raise EngineDeadError("the parallel engine was closed; create a new LLM")

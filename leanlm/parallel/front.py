@@ -36,7 +36,8 @@ from leanlm.parallel.replicas import (
     wait_until_ready,
 )
 from leanlm.parallel.router import NoReplicaError, Router
-from leanlm.server.api import GuardMiddleware, error_response
+from leanlm.server.api import GuardMiddleware
+from leanlm.server.errors import error_response
 from leanlm.server.launcher import uvicorn_config
 from leanlm.server.protocol import MAX_MESSAGES, MAX_PROMPTS
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanlm.engine import ModelRunner, StepPlan
+from leanlm.engine import ModelRunner, StepOutput, StepPlan
 from leanlm.model.context import forward_context
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.parallel.world import DRIVER_RANK, RankContext
@@ -54,9 +54,12 @@ def cut_stage(model: LlamaForCausalLM, start: int, stop: int, is_first: bool, is
     return model
 
 
-def stage_forward(runner: ModelRunner, rank: RankContext, plan: StepPlan, x: torch.Tensor | None) -> torch.Tensor:
+def stage_forward(
+    runner: ModelRunner, rank: RankContext, plan: StepPlan, x: torch.Tensor | None
+) -> torch.Tensor | StepOutput:
     """This stage's layers over one micro-batch: from the token ids (first stage) or the hidden states x [T, hidden]
-    the stage before sent; returns the hidden states for the next stage, or (last stage) the logits [R, V]."""
+    the stage before sent; returns the hidden states for the next stage, or (last stage) the logits [R, V] and the
+    pooled rows."""
     model = runner.model
     runner.move_blocks(plan)
     ctx = runner.context_for(plan)
@@ -69,34 +72,41 @@ def stage_forward(runner: ModelRunner, rank: RankContext, plan: StepPlan, x: tor
         if not rank.is_last_stage:
             return x
         # the whole stream normed, then indexed, as the one-process model does (a norm's row path depends on rows)
-        return model.compute_logits(model.model.norm(x)[plan.logit_rows])
+        hidden = model.model.norm(x)
+        return StepOutput.of(model.compute_logits(hidden[plan.logit_rows]), hidden, plan)
 
 
 def run_pipeline(
     runner: ModelRunner, rank: RankContext, plans: list[StepPlan], hidden_size: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
+) -> list[StepOutput]:
     """Every micro-batch through this rank's stage, sends overlapping the next micro-batch's compute. The driver
-    returns each micro-batch's logits [R, V] (received from the last stage); other ranks return []."""
-    sends, logits = [], []
+    returns each micro-batch's logits [R, V] and pooled rows (received from the last stage); other ranks return []."""
+    sends, outputs = [], []
     device = rank.device
     for plan in plans:
         x = None
         if not rank.is_first_stage:
             x = torch.empty(plan.num_tokens, hidden_size, dtype=dtype, device=device)
             dist.recv(x, src=rank.peer(rank.stage - 1))
-        y = stage_forward(runner, rank, plan, x).contiguous()
+        y = stage_forward(runner, rank, plan, x)
         if not rank.is_last_stage:
-            sends.append(dist.isend(y, dst=rank.peer(rank.stage + 1)))
+            sends.append(dist.isend(y.contiguous(), dst=rank.peer(rank.stage + 1)))
         elif rank.rank == DRIVER_RANK:
-            logits.append(y)
+            outputs.append(y)
         elif rank.tp.rank == 0:  # the last stage's first tensor rank answers the driver
-            sends.append(dist.isend(y, dst=DRIVER_RANK))
+            sends.append(dist.isend(y.logits.contiguous(), dst=DRIVER_RANK))
+            if y.pooled is not None:
+                sends.append(dist.isend(y.pooled.contiguous(), dst=DRIVER_RANK))
     if rank.rank == DRIVER_RANK and not rank.is_last_stage:
-        vocab = runner.config.vocab_size
+        vocab, last = runner.config.vocab_size, rank.layout.rank_at(rank.layout.pipeline_parallel_size - 1, 0)
         for plan in plans:
-            out = torch.empty(plan.logit_rows.shape[0], vocab, dtype=dtype, device=device)
-            dist.recv(out, src=rank.layout.rank_at(rank.layout.pipeline_parallel_size - 1, 0))
-            logits.append(out)
+            logits = torch.empty(plan.logit_rows.shape[0], vocab, dtype=dtype, device=device)
+            dist.recv(logits, src=last)
+            pooled = None
+            if plan.pool_segments:
+                pooled = torch.empty(len(plan.pool_segments), hidden_size, dtype=torch.float32, device=device)
+                dist.recv(pooled, src=last)
+            outputs.append(StepOutput(logits, pooled))
     for handle in sends:
         handle.wait()
-    return logits
+    return outputs

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import DistStoreError
 
 from leanlm.config import EngineConfig, LongContextConfig, ModelConfig
-from leanlm.engine import ModelRunner, StepPlan, kv_cache_bytes_per_block
+from leanlm.engine import ModelRunner, StepOutput, StepPlan, kv_cache_bytes_per_block
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.tokenizer import Tokenizer
 from leanlm.model.kv_quant import kv_storage_dtype
@@ -197,7 +197,7 @@ def build_rank(
     return RankModel(rank, config, model, checkpoint.tokenizer, engine_config, dtype)
 
 
-def run_plans(rank_model: RankModel, runner: ModelRunner, plans: list[StepPlan]) -> list[torch.Tensor]:
+def run_plans(rank_model: RankModel, runner: ModelRunner, plans: list[StepPlan]) -> list[StepOutput]:
     """This rank's part of the step: each plan's forward (tensor parallel), or the micro-batches through its stage."""
     if rank_model.rank.layout.pipeline_parallel_size == 1 or not any(plan.num_tokens for plan in plans):
         return [runner.forward(plan) for plan in plans]  # a plan of no tokens only moves blocks

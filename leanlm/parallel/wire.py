@@ -17,7 +17,7 @@ MAX_MESSAGE_BYTES = 1 << 30  # a step of the largest batch is a few MB; more is 
 _HEADER_LENGTH = struct.Struct("<Q")  # the JSON header's byte length, before it
 _TENSOR_FIELDS = ("input_ids", "positions", "logit_rows")  # StepPlan's tensors: 1-D int64 (token ids, rows)
 _INT_LIST_FIELDS = ("query_lens", "seq_lens")
-_PAIR_FIELDS = ("blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in")  # lists of (int, int)
+_PAIR_FIELDS = ("blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "pool_segments")  # lists of (int, int)
 # Every StepPlan field has a rule here; a field added to StepPlan without one fails encode_plans (and its test).
 _OTHER_FIELDS = ("block_ids", "num_sample_rows", "expert_subsets")
 _FIELDS = frozenset((*_TENSOR_FIELDS, *_INT_LIST_FIELDS, *_PAIR_FIELDS, *_OTHER_FIELDS))

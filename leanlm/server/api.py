@@ -10,83 +10,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from leanlm.engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
-from leanlm.loading.chat_encoding import ControlTokenError
+from leanlm.engine import AsyncLLMEngine
+from leanlm.server.embeddings import EmbeddingJob, EmbeddingServing
+from leanlm.server.errors import error_response
+from leanlm.server.errors import map_exception as _map_exception
 from leanlm.server.metrics import ServerMetrics
-from leanlm.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidParameterError,
-    LimitExceededError,
-    UnsupportedParameterError,
-)
-from leanlm.server.serving import ContextLengthError, Job, ModelNotFoundError, OpenAIServing
-
-logger = logging.getLogger(__name__)
-
-
-def error_response(
-    status: int,
-    message: str,
-    err_type: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    first = exc.errors(include_url=False)[0]
-    parts = [str(part) for part in first.get("loc", ())]
-    loc = ".".join(parts)
-    if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON ({first.get('msg')})", None
-    if first.get("type") == "json_type":
-        return "the body must be a JSON object", None
-    # `param` names the request field (pydantic's loc goes on into list items and union branches).
-    return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), parts[0] if parts else None
-
-
-def _map_exception(exc: BaseException) -> JSONResponse:
-    """Errors raised while accepting a request -> their HTTP answer."""
-    if isinstance(exc, ValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param)
-    if isinstance(exc, ModelNotFoundError):
-        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
-    if isinstance(exc, ContextLengthError):
-        return error_response(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
-    if isinstance(exc, (UnsupportedParameterError, LimitExceededError, InvalidParameterError, ControlTokenError)):
-        return error_response(400, str(exc), "invalid_request_error", exc.param)
-    if isinstance(exc, QueueFullError):
-        return error_response(
-            429,
-            str(exc),
-            "rate_limit_error",
-            None,
-            "rate_limit_exceeded",
-            headers={"Retry-After": str(exc.retry_after_s)},
-        )
-    if isinstance(exc, EngineStoppedError):
-        return error_response(503, str(exc), "server_error", None, "unavailable", headers={"Retry-After": "5"})
-    if isinstance(exc, (ValueError, TypeError)):
-        return error_response(400, str(exc), "invalid_request_error")
-    if isinstance(exc, RequestFailedError):
-        return error_response(500, str(exc), "server_error")
-    logger.exception("unexpected error", exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from leanlm.server.serving import Job, OpenAIServing
 
 
 class GuardMiddleware:
@@ -276,6 +215,7 @@ def build_app(
         max_pending_prepares=max_pending_prepares,
         chat_control_tokens=chat_control_tokens,
     )
+    embedder = EmbeddingServing(serving, engine.engine.model_config.hidden_size)
     metrics = ServerMetrics(engine, model_names[0])
     started = int(time.time())
 
@@ -337,7 +277,10 @@ def build_app(
         return JSONResponse({"object": "list", "data": data})
 
     async def handle(
-        request: Request, schema: type[BaseModel], start: Callable[[BaseModel, str | None], Awaitable[Job]]
+        request: Request,
+        schema: type[BaseModel],
+        start: Callable[[BaseModel, str | None], Awaitable[Job | EmbeddingJob]],
+        respond: Callable[[Job | EmbeddingJob], Awaitable[dict]] = serving.full_response,
     ) -> Response:
         raw = await request.body()  # outside the try: an oversized body must reach GuardMiddleware
 
@@ -367,7 +310,7 @@ def build_app(
                 _streamed(job, watcher), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            return JSONResponse(await serving.full_response(job))
+            return JSONResponse(await respond(job))
         except Exception as exc:
             job.abort()
             return _map_exception(exc)
@@ -389,5 +332,9 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, ChatCompletionRequest, serving.start_chat)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await handle(request, EmbeddingRequest, embedder.start, embedder.response)
 
     return app

@@ -147,7 +147,7 @@ class OpenAIServing:
     def num_pending_prepares(self) -> int:
         return self._num_pending
 
-    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
             raise ContextLengthError(
                 f"the prompt has {num_chars} characters, more than the {self.max_prompt_chars} this server tokenizes "
@@ -171,7 +171,7 @@ class OpenAIServing:
     async def start_chat(self, request: ChatCompletionRequest, client: str | None = None) -> Job:
         return self._start(**await self.off_loop(self._prepare_chat, request), client=client)
 
-    def _check_admissible(self, num_prompts: int, num_samples: int) -> None:
+    def check_admissible(self, num_prompts: int, num_samples: int) -> None:
         """Refuse, before tokenizing anything, a request with more sequences than the engine would ever admit."""
         limit = self.engine.max_seqs_per_request
         if num_prompts * num_samples > limit:
@@ -186,10 +186,10 @@ class OpenAIServing:
         """In a prepare thread: validate, tokenize and build the parameters; the keyword arguments of _start."""
         self.check_model(request.model)
         request.check_supported()
-        self._check_admissible(len(request.prompts()), request.num_samples)
+        self.check_admissible(len(request.prompts()), request.num_samples)
         for prompt in request.prompts():
             if isinstance(prompt, str):
-                self._check_prompt_chars(len(prompt), "prompt")
+                self.check_prompt_chars(len(prompt), "prompt")
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
         if request.use_beam_search:
             return self._prepare_beam_search(request, prompts)
@@ -254,9 +254,9 @@ class OpenAIServing:
         """In a prepare thread: render the chat template, tokenize, build the parameters."""
         self.check_model(request.model)
         request.check_supported()
-        self._check_admissible(1, request.n)
+        self.check_admissible(1, request.n)
         messages = request.chat_messages()
-        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             text, ids = encode_chat(
                 self.tokenizer,
