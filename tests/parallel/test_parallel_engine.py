@@ -1,5 +1,5 @@
 """Tensor x pipeline parallel engines on local gloo processes give the one-process engine's greedy tokens and
-logprobs (float32), for a dense, an int4 and a 2:4 checkpoint of a tiny model whose 6 heads in 3 KV groups split
+logprobs (float32), and its embeddings, for a dense, an int4 and a 2:4 checkpoint of a tiny model whose 6 heads in 3 KV groups split
 unevenly over 2 ranks, and whose 3 layers split 2 + 1 over 2 stages."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import time
 import pytest
 import torch
 
-from leanlm import LLM, SamplingParams
+from leanlm import LLM, PoolingParams, SamplingParams
 from leanlm.engine.errors import EngineDeadError
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8], [400, 12], list(range(30, 70))]  # a decode, a short and a chunked prompt
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
 SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+POOLINGS = [PoolingParams("last"), PoolingParams("mean", normalize=False)]
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tensor_parallel_size, pipeline_parallel_size)
 
 
@@ -24,16 +25,19 @@ def _run(path: str, **options):
     with LLM(path, dtype="float32", progress=False, **options) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         scored = llm.generate(PROMPTS, SCORE, use_tqdm=False)
+        # embeddings pool the final hidden rows, which a pipeline's last stage sends back beside the logits
+        pooled = [o.embedding for p in POOLINGS for o in llm.embed(PROMPTS, p, use_tqdm=False)]
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     prompt = [[max(d.values()) for d in o.prompt_logprobs[1:]] for o in scored]
-    return tokens, torch.tensor(sum(logprobs, [])), torch.tensor(sum(prompt, []))
+    return tokens, torch.tensor(sum(logprobs, [])), torch.tensor(sum(prompt, [])), torch.stack(pooled)
 
 
 def _assert_same(got, want):
     assert got[0] == want[0]
     assert torch.allclose(got[1], want[1], atol=1e-4, rtol=0)
     assert torch.allclose(got[2], want[2], atol=1e-4, rtol=0)
+    assert torch.allclose(got[3], want[3], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("tp, pp", LAYOUTS)
