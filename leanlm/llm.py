@@ -29,6 +29,7 @@ from leanlm.selection import (
     make_extractor,
     sampling_params_for_samples,
 )
+from leanlm.tool_calls import Tool, messages_for_template
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -228,14 +229,24 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         control_tokens: str = "text",
+        tools: Sequence[Tool] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         `control_tokens`: what a control token's text inside a message becomes: "text" (its characters: no
-        message can forge another role's turn), "reject" (ValueError), or "parse" (the token, as HF does)."""
+        message can forge another role's turn), "reject" (ValueError), or "parse" (the token, as HF does).
+        `tools`: functions the model may call (leanlm.tool_calls.Tool), rendered as the server renders them; read
+        the calls back with `leanlm.tool_calls.parser_for_template(llm.tokenizer.chat_template).parse(text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conversation in conversations:
-            _, ids = encode_chat(self.tokenizer, conversation, add_generation_prompt, control_tokens)
+            template_tools = None
+            if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation):
+                conversation, template_tools = messages_for_template(
+                    conversation, list(tools or ()), self.tokenizer.chat_template
+                )
+            _, ids = encode_chat(
+                self.tokenizer, conversation, add_generation_prompt, control_tokens, tools=template_tools
+            )
             prompts.append(ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 

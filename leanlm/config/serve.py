@@ -84,6 +84,14 @@ class ServeConfig:
             "control token, as HF, vLLM and llama-server do"
         },
     )
+    tool_call_parser: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "the family whose tool calls chat replies are read for: 'hermes' (<tool_call> JSON: Qwen2.5, "
+            "Hermes, SmolLM2), 'llama3_json' or 'mistral'; default: the one the chat template teaches (hermes for a "
+            "template without tools, which is then prompted with them)"
+        },
+    )
     forwarded_allow_ips: str = dataclasses.field(
         default="",
         metadata={
@@ -157,6 +165,10 @@ class ServeConfig:
         if self.chat_control_tokens not in ("text", "reject", "parse"):
             raise ValueError(
                 f"chat_control_tokens must be 'text', 'reject' or 'parse', got {self.chat_control_tokens!r}"
+            )
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
+            raise ValueError(
+                f"tool_call_parser must be 'hermes', 'llama3_json', 'mistral' or unset, got {self.tool_call_parser!r}"
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or unset (torch's choice), got {self.threads}")

@@ -36,19 +36,26 @@ def encode_chat(
     add_generation_prompt: bool = True,
     mode: str = "text",
     max_chars: int = MAX_RENDER_CHARS,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """(the rendered prompt, its token ids) for `messages` through the model's chat template, rendered to at most
-    `max_chars` characters (ChatTemplateError beyond)."""
+    `max_chars` characters (ChatTemplateError beyond). `tools`: the template's `tools` variable (HF's shape)."""
     check_mode(mode)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, max_chars=max_chars)
+    variables = {"tools": tools} if tools is not None else {}
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, max_chars=max_chars, **variables
+    )
     pattern = tokenizer.control_token_pattern
-    found = [] if pattern is None or mode == "parse" else _control_tokens_in(messages, pattern)
+    # the tools' names, descriptions and schemas are the client's text too: scanned and masked as one more turn
+    scanned = messages + ([{"tools": tools}] if tools else [])
+    found = [] if pattern is None or mode == "parse" else _control_tokens_in(scanned, pattern)
     if not found:  # the common case: nothing to tell apart, one encode as before
         return text, tokenizer.encode(text, add_special_tokens=False)
     if mode == "reject":
         index, token = found[0]
+        where = f"message {index}" if index < len(messages) else "a tool definition"
         raise ControlTokenError(
-            f"message {index} contains the control token {token!r}, which this server refuses in messages "
+            f"{where} contains the control token {token!r}, which this server refuses in messages "
             f"(it could forge another role's turn); remove it, or start the server with --chat-control-tokens text"
         )
     # Render again with each control token in a message replaced by a marker no template emits; the marked
@@ -57,8 +64,12 @@ def encode_chat(
     tokens = list(tokenizer.control_token_text_ids)
     marker = {token: f"\ue000{nonce}:{k}\ue001" for k, token in enumerate(tokens)}
     masked = [_masked(message, pattern, marker) for message in messages]
+    if tools is not None:
+        variables = {"tools": _mask(tools, pattern, marker)}
     # Each marker is a few times longer than the token it stands for: the marked render gets that much room.
-    marked = tokenizer.apply_chat_template(masked, add_generation_prompt=add_generation_prompt, max_chars=3 * max_chars)
+    marked = tokenizer.apply_chat_template(
+        masked, add_generation_prompt=add_generation_prompt, max_chars=3 * max_chars, **variables
+    )
     ids: list[int] = []
     for k, piece in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)):
         if k % 2:  # a captured marker index
@@ -69,17 +80,34 @@ def encode_chat(
 
 
 def _control_tokens_in(messages: list[dict[str, Any]], pattern: re.Pattern) -> list[tuple[int, str]]:
-    """(message index, control token) for every message field but its role that holds a control token."""
+    """(message index, control token) for every message field but its role that holds a control token, at any depth
+    (a tool call's arguments too)."""
     found = []
     for index, message in enumerate(messages):
         for key, value in message.items():
-            if key != "role" and isinstance(value, str) and (match := pattern.search(value)):
-                found.append((index, match.group()))
+            if key != "role" and (match := _first_match(value, pattern)):
+                found.append((index, match))
     return found
 
 
+def _first_match(value: Any, pattern: re.Pattern) -> str | None:
+    if isinstance(value, str):
+        match = pattern.search(value)
+        return match.group() if match else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((m for item in items if (m := _first_match(item, pattern))), None)
+
+
 def _masked(message: dict[str, Any], pattern: re.Pattern, marker: dict[str, str]) -> dict[str, Any]:
-    return {
-        key: pattern.sub(lambda m: marker[m.group()], value) if key != "role" and isinstance(value, str) else value
-        for key, value in message.items()
-    }
+    return {key: value if key == "role" else _mask(value, pattern, marker) for key, value in message.items()}
+
+
+def _mask(value: Any, pattern: re.Pattern, marker: dict[str, str]) -> Any:
+    """Every string in value (nested dicts and lists too) with each control token replaced by its marker."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: marker[m.group()], value)
+    if isinstance(value, dict):
+        return {k: _mask(v, pattern, marker) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mask(v, pattern, marker) for v in value]
+    return value

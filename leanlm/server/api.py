@@ -200,6 +200,7 @@ def build_app(
     max_prompt_chars: int | None = None,
     max_pending_prepares: int = 64,
     chat_control_tokens: str = "text",
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app; it stops the engine loop on shutdown. On startup it runs the engine loop in a background thread,
     or, with start_engine=False, only attaches to the event loop (the caller runs `engine.run_loop()`).
@@ -214,6 +215,7 @@ def build_app(
         max_prompt_chars=max_prompt_chars,
         max_pending_prepares=max_pending_prepares,
         chat_control_tokens=chat_control_tokens,
+        tool_call_parser=tool_call_parser,
     )
     embedder = EmbeddingServing(serving, engine.engine.model_config.hidden_size)
     metrics = ServerMetrics(engine, model_names[0])

@@ -36,6 +36,7 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
         enable_docs=config.enable_docs,
         default_max_tokens=config.default_max_tokens,
         chat_control_tokens=config.chat_control_tokens,
+        tool_call_parser=config.tool_call_parser,
         max_prompt_chars=config.max_prompt_chars,
         max_pending_prepares=config.max_pending_prepares,
     )

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request schemas (pydantic, strict types) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as vLLM does, so clients that send newer parameters keep working; fields we do
-not support but that change the result (suffix, tools, ...) are refused with a 400. `best_of` samples best_of
+not support but that change the result (suffix, functions, ...) are refused with a 400. `best_of` samples best_of
 completions and returns the n with the highest mean token logprob.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import Field, StringConstraints, field_validator
 
 from leanlm.sampling_params import (
     MAX_LENGTH_PENALTY,
@@ -19,6 +19,9 @@ from leanlm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
+from leanlm.server.schema import Strict as _Strict
+from leanlm.server.tool_protocol import MAX_TOOLS, ChatTool, NamedToolChoice, ToolCallMessage
+from leanlm.tool_calls import Tool
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
@@ -63,12 +66,6 @@ class UnsupportedParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan=False: pydantic's JSON parser reads Infinity and NaN, and an infinite penalty turns a zero
-    # logit into NaN; every float field of every schema refuses them.
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -254,6 +251,18 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    def as_dict(self) -> dict[str, Any]:
+        """The turn as chat templates take it; the system-like "developer" role of newer clients is what chat
+        templates call "system"."""
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
 
     def text(self) -> str:
         if self.content is None:
@@ -276,31 +285,50 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    # The deprecated spelling of tools / tool_choice: refused the same way (ignoring them would answer a request
-    # for a function call with plain text).
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True  # may one reply make several calls
+    # The deprecated spelling of tools / tool_choice: refused (ignoring them would answer a request for a function
+    # call with plain text).
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     add_generation_prompt: bool = True  # extension, as vLLM
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        # The system-like "developer" role of newer clients is what chat templates call "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def tool_list(self) -> list[Tool]:
+        """The offered tools (checked: OpenAI's name rule, one of each name)."""
+        tools = [t.function.tool() for t in self.tools or ()]
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidParameterError("tools", f"tool names must be unique, got {names}")
+        return tools
+
+    def required_tools(self, tools: list[Tool]) -> list[Tool] | None:
+        """The tools one of which the reply must call (tool_choice "required": any; a named function: that one);
+        None when the reply may answer in text."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        if not tools:
+            raise InvalidParameterError("tool_choice", "tool_choice asks for a tool call, but the request has no tools")
+        if choice == "required":
+            return tools
+        named = [t for t in tools if t.name == choice.function.name]
+        if not named:
+            raise InvalidParameterError(
+                "tool_choice", f"tool_choice names {choice.function.name!r}, which is not one of the request's tools"
+            )
+        return named
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check_supported(self) -> None:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedParameterError(name, f"tool calling is not supported; send the request without {name}")
-        # "none" and "auto" with nothing to call change nothing; "required" or a named function ask for a call.
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none", "auto"):
-                raise UnsupportedParameterError(
-                    name, f"tool calling is not supported; send the request without {name} (or with 'none')"
-                )
+        for name, modern in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, name) not in (None, [], "none", "auto"):
+                raise UnsupportedParameterError(name, f"the deprecated {name} is not supported; send {modern} instead")
         if self.response_format is not None and self.response_format.type != "text":
             raise UnsupportedParameterError(
                 "response_format", f"response_format {self.response_format.type!r} is not supported; use 'text'"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from leanlm.engine import CompletionOutput, RequestOutput
 from leanlm.loading.tokenizer import Tokenizer
+from leanlm.tool_calls import ToolCallStreamer
 
 
 class TokenTexts:
@@ -96,6 +97,7 @@ class ChoiceCursor:
     num_chars: int = 0
     num_tokens: int = 0
     finished: bool = False
+    tools: ToolCallStreamer | None = None  # a chat read for tool calls: what of its text is calls
 
 
 def envelope(request_id: str, obj: str, model: str, created: int | None = None) -> dict:

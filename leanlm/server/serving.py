@@ -32,14 +32,16 @@ from leanlm.engine import (
 from leanlm.loading.chat_encoding import check_mode as check_control_token_mode
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.chat_template import ChatTemplateTooLongError
-from leanlm.sampling_params import SamplingParams
+from leanlm.sampling_params import SamplingParams, StructuredOutputsParams
 from leanlm.server import responses, streaming
+from leanlm.server.chat_tools import assistant_message, prepare_tools
 from leanlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LimitExceededError,
 )
 from leanlm.server.streaming import raise_if_failed
+from leanlm.tool_calls import PARSERS, ToolCallParser
 
 _T = TypeVar("_T")
 
@@ -77,6 +79,7 @@ class Job:
     # OpenAI bills them); None when every sampled completion is returned
     best_of: int | None = None
     is_beam_search: bool = False  # completions are beam hypotheses, best first
+    tool_parser: ToolCallParser | None = None  # a chat whose replies are read for tool calls: their family
     created: int = field(default_factory=lambda: int(time.time()))
 
     def abort(self) -> None:
@@ -94,8 +97,13 @@ class OpenAIServing:
         max_prompt_chars: int | None = None,
         max_pending_prepares: int = 64,
         chat_control_tokens: str = "text",
+        tool_call_parser: str | None = None,
     ) -> None:
         check_control_token_mode(chat_control_tokens)
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+        # The family whose tool calls replies are read for; None: the one the chat template teaches.
+        self.tool_call_parser = tool_call_parser
         # What control-token text in a chat message becomes: text (default), a 400 (reject), or ids (parse).
         self.chat_control_tokens = chat_control_tokens
         if default_max_tokens is not None and default_max_tokens < 1:
@@ -214,9 +222,9 @@ class OpenAIServing:
             model=request.model,
             prompts=prompts,
             params=jobs_params,
-            texts=texts,
+            prompt_texts=texts,
             n=request.n,
-            num_top=request.logprobs,
+            num_top_logprobs=request.logprobs,
             echo=request.echo,
             include_usage=request.include_usage_in_stream,
             best_of=num_samples if num_samples > request.n else None,
@@ -242,9 +250,9 @@ class OpenAIServing:
             model=request.model,
             prompts=prompts,
             params=params,
-            texts=texts,
+            prompt_texts=texts,
             n=request.n,
-            num_top=None,
+            num_top_logprobs=None,
             echo=request.echo,
             include_usage=False,
             is_beam_search=True,
@@ -255,8 +263,9 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_supported()
         self.check_admissible(1, request.n)
-        messages = request.chat_messages()
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        tools = prepare_tools(request, self.tokenizer.chat_template, self.tool_call_parser)
+        messages = tools.messages
+        self.check_prompt_chars(sum(len(m["content"] or "") for m in messages), "messages")
         try:
             text, ids = encode_chat(
                 self.tokenizer,
@@ -264,6 +273,7 @@ class OpenAIServing:
                 request.add_generation_prompt,
                 self.chat_control_tokens,
                 max_chars=self.max_prompt_chars,
+                tools=tools.template_tools,
             )
         except ChatTemplateTooLongError as e:
             raise ContextLengthError(
@@ -273,15 +283,18 @@ class OpenAIServing:
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
         params = request.sampling_params(max_tokens, num_top, None)
+        if tools.grammar is not None:  # the reply must be calls, each held to its function's schema
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=tools.grammar))
         return dict(
             prefix="chatcmpl",
+            tool_parser=tools.parser,
             is_chat=True,
             model=request.model,
             prompts=[(text, ids)],
             params=[params],
-            texts=[text],
+            prompt_texts=[text],
             n=request.n,
-            num_top=num_top,
+            num_top_logprobs=num_top,
             echo=False,
             include_usage=request.include_usage_in_stream,
         )
@@ -305,24 +318,10 @@ class OpenAIServing:
             )
         return requested
 
-    def _start(
-        self,
-        prefix,
-        is_chat,
-        model,
-        prompts,
-        params,
-        texts,
-        n,
-        num_top,
-        echo,
-        include_usage,
-        best_of: int | None = None,
-        is_beam_search: bool = False,
-        client: str | None = None,
-    ) -> Job:
+    def _start(self, prefix: str, prompts: list, params: list, client: str | None = None, **fields: Any) -> Job:
+        """Queue every prompt (all or none: a failure aborts those queued); `fields` are the Job's own."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        add = self.engine.add_beam_search if is_beam_search else self.engine.add_request
+        add = self.engine.add_beam_search if fields.get("is_beam_search") else self.engine.add_request
         streams: list[RequestStream] = []
         try:
             for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
@@ -332,7 +331,7 @@ class OpenAIServing:
             for stream in streams:  # all prompts of a request are queued, or none is
                 stream.abort()
             raise
-        return Job(request_id, is_chat, model, streams, texts, n, num_top, echo, include_usage, best_of, is_beam_search)
+        return Job(request_id, streams=streams, **fields)
 
     # -- whole responses ------------------------------------------------------------------------------
 
@@ -358,11 +357,13 @@ class OpenAIServing:
 
     def _choice(self, job: Job, prompt_idx: int, final: RequestOutput, c: CompletionOutput, index: int) -> dict:
         if job.is_chat:
+            message, calls_tools = assistant_message(c.text, job.tool_parser)
+            reason = responses.finish_reason(c)
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": responses.finish_reason(c),
+                "finish_reason": "tool_calls" if calls_tools and reason == "stop" else reason,
                 "stop_reason": c.stop_reason,
             }
             if job.num_top_logprobs is not None:

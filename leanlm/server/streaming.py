@@ -12,6 +12,7 @@ from leanlm.engine import CompletionOutput, EngineStoppedError, RequestFailedErr
 from leanlm.sampling_params import RequestOutputKind
 from leanlm.server import responses
 from leanlm.server.protocol import UnsupportedParameterError
+from leanlm.tool_calls import ToolCall, ToolCallStreamer
 
 if TYPE_CHECKING:
     from leanlm.server.serving import Job
@@ -55,6 +56,8 @@ def _delta_choices(
         cursor = cursors.get(index)
         if cursor is None:
             cursor = cursors[index] = responses.ChoiceCursor()
+            if job.tool_parser is not None:
+                cursor.tools = ToolCallStreamer(job.tool_parser)
             if job.is_chat:  # the first chunk of a chat choice carries the role
                 choices.append(
                     {
@@ -76,15 +79,33 @@ def _delta_choices(
         cursor.num_chars += len(new_text)
         cursor.num_tokens += len(new_ids)
         reason = responses.finish_reason(c)
-        if not new_text and reason is None and (job.num_top_logprobs is None or not new_ids):
+        calls = []
+        if cursor.tools is not None:  # text that may be a tool call is held back until it is known
+            new_text, calls, reason = _tool_calls(cursor.tools, new_text, reason)
+        if not new_text and not calls and reason is None and (job.num_top_logprobs is None or not new_ids):
             continue  # tokens whose text is still held back (a partial character or a stop prefix)
         choice = _delta(job, texts, index, new_text, new_ids, new_logprobs)
+        if calls:
+            first = cursor.tools.num_sent_calls - len(calls)
+            choice["delta"]["tool_calls"] = [{"index": first + k, **call.to_openai()} for k, call in enumerate(calls)]
+            choice["delta"]["content"] = new_text or None
         choice["finish_reason"] = reason
         if reason is not None:
             choice["stop_reason"] = c.stop_reason
         cursor.finished = c.finished
         choices.append(choice)
     return choices
+
+
+def _tool_calls(streamer: ToolCallStreamer, text: str, reason: str | None) -> tuple[str, list[ToolCall], str | None]:
+    """(the text to send, the calls to send, the finish reason: "tool_calls" for a reply that made calls)."""
+    text, calls = streamer.feed(text)
+    if reason is not None:
+        tail, more = streamer.finish()
+        text, calls = text + tail, calls + more
+        if streamer.has_calls and reason == "stop":
+            reason = "tool_calls"
+    return text, calls, reason
 
 
 def _delta(job: Job, texts: responses.TokenTexts, index: int, text: str, ids: list[int], lps: list) -> dict:
