@@ -19,10 +19,12 @@ elif _isa.torch_environment():
 
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
+from leanlm.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "BeamSearchParams",
     "EngineConfig",

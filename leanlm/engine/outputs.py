@@ -74,6 +74,9 @@ class ModelRunnerOutput:
     prompt_logprobs_full: list[torch.Tensor | None] | None = None
     # Per request: draft tokens proposed for the next step (speculative decoding); None when nothing proposes.
     spec_token_ids: list[list[int]] | None = None
+    # Per request: why this step failed it alone (a grammar that refused its token), or None; the scheduler finishes
+    # it with FINISHED_ERROR. None when no request failed.
+    errors: list[str | None] | None = None
 
 
 @dataclass

@@ -368,6 +368,12 @@ class Scheduler:
             if full is not None:
                 request.prompt_logprobs_full.append(full)  # same rows as the entries just recorded
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
+            error = runner_output.errors[idx] if runner_output.errors else None
+            if error is not None:
+                request.error = error
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                changed.append(request)
+                continue
             status = append_tokens(
                 request, sampled, logprobs, self.eos_token_ids, self.max_model_len, self.stop_checker
             )
