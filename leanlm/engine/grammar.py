@@ -24,9 +24,11 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else '{"type": "object"}'
+        # Any whitespace unless disabled; a schema's own "x-guidance" options may narrow it, never widen a disable.
         options = {"whitespace_flexible": not spec.disable_any_whitespace}
+        where = "overrides" if spec.disable_any_whitespace else "defaults"
         try:
-            return matcher.grammar_from_json_schema(schema, overrides=options)
+            return matcher.grammar_from_json_schema(schema, **{where: options})
         except ValueError as exc:
             raise ValueError(f"structured_outputs json is not a valid JSON schema: {exc}") from None
     if kind == "regex":

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as vLLM does, so clients that send newer parameters keep working; fields we do
 not support but that change the result (suffix, tools, ...) are refused with a 400. `best_of` samples best_of
-completions and returns the n with the highest mean token logprob.
+completions and returns the n with the highest mean token logprob. Structured output comes from OpenAI's
+`response_format` (json_object, json_schema) or vLLM's `structured_outputs` body field (and its older `guided_*` names).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from leanlm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
+from leanlm.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
@@ -35,6 +37,10 @@ MAX_STOP_TOKEN_IDS = 256  # stop_token_ids entries
 # one-token prompts is refused after the JSON parse instead of after 50 s of tokenizing.
 MAX_PROMPTS = 1024
 MAX_MESSAGES = 2048  # as OpenAI's chat API
+# Characters of a structured output spec (a JSON schema as compact JSON, a regex, a grammar, the choices together):
+# compiling one costs the prepare thread time and memory that grow with it; real schemas and tool grammars are a few KB.
+MAX_STRUCTURED_OUTPUT_CHARS = 64 << 10
+MAX_CHOICES = 1024  # strings of a `choice` spec
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
@@ -75,6 +81,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute: stored as schema_, read and written as "schema"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # we always follow the schema strictly
+
+
+class ResponseFormat(_Strict):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of the formats (StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    jump_forward: bool = True  # our extension: off only to measure what jump-forward decoding saves
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints: the OpenAI ones, then our (vLLM-named) extensions."""
 
@@ -102,6 +135,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     # static task routing on a mixture-of-experts model: only these experts serve the request (SamplingParams.experts)
     experts: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_EXPERTS)] | None = None
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs, or its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -149,10 +189,58 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=logit_bias,
             experts=None if self.experts is None else tuple(self.experts),
+            structured_outputs=self.structured_outputs_params(),
             # Increments: a stream sends them as they come, and a whole response is merged from them once, so a
             # long or slowly read request costs O(its text), not a copy of everything so far per step.
             output_kind=RequestOutputKind.DELTA,
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured output spec the request names, or None. A 400 when it names several, when the spec is
+        malformed or over MAX_STRUCTURED_OUTPUT_CHARS; whether it compiles is the engine's check (add_request)."""
+        specs: dict[str, dict] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            specs["response_format"] = _response_format_spec(fmt)
+        if self.structured_outputs is not None:
+            body = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            specs["structured_outputs"] = {k: v for k, v in body.items() if not (k == "json_object" and not v)}
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                specs[name] = {name.removeprefix("guided_"): getattr(self, name)}
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise InvalidParameterError(
+                list(specs)[1], f"give one structured output format; this request names {', '.join(specs)}"
+            )
+        ((param, fields),) = specs.items()
+        try:
+            params = StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as exc:
+            raise InvalidParameterError(param, str(exc)) from None
+        if params.num_spec_chars > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise LimitExceededError(
+                param,
+                f"the structured output spec has {params.num_spec_chars} characters; at most "
+                f"{MAX_STRUCTURED_OUTPUT_CHARS} are allowed",
+            )
+        return params
+
+
+def _response_format_spec(fmt: ResponseFormat) -> dict:
+    """OpenAI's response_format as StructuredOutputsParams fields."""
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidParameterError(
+                "response_format", "response_format json_schema needs json_schema: {name, schema: {...}}"
+            )
+        return {"json": fmt.json_schema.schema_}
+    raise UnsupportedParameterError(
+        "response_format", f"response_format {fmt.type!r} is not supported; use 'text', 'json_object' or 'json_schema'"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -232,6 +320,7 @@ class CompletionRequest(_SamplingFields):
             "frequency_penalty": self.frequency_penalty != 0,
             "repetition_penalty": self.repetition_penalty != 1,
             "min_tokens": self.min_tokens != 0,
+            "structured_outputs": self.structured_outputs_params() is not None,
         }
         for param, is_set in refused.items():
             if is_set:
@@ -263,10 +352,6 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -275,7 +360,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     # The deprecated spelling of tools / tool_choice: refused the same way (ignoring them would answer a request
@@ -301,9 +385,5 @@ class ChatCompletionRequest(_SamplingFields):
                 raise UnsupportedParameterError(
                     name, f"tool calling is not supported; send the request without {name} (or with 'none')"
                 )
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedParameterError(
-                "response_format", f"response_format {self.response_format.type!r} is not supported; use 'text'"
-            )
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs: true")
