@@ -20,11 +20,13 @@ elif _isa.torch_environment():
 from leanlm.config import EngineConfig, ModelConfig
 from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import RequestOutputKind, SamplingParams
+from leanlm.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "PoolingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "BeamSearchParams",
     "EngineConfig",

@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from leanlm.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this sample greedily (dividing logits by ~0 would overflow); vLLM uses the same cut.
 GREEDY_TEMPERATURE_EPS = 1e-5
 # The repetition penalty divides positive logits and multiplies negative ones in float32: far from 1 it makes a
@@ -62,6 +64,8 @@ class SamplingParams:
     # static task routing (Kudugunta et al. 2021): a mixture-of-experts model routes this request's tokens only among
     # these experts, in every MoE layer, so only their weights are read for it; None: all experts
     experts: tuple[int, ...] | None = None
+    # structured output: the format (JSON schema, regex, choice, grammar) every sampled token is masked to; None: free
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +135,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+            )
         if self.full_prompt_logprobs and self.prompt_logprobs is None:
             raise ValueError("full_prompt_logprobs needs prompt_logprobs set too (0 is enough)")
         for name in ("logprobs", "prompt_logprobs"):

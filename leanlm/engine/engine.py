@@ -18,6 +18,7 @@ from leanlm.config.long_context import STREAMING_CONTEXT
 from leanlm.engine.block_pool import BlockPool
 from leanlm.engine.early_exit import EarlyExitStats
 from leanlm.engine.executor import IsolatingExecutor
+from leanlm.engine.grammar import GrammarCompiler
 from leanlm.engine.kv_budget import KVBudget
 from leanlm.engine.kv_cache import KVCacheManager, KVRetention
 from leanlm.engine.layout import EngineLayout
@@ -91,6 +92,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer.eos_token_ids))
         self.eos_token_ids = eos_ids
+        # structured output: compiles each request's format (cached by spec) against this tokenizer, on first use
+        self.grammar_compiler = GrammarCompiler(tokenizer, self.model_config.vocab_size, eos_ids)
         self.scheduler = Scheduler(
             engine_config,
             self.kv_cache_manager,
@@ -166,6 +169,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if params.experts is not None:
             self._validate_experts(params.experts)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.matcher(params.structured_outputs)  # ValueError when it does not compile (cached)
 
     def _validate_pooling(self) -> None:
         """Embeddings read the final hidden states of the whole model: refused where a step does not end there."""
@@ -216,6 +221,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            for child in children:  # each completion follows the format on its own (a copy of the cached matcher)
+                child.grammar = self.grammar_compiler.matcher(params.structured_outputs)
         self.output_processor.add(request_id, prompt_text, children)
         if len(children) > 1 and params.prompt_logprobs is None and not self._is_budgeted(children[0]):
             # Parallel sampling: one prompt computation, its KV blocks shared copy-on-write by all n (not under a

@@ -71,4 +71,7 @@ class IsolatingExecutor:
             merged.logprobs[idx] = out.logprobs[0] if out.logprobs else None
             merged.prompt_logprobs[idx] = out.prompt_logprobs[0] if out.prompt_logprobs else None
             merged.prompt_logprobs_full[idx] = out.prompt_logprobs_full[0] if out.prompt_logprobs_full else None
+            if out.errors and out.errors[0] is not None:
+                merged.errors = merged.errors or [None] * num_requests
+                merged.errors[idx] = out.errors[0]
         return merged

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -23,6 +24,7 @@ from leanlm.engine.request import Request
 from leanlm.engine.sampler import Sampler, SamplingMetadata, gather_logprobs, logprobs_to_dicts
 from leanlm.engine.spec_decode import SpecDecoder
 from leanlm.engine.step_plan import PromptRows, StepOutput, StepPlan, plan_step, split_microbatches
+from leanlm.engine.structured_output import GrammarMask, StructuredOutput
 from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.attention_pattern import StepPatterns
 from leanlm.model.context import ForwardContext, build_forward_context, forward_context
@@ -106,6 +108,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec_decoder = self._spec_decoder(engine_config, draft_model, max_model_len)
+        self.structured_output = StructuredOutput(self.config.vocab_size, max_model_len)  # grammar masks, jump-forward
         exits = engine_config.early_exit
         self.early_exit = EarlyExit(model, exits) if exits is not None else None  # CALM, decode steps only
         # plans -> their outputs (logits [R, V], pooled rows) each: this process's forwards, or (leanlm.parallel) the
@@ -146,23 +149,28 @@ class ModelRunner:
         # one part, or (pipeline parallelism) micro-batches of consecutive requests, in flight together
         parts = split_microbatches(scheduler_output, self.num_microbatches)
         planned = [plan_step(part, self.device) for part in parts]
+        # constrained rows' token masks, computed in a thread while the forward runs (None: no row is constrained)
+        masks = [self._start_masks(part, step.sample_rows) for part, step in zip(parts, planned)]
         outputs = self.step_forward([p.plan for p in planned])
         sampled: list[list[int]] = []
         logprobs: list[list[dict[int, float]] | None] = []
         pooled: list[torch.Tensor | None] = []
+        errors: list[str | None] = []
         scored = []
-        for part, step, output in zip(parts, planned, outputs):
+        for part, step, output, mask in zip(parts, planned, outputs, masks):
             part_logits = output.logits  # [R, V] in the model's dtype
             part_sampled: list[list[int]] = [[] for _ in part.scheduled_requests]
             part_logprobs: list[list[dict[int, float]] | None] = [None] * len(part.scheduled_requests)
+            part_errors: list[str | None] = [None] * len(part.scheduled_requests)
             if step.sample_rows:
                 # [rows, V] in the model's dtype: the sampler copies to float32 only where it edits or normalizes
                 # (a fresh [64, 49152] float32 copy took 2-10 ms a step, mostly page faults on new memory)
                 sample_logits = part_logits[: step.plan.num_sample_rows]
-                self._sample(part, step.sample_rows, sample_logits, part_sampled, part_logprobs)
+                self._sample(part, step.sample_rows, sample_logits, part_sampled, part_logprobs, mask, part_errors)
             sampled += part_sampled
             logprobs += part_logprobs
             pooled += _pooled_per_request(len(part.scheduled_requests), step.pool_requests, output.pooled)
+            errors += part_errors
             prompt_logits = part_logits[step.plan.num_sample_rows :]
             scored += _prompt_logprobs(part.scheduled_requests, step.prompt_rows, prompt_logits)
         prompt_logprobs = [entries for entries, _ in scored]
@@ -171,8 +179,22 @@ class ModelRunner:
         if self.spec_decoder is not None:
             self.spec_decoder.forget(scheduler_output.finished_request_ids)
             spec_token_ids = self.spec_decoder.propose(requests, sampled, scheduler_output.block_ids)
+            self.structured_output.trim_drafts(requests, spec_token_ids)
         pooled_out = pooled if any(p is not None for p in pooled) else None
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, prompt_logprobs_full, spec_token_ids, pooled_out)
+        return ModelRunnerOutput(
+            sampled,
+            logprobs,
+            prompt_logprobs,
+            prompt_logprobs_full,
+            spec_token_ids,
+            pooled_out,
+            errors if any(errors) else None,
+        )
+
+    def _start_masks(self, so: SchedulerOutput, sample_rows: list[int]) -> Future[GrammarMask] | None:
+        requests = [so.scheduled_requests[i] for i in sample_rows]
+        drafts = [so.spec_token_ids[i] if so.spec_token_ids else [] for i in sample_rows]
+        return self.structured_output.start_masks(requests, drafts)
 
     def forward_all(self, plans: list[StepPlan]) -> list[StepOutput]:
         """The plans' forwards, one after the other, on this process alone."""
@@ -221,9 +243,12 @@ class ModelRunner:
         logits: torch.Tensor,
         sampled: list[list[int]],
         logprobs: list[list[dict[int, float]] | None],
+        mask: Future[GrammarMask] | None = None,
+        errors: list[str | None] | None = None,
     ) -> None:
         """Fill `sampled` and `logprobs` for the sampling requests from their logit rows: one token each, or,
-        in a step that verifies drafts, the accepted drafts plus one token each."""
+        in a step that verifies drafts, the accepted drafts plus one token each. Constrained requests sample under
+        their grammar's `mask`, then add the tokens it forces (or their `errors` entry says why the grammar failed)."""
         sample_reqs = [so.scheduled_requests[i] for i in sample_rows]
         drafts = [so.spec_token_ids[i] if so.spec_token_ids else [] for i in sample_rows]
         rows_per_req = [len(d) + 1 for d in drafts]
@@ -231,6 +256,9 @@ class ModelRunner:
         metadata = SamplingMetadata.from_requests(
             row_reqs, self.config.vocab_size, self.device, self.config.eos_token_ids
         )
+        if mask is not None:
+            grammar = mask.result()  # the forward ran meanwhile
+            metadata.grammar_rows, metadata.grammar_banned = grammar.rows, grammar.banned
         if len(row_reqs) == len(sample_reqs):  # no drafts: one row per request
             out = self.sampler(logits, metadata)
             token_ids = [[t] for t in out.sampled_token_ids.tolist()]
@@ -249,6 +277,13 @@ class ModelRunner:
             if lp_dicts is not None and sample_reqs[j].sampling_params.logprobs is not None:
                 logprobs[row] = lp_dicts[first_row : first_row + len(token_ids[j])]
             first_row += rows_per_req[j]
+        if mask is not None:
+            advance = self.structured_output.advance(sample_reqs, token_ids, [bool(d) for d in drafts])
+            for j, row in enumerate(sample_rows):
+                errors[row] = advance.errors[j]
+                if advance.num_forced[j] and logprobs[row] is not None:
+                    # forced tokens ran no forward of their own: logprob 0, the one continuation the grammar allows
+                    logprobs[row] += [{t: 0.0} for t in token_ids[j][-advance.num_forced[j] :]]
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """KV (and 8-bit scales) of block src into block dst, in every layer, for each (src, dst) pair."""

@@ -77,6 +77,9 @@ class ModelRunnerOutput:
     # per request, the pooled final hidden row(s) [hidden] float32 CPU of an embedding request's chunk (the sum of its
     # rows, or its last row); None for the others, or for all when no embedding request pooled this step
     pooled: list[torch.Tensor | None] | None = None
+    # Per request: why this step failed it alone (a grammar that refused its token), or None; the scheduler finishes
+    # it with FINISHED_ERROR. None when no request failed.
+    errors: list[str | None] | None = None
 
     def prompt_logprobs_of(self, idx: int) -> tuple[list[dict[int, float] | None] | None, torch.Tensor | None]:
         """Request idx's prompt logprob entries and full log-softmax rows from this step (each None if none)."""

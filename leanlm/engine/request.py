@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +80,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it failed, when status is FINISHED_ERROR
+        # Structured output: the grammar matcher, in the state after every output token (engine/structured_output.py);
+        # set by the engine when the request is added, None for a free request.
+        self.grammar: LLMatcher | None = None
         # Once finished by a stop or length condition, keep the KV blocks for forks (beam search) until
         # Scheduler.release_kv; aborted and failed requests free them anyway.
         self.keeps_kv = keeps_kv

@@ -1,8 +1,8 @@
 """Batched sampler: logits [B, V] + SamplingMetadata -> one token per row, plus logprobs of the raw model
-distribution. Min-tokens mask, OpenAI logit bias, penalties (CTRL repetition, OpenAI presence/frequency), greedy,
-temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows sample by inverse CDF
-(one uniform per row against the running mass), which draws exactly from p and lets seeded rows use their own
-generator."""
+distribution. Min-tokens mask, OpenAI logit bias, penalties (CTRL repetition, OpenAI presence/frequency), a grammar's
+token mask (structured output), greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p; random rows
+sample by inverse CDF (one uniform per row against the running mass), which draws exactly from p and lets seeded rows
+use their own generator."""
 
 from __future__ import annotations
 
@@ -38,8 +38,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.max_num_logprobs is None and is_plain_greedy(metadata):
             # argmax is the same on the raw logits (bf16 -> float32 is exact and monotone, ties go to the
-            # first index either way): skip the [B, V] float32 copy, 2-10 ms of a 64-row step
-            return SamplerOutput(sampled_token_ids=cpu_rows.argmax(logits), logprobs=None)
+            # first index either way): skip the [B, V] float32 copy, 2-10 ms of a 64-row step. Grammar rows alone
+            # take the argmax of their masked logits.
+            sampled = cpu_rows.argmax(logits)
+            if metadata.grammar_rows is not None:
+                sampled[metadata.grammar_rows] = masked_argmax(logits[metadata.grammar_rows], metadata.grammar_banned)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs=None)
         if metadata.max_num_logprobs is None and is_sparse_greedy(metadata):
             # greedy under a few edited ids (logit_bias, min-tokens): the same tokens without the [B, V] copy
             return SamplerOutput(sampled_token_ids=sparse_greedy(logits, metadata), logprobs=None)
@@ -73,8 +77,13 @@ def is_plain_greedy(metadata: SamplingMetadata) -> bool:
 
 
 def is_sparse_greedy(metadata: SamplingMetadata) -> bool:
-    """Every row greedy, and only logit_bias and min-tokens edit the logits: a few ids per row."""
-    return metadata.all_greedy and metadata.no_penalties
+    """Every row greedy, and only logit_bias and min-tokens edit the logits: a few ids per row (no grammar's mask)."""
+    return metadata.all_greedy and metadata.no_penalties and metadata.grammar_rows is None
+
+
+def masked_argmax(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """argmax [M] of logits [M, V] over the tokens not banned [M, V] bool (float32 copy of these rows only)."""
+    return logits.float().masked_fill_(banned, float("-inf")).argmax(dim=-1)
 
 
 def sparse_greedy(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -122,11 +131,21 @@ def _edited_columns(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[t
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Raw logits -> the logits the rows sample from: a float32 copy with min-tokens, logit bias and penalties."""
+    """Raw logits -> the logits the rows sample from: a float32 copy with min-tokens, logit bias, penalties and the
+    grammar's mask (last: -inf stays -inf whatever the penalties do, and nothing after it can revive a token)."""
     logits = logits.to(dtype=torch.float32, copy=True)  # [B, V]
     apply_min_tokens(logits, metadata)
     apply_logit_bias(logits, metadata)
-    return apply_penalties(logits, metadata)
+    logits = apply_penalties(logits, metadata)
+    apply_grammar(logits, metadata)
+    return logits
+
+
+def apply_grammar(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: -inf where a constrained row's grammar forbids the token."""
+    if metadata.grammar_rows is not None:
+        rows = metadata.grammar_rows
+        logits[rows] = logits[rows].masked_fill_(metadata.grammar_banned, float("-inf"))
 
 
 def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

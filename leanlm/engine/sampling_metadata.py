@@ -38,6 +38,10 @@ class SamplingMetadata:
     logit_bias_values: torch.Tensor | None  # [M] float32
     generators: dict[int, torch.Generator]  # row -> generator, for seeded random rows only
     max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs; None when no row asks
+    # Structured output (engine/structured_output.py): the rows a grammar constrains and the tokens it forbids there,
+    # set by the runner once the step's masks are ready; None when no row is constrained.
+    grammar_rows: torch.Tensor | None = None  # [M] long
+    grammar_banned: torch.Tensor | None = None  # [M, V] bool
 
     @classmethod
     def from_requests(

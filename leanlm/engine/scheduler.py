@@ -1,10 +1,8 @@
-"""Scheduler: vLLM v1's single rule. Each step hands a token budget to running requests first, then to
-waiting ones after a prefix-cache lookup; chunked prefill and decode are the same case with different
-counts. When blocks run out, the newest running request is preempted: swapped out to host memory (Swapper) or
-recomputed later, whichever is estimated cheaper (EngineConfig.preemption_mode).
-
-The scheduler is the only writer of Request.num_computed_tokens. Shared KV (held blocks, sampling groups)
-is its collaborator SharedKV; whether a request stops is the function check_stop."""
+"""Scheduler: vLLM v1's single rule. Each step hands a token budget to running requests first, then to waiting ones
+after a prefix-cache lookup; chunked prefill and decode are the same case with different counts. When blocks run out,
+the newest running request is preempted: swapped out to host memory (Swapper) or recomputed later, whichever is
+estimated cheaper (EngineConfig.preemption_mode). The scheduler is the only writer of Request.num_computed_tokens.
+Shared KV (held blocks, sampling groups) is its collaborator SharedKV; whether a request stops is check_stop's call."""
 
 from __future__ import annotations
 
@@ -368,8 +366,9 @@ class Scheduler:
             request.num_accepted_tokens += num_drafts - num_rejected
             request.add_prompt_logprobs(*runner_output.prompt_logprobs_of(idx))
             logprobs = runner_output.logprobs[idx] if runner_output.logprobs else None
+            error = runner_output.errors[idx] if runner_output.errors else None  # the step failed it alone
             status = append_tokens(
-                request, sampled, logprobs, self.eos_token_ids, self.max_model_len, self.stop_checker
+                request, sampled, logprobs, self.eos_token_ids, self.max_model_len, self.stop_checker, error
             )
             finished = status is not None
             if finished:

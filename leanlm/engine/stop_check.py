@@ -44,10 +44,14 @@ def append_tokens(
     eos_token_ids: frozenset[int],
     max_model_len: int,
     stop_checker: StopChecker | None = None,
+    error: str | None = None,  # why the step failed this request alone (its grammar refused a token): nothing appended
 ) -> RequestStatus | None:
     """Append sampled tokens one by one (with their logprobs and times), stopping at the first stop condition.
     Returns the status the request finishes with (its stop_reason or error set), or None while it goes on; tokens
     after a stop (speculative ones) are dropped."""
+    if error is not None:
+        request.error = error
+        return RequestStatus.FINISHED_ERROR
     for token_idx, token_id in enumerate(token_ids):
         request.append_output_token_ids(token_id)
         if logprobs is not None:

@@ -20,11 +20,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leanlm.engine import AsyncLLMEngine
-from leanlm.server.embeddings import EmbeddingJob, EmbeddingServing
+from leanlm.server.embeddings import EmbeddingJob, EmbeddingRequest, EmbeddingServing
 from leanlm.server.errors import error_response
 from leanlm.server.errors import map_exception as _map_exception
 from leanlm.server.metrics import ServerMetrics
-from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from leanlm.server.protocol import ChatCompletionRequest, CompletionRequest
 from leanlm.server.serving import Job, OpenAIServing
 
 

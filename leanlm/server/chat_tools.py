@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leanlm.server.protocol import ChatCompletionRequest
-from leanlm.tool_calls import PARSERS, ToolCallParser, messages_for_template, parser_for_template, required_call_grammar
+from leanlm.server.protocol import ChatCompletionRequest, InvalidParameterError
+from leanlm.tool_calls import (
+    PARSERS,
+    Tool,
+    ToolCallParser,
+    messages_for_template,
+    parser_for_template,
+    required_call_grammar,
+)
 from leanlm.tool_calls.prompt import template_knows_tools
 
 
@@ -21,7 +28,8 @@ class ChatTools:
 
 def prepare_tools(request: ChatCompletionRequest, template: str | None, parser_name: str | None) -> ChatTools:
     """`parser_name` is the server's --tool-call-parser (None: the family the template teaches)."""
-    tools = request.tool_list()
+    tools = tool_list(request)
+    required = required_tools(request, tools)
     messages = request.chat_messages()
     has_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not tools and not has_history:
@@ -29,10 +37,36 @@ def prepare_tools(request: ChatCompletionRequest, template: str | None, parser_n
     messages, template_tools = messages_for_template(messages, tools, template)
     knows_tools = template_knows_tools(template)
     parser = PARSERS[parser_name] if parser_name else parser_for_template(template if knows_tools else None)
-    required = request.required_tools(tools)
     grammar = required_call_grammar(parser, required, request.parallel_tool_calls) if required else None
     reads_calls = bool(tools) and request.tool_choice != "none"
     return ChatTools(messages, template_tools, parser if reads_calls else None, grammar)
+
+
+def tool_list(request: ChatCompletionRequest) -> list[Tool]:
+    """The offered tools (checked: OpenAI's name rule, one of each name)."""
+    tools = [t.function.tool() for t in request.tools or ()]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidParameterError("tools", f"tool names must be unique, got {names}")
+    return tools
+
+
+def required_tools(request: ChatCompletionRequest, tools: list[Tool]) -> list[Tool] | None:
+    """The tools one of which the reply must call (tool_choice "required": any; a named function: that one); None
+    when the reply may answer in text."""
+    choice = request.tool_choice
+    if choice in (None, "none", "auto"):
+        return None
+    if not tools:
+        raise InvalidParameterError("tool_choice", "tool_choice asks for a tool call, but the request has no tools")
+    if choice == "required":
+        return tools
+    named = [t for t in tools if t.name == choice.function.name]
+    if not named:
+        raise InvalidParameterError(
+            "tool_choice", f"tool_choice names {choice.function.name!r}, which is not one of the request's tools"
+        )
+    return named
 
 
 def assistant_message(text: str, parser: ToolCallParser | None) -> tuple[dict[str, Any], bool]:

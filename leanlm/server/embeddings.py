@@ -8,12 +8,43 @@ import base64
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field
 
 from leanlm.engine import RequestStream
 from leanlm.pooling_params import PoolingParams
-from leanlm.server.protocol import EmbeddingRequest, InvalidParameterError
+from leanlm.server.protocol import MAX_PROMPTS, InvalidParameterError, LimitExceededError
+from leanlm.server.schema import Strict
 from leanlm.server.serving import ContextLengthError, OpenAIServing
 from leanlm.server.streaming import raise_if_failed
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings (OpenAI's shape; `pooling` and `normalize` are extensions, as vLLM's)."""
+
+    model: str
+    # one text, texts, one prompt as token ids, or prompts as token ids (OpenAI accepts all four)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    pooling: Literal["last", "mean"] = "last"  # extension: the last token's hidden state, or the mean of all
+    normalize: bool = True  # extension: unit L2 norm (OpenAI's embeddings are normalized)
+    stream: Literal[False] = False  # embeddings come whole
+
+    def inputs(self) -> list[str | list[int]]:
+        """The prompts, each a text or token ids; refuses an empty input (nothing to embed)."""
+        value = self.input
+        if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+            items = [value]
+        else:
+            items = list(value)
+        if not items or any(len(item) == 0 for item in items):
+            raise InvalidParameterError("input", "input must be a non-empty text or token list (or a list of them)")
+        if len(items) > MAX_PROMPTS:
+            raise LimitExceededError("input", f"input has {len(items)} items; send at most {MAX_PROMPTS} per request")
+        return items
 
 
 @dataclass

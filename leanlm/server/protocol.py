@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as vLLM does, so clients that send newer parameters keep working; fields we do
 not support but that change the result (suffix, functions, ...) are refused with a 400. `best_of` samples best_of
-completions and returns the n with the highest mean token logprob.
+completions and returns the n with the highest mean token logprob. Structured output comes from OpenAI's
+`response_format` (json_object, json_schema) or vLLM's `structured_outputs` body field (and its older `guided_*` names).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from leanlm.sampling_params import (
 )
 from leanlm.server.schema import Strict as _Strict
 from leanlm.server.tool_protocol import MAX_TOOLS, ChatTool, NamedToolChoice, ToolCallMessage
-from leanlm.tool_calls import Tool
+from leanlm.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
@@ -38,6 +39,10 @@ MAX_STOP_TOKEN_IDS = 256  # stop_token_ids entries
 # one-token prompts is refused after the JSON parse instead of after 50 s of tokenizing.
 MAX_PROMPTS = 1024
 MAX_MESSAGES = 2048  # as OpenAI's chat API
+# Characters of a structured output spec (a JSON schema as compact JSON, a regex, a grammar, the choices together):
+# compiling one costs the prepare thread time and memory that grow with it; real schemas and tool grammars are a few KB.
+MAX_STRUCTURED_OUTPUT_CHARS = 64 << 10
+MAX_CHOICES = 1024  # strings of a `choice` spec
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
@@ -72,6 +77,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute: stored as schema_, read and written as "schema"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # we always follow the schema strictly
+
+
+class ResponseFormat(_Strict):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of the formats (StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    jump_forward: bool = True  # our extension: off only to measure what jump-forward decoding saves
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints: the OpenAI ones, then our (vLLM-named) extensions."""
 
@@ -99,6 +131,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     # static task routing on a mixture-of-experts model: only these experts serve the request (SamplingParams.experts)
     experts: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_EXPERTS)] | None = None
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs, or its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -146,10 +185,58 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=logit_bias,
             experts=None if self.experts is None else tuple(self.experts),
+            structured_outputs=self.structured_outputs_params(),
             # Increments: a stream sends them as they come, and a whole response is merged from them once, so a
             # long or slowly read request costs O(its text), not a copy of everything so far per step.
             output_kind=RequestOutputKind.DELTA,
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured output spec the request names, or None. A 400 when it names several, when the spec is
+        malformed or over MAX_STRUCTURED_OUTPUT_CHARS; whether it compiles is the engine's check (add_request)."""
+        specs: dict[str, dict] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            specs["response_format"] = _response_format_spec(fmt)
+        if self.structured_outputs is not None:
+            body = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            specs["structured_outputs"] = {k: v for k, v in body.items() if not (k == "json_object" and not v)}
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                specs[name] = {name.removeprefix("guided_"): getattr(self, name)}
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise InvalidParameterError(
+                list(specs)[1], f"give one structured output format; this request names {', '.join(specs)}"
+            )
+        ((param, fields),) = specs.items()
+        try:
+            params = StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as exc:
+            raise InvalidParameterError(param, str(exc)) from None
+        if params.num_spec_chars > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise LimitExceededError(
+                param,
+                f"the structured output spec has {params.num_spec_chars} characters; at most "
+                f"{MAX_STRUCTURED_OUTPUT_CHARS} are allowed",
+            )
+        return params
+
+
+def _response_format_spec(fmt: ResponseFormat) -> dict:
+    """OpenAI's response_format as StructuredOutputsParams fields."""
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidParameterError(
+                "response_format", "response_format json_schema needs json_schema: {name, schema: {...}}"
+            )
+        return {"json": fmt.json_schema.schema_}
+    raise UnsupportedParameterError(
+        "response_format", f"response_format {fmt.type!r} is not supported; use 'text', 'json_object' or 'json_schema'"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -229,6 +316,7 @@ class CompletionRequest(_SamplingFields):
             "frequency_penalty": self.frequency_penalty != 0,
             "repetition_penalty": self.repetition_penalty != 1,
             "min_tokens": self.min_tokens != 0,
+            "structured_outputs": self.structured_outputs_params() is not None,
         }
         for param, is_set in refused.items():
             if is_set:
@@ -272,10 +360,6 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -284,7 +368,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool = True  # may one reply make several calls
@@ -297,31 +380,6 @@ class ChatCompletionRequest(_SamplingFields):
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages]
 
-    def tool_list(self) -> list[Tool]:
-        """The offered tools (checked: OpenAI's name rule, one of each name)."""
-        tools = [t.function.tool() for t in self.tools or ()]
-        names = [t.name for t in tools]
-        if len(set(names)) != len(names):
-            raise InvalidParameterError("tools", f"tool names must be unique, got {names}")
-        return tools
-
-    def required_tools(self, tools: list[Tool]) -> list[Tool] | None:
-        """The tools one of which the reply must call (tool_choice "required": any; a named function: that one);
-        None when the reply may answer in text."""
-        choice = self.tool_choice
-        if choice in (None, "none", "auto"):
-            return None
-        if not tools:
-            raise InvalidParameterError("tool_choice", "tool_choice asks for a tool call, but the request has no tools")
-        if choice == "required":
-            return tools
-        named = [t for t in tools if t.name == choice.function.name]
-        if not named:
-            raise InvalidParameterError(
-                "tool_choice", f"tool_choice names {choice.function.name!r}, which is not one of the request's tools"
-            )
-        return named
-
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -329,36 +387,5 @@ class ChatCompletionRequest(_SamplingFields):
         for name, modern in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, name) not in (None, [], "none", "auto"):
                 raise UnsupportedParameterError(name, f"the deprecated {name} is not supported; send {modern} instead")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedParameterError(
-                "response_format", f"response_format {self.response_format.type!r} is not supported; use 'text'"
-            )
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs: true")
-
-
-class EmbeddingRequest(_Strict):
-    """POST /v1/embeddings (OpenAI's shape; `pooling` and `normalize` are extensions, as vLLM's)."""
-
-    model: str
-    # one text, texts, one prompt as token ids, or prompts as token ids (OpenAI accepts all four)
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    pooling: Literal["last", "mean"] = "last"  # extension: the last token's hidden state, or the mean of all
-    normalize: bool = True  # extension: unit L2 norm (OpenAI's embeddings are normalized)
-    stream: Literal[False] = False  # embeddings come whole
-
-    def inputs(self) -> list[str | list[int]]:
-        """The prompts, each a text or token ids; refuses an empty input (nothing to embed)."""
-        value = self.input
-        if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
-            items = [value]
-        else:
-            items = list(value)
-        if not items or any(len(item) == 0 for item in items):
-            raise InvalidParameterError("input", "input must be a non-empty text or token list (or a list of them)")
-        if len(items) > MAX_PROMPTS:
-            raise LimitExceededError("input", f"input has {len(items)} items; send at most {MAX_PROMPTS} per request")
-        return items

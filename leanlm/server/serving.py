@@ -32,15 +32,17 @@ from leanlm.engine import (
 from leanlm.loading.chat_encoding import check_mode as check_control_token_mode
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.chat_template import ChatTemplateTooLongError
-from leanlm.sampling_params import SamplingParams, StructuredOutputsParams
+from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses, streaming
 from leanlm.server.chat_tools import assistant_message, prepare_tools
 from leanlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    InvalidParameterError,
     LimitExceededError,
 )
 from leanlm.server.streaming import raise_if_failed
+from leanlm.structured_outputs import StructuredOutputsParams
 from leanlm.tool_calls import PARSERS, ToolCallParser
 
 _T = TypeVar("_T")
@@ -284,6 +286,10 @@ class OpenAIServing:
         max_tokens = self._max_tokens(len(ids), request.requested_max_tokens(), "max_completion_tokens")
         params = request.sampling_params(max_tokens, num_top, None)
         if tools.grammar is not None:  # the reply must be calls, each held to its function's schema
+            if params.structured_outputs is not None:
+                raise InvalidParameterError(
+                    "tool_choice", "a required tool call constrains the reply already; drop response_format"
+                )
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=tools.grammar))
         return dict(
             prefix="chatcmpl",

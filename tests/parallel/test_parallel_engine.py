@@ -1,6 +1,6 @@
 """Tensor x pipeline parallel engines on local gloo processes give the one-process engine's greedy tokens and
-logprobs (float32), and its embeddings, for a dense, an int4 and a 2:4 checkpoint of a tiny model whose 6 heads in 3 KV groups split
-unevenly over 2 ranks, and whose 3 layers split 2 + 1 over 2 stages."""
+logprobs (float32), and its embeddings, for a dense, an int4 and a 2:4 checkpoint of a tiny model whose 6 heads in
+3 KV groups split unevenly over 2 ranks, and whose 3 layers split 2 + 1 over 2 stages."""
 
 from __future__ import annotations
 

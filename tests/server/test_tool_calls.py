@@ -145,6 +145,7 @@ def test_tool_refusals_are_openai_errors(openai_client):
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
             openai_client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **extra)
+            pytest.fail(f"not refused: {extra}")
         assert err.value.body["type"] == "invalid_request_error"
         if param is not None:
             assert err.value.body["param"] == param, err.value.body
