@@ -341,6 +341,10 @@ def build_front_app(front: Front, config: ServeConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "/v1/chat/completions")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await proxy(request, "/v1/embeddings")  # no prompt to key: the least loaded replica
+
     return app
 
 

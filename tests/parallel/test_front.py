@@ -388,6 +388,8 @@ def test_chat_completion_and_streams_pass_through(client):
         model=model, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True
     )
     assert "".join(choice.text for p in pieces for choice in p.choices) == completion.choices[0].text
+    embedded = client.embeddings.create(model=model, input=["one", "two"])  # routed like any request
+    assert [len(d.embedding) for d in embedded.data] == [576, 576] and embedded.usage.prompt_tokens == 2
 
 
 @pytest.mark.real_model
