@@ -25,6 +25,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutputKind",
     "BeamSearchParams",
+    "LoRARequest",
     "EngineConfig",
     "ModelConfig",
     "RequestOutput",
@@ -43,6 +44,10 @@ def __getattr__(name: str):
         from leanlm import llm
 
         return getattr(llm, name)
+    if name == "LoRARequest":
+        from leanlm.lora_request import LoRARequest
+
+        return LoRARequest
     if name in ("BeamSearchParams", "RequestOutput", "CompletionOutput"):
         from leanlm import engine
 

@@ -245,6 +245,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.num_swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapper.swapped[0]
+            if not self._adapter_fits(request):
+                break  # its adapter waits for a running one's slot
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if kv.num_blocks_to_swap_in(request, num_new) > kv.num_free_blocks:
                 if self.running:
@@ -263,9 +265,13 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FIFO while the budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
+        held_back: list[Request] = []  # requests whose adapter waits for a slot; later ones may go first
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self._fail_if_never_fits(request):
+                continue
+            if not self._adapter_fits(request):
+                held_back.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -288,6 +294,15 @@ class Scheduler:
             self.running.append(request)
             self._add_to_output(output, request, num_new, block_ids)
             budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Running requests use at most max_loras adapters at once (each needs a slot while it runs)."""
+        lora = request.lora_request
+        if lora is None:
+            return True
+        in_use = {r.lora_request.name for r in self.running if r.lora_request is not None}
+        return lora.name in in_use or len(in_use) < self.config.max_loras
 
     def _fail_if_never_fits(self, request: Request) -> bool:
         """Fail the request when its tokens need more blocks than the whole pool (it would otherwise be

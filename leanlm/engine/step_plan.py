@@ -14,6 +14,7 @@ import torch
 
 from leanlm.engine.outputs import SchedulerOutput
 from leanlm.engine.request import Request
+from leanlm.model.lora import LoRARun
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class StepPlan:
     num_sample_rows: int  # the first rows of logit_rows: each sampling request's last row (and its drafts' rows)
     # static task routing: (first row, end row, experts) of each request that pins an MoE model's expert subset
     expert_subsets: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    # LoRA: rows of each request that runs an adapter, with its slot (leanlm.engine.lora_manager); empty: base only
+    lora_runs: tuple[LoRARun, ...] = ()
 
     def expert_mask(self, num_experts: int) -> torch.Tensor:
         """[T, E] bool: the experts each row may use (all, but in the pinned requests' rows)."""

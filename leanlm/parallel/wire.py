@@ -19,7 +19,7 @@ _TENSOR_FIELDS = ("input_ids", "positions", "logit_rows")  # StepPlan's tensors:
 _INT_LIST_FIELDS = ("query_lens", "seq_lens")
 _PAIR_FIELDS = ("blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in")  # lists of (int, int)
 # Every StepPlan field has a rule here; a field added to StepPlan without one fails encode_plans (and its test).
-_OTHER_FIELDS = ("block_ids", "num_sample_rows", "expert_subsets")
+_OTHER_FIELDS = ("block_ids", "num_sample_rows", "expert_subsets", "lora_runs")  # lora_runs: always empty here
 _FIELDS = frozenset((*_TENSOR_FIELDS, *_INT_LIST_FIELDS, *_PAIR_FIELDS, *_OTHER_FIELDS))
 
 
@@ -36,6 +36,8 @@ def encode_plans(plans: list[StepPlan] | None) -> bytes:
         names = {f.name for f in dataclasses.fields(plan)}
         if names != _FIELDS:
             raise TypeError(f"StepPlan's fields {sorted(names ^ _FIELDS)} have no wire rule; add one in wire.py")
+        if plan.lora_runs:  # EngineConfig refuses enable_lora on a parallel engine: other ranks hold no adapter slots
+            raise TypeError("a parallel engine's plans carry no LoRA runs: adapters run in one process")
         header: dict[str, Any] = {"tensors": []}
         for name in _TENSOR_FIELDS:
             tensor = getattr(plan, name).detach().to("cpu", torch.int64).contiguous()
