@@ -32,8 +32,8 @@ from leanlm.engine.spec_decode import SpecStats
 from leanlm.engine.step_plan import StepPlan
 from leanlm.engine.swap_space import SwapSpace
 from leanlm.engine.threads import ThreadSizer
-from leanlm.lora_request import LoRARequest
 from leanlm.loading.tokenizer import Tokenizer
+from leanlm.lora_request import LoRARequest
 from leanlm.model.attention_pattern import kv_window
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.moe import MoESizes, MoEStats, moe_stats

@@ -170,7 +170,7 @@ def read_adapter(path: str | Path, model_config: ModelConfig | None = None, max_
 
 
 def _pair_keys(header: dict[str, dict], source: Path) -> dict[str, dict[str, str]]:
-    """module -> {"A": key, "B": key} of the file's tensors; AdapterError for any tensor that is not a LoRA pair half."""
+    """module -> {"A": key, "B": key} of the file's tensors; AdapterError for a tensor that is not half a LoRA pair."""
     pairs: dict[str, dict[str, str]] = {}
     for key in header:
         match = _KEY.match(key)
