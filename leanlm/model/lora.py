@@ -93,8 +93,9 @@ class LoRASlots:
             a_rows.zero_()
             b_rows.zero_()
             a_rows[:rank] = a.to(self.dtype)
-            # scale in float32 before the cast: a bf16 slot rounds the product once
-            b_rows[:rank] = (b.float().T * scale).to(self.dtype)
+            # scaled in float32 (or the slot's wider dtype) before the cast: a bf16 slot rounds the product once
+            wide = torch.promote_types(self.dtype, torch.float32)
+            b_rows[:rank] = (b.to(wide).T * scale).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -124,15 +125,18 @@ class LoRAMapping:
     row_scales: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, slots: LoRASlots, runs: tuple[LoRARun, ...], num_rows: int) -> LoRAMapping | None:
-        """The mapping of a forward of `num_rows` rows; None when no run has an adapter (a base-only batch)."""
+    def of(
+        cls, slots: LoRASlots, runs: tuple[LoRARun, ...], num_rows: int, stacked: bool | None = None
+    ) -> LoRAMapping | None:
+        """The mapping of a forward of `num_rows` rows; None when no run has an adapter (a base-only batch).
+        `stacked`: one masked product over the slots (True) or one product per run (False); None: by the run count."""
         runs = tuple(r for r in runs if r.end > r.start)
         if not runs:
             return None
         for run in runs:
             if not (0 <= run.start < run.end <= num_rows and 0 <= run.slot < slots.num_slots):
                 raise ValueError(f"{run} does not fit {num_rows} rows and {slots.num_slots} slots")
-        if len(runs) <= MAX_SEGMENT_RUNS:
+        if not (len(runs) > MAX_SEGMENT_RUNS if stacked is None else stacked):
             return cls(slots, runs, num_rows)
         rank = slots.max_rank
         used = max(r.slot for r in runs) + 1
