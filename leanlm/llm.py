@@ -213,16 +213,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         control_tokens: str = "text",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         `control_tokens`: what a control token's text inside a message becomes: "text" (its characters: no
-        message can forge another role's turn), "reject" (ValueError), or "parse" (the token, as HF does)."""
+        message can forge another role's turn), "reject" (ValueError), or "parse" (the token, as HF does).
+        `lora_request`: as generate's, one per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conversation in conversations:
             _, ids = encode_chat(self.tokenizer, conversation, add_generation_prompt, control_tokens)
             prompts.append(ids)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

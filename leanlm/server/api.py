@@ -334,6 +334,11 @@ def build_app(
             }
             for name in model_names
         ]
+        data += [  # LoRA adapters (--lora-modules), as vLLM lists them: their base model as parent
+            {"id": name, "object": "model", "created": started, "owned_by": "leanlm", "parent": model_names[0],
+             "max_model_len": serving.max_model_len}
+            for name in serving.adapters()
+        ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     async def handle(

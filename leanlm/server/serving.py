@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ from leanlm.engine import (
 from leanlm.loading.chat_encoding import check_mode as check_control_token_mode
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.chat_template import ChatTemplateTooLongError
+from leanlm.lora_request import LoRARequest
 from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses, streaming
 from leanlm.server.protocol import (
@@ -158,9 +160,23 @@ class OpenAIServing:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def check_model(self, name: str) -> None:
-        if name not in self.model_names:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model_names}")
+    def check_model(self, name: str) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (vLLM's "<adapter>", or "<base>:<adapter>"); None for the base
+        model; ModelNotFoundError (404) for anything else."""
+        if name in self.model_names:
+            return None
+        adapters = self.adapters()
+        base, _, adapter = name.partition(":")
+        found = adapters.get(adapter if adapter and base in self.model_names else name)
+        if found is None:
+            served = self.model_names + sorted(adapters)
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {served}")
+        return found
+
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters registered with the engine (--lora-modules), by name."""
+        manager = self.llm_engine.lora_manager
+        return {} if manager is None else dict(manager.registered)
 
     # -- starting requests ----------------------------------------------------------------------------
 
@@ -184,7 +200,7 @@ class OpenAIServing:
 
     def _prepare_completion(self, request: CompletionRequest) -> dict:
         """In a prepare thread: validate, tokenize and build the parameters; the keyword arguments of _start."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         request.check_supported()
         self._check_admissible(len(request.prompts()), request.num_samples)
         for prompt in request.prompts():
@@ -192,6 +208,8 @@ class OpenAIServing:
                 self._check_prompt_chars(len(prompt), "prompt")
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
         if request.use_beam_search:
+            if lora is not None:
+                raise ValueError("beam search does not run LoRA adapters; sample, or ask the base model")
             return self._prepare_beam_search(request, prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         num_samples = request.num_samples
@@ -220,6 +238,7 @@ class OpenAIServing:
             echo=request.echo,
             include_usage=request.include_usage_in_stream,
             best_of=num_samples if num_samples > request.n else None,
+            lora_request=lora,
         )
 
     def _prepare_beam_search(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> dict:
@@ -252,7 +271,7 @@ class OpenAIServing:
 
     def _prepare_chat(self, request: ChatCompletionRequest) -> dict:
         """In a prepare thread: render the chat template, tokenize, build the parameters."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         request.check_supported()
         self._check_admissible(1, request.n)
         messages = request.chat_messages()
@@ -284,6 +303,7 @@ class OpenAIServing:
             num_top=num_top,
             echo=False,
             include_usage=request.include_usage_in_stream,
+            lora_request=lora,
         )
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
@@ -320,9 +340,12 @@ class OpenAIServing:
         best_of: int | None = None,
         is_beam_search: bool = False,
         client: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         add = self.engine.add_beam_search if is_beam_search else self.engine.add_request
+        if lora_request is not None:
+            add = functools.partial(add, lora_request=lora_request)
         streams: list[RequestStream] = []
         try:
             for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
