@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,3 +30,12 @@ class LoRARequest:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
             raise ValueError(f"LoRARequest {self.name!r}: scale must be a finite number, got {self.scale!r}")
         object.__setattr__(self, "scale", float(self.scale))
+
+
+def admits_adapter(lora: LoRARequest | None, running: Iterable, max_loras: int) -> bool:
+    """Whether a request with adapter `lora` may join the `running` requests (each with a .lora_request): running
+    requests use at most max_loras adapters at once, each holding a slot while it runs (the scheduler's LoRA rule)."""
+    if lora is None:
+        return True
+    in_use = {r.lora_request.name for r in running if r.lora_request is not None}
+    return lora.name in in_use or len(in_use) < max_loras

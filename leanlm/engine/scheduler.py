@@ -19,6 +19,7 @@ from leanlm.engine.preemption import Swapper
 from leanlm.engine.request import Request, RequestStatus
 from leanlm.engine.shared_kv import SharedKV
 from leanlm.engine.stop_check import StopChecker, append_tokens
+from leanlm.lora_request import admits_adapter
 
 
 class Scheduler:
@@ -215,7 +216,7 @@ class Scheduler:
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself; it was the last running one
-            self._add_to_output(output, request, num_new + len(spec), block_ids, spec)
+            output.add(request, num_new + len(spec), block_ids, spec)
             budget -= num_new + len(spec)
             idx += 1
         return budget
@@ -245,7 +246,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.num_swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapper.swapped[0]
-            if not self._adapter_fits(request):
+            if not admits_adapter(request.lora_request, self.running, self.config.max_loras):
                 break  # its adapter waits for a running one's slot
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if kv.num_blocks_to_swap_in(request, num_new) > kv.num_free_blocks:
@@ -258,7 +259,7 @@ class Scheduler:
                 continue
             self.swapper.swap_in(request)
             self.running.append(request)
-            self._add_to_output(output, request, num_new, kv.allocate_slots(request, num_new))
+            output.add(request, num_new, kv.allocate_slots(request, num_new))
             budget -= num_new
         return budget
 
@@ -270,7 +271,7 @@ class Scheduler:
             request = self.waiting[0]
             if self._fail_if_never_fits(request):
                 continue
-            if not self._adapter_fits(request):
+            if not admits_adapter(request.lora_request, self.running, self.config.max_loras):
                 held_back.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -292,17 +293,9 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_output(output, request, num_new, block_ids)
+            output.add(request, num_new, block_ids)
             budget -= num_new
         self.waiting.extendleft(reversed(held_back))
-
-    def _adapter_fits(self, request: Request) -> bool:
-        """Running requests use at most max_loras adapters at once (each needs a slot while it runs)."""
-        lora = request.lora_request
-        if lora is None:
-            return True
-        in_use = {r.lora_request.name for r in self.running if r.lora_request is not None}
-        return lora.name in in_use or len(in_use) < self.config.max_loras
 
     def _fail_if_never_fits(self, request: Request) -> bool:
         """Fail the request when its tokens need more blocks than the whole pool (it would otherwise be
@@ -342,15 +335,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    @staticmethod
-    def _add_to_output(
-        output: SchedulerOutput, request: Request, num_new: int, block_ids: list[int], spec: list[int] | None = None
-    ) -> None:
-        output.scheduled_requests.append(request)
-        output.num_scheduled_tokens.append(num_new)
-        output.block_ids.append(block_ids)
-        output.spec_token_ids.append(spec or [])
 
     # ---- update --------------------------------------------------------------------------------------
 

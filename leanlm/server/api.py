@@ -30,7 +30,8 @@ from leanlm.server.protocol import (
     LimitExceededError,
     UnsupportedParameterError,
 )
-from leanlm.server.serving import ContextLengthError, Job, ModelNotFoundError, OpenAIServing
+from leanlm.server.served_models import ModelNotFoundError
+from leanlm.server.serving import ContextLengthError, Job, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -324,21 +325,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": started,
-                "owned_by": "leanlm",
-                "max_model_len": serving.max_model_len,
-            }
-            for name in model_names
-        ]
-        data += [  # LoRA adapters (--lora-modules), as vLLM lists them: their base model as parent
-            {"id": name, "object": "model", "created": started, "owned_by": "leanlm", "parent": model_names[0],
-             "max_model_len": serving.max_model_len}
-            for name in serving.adapters()
-        ]  # fmt: skip
+        data = serving.served.listing(started, serving.max_model_len)
         return JSONResponse({"object": "list", "data": data})
 
     async def handle(

@@ -41,6 +41,7 @@ from leanlm.server.protocol import (
     CompletionRequest,
     LimitExceededError,
 )
+from leanlm.server.served_models import ServedModels
 from leanlm.server.streaming import raise_if_failed
 
 _T = TypeVar("_T")
@@ -48,10 +49,6 @@ _T = TypeVar("_T")
 # Threads that parse and tokenize requests: two, so one huge request does not hold up every other, and few, so
 # a flood of them cannot take more CPU from the engine thread than two threads can.
 NUM_PREPARE_THREADS = 2
-
-
-class ModelNotFoundError(LookupError):
-    pass
 
 
 class ContextLengthError(ValueError):
@@ -113,6 +110,7 @@ class OpenAIServing:
         # the whole remaining context would let every client hold its KV blocks for the longest possible time.
         self.default_max_tokens = default_max_tokens
         self.model_names = model_names
+        self.served = ServedModels(model_names, engine.engine)  # the base model's names and the LoRA adapters'
         self.llm_engine = engine.engine
         self.tokenizer = self.llm_engine.tokenizer
         self.max_model_len = self.llm_engine.max_model_len
@@ -161,22 +159,8 @@ class OpenAIServing:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str) -> LoRARequest | None:
-        """The LoRA adapter a request's `model` names (vLLM's "<adapter>", or "<base>:<adapter>"); None for the base
-        model; ModelNotFoundError (404) for anything else."""
-        if name in self.model_names:
-            return None
-        adapters = self.adapters()
-        base, _, adapter = name.partition(":")
-        found = adapters.get(adapter if adapter and base in self.model_names else name)
-        if found is None:
-            served = self.model_names + sorted(adapters)
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {served}")
-        return found
-
-    def adapters(self) -> dict[str, LoRARequest]:
-        """The LoRA adapters registered with the engine (--lora-modules), by name."""
-        manager = self.llm_engine.lora_manager
-        return {} if manager is None else dict(manager.registered)
+        """The LoRA adapter a request's `model` names, None for the base model; ModelNotFoundError (404) otherwise."""
+        return self.served.resolve(name)
 
     # -- starting requests ----------------------------------------------------------------------------
 
