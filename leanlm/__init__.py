@@ -29,6 +29,7 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutputKind",
     "BeamSearchParams",
+    "LoRARequest",
     "EngineConfig",
     "ModelConfig",
     "RequestOutput",
@@ -47,6 +48,10 @@ def __getattr__(name: str):
         from leanlm import llm
 
         return getattr(llm, name)
+    if name == "LoRARequest":
+        from leanlm.lora_request import LoRARequest
+
+        return LoRARequest
     if name in ("BeamSearchParams", "RequestOutput", "CompletionOutput"):
         from leanlm import engine
 

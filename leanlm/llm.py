@@ -15,6 +15,7 @@ from leanlm.formats.checkpoint import require_model_path
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.registry import DEFAULT_MODEL
+from leanlm.lora_request import LoRARequest
 from leanlm.model.device import resolve_device
 from leanlm.model.offload import OffloadedLayers, offload_layers
 from leanlm.pooling_params import PoolingParams
@@ -131,21 +132,26 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion (batched) and return their outputs in input order."""
+        """Run every prompt to completion (batched) and return their outputs in input order. `lora_request`: the
+        adapter every prompt runs with, or one (or None: the base model) per prompt; needs LLM(enable_lora=True)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
         engine = self.llm_engine
         # Tokenize and validate everything before queueing anything: a bad prompt fails fast, disturbs nothing.
         tokenized = [engine.tokenize_prompt(p) for p in prompt_list]
         for (_, token_ids), params in zip(tokenized, params_list):
             engine.validate(token_ids, params)
+        for lora in lora_list:
+            engine.prepare_lora(lora)
         # Only the final outputs are returned: no request copies its text, ids and logprobs at every step (vLLM's
         # LLM does the same).
         final_only = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list}
         ids = [
-            engine.add_request(token_ids, final_only[id(sp)], prompt_text=text)
-            for (text, token_ids), sp in zip(tokenized, params_list)
+            engine.add_request(token_ids, final_only[id(sp)], prompt_text=text, lora_request=lora)
+            for (text, token_ids), sp, lora in zip(tokenized, params_list, lora_list)
         ]
         return self._run(ids, use_tqdm)
 
@@ -230,12 +236,14 @@ class LLM:
         add_generation_prompt: bool = True,
         control_tokens: str = "text",
         tools: Sequence[Tool] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         `control_tokens`: what a control token's text inside a message becomes: "text" (its characters: no
         message can forge another role's turn), "reject" (ValueError), or "parse" (the token, as HF does).
-        `tools`: functions the model may call (leanlm.tool_calls.Tool), rendered as the server renders them; read
-        the calls back with `leanlm.tool_calls.parser_for_template(llm.tokenizer.chat_template).parse(text)`."""
+        `lora_request`: as generate's, one per conversation. `tools`: functions the model may call
+        (leanlm.tool_calls.Tool), rendered as the server renders them; read the calls back with
+        `leanlm.tool_calls.parser_for_template(llm.tokenizer.chat_template).parse(text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conversation in conversations:
@@ -248,7 +256,7 @@ class LLM:
                 self.tokenizer, conversation, add_generation_prompt, control_tokens, tools=template_tools
             )
             prompts.append(ids)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -282,6 +290,20 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p, (str, list, tuple)):
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if isinstance(lora, (str, bytes, dict)) or not isinstance(lora, Sequence):
+        raise TypeError(f"lora_request must be a LoRARequest(name, path) or one per prompt, got {type(lora).__name__}")
+    lora = list(lora)
+    wrong = sorted({type(x).__name__ for x in lora if x is not None and not isinstance(x, LoRARequest)})
+    if wrong:
+        raise TypeError(f"lora_request entries must be LoRARequest or None, got {', '.join(wrong)}")
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora_requests for {n} prompts; give one, or one per prompt")
+    return lora
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -35,15 +35,32 @@ def _selection_flags(args: argparse.Namespace, params):
     return "vote", sampling_params_for_samples(args.majority_vote, "--majority-vote", params, True), extract
 
 
-def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], selection) -> int:
+def _lora_flag(args: argparse.Namespace):
+    """--lora PATH as the LoRARequest every prompt runs with (its file checked before the model loads, the engine's
+    LoRA slots sized to it), or None."""
+    if args.lora is None:
+        return None
+    from pathlib import Path
+
+    from leanlm.formats.peft import read_adapter
+    from leanlm.lora_request import LoRARequest
+
+    adapter = read_adapter(args.lora)
+    args.enable_lora = True
+    args.max_lora_rank = max(args.max_lora_rank, adapter.max_rank)
+    return LoRARequest(Path(args.lora).resolve().name or "adapter", args.lora, args.lora_scale)
+
+
+def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], selection, lora=None) -> int:
     """--best-of: the best sample and its mean token logprob; --majority-vote: the winning answer and its support."""
     from leanlm.selection import best_of, majority_vote
 
     kind, params, extract = selection
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+        messages = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(messages, params, use_tqdm=len(prompts) > 1, lora_request=lora)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1, lora_request=lora)
     for prompt, out in zip(prompts, outputs):
         if kind == "best_of":
             ranking = best_of(out.outputs)
@@ -96,15 +113,17 @@ def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], select
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate flags before the (slow) model load
     selection = _selection_flags(args, params)
+    lora = _lora_flag(args)
     llm = load_llm(args)
     prompts = list(args.prompts)
     if selection is not None:
-        return _generate_selected(args, llm, prompts, selection)
+        return _generate_selected(args, llm, prompts, selection, lora)
     start, compiled_before = time.perf_counter(), compile_seconds()
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+        messages = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(messages, params, use_tqdm=len(prompts) > 1, lora_request=lora)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1, lora_request=lora)
     elapsed = time.perf_counter() - start
     compiled = compile_seconds() - compiled_before
     for prompt, out in zip(prompts, outputs):
@@ -190,6 +209,16 @@ def add_parser(sub) -> None:
         metavar="REGEX",
         help="answer of a sample for --majority-vote: the first group of the first match (or the whole "
         "match); samples without a match do not vote",
+    )
+    gen.add_argument(
+        "--lora",
+        default=None,
+        metavar="PATH",
+        help="run every prompt with this LoRA adapter (the directory PEFT's save_pretrained or `leanlm train "
+        "--lora` wrote)",
+    )
+    gen.add_argument(
+        "--lora-scale", type=float, default=1.0, metavar="S", help="with --lora: scale the adapter's product by S"
     )
     add_model_args(gen)
     add_sampling_args(gen, max_tokens=64)

@@ -37,10 +37,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+    modules = parse_lora_modules(args.lora_modules)  # name=path pairs, checked before the model loads
+    if modules:
+        args.enable_lora = True
     if router_config.is_routed:
+        if modules:
+            raise ValueError("--lora-modules serves adapters from one engine; drop --data-parallel-size / --replicas")
         return serve_front(args, config, router_config)
     started = time.perf_counter()
     llm = load_llm(args)
+    for name, path in modules.items():  # read and check each adapter now: a bad one fails the start, not a request
+        llm.llm_engine.prepare_lora(llm.llm_engine.lora_manager.register(name, path))
     logging.getLogger("leanlm.serve").info(
         "model %s loaded in %.2f s (%s, %s)", args.model, time.perf_counter() - started, llm.dtype, llm.device
     )
@@ -86,4 +93,25 @@ def add_parser(sub) -> None:
     add_model_args(srv)
     add_dataclass_args(srv, ServeConfig, exclude=("threads",))  # EngineConfig's --threads sets it
     add_dataclass_args(srv, RouterConfig)
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) requests select with model: NAME or BASE:NAME; implies --enable-lora "
+        "(see --max-loras, --max-lora-rank)",
+    )
     srv.set_defaults(func=cmd_serve)
+
+
+def parse_lora_modules(specs: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as {name: path}; ValueError for a malformed or repeated name."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or ":" in name:
+            raise ValueError(f"--lora-modules takes NAME=PATH (no ':' in NAME), got {spec!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules

@@ -6,6 +6,7 @@ budget, resumably, and save it as a checkpoint the engine loads (2:4 results pac
     leanlm train --recipe teal --sparsity 0.4 --tokens 250000 --out smol-teal40   # activation sparsity
     leanlm train --exits 8,16,24 --lr 1e-3 --tokens 100000 --out smol-exits   # then --speculative self:24
     leanlm train --upcycle-experts 8 --upcycle-top-k 2 --tokens 200000 --out smol-moe   # sparse upcycling
+    leanlm train --model smol-int4 --lora 16 --lr 2e-4 --tokens 200000 --out smol-qlora   # QLoRA adapter (PEFT)
 
 Run the same command again after an interruption and it resumes from OUT/train_state.pt.
 """
@@ -54,6 +55,22 @@ def add_parser(sub) -> None:
     p.add_argument("--exit-adapter-rank", type=int, default=0, help="with --exits: 0 = norm only; r = + rank-r adapter")
     p.add_argument("--exit-temperature", type=float, default=1.0, help="with --exits: temperature of the KL")
     p.add_argument("--exit-ce-weight", type=float, default=0.0, help="with --exits: weight of next-token CE")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train a rank-R LoRA adapter on the frozen model instead (a quantized --model: QLoRA) and write it in "
+        "PEFT's format to --out (use a higher --lr, e.g. 2e-4)",
+    )
+    p.add_argument("--lora-alpha", type=float, default=None, help="with --lora: PEFT's lora_alpha (default 2 R)")
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help="with --lora: linears to adapt, comma-separated (default q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+        "down_proj)",
+    )
+    p.add_argument("--lora-rslora", action="store_true", help="with --lora: scale alpha / sqrt(R) (rsLoRA)")
     add_run_args(p)
     p.set_defaults(func=cmd_train)
 
@@ -138,12 +155,25 @@ def build_train_job(args: argparse.Namespace):
         qat=None if args.qat_bits is None else RTNConfig(bits=args.qat_bits, group_size=args.qat_group_size or None),
         train_quantized=args.qat,
         exits=build_exits_config(args),
+        lora=build_lora_config(args),
         data=args.data,
         held_out=args.held_out,
         keep_state=args.keep_state,
         device=args.device,
         overwrite=args.overwrite,
     )
+
+
+def build_lora_config(args: argparse.Namespace):
+    """The LoRATrainConfig behind --lora (None without it); validates the flags."""
+    from leanlm.train.lora import LORA_TARGETS, LoRATrainConfig
+
+    if args.lora is None:
+        if args.lora_alpha is not None or args.lora_targets is not None or args.lora_rslora:
+            raise ValueError("--lora-alpha, --lora-targets and --lora-rslora need --lora R")
+        return None
+    targets = LORA_TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(","))
+    return LoRATrainConfig(r=args.lora, alpha=args.lora_alpha, targets=targets, use_rslora=args.lora_rslora)
 
 
 def train_config(args: argparse.Namespace):

@@ -137,6 +137,18 @@ class EngineConfig:
             "as llama.cpp and OpenVINO do) for VNNI int8 products; auto: int8 where VNNI runs them; none: 16-bit",
         },
     )
+    # LoRA adapters (leanlm.model.lora, leanlm.engine.lora_manager): requests with different adapters share a batch
+    enable_lora: bool = dataclasses.field(
+        default=False, metadata={"help": "serve LoRA adapters (PEFT format) next to the base model, per request"}
+    )
+    max_loras: int = dataclasses.field(
+        default=4,
+        metadata={"help": "with --enable-lora: adapters held at once (slots); running requests use at most this many"},
+    )
+    max_lora_rank: int = dataclasses.field(
+        default=16,
+        metadata={"help": "with --enable-lora: the largest adapter rank r a slot holds (a larger is refused)"},
+    )
     # speculative decoding (the --speculative flags of DecodingOptions parse into it); None: one token a step
     speculative: SpeculativeConfig | None = None
     # CALM early exit at decode (the --early-exit flags of DecodingOptions parse into it); None: every layer
@@ -163,6 +175,7 @@ class EngineConfig:
             raise ValueError("early_exit and speculative decoding do not combine: choose one")
         self._check_parallel()
         self._check_kv_budget()
+        self._check_lora()
         if self.max_weight_memory is not None:
             object.__setattr__(self, "max_weight_memory", parse_bytes(self.max_weight_memory, "max_weight_memory"))
             if self.early_exit is not None:
@@ -222,6 +235,20 @@ class EngineConfig:
                 "speculative decoding and early exit run in one process: drop them, or set tensor_parallel_size "
                 "and pipeline_parallel_size to 1"
             )
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.enable_lora:
+            return
+        if self.world_size > 1:
+            raise ValueError("LoRA adapters run in one process: set tensor_parallel_size and pipeline_parallel_size "
+                             "to 1, or drop enable_lora")  # fmt: skip
+        if self.early_exit is not None or self.max_weight_memory is not None:
+            raise ValueError("LoRA adapters do not combine with early exit or weight offloading (both run layers "
+                             "outside the adapter hooks): drop one")  # fmt: skip
 
     def _check_kv_budget(self) -> None:
         """A KV budget compacts one process's cache between steps, from the scores of one model's queries."""

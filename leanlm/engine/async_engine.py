@@ -30,6 +30,7 @@ from leanlm.engine.engine import LLMEngine
 from leanlm.engine.errors import EngineDeadError, EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.engine.outputs import RequestOutput, SchedulerStats
 from leanlm.engine.request_stream import RequestStream
+from leanlm.lora_request import LoRARequest
 from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class AddRequest:
     token_ids: list[int]  # tokenized and validated on the event loop
     params: SamplingParams | PoolingParams
     prompt_text: str | None  # reported back in outputs
+    lora_request: LoRARequest | None = None  # its adapter, read and checked on the event loop; None: the base
 
 
 @dataclass(frozen=True)
@@ -155,17 +157,19 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         prompt_text: str | None = None,
         client: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request (PoolingParams: an embedding); raises ValueError (bad input), QueueFullError or
         EngineStoppedError at once, so an HTTP handler can answer before it starts streaming.
-        `prompt_text` names the text of a prompt given as token ids."""
+        `prompt_text` names the text of a prompt given as token ids; `lora_request` its adapter (None: the base)."""
         self._check_accepting()
         text, token_ids = self.engine.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.engine.validate(token_ids, params)
+        self.engine.prepare_lora(lora_request)
         num_seqs = params.n if isinstance(params, SamplingParams) else 1  # PoolingParams: one embedding
         stream = self._open_stream(request_id, num_seqs, client)
-        self._send(AddRequest(stream.request_id, token_ids, params, prompt_text))
+        self._send(AddRequest(stream.request_id, token_ids, params, prompt_text, lora_request))
         return stream
 
     def add_beam_search(
@@ -316,9 +320,11 @@ class AsyncLLMEngine:
         items: list[tuple[str, RequestOutput | BaseException]] = []
         for command in commands:
             match command:
-                case AddRequest(request_id, token_ids, params, prompt_text):
+                case AddRequest(request_id, token_ids, params, prompt_text, lora):
                     try:
-                        self.engine.add_request(token_ids, params, request_id=request_id, prompt_text=prompt_text)
+                        self.engine.add_request(
+                            token_ids, params, request_id=request_id, prompt_text=prompt_text, lora_request=lora
+                        )
                     except Exception as exc:
                         items.append((request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")))
                 case AddBeamSearch(request_id, search, prompt_text):

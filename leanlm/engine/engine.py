@@ -22,6 +22,7 @@ from leanlm.engine.grammar import GrammarCompiler
 from leanlm.engine.kv_budget import KVBudget
 from leanlm.engine.kv_cache import KVCacheManager, KVRetention
 from leanlm.engine.layout import EngineLayout
+from leanlm.engine.lora_manager import LoRAManager
 from leanlm.engine.model_runner import ModelRunner
 from leanlm.engine.output_processor import OutputProcessor
 from leanlm.engine.outputs import RequestOutput, SchedulerStats
@@ -33,6 +34,7 @@ from leanlm.engine.step_plan import StepOutput, StepPlan
 from leanlm.engine.swap_space import SwapSpace
 from leanlm.engine.threads import ThreadSizer
 from leanlm.loading.tokenizer import Tokenizer
+from leanlm.lora_request import LoRARequest
 from leanlm.model.attention_pattern import kv_window
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.moe import MoESizes, MoEStats, moe_stats
@@ -104,8 +106,21 @@ class LLMEngine:
         )
         # a parallel engine's driver gave each rank its share of the cores before building this engine
         threads = ThreadSizer(engine_config.num_threads) if engine_config.world_size == 1 else None
+        self.lora_manager = self._lora_manager(model)
+        self.model_runner.lora = self.lora_manager
         self.executor = IsolatingExecutor(self.model_runner, self.scheduler, threads)
         self._ids = itertools.count()
+
+    def _lora_manager(self, model: LlamaForCausalLM) -> LoRAManager | None:
+        """The adapters' slots with enable_lora; their hooks go on the model's target linears."""
+        cfg = self.engine_config
+        if not cfg.enable_lora:
+            return None
+
+        def in_use() -> set[str]:
+            return {r.lora_request.name for r in self.scheduler.running if r.lora_request is not None}
+
+        return LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, self.model_dtype, self.device, in_use)
 
     def _retention(self) -> KVRetention | None:
         """What KV a sequence keeps when every layer reads a bounded window (trained or asked for); None: all."""
@@ -177,6 +192,16 @@ class LLMEngine:
         if self.model_runner.early_exit is not None:
             raise ValueError("embeddings are not available with early exit on; start the engine without early_exit")
 
+    def prepare_lora(self, lora_request: LoRARequest | None) -> None:
+        """Read and check a request's adapter before it is queued (AdapterError / ValueError say what is wrong)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest(name, path), got {type(lora_request).__name__}")
+        if self.lora_manager is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
+        self.lora_manager.prepare(lora_request)
+
     def _validate_experts(self, experts: tuple[int, ...]) -> None:
         moe = self.model_config.moe
         if moe is None:
@@ -192,20 +217,26 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         prompt_text: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); n > 1 becomes n child requests. Returns the request id. With
         PoolingParams the request embeds its prompt (RequestOutput.embedding) and generates nothing.
 
         `prompt_text` names the text of a prompt given as token ids (it is reported back, not re-tokenized).
+        `lora_request`: the adapter it runs with (read and checked here, before anything is queued); None: the base.
         """
         text, token_ids = self.tokenize_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
         self.validate(token_ids, params)
+        self.prepare_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
-            request = Request(request_id, token_ids, EMBEDDING_SAMPLING, device=self.device, pooling_params=params)
+            request = Request(
+                request_id, token_ids, EMBEDDING_SAMPLING, device=self.device, pooling_params=params,
+                lora_request=lora_request,
+            )  # fmt: skip
             self.output_processor.add(request_id, prompt_text, [request])
             self.scheduler.add_request(request)
             return request_id
@@ -218,6 +249,7 @@ class LLMEngine:
                 params,
                 device=self.device,
                 seed_offset=i,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]

@@ -367,6 +367,6 @@ class KVCacheManager:
         size = self.block_size
         while len(hashes) < num_full_blocks:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.prefix_salt
             hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
         return hashes[:num_full_blocks] if len(hashes) > num_full_blocks else hashes

@@ -18,6 +18,7 @@ from leanlm.engine.draft_proposer import DraftProposer, model_proposer
 from leanlm.engine.early_exit import EarlyExit
 from leanlm.engine.kv_budget import KVBudget
 from leanlm.engine.kv_evictor import KVEvictor
+from leanlm.engine.lora_manager import LoRAManager
 from leanlm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from leanlm.engine.rejection_sampler import RejectionSampler
 from leanlm.engine.request import Request
@@ -31,6 +32,7 @@ from leanlm.model.context import ForwardContext, build_forward_context, forward_
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.model.lora import LoRAMapping
 from leanlm.model.moe import set_routing_policy
 from leanlm.model.paged_kv import PagedKVCache
 
@@ -121,6 +123,8 @@ class ModelRunner:
         budget = KVBudget.of(engine_config.long_context, self.block_size)  # H2O / SnapKV scoring and compaction
         heads = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.cache_kv_heads, cfg.cache_head_dim)
         self.kv_evictor = KVEvictor(budget, *heads, device) if budget is not None else None
+        # LoRA adapters' slots (set by LLMEngine, which knows the running requests); None: base model only
+        self.lora: LoRAManager | None = None
 
     def _spec_decoder(
         self, engine_config: EngineConfig, draft_model: LlamaForCausalLM | None, max_model_len: int | None
@@ -149,6 +153,8 @@ class ModelRunner:
         # one part, or (pipeline parallelism) micro-batches of consecutive requests, in flight together
         parts = split_microbatches(scheduler_output, self.num_microbatches)
         planned = [plan_step(part, self.device) for part in parts]
+        if self.lora is not None:  # each request's rows to its adapter's slot
+            planned = self.lora.attach(parts, planned)
         # constrained rows' token masks, computed in a thread while the forward runs (None: no row is constrained)
         masks = [self._start_masks(part, step.sample_rows) for part, step in zip(parts, planned)]
         outputs = self.step_forward([p.plan for p in planned])
@@ -210,6 +216,8 @@ class ModelRunner:
         ctx = self.context_for(plan)
         if plan.expert_subsets:
             ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
+        if plan.lora_runs:
+            ctx = dataclasses.replace(ctx, lora=LoRAMapping.of(self.lora.slots, plan.lora_runs, plan.num_tokens))
         if self.kv_evictor is not None:
             ctx = self.kv_evictor.attach(ctx)
         started = time.perf_counter()

@@ -33,6 +33,13 @@ class SchedulerOutput:
     # KV budget evictions the runner carries out first of all, before the swaps and copies above
     kv_compactions: list[Compaction] = field(default_factory=list)
 
+    def add(self, request: Request, num_new: int, block_ids: list[int], spec: list[int] | None = None) -> None:
+        """Schedule `num_new` tokens of `request` (its last len(spec) the drafts to verify) over `block_ids`."""
+        self.scheduled_requests.append(request)
+        self.num_scheduled_tokens.append(num_new)
+        self.block_ids.append(block_ids)
+        self.spec_token_ids.append(spec or [])
+
     def num_spec_tokens(self, idx: int) -> int:
         return len(self.spec_token_ids[idx]) if self.spec_token_ids else 0
 

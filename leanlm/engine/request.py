@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leanlm.lora_request import LoRARequest
 from leanlm.pooling_params import PoolingParams
 from leanlm.sampling_params import SamplingParams
 
@@ -54,12 +55,14 @@ class Request:
         keeps_kv: bool = False,
         seed_offset: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.lora_request = lora_request  # the adapter its tokens run with; None: the base model
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, in order
@@ -125,6 +128,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def prefix_salt(self) -> int | None:
+        """What its first KV block's prefix-cache hash chains from: the adapter (its KV differs from the base model's
+        and every other adapter's for the same tokens); None for the base model."""
+        lora = self.lora_request
+        return None if lora is None else hash(("lora", lora.name, lora.path, lora.scale))
 
     @property
     def num_kv_tokens(self) -> int:

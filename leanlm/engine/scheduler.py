@@ -18,6 +18,7 @@ from leanlm.engine.preemption import Swapper
 from leanlm.engine.request import Request, RequestStatus
 from leanlm.engine.shared_kv import SharedKV
 from leanlm.engine.stop_check import StopChecker, append_tokens
+from leanlm.lora_request import admits_adapter
 
 
 class Scheduler:
@@ -214,7 +215,7 @@ class Scheduler:
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself; it was the last running one
-            self._add_to_output(output, request, num_new + len(spec), block_ids, spec)
+            output.add(request, num_new + len(spec), block_ids, spec)
             budget -= num_new + len(spec)
             idx += 1
         return budget
@@ -244,6 +245,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.num_swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapper.swapped[0]
+            if not admits_adapter(request.lora_request, self.running, self.config.max_loras):
+                break  # its adapter waits for a running one's slot
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if kv.num_blocks_to_swap_in(request, num_new) > kv.num_free_blocks:
                 if self.running:
@@ -255,16 +258,20 @@ class Scheduler:
                 continue
             self.swapper.swap_in(request)
             self.running.append(request)
-            self._add_to_output(output, request, num_new, kv.allocate_slots(request, num_new))
+            output.add(request, num_new, kv.allocate_slots(request, num_new))
             budget -= num_new
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FIFO while the budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
+        held_back: list[Request] = []  # requests whose adapter waits for a slot; later ones may go first
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self._fail_if_never_fits(request):
+                continue
+            if not admits_adapter(request.lora_request, self.running, self.config.max_loras):
+                held_back.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -285,8 +292,9 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_output(output, request, num_new, block_ids)
+            output.add(request, num_new, block_ids)
             budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
 
     def _fail_if_never_fits(self, request: Request) -> bool:
         """Fail the request when its tokens need more blocks than the whole pool (it would otherwise be
@@ -326,15 +334,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    @staticmethod
-    def _add_to_output(
-        output: SchedulerOutput, request: Request, num_new: int, block_ids: list[int], spec: list[int] | None = None
-    ) -> None:
-        output.scheduled_requests.append(request)
-        output.num_scheduled_tokens.append(num_new)
-        output.block_ids.append(block_ids)
-        output.spec_token_ids.append(spec or [])
 
     # ---- update --------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 
 from leanlm.engine.outputs import SchedulerOutput
 from leanlm.engine.request import Request
+from leanlm.model.lora import LoRARun
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class StepPlan:
     # embedding requests: (first row, end row) of the final hidden rows each pools this step, summed (mean pooling)
     # or the one last row (last-token pooling); StepOutput.pooled has one row per segment, in this order
     pool_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # LoRA: rows of each request that runs an adapter, with its slot (leanlm.engine.lora_manager); empty: base only
+    lora_runs: tuple[LoRARun, ...] = ()
 
     def expert_mask(self, num_experts: int) -> torch.Tensor:
         """[T, E] bool: the experts each row may use (all, but in the pinned requests' rows)."""

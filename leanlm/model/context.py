@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from leanlm.model.attention_pattern import AttentionPattern, StepPatterns, row_bounds, sink_positions
+from leanlm.model.lora import LoRAMapping
 from leanlm.model.paged_kv import LayerKV, PagedKVCache
 
 
@@ -58,6 +59,9 @@ class ForwardContext:
     # (layer_idx, q [T, H, D] with rotary, the layer's LayerKV) after each attention layer stored its new K/V: a KV
     # budget's scoring (engine/kv_evictor.py). Set, it keeps the step off the native all-decode loop. None: off
     query_observer: Callable[[int, torch.Tensor, LayerKV], None] | None = None
+    # LoRA adapters (leanlm.model.lora): each row's adapter slot and the engine's stacked adapters. Set, it keeps the
+    # step off the native all-decode loop. None: every row runs the base model
+    lora: LoRAMapping | None = None
 
     @property
     def num_requests(self) -> int:
@@ -137,6 +141,12 @@ def current_expert_mask(num_tokens: int) -> torch.Tensor | None:
     if mask is not None and mask.shape[0] != num_tokens:
         raise RuntimeError(f"the expert mask covers {mask.shape[0]} tokens, the forward {num_tokens}")
     return mask
+
+
+def current_lora() -> LoRAMapping | None:
+    """The forward context's LoRA mapping; None outside a forward (training, calibration) or in a base-only batch."""
+    ctx = getattr(_state, "ctx", None)
+    return None if ctx is None else ctx.lora
 
 
 def build_forward_context(

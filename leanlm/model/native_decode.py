@@ -233,6 +233,8 @@ class NativeDecodePlan:
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """Final-normed hidden [M, hidden] for an all-decode batch of embeddings x [M, hidden] (overwritten), or
         None when no loop takes this model, this many rows or this forward's cache."""
+        if ctx.lora is not None:
+            return None  # the loop runs plain layers: adapter products run on the PyTorch path
         if self._moe_blocks and (
             ctx.expert_mask is not None or any(b.policy.capacity_factor for b in self._moe_blocks)
         ):

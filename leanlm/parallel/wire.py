@@ -20,7 +20,10 @@ _INT_LIST_FIELDS = ("query_lens", "seq_lens")
 _PAIR_FIELDS = ("blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "pool_segments")  # lists of (int, int)
 # Every StepPlan field has a rule here; a field added to StepPlan without one fails encode_plans (and its test).
 _OTHER_FIELDS = ("block_ids", "num_sample_rows", "expert_subsets")
-_FIELDS = frozenset((*_TENSOR_FIELDS, *_INT_LIST_FIELDS, *_PAIR_FIELDS, *_OTHER_FIELDS))
+# Fields that never cross: they must be empty (LoRA runs in one process: EngineConfig refuses enable_lora on a parallel
+# engine, whose other ranks hold no adapter slots)
+_LOCAL_FIELDS = ("lora_runs",)
+_FIELDS = frozenset((*_TENSOR_FIELDS, *_INT_LIST_FIELDS, *_PAIR_FIELDS, *_OTHER_FIELDS, *_LOCAL_FIELDS))
 
 
 class WireError(ValueError):
@@ -36,6 +39,8 @@ def encode_plans(plans: list[StepPlan] | None) -> bytes:
         names = {f.name for f in dataclasses.fields(plan)}
         if names != _FIELDS:
             raise TypeError(f"StepPlan's fields {sorted(names ^ _FIELDS)} have no wire rule; add one in wire.py")
+        if plan.lora_runs:
+            raise TypeError("a parallel engine's plans carry no LoRA runs: adapters run in one process")
         header: dict[str, Any] = {"tensors": []}
         for name in _TENSOR_FIELDS:
             tensor = getattr(plan, name).detach().to("cpu", torch.int64).contiguous()
@@ -59,7 +64,7 @@ def decode_plans(data: bytes, device: torch.device) -> list[StepPlan] | None:
         raise WireError("a step message's plans are not a list")
     plans, offset = [], 0
     for header in message["plans"]:
-        if not isinstance(header, dict) or set(header) != (_FIELDS - set(_TENSOR_FIELDS)) | {"tensors"}:
+        if not isinstance(header, dict) or set(header) != (_FIELDS - {*_TENSOR_FIELDS, *_LOCAL_FIELDS}) | {"tensors"}:
             raise WireError("a step plan's header does not have StepPlan's fields")
         fields: dict[str, Any] = {}
         tensors = header["tensors"]

@@ -266,16 +266,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": started,
-                "owned_by": "leanlm",
-                "max_model_len": serving.max_model_len,
-            }
-            for name in model_names
-        ]
+        data = serving.served.listing(started, serving.max_model_len)
         return JSONResponse({"object": "list", "data": data})
 
     async def handle(

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from leanlm.engine import RequestStream
+from leanlm.lora_request import LoRARequest
 from leanlm.pooling_params import PoolingParams
 from leanlm.server.protocol import MAX_PROMPTS, InvalidParameterError, LimitExceededError
 from leanlm.server.schema import Strict
@@ -71,23 +72,26 @@ class EmbeddingServing:
         self.hidden_size = hidden_size  # the embedding's width
 
     async def start(self, request: EmbeddingRequest, client: str | None = None) -> EmbeddingJob:
-        prompts, params = await self.serving.off_loop(self._prepare, request)
+        prompts, params, lora = await self.serving.off_loop(self._prepare, request)
         request_id = f"embd-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
             for idx, (text, ids) in enumerate(prompts):
                 sub_id = f"{request_id}-{idx}"
-                streams.append(self.serving.engine.add_request(ids, params, sub_id, prompt_text=text, client=client))
+                add = self.serving.engine.add_request
+                streams.append(add(ids, params, sub_id, prompt_text=text, client=client, lora_request=lora))
         except BaseException:
             for stream in streams:  # every input is queued, or none is
                 stream.abort()
             raise
         return EmbeddingJob(request_id, request.model, streams, request.encoding_format)
 
-    def _prepare(self, request: EmbeddingRequest) -> tuple[list[tuple[str | None, list[int]]], PoolingParams]:
-        """In a prepare thread: check, tokenize, and build the pooling parameters."""
+    def _prepare(
+        self, request: EmbeddingRequest
+    ) -> tuple[list[tuple[str | None, list[int]]], PoolingParams, LoRARequest | None]:
+        """In a prepare thread: check, tokenize, and build the pooling parameters; the adapter `model` names."""
         serving = self.serving
-        serving.check_model(request.model)
+        lora = serving.check_model(request.model)
         if request.dimensions is not None and request.dimensions != self.hidden_size:
             raise InvalidParameterError(
                 "dimensions",
@@ -107,7 +111,7 @@ class EmbeddingServing:
                     f"shorten it",
                     "input",
                 )
-        return prompts, PoolingParams(pooling=request.pooling, normalize=request.normalize)
+        return prompts, PoolingParams(pooling=request.pooling, normalize=request.normalize), lora
 
     async def response(self, job: EmbeddingJob) -> dict:
         finals = await asyncio.gather(*(stream.result() for stream in job.streams))

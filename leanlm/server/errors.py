@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from leanlm.engine import EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.loading.chat_encoding import ControlTokenError
 from leanlm.server.protocol import InvalidParameterError, LimitExceededError, UnsupportedParameterError
-from leanlm.server.serving import ContextLengthError, ModelNotFoundError
+from leanlm.server.served_models import ModelNotFoundError
+from leanlm.server.serving import ContextLengthError
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from leanlm.engine import CompletionOutput, RequestOutput
 from leanlm.loading.tokenizer import Tokenizer
+from leanlm.server.chat_tools import assistant_message
 from leanlm.tool_calls import ToolCallStreamer
+
+if TYPE_CHECKING:
+    from leanlm.server.serving import Job
 
 
 class TokenTexts:
@@ -102,3 +107,35 @@ class ChoiceCursor:
 
 def envelope(request_id: str, obj: str, model: str, created: int | None = None) -> dict:
     return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
+
+
+def choice(job: Job, texts: TokenTexts, prompt_idx: int, final: RequestOutput, c: CompletionOutput, index: int) -> dict:
+    """One choice of a whole response: a chat message (its tool calls read out when the job reads them) or a text."""
+    if job.is_chat:
+        message, calls_tools = assistant_message(c.text, job.tool_parser)
+        reason = finish_reason(c)
+        out = {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": "tool_calls" if calls_tools and reason == "stop" else reason,
+            "stop_reason": c.stop_reason,
+        }
+        if job.num_top_logprobs is not None:
+            out["logprobs"] = chat_logprobs(texts, c.token_ids, c.logprobs, job.num_top_logprobs)
+        return out
+    prefix = job.prompt_texts[prompt_idx] if job.echo else ""
+    out = {
+        "index": index,
+        "text": prefix + c.text,
+        "logprobs": None,
+        "finish_reason": finish_reason(c),
+        "stop_reason": c.stop_reason,
+    }
+    if job.num_top_logprobs is not None:
+        ids, lps = list(c.token_ids), list(c.logprobs)
+        if job.echo:
+            ids = final.prompt_token_ids + ids
+            lps = list(final.prompt_logprobs) + lps
+        out["logprobs"] = completion_logprobs(texts, ids, lps, job.num_top_logprobs)
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 import time
 import uuid
@@ -24,23 +25,23 @@ from leanlm import selection
 from leanlm.engine import (
     AsyncLLMEngine,
     BeamSearchParams,
-    CompletionOutput,
     QueueFullError,
-    RequestOutput,
     RequestStream,
 )
 from leanlm.loading.chat_encoding import check_mode as check_control_token_mode
 from leanlm.loading.chat_encoding import encode_chat
 from leanlm.loading.chat_template import ChatTemplateTooLongError
+from leanlm.lora_request import LoRARequest
 from leanlm.sampling_params import SamplingParams
 from leanlm.server import responses, streaming
-from leanlm.server.chat_tools import assistant_message, prepare_tools
+from leanlm.server.chat_tools import prepare_tools
 from leanlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidParameterError,
     LimitExceededError,
 )
+from leanlm.server.served_models import ServedModels
 from leanlm.server.streaming import raise_if_failed
 from leanlm.structured_outputs import StructuredOutputsParams
 from leanlm.tool_calls import PARSERS, ToolCallParser
@@ -50,10 +51,6 @@ _T = TypeVar("_T")
 # Threads that parse and tokenize requests: two, so one huge request does not hold up every other, and few, so
 # a flood of them cannot take more CPU from the engine thread than two threads can.
 NUM_PREPARE_THREADS = 2
-
-
-class ModelNotFoundError(LookupError):
-    pass
 
 
 class ContextLengthError(ValueError):
@@ -121,6 +118,7 @@ class OpenAIServing:
         # the whole remaining context would let every client hold its KV blocks for the longest possible time.
         self.default_max_tokens = default_max_tokens
         self.model_names = model_names
+        self.served = ServedModels(model_names, engine.engine)  # the base model's names and the LoRA adapters'
         self.llm_engine = engine.engine
         self.tokenizer = self.llm_engine.tokenizer
         self.max_model_len = self.llm_engine.max_model_len
@@ -168,9 +166,9 @@ class OpenAIServing:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def check_model(self, name: str) -> None:
-        if name not in self.model_names:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model_names}")
+    def check_model(self, name: str) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model; ModelNotFoundError (404) otherwise."""
+        return self.served.resolve(name)
 
     # -- starting requests ----------------------------------------------------------------------------
 
@@ -194,7 +192,7 @@ class OpenAIServing:
 
     def _prepare_completion(self, request: CompletionRequest) -> dict:
         """In a prepare thread: validate, tokenize and build the parameters; the keyword arguments of _start."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         request.check_supported()
         self.check_admissible(len(request.prompts()), request.num_samples)
         for prompt in request.prompts():
@@ -202,6 +200,8 @@ class OpenAIServing:
                 self.check_prompt_chars(len(prompt), "prompt")
         prompts = [self.llm_engine.tokenize_prompt(p) for p in request.prompts()]
         if request.use_beam_search:
+            if lora is not None:
+                raise ValueError("beam search does not run LoRA adapters; sample, or ask the base model")
             return self._prepare_beam_search(request, prompts)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         num_samples = request.num_samples
@@ -230,6 +230,7 @@ class OpenAIServing:
             echo=request.echo,
             include_usage=request.include_usage_in_stream,
             best_of=num_samples if num_samples > request.n else None,
+            lora_request=lora,
         )
 
     def _prepare_beam_search(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> dict:
@@ -262,7 +263,7 @@ class OpenAIServing:
 
     def _prepare_chat(self, request: ChatCompletionRequest) -> dict:
         """In a prepare thread: render the chat template, tokenize, build the parameters."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         request.check_supported()
         self.check_admissible(1, request.n)
         tools = prepare_tools(request, self.tokenizer.chat_template, self.tool_call_parser)
@@ -303,6 +304,7 @@ class OpenAIServing:
             num_top_logprobs=num_top,
             echo=False,
             include_usage=request.include_usage_in_stream,
+            lora_request=lora,
         )
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
@@ -324,10 +326,21 @@ class OpenAIServing:
             )
         return requested
 
-    def _start(self, prefix: str, prompts: list, params: list, client: str | None = None, **fields: Any) -> Job:
-        """Queue every prompt (all or none: a failure aborts those queued); `fields` are the Job's own."""
+    def _start(
+        self,
+        prefix: str,
+        prompts: list,
+        params: list,
+        client: str | None = None,
+        lora_request: LoRARequest | None = None,
+        **fields: Any,
+    ) -> Job:
+        """Queue every prompt (all or none: a failure aborts those queued), on `lora_request`'s adapter (None: the
+        base); `fields` are the Job's own."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         add = self.engine.add_beam_search if fields.get("is_beam_search") else self.engine.add_request
+        if lora_request is not None:
+            add = functools.partial(add, lora_request=lora_request)
         streams: list[RequestStream] = []
         try:
             for idx, ((text, ids), p) in enumerate(zip(prompts, params)):
@@ -353,43 +366,13 @@ class OpenAIServing:
             completions = completions[: job.n]
             for choice_idx, completion in enumerate(completions):
                 index = prompt_idx * job.n + choice_idx
-                choices.append(self._choice(job, prompt_idx, final, completion, index))
+                choices.append(responses.choice(job, self.texts, prompt_idx, final, completion, index))
         body = responses.envelope(
             job.request_id, "chat.completion" if job.is_chat else "text_completion", job.model, job.created
         )
         body["choices"] = choices
         body["usage"] = responses.usage(finals)
         return body
-
-    def _choice(self, job: Job, prompt_idx: int, final: RequestOutput, c: CompletionOutput, index: int) -> dict:
-        if job.is_chat:
-            message, calls_tools = assistant_message(c.text, job.tool_parser)
-            reason = responses.finish_reason(c)
-            choice = {
-                "index": index,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": "tool_calls" if calls_tools and reason == "stop" else reason,
-                "stop_reason": c.stop_reason,
-            }
-            if job.num_top_logprobs is not None:
-                choice["logprobs"] = responses.chat_logprobs(self.texts, c.token_ids, c.logprobs, job.num_top_logprobs)
-            return choice
-        prefix = job.prompt_texts[prompt_idx] if job.echo else ""
-        choice = {
-            "index": index,
-            "text": prefix + c.text,
-            "logprobs": None,
-            "finish_reason": responses.finish_reason(c),
-            "stop_reason": c.stop_reason,
-        }
-        if job.num_top_logprobs is not None:
-            ids, lps = list(c.token_ids), list(c.logprobs)
-            if job.echo:
-                ids = final.prompt_token_ids + ids
-                lps = list(final.prompt_logprobs) + lps
-            choice["logprobs"] = responses.completion_logprobs(self.texts, ids, lps, job.num_top_logprobs)
-        return choice
 
     # -- streams --------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from leanlm.compress.transform.upcycle import UpcycleConfig
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.train.distill import DistillConfig
 from leanlm.train.exits import ExitHeadsConfig
+from leanlm.train.lora import LoRATrainConfig
 from leanlm.train.recipes import TRAINING_CONFIGS
 from leanlm.train.trainer import TrainConfig
 
@@ -76,6 +77,9 @@ class TrainJob:
     qat: RTNConfig | None = None  # quantization-aware training: RTN to these bits first, then fake-quantized
     train_quantized: bool = False  # QAT of the checkpoint's own int8 / 2-4 bit layers (not with qat)
     exits: ExitHeadsConfig | None = None  # train early-exit heads on the frozen model instead
+    # train a LoRA adapter on the frozen model (any weight format: a quantized base is QLoRA) and write it in PEFT's
+    # format to `out` instead of a checkpoint
+    lora: LoRATrainConfig | None = None
     data: str | None = None  # training text (None: gensim's Wikipedia articles)
     held_out: int = 4  # windows at the end of the text kept for held-out loss
     keep_state: bool = False  # keep OUT/STATE_FILE after the run completes
@@ -99,6 +103,12 @@ class TrainJob:
             raise ValueError(
                 "--upcycle-experts copies the float MLPs into experts and trains them all: it does not combine with "
                 "--exits, --qat or a sparsity recipe (upcycle and fine-tune first, then prune or quantize the result)"
+            )
+        others = [self.sparsity, self.gqa, self.upcycle, self.exits, self.qat if self.is_qat else None]
+        if self.lora is not None and any(x is not None for x in others):
+            raise ValueError(
+                "--lora trains an adapter on the frozen model: it does not combine with a recipe, QAT, GQA, upcycling "
+                "or exits (to train on a quantized model, pass the quantized checkpoint as --model: QLoRA)"
             )
         _check_out(self.out, [self.model, self.data], self.overwrite, self.own_files)
 

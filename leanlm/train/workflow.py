@@ -38,6 +38,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> TrainReport:
     from leanlm.train.qat import attach_fake_quant, detach_fake_quant
     from leanlm.train.trainer import Trainer
 
+    if job.lora is not None:
+        return _train_lora(job, log)
     ckpt = load_trainable(job.model, job.device, keep_quantized=job.train_quantized)
     model, tokenizer = ckpt.model, ckpt.tokenizer
     if job.gqa is not None:  # deterministic, so a resumed run converts the same way before loading its state
@@ -94,6 +96,43 @@ def _describe(job: TrainJob) -> str:
         where = "every layer" if up.layers is None else f"layers {','.join(map(str, up.layers))}"
         recipe += f", {kind}: {up.num_experts} experts top-{up.experts_per_token} in {where}"
     return recipe
+
+
+def _train_lora(job: TrainJob, log: Callable[[str], None]) -> TrainReport:
+    """An adapter on the frozen model as stored (float, or quantized: QLoRA), written to `out` in PEFT's format."""
+    from leanlm.compress.calibration import read_calibration_text
+    from leanlm.formats.loader import load_checkpoint
+    from leanlm.formats.peft import write_adapter
+    from leanlm.train.data import TokenWindows
+    from leanlm.train.lora import LoRAObjective, attach_lora, lora_weights
+    from leanlm.train.trainer import Trainer
+
+    config = job.lora
+    # every layer as stored (GGUF codes too): the base is frozen, its quantized layers run their own kernels
+    ckpt = load_checkpoint(job.model, "float32", job.device, dequantize_gguf=False)
+    model = ckpt.model
+    attach_lora(model, config)  # seeded: a resumed run attaches the same pairs before loading its state
+    ids = ckpt.tokenizer.encode(read_calibration_text(job.data), add_special_tokens=False)
+    data = TokenWindows.from_ids(ids, job.train.seq_len, job.held_out)
+    resuming = job.state_path.is_file()
+    if resuming:
+        log(f"resuming from {job.state_path}")
+    trainer = Trainer(model, data, job.train, None, job.state_path, objective=LoRAObjective(config))
+    before = trainer.held_out_loss() if not resuming else None
+    result = trainer.run()
+    start = time.perf_counter()
+    write_adapter(job.out, lora_weights(model), config.r, config.alpha, job.model, config.use_rslora)
+    if not job.keep_state:
+        job.state_path.unlink(missing_ok=True)
+    quantized = sorted({getattr(m, "format", "") for m in model.modules() if hasattr(m, "dequantized_weight")} - {""})
+    base = f"on a frozen quantized base ({', '.join(quantized)}: QLoRA)" if quantized else "on the frozen float base"
+    recipe = f"LoRA r={config.r} alpha={config.alpha:g} on {','.join(config.targets)} {base}"
+    summary = format_result(result, job.model, job.out, recipe, before, time.perf_counter() - start)
+    summary = summary.replace(
+        f"evaluate with: leanlm eval ppl --model {job.out}",
+        f"generate with: leanlm generate --model {job.model} --lora {job.out} PROMPT",
+    )
+    return TrainReport(result, summary)
 
 
 def _train_exits(job: TrainJob, ckpt, data, resuming: bool) -> TrainReport:
