@@ -156,13 +156,18 @@ class LoRAMapping:
         x = x.to(a.dtype)
         if self.row_scales is not None:
             width = self.row_scales.shape[1]
-            xa = (x @ a[:width].T) * self.row_scales  # [T, n * R]: only each row's own slot survives
+            xa = (x @ a[:width].T).mul_(self.row_scales)  # [T, n * R]: only each row's own slot survives
+            if y.dtype == xa.dtype:
+                return torch.addmm(y, xa, b_t[:width])
             return y + (xa @ b_t[:width]).to(y.dtype)
-        y = y.clone()
+        y = y.clone()  # the base layer's output stays as it gave it
         rank = self.slots.max_rank
         for run in self.runs:
             rows, cols = slice(run.start, run.end), slice(run.slot * rank, (run.slot + 1) * rank)
-            y[rows] += (run.scale * ((x[rows] @ a[cols].T) @ b_t[cols])).to(y.dtype)
+            if y.dtype == a.dtype:
+                y[rows].addmm_(x[rows] @ a[cols].T, b_t[cols], alpha=run.scale)
+            else:
+                y[rows] += (run.scale * ((x[rows] @ a[cols].T) @ b_t[cols])).to(y.dtype)
         return y
 
 

@@ -189,3 +189,33 @@ def test_a_lora_decode_batch_leaves_the_native_loop_and_a_base_batch_keeps_it(se
     )
     run_to_completion(engine)
     assert calls and all(c is not None for c in calls)  # refused inside run(): the PyTorch path ran
+
+
+@pytest.mark.real_model
+def test_an_adapter_on_smollm2_changes_generation_and_equals_it_merged(smollm, real_tokenizer, tmp_path):
+    """A random rank-8 adapter on SmolLM2 (q, v, down): its greedy text differs from the base model's and equals the
+    adapter merged into the float32 weights, prompt log-probabilities within 1e-4; the base rows of the same batch
+    stay the base model's."""
+    config, state = smollm.config, smollm.state_dict
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        name: (torch.randn(8, i, generator=gen) / i**0.5, torch.randn(o, 8, generator=gen) * 0.05)
+        for name, (o, i) in lora_target_shapes(config).items()
+        if name.split(".")[-1] in ("q_proj", "v_proj", "down_proj")
+    }
+    path = str(write_adapter(tmp_path / "smol", weights, 8, 16.0, "smollm2-135m-instruct"))
+    prompt = real_tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0, full_prompt_logprobs=True)
+    options = {"num_kv_blocks": 64, "act_quant": "none"}
+
+    def run(model, loras, **extra):
+        engine = LLMEngine(model, real_tokenizer, EngineConfig.from_options(**options, **extra), torch.device("cpu"),
+                           torch.float32)  # fmt: skip
+        return _run(engine, [prompt] * len(loras), loras, params)
+
+    adapted, base = run(build_model(config, state, torch.float32), [LoRARequest("smol", path), None], enable_lora=True)
+    (merged,) = run(build_model(config, _merged(state, path), torch.float32), [None])
+    (plain,) = run(build_model(config, state, torch.float32), [None])
+    assert adapted.outputs[0].token_ids != plain.outputs[0].token_ids
+    _assert_same(adapted, merged)
+    _assert_same(base, plain)

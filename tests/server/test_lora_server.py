@@ -88,3 +88,12 @@ def test_an_engine_without_lora_serves_no_adapter(adapters, tokenizer):
     engine = _engine(config, state, tokenizer)
     with pytest.raises(ValueError, match="enable_lora"):
         engine.prepare_lora(LoRARequest("sql", paths["sql"]))
+
+
+def test_lora_modules_flag_parses_name_path_pairs():
+    from leanlm.cli.serve import parse_lora_modules
+
+    assert parse_lora_modules(["sql=/a/b", "poem=c=d"]) == {"sql": "/a/b", "poem": "c=d"}
+    for bad, message in ((["sql"], "NAME=PATH"), (["a:b=/x"], "no ':'"), (["a=/x", "a=/y"], "twice")):
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
