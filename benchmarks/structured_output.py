@@ -35,6 +35,7 @@ from leanlm.structured_outputs import StructuredOutputsParams
 
 SCHEMAS = Path(__file__).parent / "data" / "structured_output_schemas.json"
 MODEL = "smollm2-135m-instruct"
+JUMP_LABELS = {False: "off", True: "on, runs >= {} tokens (default)", "every": "on, every forced run"}
 FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```", re.S)
 
 
@@ -184,6 +185,10 @@ def jump_forward_run(llm: LLM, prompts: list[str], cases: list[dict], jump: bool
     }
 
 
+def jf_modes(jf: dict, batch: str) -> list:
+    return [j for b, j in jf if b == batch]
+
+
 def median_kept(runs: list[dict], key: str, threshold: float) -> float:
     kept = [r[key] for r in runs if r["other_share"] <= threshold] or [r[key] for r in runs]
     return statistics.median(kept)
@@ -216,12 +221,15 @@ def main() -> None:
             rate[constrained].append({"step_s": step_s, "steps": num_steps, "other_share": sample.other_share})
             print("batch", constrained, rate[constrained][-1], flush=True)
 
-    jf = {(b, j): [] for b in ("batch1", "batch") for j in (False, True)}
+    so = llm.llm_engine.model_runner.structured_output
+    default_min = so.min_jump_forward_tokens
+    jf = {(b, j): [] for b in ("batch1", "batch") for j in (False, True, "every")}
     for _ in range(args.reps):
-        for jump in (False, True):
-            jf["batch", jump].append(jump_forward_run(llm, batch_prompts, batch_cases, jump, args.max_tokens))
+        for jump in (False, True, "every"):  # off, on (runs >= MIN_JUMP_FORWARD_TOKENS), on for every forced run
+            so.min_jump_forward_tokens = 1 if jump == "every" else default_min
+            jf["batch", jump].append(jump_forward_run(llm, batch_prompts, batch_cases, bool(jump), args.max_tokens))
             runs = [
-                jump_forward_run(llm, [p], [c], jump, args.max_tokens)
+                jump_forward_run(llm, [p], [c], bool(jump), args.max_tokens)
                 for p, c in zip(prompts[: args.batch1_cases], cases[: args.batch1_cases])
             ]
             jf["batch1", jump].append(
@@ -233,6 +241,7 @@ def main() -> None:
             )
             jf["batch1", jump][-1]["other_share"] /= len(runs)
             print("jump", jump, {k: v for k, v in jf["batch", jump][-1].items() if k != "texts"}, flush=True)
+    args.min_jump_forward_tokens = default_min
     report = format_report(args, cases, valid, rate, jf)
     print(report)
     if args.doc is not None:
@@ -294,16 +303,17 @@ def format_report(args, cases, valid, rate, jf) -> str:
     for batch in ("batch1", "batch"):
         label = f"1 (x{args.batch1_cases} schemas, one at a time)" if batch == "batch1" else str(args.batch)
         base = median_kept(jf[batch, False], "wall_s", args.threshold)
-        same = jf[batch, False][0]["texts"] == jf[batch, True][0]["texts"]
-        for jump in (False, True):
+        same = {j: jf[batch, False][0]["texts"] == jf[batch, j][0]["texts"] for j in jf_modes(jf, batch)}
+        for jump in (False, True, "every"):
             runs = jf[batch, jump]
             med = {k: median_kept(runs, k, args.threshold) for k in ("wall_s", "forward_s", "mask_wait_s")}
             forwards, tokens = runs[0]["forwards"], runs[0]["tokens"]
+            mode = JUMP_LABELS[jump].format(args.min_jump_forward_tokens)
             lines.append(
-                f"| {label} | {'on' if jump else 'off'} | {med['wall_s']:.2f} | {forwards} | {tokens} | "
+                f"| {label} | {mode} | {med['wall_s']:.2f} | {forwards} | {tokens} | "
                 f"{tokens / max(forwards, 1):.2f} | {med['forward_s']:.2f} | {med['mask_wait_s']:.3f} | "
                 f"{med['wall_s'] - med['forward_s'] - med['mask_wait_s']:.2f} | {base / med['wall_s']:.2f}x | "
-                f"{'yes' if same else 'no'} | {shares(runs)} |"
+                f"{'yes' if same[jump] else 'no'} | {shares(runs)} |"
             )
     return "\n".join(lines) + "\n"
 
