@@ -11,6 +11,8 @@
    arms run the same steps) vs free; the median step time over the steps where all 32 requests decode.
 3. Jump-forward vs not, on compact JSON (no free whitespace: keys, punctuation and enum tails are forced) at batch 1
    and at batch --batch: wall time, forwards, and where the time goes (forward, mask computation waited for, rest).
+4. Why: the forward time of one request's step at ~160 tokens of context computing 1, 2, 4 or 8 new tokens (what a
+   forced run costs in the next step), `--chunk-cost` alone writes just this section.
 Each timed repetition records the CPU share other processes took (/proc/stat); the numbers are the medians of the
 repetitions kept (other processes below --threshold of the CPU), and the discarded count is reported.
 """
@@ -185,6 +187,40 @@ def jump_forward_run(llm: LLM, prompts: list[str], cases: list[dict], jump: bool
     }
 
 
+def chunk_cost(llm: LLM, reps: int) -> dict[int, float]:
+    """Median seconds of a step computing q tokens of one request (the last q of 160 + q - 1), for q in 1, 2, 4, 8."""
+    engine = llm.llm_engine
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:160]
+    out = {}
+    for q in (1, 2, 4, 8):
+        times = []
+        for rep in range(reps):
+            request_id = f"chunk-{q}-{rep}"
+            engine.add_request(ids, SamplingParams(max_tokens=q + 1, ignore_eos=True), request_id=request_id)
+            engine.step()  # the prompt, and its first token
+            engine.scheduler.requests[request_id].append_output_token_ids([ids[5]] * (q - 1))  # q tokens to compute
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            engine.abort_request(request_id)
+        out[q] = statistics.median(times)
+    return out
+
+
+def format_chunk_cost(args, cost: dict[int, float], sample) -> str:
+    lines = [
+        f"SmolLM2-135M-Instruct ({str(args.dtype).removeprefix('torch.')}), one request at 160 tokens of context, "
+        f"median of {args.reps * 3} steps; other processes took {sample.other_share:.0%} of the CPU meanwhile. "
+        f"{describe_machine()}. Command: `python benchmarks/structured_output.py --doc docs/structured_output.md "
+        "--chunk-cost`.",
+        "",
+        "| tokens computed in the step | ms | vs one token |",
+        "|---:|---:|---:|",
+    ]
+    lines += [f"| {q} | {1e3 * s:.1f} | {s / cost[1]:.2f} |" for q, s in cost.items()]
+    return "\n".join(lines) + "\n"
+
+
 def jf_modes(jf: dict, batch: str) -> list:
     return [j for b, j in jf if b == batch]
 
@@ -202,12 +238,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batch1-cases", type=int, default=6, help="schemas timed one at a time for jump-forward")
     parser.add_argument("--threshold", type=float, default=0.10, help="leave out repetitions above this foreign CPU")
+    parser.add_argument("--chunk-cost", action="store_true", help="only part 4: the step cost of 1-8 new tokens")
     parser.add_argument("--num-schemas", type=int, default=None, help="the first N schemas only (a quick check)")
     args = parser.parse_args()
     cases = json.loads(SCHEMAS.read_text())[: args.num_schemas]
     llm = LLM(MODEL, progress=False)
     prompts = prompts_for(llm, cases)
     args.dtype = llm.dtype
+    if args.chunk_cost:
+        with CpuMonitor() as monitor:
+            cost = chunk_cost(llm, args.reps * 3)
+        report = format_chunk_cost(args, cost, monitor.sample)
+        print(report)
+        if args.doc is not None:
+            replace_section(args.doc, "structured-output-chunks", report)
+        return
 
     t0 = time.perf_counter()
     valid = validity(llm, cases, prompts, args.max_tokens)
