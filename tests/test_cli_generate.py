@@ -94,3 +94,29 @@ def test_generate_says_when_the_engine_preempted(capsys, caplog):
         assert main([*argv, "--num-kv-blocks", "4", "--block-size", "8", "--threads", "1"]) == 0
     assert "preemption(s) by recompute (KV blocks ran out)" in capsys.readouterr().err
     assert "engine: llama, 30 layers, float32 on cpu, 1 thread (fixed); KV cache 4 blocks x 8 tokens" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--regex", "a", "--grammar", "g.lark"], "give one of --json-schema, --regex and --grammar"),
+        (["--json-schema", "/no/such/schema.json"], "cannot read /no/such/schema.json"),
+        (["--regex", ""], "regex must be a non-empty string"),
+    ],
+)
+def test_structured_output_flag_errors_come_before_the_model_load(capsys, flags, message):
+    assert main(["generate", "hi", "--model", "no-such-model", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_json_schema_and_grammar_flags_constrain_the_output(capsys, tmp_path):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.gbnf").write_text('root ::= "x=" [0-9]')
+    args = ["generate", "Is the sky blue?", "--json", *SMALL, "--max-tokens", "32"]  # the last --max-tokens wins
+    assert main([*args, "--json-schema", str(tmp_path / "s.json")]) == 0
+    assert json.loads(json.loads(capsys.readouterr().out.splitlines()[0])["text"])["answer"] in ("yes", "no")
+    assert main([*args, "--grammar", str(tmp_path / "g.gbnf")]) == 0
+    text = json.loads(capsys.readouterr().out.splitlines()[0])["text"]
+    assert len(text) == 3 and text.startswith("x=") and text[2].isdigit()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from leanlm.cli.common import (
     add_model_args,
@@ -110,8 +112,32 @@ def _generate_selected(args: argparse.Namespace, llm, prompts: list[str], select
     return 0
 
 
+def _structured_outputs(args: argparse.Namespace):
+    """--json-schema FILE / --regex REGEX / --grammar FILE as StructuredOutputsParams (None when none is given)."""
+    from leanlm.structured_outputs import StructuredOutputsParams
+
+    given = [name for name in ("json_schema", "regex", "grammar") if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise ValueError("give one of --json-schema, --regex and --grammar")
+    if not given:
+        return None
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    path = Path(args.json_schema if args.json_schema is not None else args.grammar)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if args.json_schema is not None:
+        return StructuredOutputsParams(json=text)
+    return StructuredOutputsParams(grammar=text)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate flags before the (slow) model load
+    structured = _structured_outputs(args)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
     selection = _selection_flags(args, params)
     lora = _lora_flag(args)
     llm = load_llm(args)
@@ -219,6 +245,11 @@ def add_parser(sub) -> None:
     )
     gen.add_argument(
         "--lora-scale", type=float, default=1.0, metavar="S", help="with --lora: scale the adapter's product by S"
+    )
+    gen.add_argument("--json-schema", default=None, metavar="FILE", help="the output is JSON following this schema")
+    gen.add_argument("--regex", default=None, metavar="REGEX", help="the output matches this regex (whole)")
+    gen.add_argument(
+        "--grammar", default=None, metavar="FILE", help="the output follows this Lark (llguidance) or GBNF grammar"
     )
     add_model_args(gen)
     add_sampling_args(gen, max_tokens=64)

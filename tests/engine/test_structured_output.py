@@ -129,6 +129,7 @@ def test_jump_forward_gives_the_same_greedy_text_in_fewer_forwards(make_tiny_eng
     texts, forwards, token_ids = [], [], []
     for jump_forward in (False, True):
         engine = make_tiny_engine()
+        engine.model_runner.structured_output.min_jump_forward_tokens = 1  # every forced run, however short
         calls = _count_forwards(engine)
         spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, jump_forward=jump_forward)
         text, out = _text(engine, _constrained(spec))
@@ -143,12 +144,25 @@ def test_jump_forward_gives_the_same_greedy_text_in_fewer_forwards(make_tiny_eng
 
 
 def test_jump_forward_stops_at_max_tokens_and_reports_forced_logprobs(engine):
+    engine.model_runner.structured_output.min_jump_forward_tokens = 1
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     text, out = _text(engine, _constrained(spec, max_tokens=3, logprobs=2))
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     assert text == '{"name":"'[: len(text)] or text.startswith('{"name":"')
     assert len(out.logprobs) == 3
     assert out.logprobs[1] == {out.token_ids[1]: 0.0}  # forced: no forward of its own
+
+
+def test_short_forced_runs_are_decoded_as_usual(make_tiny_engine):
+    """Under MIN_JUMP_FORWARD_TOKENS a forced run costs more as a chunk than as decode steps: the same text."""
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    texts = []
+    for min_tokens in (1, 1000):
+        engine = make_tiny_engine()
+        engine.model_runner.structured_output.min_jump_forward_tokens = min_tokens
+        texts.append(_text(engine, _constrained(spec))[0])
+        assert (engine.model_runner.structured_output.num_forced_tokens > 0) == (min_tokens == 1)
+    assert texts[0] == texts[1]
 
 
 def test_stop_string_inside_forced_tokens_stops_there(engine):
