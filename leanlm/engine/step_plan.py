@@ -101,6 +101,10 @@ class StepOutput:
         return cls(logits, pooled)
 
 
+# Output tokens with missing KV (jump-forward's forced run) up to this many enter attention as decode entries.
+MAX_DECODE_RUN_TOKENS = 32
+
+
 def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
     """Lay the scheduled requests out as one flat batch, in order."""
     ids: list[int] = []
@@ -131,7 +135,7 @@ def plan_step(so: SchedulerOutput, device: torch.device) -> PlannedStep:
         if rows is not None:  # entry j comes from position j-1 of this chunk
             prompt_idx.extend(range(row_start + rows.first_entry - 1 - start, row_start + rows.last_entry - start))
     as_long = dict(dtype=torch.long, device=device)
-    query_lens, entry_seq_lens, block_ids = _attention_entries(so, seq_lens)
+    query_lens, entry_seq_lens, block_ids = _attention_entries(so, seq_lens, _decode_runs(so))
     plan = StepPlan(
         input_ids=torch.tensor(ids, **as_long),
         positions=torch.tensor(positions, **as_long),
@@ -206,16 +210,29 @@ def _prompt_rows(req: Request, num_new: int) -> PromptRows | None:
     return PromptRows(first_entry, last_entry, with_first)
 
 
-def _attention_entries(so: SchedulerOutput, seq_lens: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
-    """(query_lens, seq_lens, block_ids) for the forward context. A request verifying drafts enters as one
-    decode entry per token (token j sees the cache up to itself): the same causal attention as a chunk, but
-    every row is computed exactly as a plain decode step computes it, so greedy speculation reproduces plain
-    greedy decoding token for token, and the batch can stay on the decode kernels."""
-    if not any(so.spec_token_ids):
+def _decode_runs(so: SchedulerOutput) -> list[bool]:
+    """Per request: does its chunk enter attention as one decode entry per token? A request verifying drafts does, and
+    so does a short run of output tokens whose KV is missing (jump-forward's forced tokens after the sampled one): on
+    CPU a multi-token chunk leaves the one-token decode path and cost 4-6 decode steps (docs/structured_output.md)."""
+    return [
+        bool(so.num_spec_tokens(i))
+        or (1 < n <= MAX_DECODE_RUN_TOKENS and req.num_computed_tokens >= req.num_prompt_tokens)
+        for i, (req, n) in enumerate(zip(so.scheduled_requests, so.num_scheduled_tokens))
+    ]
+
+
+def _attention_entries(
+    so: SchedulerOutput, seq_lens: list[int], decode_runs: list[bool]
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """(query_lens, seq_lens, block_ids) for the forward context. A request in `decode_runs` enters as one decode
+    entry per token (token j sees the cache up to itself): the same causal attention as a chunk, but every row is
+    computed exactly as a plain decode step computes it, so greedy speculation reproduces plain greedy decoding token
+    for token, and the batch can stay on the decode kernels."""
+    if not any(decode_runs):
         return list(so.num_scheduled_tokens), seq_lens, list(so.block_ids)
     query_lens, entry_seq_lens, block_ids = [], [], []
     for i, (n, seq_len, blocks) in enumerate(zip(so.num_scheduled_tokens, seq_lens, so.block_ids)):
-        if so.num_spec_tokens(i):
+        if decode_runs[i]:
             query_lens += [1] * n
             entry_seq_lens += range(seq_len - n + 1, seq_len + 1)
             block_ids += [blocks] * n

@@ -35,6 +35,21 @@ def test_the_plan_lays_requests_out_in_order_sample_rows_first():
     assert planned.prompt_rows[1] is None
 
 
+def test_a_short_run_of_output_tokens_enters_as_decode_entries():
+    # jump-forward appended 3 forced tokens after b's sampled one: 4 output tokens without KV, as decode entries (each
+    # sees the cache up to itself), so the step stays on the one-token decode path; a prompt chunk stays one entry
+    a, b = _request("a", 6, 0), _request("b", 4, 4)
+    b.append_output_token_ids([50, 51, 52, 53])
+    planned = plan_step(_output([a, b], [4, 4]), torch.device("cpu"))
+    plan = planned.plan
+    assert plan.query_lens == [4, 1, 1, 1, 1] and plan.seq_lens == [4, 5, 6, 7, 8]
+    assert plan.block_ids == [[0], [1], [1], [1], [1]]
+    assert planned.sample_rows == [1] and plan.logit_rows.tolist() == [7]  # b's last row samples
+    recomputed = _request("c", 4, 0)  # a preempted request recomputing prompt and outputs: one chunk
+    recomputed.append_output_token_ids([50, 51])
+    assert plan_step(_output([recomputed], [6]), torch.device("cpu")).plan.query_lens == [6]
+
+
 def test_micro_batches_split_by_tokens_and_keep_every_request_once():
     reqs = [_request(str(i), 8, 0) for i in range(5)]
     so = _output(reqs, [8, 8, 1, 1, 8])

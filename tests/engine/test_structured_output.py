@@ -154,7 +154,7 @@ def test_jump_forward_stops_at_max_tokens_and_reports_forced_logprobs(engine):
 
 
 def test_short_forced_runs_are_decoded_as_usual(make_tiny_engine):
-    """Under MIN_JUMP_FORWARD_TOKENS a forced run costs more as a chunk than as decode steps: the same text."""
+    """A forced run shorter than min_jump_forward_tokens is decoded token by token: the same text."""
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     texts = []
     for min_tokens in (1, 1000):
