@@ -30,7 +30,7 @@ from leanlm.selection import (
     make_extractor,
     sampling_params_for_samples,
 )
-from leanlm.tool_calls import Tool, messages_for_template
+from leanlm.tool_calls import Tool, has_tool_turns, messages_for_template
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -139,21 +139,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         lora_list = _as_lora_list(lora_request, len(prompt_list))
-        engine = self.llm_engine
-        # Tokenize and validate everything before queueing anything: a bad prompt fails fast, disturbs nothing.
-        tokenized = [engine.tokenize_prompt(p) for p in prompt_list]
-        for (_, token_ids), params in zip(tokenized, params_list):
-            engine.validate(token_ids, params)
-        for lora in lora_list:
-            engine.prepare_lora(lora)
         # Only the final outputs are returned: no request copies its text, ids and logprobs at every step (vLLM's
         # LLM does the same).
         final_only = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list}
-        ids = [
-            engine.add_request(token_ids, final_only[id(sp)], prompt_text=text, lora_request=lora)
-            for (text, token_ids), sp, lora in zip(tokenized, params_list, lora_list)
-        ]
-        return self._run(ids, use_tqdm)
+        return self._queue_and_run(prompt_list, [final_only[id(sp)] for sp in params_list], lora_list, use_tqdm)
 
     def embed(
         self,
@@ -168,11 +157,27 @@ class LLM:
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         prompt_list = _as_prompt_list(prompts)
+        return self._queue_and_run(prompt_list, [params] * len(prompt_list), [None] * len(prompt_list), use_tqdm)
+
+    def _queue_and_run(
+        self,
+        prompt_list: list[Prompt],
+        params_list: list[SamplingParams | PoolingParams],
+        lora_list: list[LoRARequest | None],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Queue every prompt with its params and adapter, and run them all to completion. Everything is tokenized and
+        validated before anything is queued: a bad prompt fails fast and disturbs nothing."""
         engine = self.llm_engine
         tokenized = [engine.tokenize_prompt(p) for p in prompt_list]
-        for _, token_ids in tokenized:
+        for (_, token_ids), params in zip(tokenized, params_list):
             engine.validate(token_ids, params)
-        ids = [engine.add_request(token_ids, params, prompt_text=text) for text, token_ids in tokenized]
+        for lora in lora_list:
+            engine.prepare_lora(lora)
+        ids = [
+            engine.add_request(token_ids, params, prompt_text=text, lora_request=lora)
+            for (text, token_ids), params, lora in zip(tokenized, params_list, lora_list)
+        ]
         return self._run(ids, use_tqdm)
 
     def beam_search(
@@ -248,7 +253,7 @@ class LLM:
         prompts: list[Prompt] = []
         for conversation in conversations:
             template_tools = None
-            if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation):
+            if tools or has_tool_turns(conversation):
                 conversation, template_tools = messages_for_template(
                     conversation, list(tools or ()), self.tokenizer.chat_template
                 )

@@ -11,6 +11,7 @@ from leanlm.tool_calls import (
     PARSERS,
     Tool,
     ToolCallParser,
+    has_tool_turns,
     messages_for_template,
     parser_for_template,
     required_call_grammar,
@@ -31,8 +32,7 @@ def prepare_tools(request: ChatCompletionRequest, template: str | None, parser_n
     tools = tool_list(request)
     required = required_tools(request, tools)
     messages = request.chat_messages()
-    has_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    if not tools and not has_history:
+    if not tools and not has_tool_turns(messages):
         return ChatTools(messages, None, None, None)
     messages, template_tools = messages_for_template(messages, tools, template)
     knows_tools = template_knows_tools(template)

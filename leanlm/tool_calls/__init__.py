@@ -5,7 +5,7 @@ one is required, and the prompt for chat templates that know no tools."""
 from leanlm.tool_calls.call import ParsedReply, Tool, ToolCall, new_call_id
 from leanlm.tool_calls.constraint import required_call_grammar
 from leanlm.tool_calls.parsers import PARSERS, ToolCallParser, parser_for_template
-from leanlm.tool_calls.prompt import messages_for_template
+from leanlm.tool_calls.prompt import has_tool_turns, messages_for_template
 from leanlm.tool_calls.streamer import ToolCallStreamer
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "ToolCall",
     "ToolCallParser",
     "ToolCallStreamer",
+    "has_tool_turns",
     "messages_for_template",
     "new_call_id",
     "parser_for_template",

@@ -13,6 +13,11 @@ from typing import Any
 from leanlm.tool_calls.call import Tool
 
 
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    """Does the conversation hold earlier calls or tool results (messages_for_template renders them, tools or not)?"""
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
 def template_knows_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
