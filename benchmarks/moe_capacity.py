@@ -24,9 +24,9 @@ from leanlm.analysis.host import describe_machine
 from leanlm.analysis.markdown import replace_section
 from leanlm.config.moe import RoutingPolicy
 from leanlm.formats import read_checkpoint
-from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.context import ExpertRouting, build_forward_context, forward_context
 from leanlm.model.llama import build_model
-from leanlm.model.moe import moe_blocks, set_routing_policy
+from leanlm.model.moe import moe_blocks
 from leanlm.model.paged_kv import PagedKVCache
 
 BLOCK = 16
@@ -52,13 +52,15 @@ def prefill(model, cache: PagedKVCache, seqs: torch.Tensor, prefix: int) -> list
     return tables
 
 
-def decode(model, cache: PagedKVCache, seqs: torch.Tensor, tables, prefix: int) -> tuple[float, int]:
-    """Summed NLL of tokens prefix+1 .. L-1, decoding B tokens a step; and how many were scored."""
+def decode(
+    model, cache: PagedKVCache, seqs: torch.Tensor, tables, prefix: int, policy: RoutingPolicy
+) -> tuple[float, int]:
+    """Summed NLL of tokens prefix+1 .. L-1, decoding B tokens a step under `policy`; and how many were scored."""
     batch, length = seqs.shape
     nll, scored = 0.0, 0
     for pos in range(prefix, length - 1):
         ctx = build_forward_context([1] * batch, [pos + 1] * batch, [t[: math.ceil((pos + 1) / BLOCK)] for t in tables],
-                                    cache)  # fmt: skip
+                                    cache, routing=ExpertRouting(policy))  # fmt: skip
         with forward_context(ctx), torch.no_grad():
             hidden = model(seqs[:, pos], torch.full((batch,), pos))
             logits = model.compute_logits(hidden).float()
@@ -79,21 +81,18 @@ def measure(model, tokenizer, text: str, batch: int, tokens: int, prefix: int) -
     num_blocks = batch * math.ceil(seqs.shape[1] / BLOCK)
     cache = PagedKVCache.allocate(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, BLOCK, cfg.head_dim,
                                   model.model.norm.weight.dtype, "cpu")  # fmt: skip
-    set_routing_policy(model, RoutingPolicy())
     tables = prefill(model, cache, seqs, prefix)
     saved = cache.kv.clone()
     rows = []
     for factor, bpr in tqdm(POLICIES, desc=f"batch {batch}", unit="policy"):
         cache.kv.copy_(saved)
-        set_routing_policy(model, RoutingPolicy(factor, bpr))
         before = counters(model)
-        nll, scored = decode(model, cache, seqs, tables, prefix)
+        nll, scored = decode(model, cache, seqs, tables, prefix, RoutingPolicy(factor, bpr))
         after = counters(model)
         assigned, dropped = after[0] - before[0], after[1] - before[1]
         rows.append(dict(batch=batch, factor=factor, bpr=bpr, ppl=math.exp(nll / scored), scored=scored,
                          drop=dropped / assigned if assigned else 0.0))  # fmt: skip
         print(rows[-1], flush=True)
-    set_routing_policy(model, RoutingPolicy())
     return rows
 
 

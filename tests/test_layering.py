@@ -74,6 +74,57 @@ def test_compress_never_imports_train():
     assert not _importers(("compress",), ("leanlm.train",))
 
 
+# The layers docs/architecture.md draws, bottom first: each imports only the layers at or below its own. The
+# side packages (compress, train, analysis, data, tool_calls and the request-side parameter modules) are
+# checked by the tests above, not placed here.
+LAYERS = (
+    ("config", "loading"),  # model files and names -> ModelConfig, weights, tokenizer; the architectures' tables
+    ("kernels",),  # native CPU kernels and their PyTorch references
+    ("model",),  # the decoder over flat token batches, runtime weight formats
+    ("formats",),  # checkpoint formats, one loader
+    ("engine",),  # LLMEngine and its collaborators
+    ("parallel",),  # model parallelism inside one engine (torch.distributed)
+    ("llm",),  # LLM, the offline entry point
+    ("server",),  # `leanlm serve`
+    ("fleet",),  # replicas behind a cache-aware front
+    ("cli",),
+)
+
+
+def test_no_layer_imports_one_above_it():
+    """Upward edges a review found (kernels -> model for the int8 activation numerics; loading -> config -> model
+    for the architecture tables; llm -> parallel -> server -> llm through the data-parallel front) stay gone."""
+    offenders = []
+    for level, subs in enumerate(LAYERS):
+        above = tuple(f"leanlm.{name}" for upper in LAYERS[level + 1 :] for name in upper)
+        offenders += _importers_of_layer(subs, above)
+    assert not offenders, "a layer imports one above it:\n" + "\n".join(offenders)
+
+
+def _importers_of_layer(subs: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
+    """_importers over packages and single-module layers (llm.py) alike."""
+    packages = tuple(s for s in subs if (PACKAGE / s).is_dir())
+    found = _importers(packages, banned)
+    for single in (s for s in subs if (PACKAGE / f"{s}.py").is_file()):
+        hit = {m for m in _imports(PACKAGE / f"{single}.py") if any(m == b or m.startswith(b + ".") for b in banned)}
+        found += [f"{single}.py: {sorted(hit)}"] if hit else []
+    return found
+
+
+def test_the_fleet_uses_only_the_servers_public_pieces():
+    """The fleet imports `leanlm.server` itself (its __init__ names the pieces other HTTP processes share), never a
+    server module, and neither the engine, the model nor LLM: a front process loads no model."""
+    inner = [
+        f"{path.relative_to(PACKAGE)}: {m}"
+        for path in sorted((PACKAGE / "fleet").rglob("*.py"))
+        for m in _imports(path)
+        if m.startswith("leanlm.server.")
+    ]
+    assert not inner, "import from leanlm.server, not its modules:\n" + "\n".join(inner)
+    engine_side = ("leanlm.engine", "leanlm.model", "leanlm.llm", "leanlm.formats", "leanlm.kernels")
+    assert not _importers(("fleet",), engine_side)
+
+
 def test_no_module_passes_the_size_where_it_should_be_split():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
     assert not {name: n for name, n in sizes.items() if n > MAX_LINES}

@@ -1,5 +1,5 @@
 """`leanlm serve`: the OpenAI-compatible HTTP server, or (--data-parallel-size N, --replicas) a routing front over
-engine replicas (leanlm/parallel/front.py)."""
+engine replicas (leanlm/fleet/front.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ FRONT_ONLY = frozenset({"host", "port", "api_key", "metrics_key", "allowed_hosts
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanlm.server.launcher import check_port_free, serve, serve_limits
+    from leanlm.server.http_config import serve_limits
+    from leanlm.server.launcher import check_port_free, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if f.name != "threads"}
     options["threads"] = args.num_threads  # one --threads flag: the engine's (each replica's, behind a front)
@@ -56,8 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve_front(args: argparse.Namespace, config: ServeConfig, router_config: RouterConfig) -> int:
+    from leanlm.fleet.front import serve_routed
     from leanlm.formats.stored import load_tokenizer
-    from leanlm.parallel.front import serve_routed
 
     tokenizer = load_tokenizer(args.model)  # the front tokenizes prompts for prefix affinity; no weights
     if not config.served_model_name:  # every replica answers to the name the user would see without a front

@@ -1,4 +1,4 @@
-"""ModelConfig: the shape and hyper-parameters of one decoder, whose architecture (leanlm.model.architectures) says
+"""ModelConfig: the shape and hyper-parameters of one decoder, whose architecture (leanlm.config.architectures) says
 what its block is; built from an HF `config.json` dict or from GGUF metadata (`leanlm.formats.gguf.config`); the dtype
 names."""
 
@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
+from leanlm.config.architectures import SUPPORTED_ARCHITECTURES, Architecture, get_architecture
+from leanlm.config.architectures.spec import HIDDEN_ACTS
 from leanlm.config.mla import MLAConfig
 from leanlm.config.moe import MoEConfig, check_hf_expressible, moe_from_hf, moe_to_hf
 from leanlm.config.rope import RopeScaling, hf_rope_scaling
 from leanlm.config.values import check_bool, check_dict, check_float, check_int, check_list, optional, required, to_int
 from leanlm.config.windows import hf_layer_windows, layer_windows_to_hf
-from leanlm.model.architectures import SUPPORTED_ARCHITECTURES, Architecture, get_architecture
-from leanlm.model.architectures.spec import HIDDEN_ACTS
 
 # The longest context we build rotary tables for: 2^20 positions x D/2 x cos/sin in float32 is already 512 MiB
 # at head_dim 128. A larger value in a file is damage (or a model we cannot serve), never something to allocate.
@@ -175,7 +175,7 @@ class ModelConfig:
 
     @property
     def arch(self) -> Architecture:
-        """What this model's block is (leanlm.model.architectures)."""
+        """What this model's block is (leanlm.config.architectures)."""
         return get_architecture(self.architecture)
 
     @property

@@ -12,7 +12,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
 @dataclass(frozen=True)
 class RouterConfig:
     """How `leanlm serve` splits work over engine processes. With data_parallel_size 1 and no replicas it is the
-    ordinary single-process server; otherwise the process on --host/--port is a front (leanlm/parallel/front.py)
+    ordinary single-process server; otherwise the process on --host/--port is a front (leanlm/fleet/front.py)
     that routes each request to one replica (docs/router.md)."""
 
     data_parallel_size: int = dataclasses.field(

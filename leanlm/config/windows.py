@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from leanlm.config.values import check_bool, check_list, optional, to_int
 
 if TYPE_CHECKING:
-    from leanlm.model.architectures import Architecture
+    from leanlm.config.architectures import Architecture
 
 
 def hf_layer_windows(arch: Architecture, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

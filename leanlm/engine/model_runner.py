@@ -28,12 +28,11 @@ from leanlm.engine.step_plan import PromptRows, StepOutput, StepPlan, plan_step,
 from leanlm.engine.structured_output import GrammarMask, StructuredOutput
 from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.attention_pattern import StepPatterns
-from leanlm.model.context import ForwardContext, build_forward_context, forward_context
+from leanlm.model.context import ExpertRouting, ForwardContext, build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.lora import LoRAMapping
-from leanlm.model.moe import set_routing_policy
 from leanlm.model.paged_kv import PagedKVCache
 
 
@@ -84,7 +83,6 @@ class ModelRunner:
         self.model = model
         self.config: ModelConfig = model.config
         _check_long_context(self.config, engine_config)
-        set_routing_policy(model, engine_config.routing_policy())  # capacity / BPR; no-op on a dense model
         self.act_quant_layers = set_activation_quant(model, engine_config.act_quant)  # W4A8 / W8A8-dynamic
         self.block_size = engine_config.block_size
         self.model_dtype = model_dtype  # the compute dtype (a pipeline stage past the first has no embeddings)
@@ -106,6 +104,7 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.nbytes
         # long inputs: the runtime attention patterns every forward carries (windows, sinks, prefill patterns)
         self.patterns = StepPatterns.of(engine_config.long_context)
+        self.routing_policy = engine_config.routing_policy()  # MoE capacity / BPR, handed to every forward
         self.streams = engine_config.long_context.streams  # positions may run past the rotary table: grow it
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -214,8 +213,6 @@ class ModelRunner:
         if not plan.num_tokens:
             return StepOutput(torch.zeros(0, self.config.vocab_size, device=self.device))
         ctx = self.context_for(plan)
-        if plan.expert_subsets:
-            ctx = dataclasses.replace(ctx, expert_mask=plan.expert_mask(self.config.moe.num_experts))
         if plan.lora_runs:
             ctx = dataclasses.replace(ctx, lora=LoRAMapping.of(self.lora.slots, plan.lora_runs, plan.num_tokens))
         if self.kv_evictor is not None:
@@ -237,8 +234,10 @@ class ModelRunner:
         may take positions past the rotary table: it grows first)."""
         if self.streams:
             self.model.rotary_emb.ensure(max(plan.seq_lens))
+        mask = plan.expert_mask(self.config.moe.num_experts) if plan.expert_subsets else None
+        routing = ExpertRouting(self.routing_policy, mask)
         return build_forward_context(
-            plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache, self.patterns, self._sink_rotary
+            plan.query_lens, plan.seq_lens, plan.block_ids, self.kv_cache, self.patterns, self._sink_rotary, routing
         )
 
     def _sink_rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

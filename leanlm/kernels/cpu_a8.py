@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from leanlm.kernels.act_int8 import ACT_GROUP, fake_quantize_act_int8
 from leanlm.kernels.build import NativeKernel
 from leanlm.kernels.native_linear import NativeCall, call_entry
 from leanlm.kernels.spec import call, loaded
-from leanlm.model.quantized.numerics import ACT_GROUP, fake_quantize_act_int8
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL = NativeKernel(

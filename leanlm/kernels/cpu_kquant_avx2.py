@@ -166,7 +166,7 @@ def should_use_int4k(x: torch.Tensor, qweight: torch.Tensor, s: SuperScales | No
 
 
 def linear_int4k_a8(x: torch.Tensor, qweight: torch.Tensor, s: SuperScales, bias: torch.Tensor | None = None):
-    """x [..., K] float32 @ w^T + bias -> float32 [..., N] with x quantized to int8 per 32 (numerics.quantize_act_int8)
+    """x [..., K] float32 @ w^T + bias -> float32 [..., N] with x quantized to int8 per 32 (act_int8.quantize_act_int8)
     and w = q * sd * sc + md * mc per group of 32 (codes as pack_int4 lays them): cpu_a8.reference to fp32 rounding."""
     if not INT4K_SPEC.fits(x, qweight, s.sc, s.sd, s.mc, s.md, bias):
         INT4K_SPEC.explain(x, qweight, s.sc, s.sd, s.mc, s.md, bias)

@@ -194,7 +194,7 @@ def linear_int4_a8(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """linear_int4 on x quantized to int8 per 32 inputs (numerics.quantize_act_int8): W4A8, as llama.cpp's Q4_1 x
+    """linear_int4 on x quantized to int8 per 32 inputs (act_int8.quantize_act_int8): W4A8, as llama.cpp's Q4_1 x
     Q8_1 dot products; equals cpu_a8.reference to fp32 rounding. scales and mins: float32, or half
     (half_copies)."""
     half = int(scales.dtype is torch.float16)

@@ -36,7 +36,8 @@ class AttentionBackend(Protocol):
         scale: float,
         ctx: ForwardContext,
         window: int | None = None,  # the layer's trained sliding window; None: full
-        q_sink: torch.Tensor | None = None,  # [T, H, D]: q rotated at the re-based sink positions (ctx.sink_rope)
+        q_sink: torch.Tensor
+        | None = None,  # [T, H, D]: q rotated at the re-based sink positions (long_inputs.sink_rope)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -76,8 +77,8 @@ class TorchAttentionBackend:
         # K/V are then read as stored (an 8-bit cache's rounding included), like the cached prefix.
         k = store_kv(kv.k_cache, kv.k_scales, k, ctx.kv_write_index)
         v = store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
-        decode = layer_pattern(ctx.patterns.decode, window)
-        prefill = layer_pattern(ctx.patterns.prefill, window)
+        decode = layer_pattern(ctx.long_inputs.patterns.decode, window)
+        prefill = layer_pattern(ctx.long_inputs.patterns.prefill, window)
         if decode is None and prefill is None:
             return self.attend(q, k, v, kv, scale, ctx)
         return self.attend_pattern(q, q_sink, k, v, kv, scale, ctx, decode, prefill)

@@ -31,7 +31,10 @@ def capped_attention(
         )
     store_kv(kv.k_cache, kv.k_scales, k, ctx.kv_write_index)
     store_kv(kv.v_cache, kv.v_scales, v, ctx.kv_write_index)
-    decode, prefill = layer_pattern(ctx.patterns.decode, window), layer_pattern(ctx.patterns.prefill, window)
+    decode, prefill = (
+        layer_pattern(ctx.long_inputs.patterns.decode, window),
+        layer_pattern(ctx.long_inputs.patterns.prefill, window),
+    )
     prompt_starts = {span.token_start for span in ctx.prefills}
     starts = ctx.query_start_loc.tolist()
     out = torch.empty_like(q)

@@ -1,7 +1,9 @@
-"""ForwardContext: the flat batch metadata and the KV cache attention layers read during one forward.
+"""ForwardContext: the flat batch metadata and the KV cache attention layers read during one forward, and the
+engine's per-step options in small typed parts, one per concern (expert routing, long-input patterns, LoRA, KV
+scoring).
 
-Set by the model runner through `forward_context(ctx)`, which refuses nesting; the model never sees a Request
-and holds no cache of its own.
+Set by the model runner through `forward_context(ctx)`, which refuses nesting; the model never sees a Request and
+holds no cache and no engine option of its own: two engines can share one model.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from leanlm.config.moe import RoutingPolicy
 from leanlm.model.attention_pattern import AttentionPattern, StepPatterns, row_bounds, sink_positions
 from leanlm.model.lora import LoRAMapping
 from leanlm.model.paged_kv import LayerKV, PagedKVCache
@@ -27,6 +30,30 @@ class PrefillSpan:
     token_end: int
     seq_len: int  # tokens with KV after this step; the new ones are the last (token_end - token_start)
     block_ids: torch.Tensor  # [num_blocks] long, covering seq_len tokens
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How the MoE layers route in this forward (leanlm.model.moe); the default routes every token to its top-k."""
+
+    policy: RoutingPolicy = RoutingPolicy()  # the engine's expert capacity and batch priority (EngineConfig)
+    # [T, E] bool: the experts each token may use (static task routing: requests that pin an expert subset); None: all
+    mask: torch.Tensor | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """No mask and no capacity: what the native decode loop routes."""
+        return self.mask is None and self.policy.capacity_factor is None
+
+
+@dataclass(frozen=True)
+class LongInputs:
+    """Long inputs (leanlm.model.attention_pattern): the runtime patterns every layer narrows to its trained window;
+    with re-based sinks, each row's sink position and the sinks' query rotation."""
+
+    patterns: StepPatterns = StepPatterns()
+    sink_positions: torch.Tensor | None = None  # [T] long
+    sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [T, 1, D/2], the model's dtype
 
 
 @dataclass(frozen=True)
@@ -48,13 +75,8 @@ class ForwardContext:
     decode_seq_lens: torch.Tensor  # [Bd] long
     decode_max_seq_len: int  # 0 when there is no decode
     prefills: tuple[PrefillSpan, ...]
-    # [T, E] bool: the experts each token may use (static task routing: requests that pin an expert subset); None: all
-    expert_mask: torch.Tensor | None = None
-    # Long inputs (leanlm.model.attention_pattern): the runtime patterns every layer narrows to its trained window;
-    # with re-based sinks, each row's sink position [T] and its rotary (cos, sin [T, 1, D/2], the model's dtype)
-    patterns: StepPatterns = StepPatterns()
-    sink_positions: torch.Tensor | None = None
-    sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    routing: ExpertRouting = ExpertRouting()  # MoE layers: capacity, batch priority, pinned experts
+    long_inputs: LongInputs = LongInputs()  # attention windows, sinks and prefill patterns
     _bounds: dict = field(default_factory=dict, repr=False, compare=False)  # row_bounds per pattern pair, per step
     # (layer_idx, q [T, H, D] with rotary, the layer's LayerKV) after each attention layer stored its new K/V: a KV
     # budget's scoring (engine/kv_evictor.py). Set, it keeps the step off the native all-decode loop. None: off
@@ -133,14 +155,14 @@ def get_forward_context() -> ForwardContext:
     return ctx
 
 
-def current_expert_mask(num_tokens: int) -> torch.Tensor | None:
-    """The forward context's expert mask for a batch of `num_tokens` rows; None outside a forward (training,
-    calibration) or when no request pins its experts."""
+def current_routing(num_tokens: int) -> ExpertRouting:
+    """The forward context's expert routing for a batch of `num_tokens` rows; the plain default outside a forward
+    (training, calibration)."""
     ctx = getattr(_state, "ctx", None)
-    mask = None if ctx is None else ctx.expert_mask
-    if mask is not None and mask.shape[0] != num_tokens:
-        raise RuntimeError(f"the expert mask covers {mask.shape[0]} tokens, the forward {num_tokens}")
-    return mask
+    routing = ExpertRouting() if ctx is None else ctx.routing
+    if routing.mask is not None and routing.mask.shape[0] != num_tokens:
+        raise RuntimeError(f"the expert mask covers {routing.mask.shape[0]} tokens, the forward {num_tokens}")
+    return routing
 
 
 def current_lora() -> LoRAMapping | None:
@@ -156,6 +178,7 @@ def build_forward_context(
     kv_cache: PagedKVCache,
     patterns: StepPatterns = StepPatterns(),
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    routing: ExpertRouting = ExpertRouting(),
 ) -> ForwardContext:
     """Lay out B requests' metadata: query_lens[i] new tokens ending at seq_lens[i], KV in block_ids[i] of
     `kv_cache` (whose block size, KV heads and device the layout follows). With runtime attention `patterns` that
@@ -188,6 +211,7 @@ def build_forward_context(
     kv_write_index = ((block[:, None] * num_kv_heads + heads) * block_size + offset[:, None]).reshape(-1)
     return ForwardContext(
         kv_cache=kv_cache,
+        routing=routing,
         slot_mapping=slot_mapping,
         kv_write_index=kv_write_index,
         is_all_decode=len(decode_rows) == num_reqs,
@@ -202,17 +226,16 @@ def build_forward_context(
         decode_seq_lens=as_tensor(decode_seq),
         decode_max_seq_len=max(decode_seq, default=0),
         prefills=prefills,
-        patterns=patterns,
-        **_sink_fields(query_lens, seq_lens, patterns, rotary, device),
+        long_inputs=_long_inputs(query_lens, seq_lens, patterns, rotary, device),
     )
 
 
-def _sink_fields(query_lens: list[int], seq_lens: list[int], patterns: StepPatterns, rotary, device) -> dict:
-    """sink_positions and sink_rope of a step whose patterns re-base sinks (one pattern for every row); else none."""
+def _long_inputs(query_lens: list[int], seq_lens: list[int], patterns: StepPatterns, rotary, device) -> LongInputs:
+    """The step's patterns, with sink positions and rotation where they re-base sinks (one pattern for every row)."""
     if not patterns.rebases:
-        return {}
+        return LongInputs(patterns)
     if rotary is None:
         raise ValueError("attention sinks are re-based through the model's rotary table: pass rotary=")
     row_lens = torch.tensor([s - q + 1 + i for q, s in zip(query_lens, seq_lens) for i in range(q)], dtype=torch.long)
     positions = sink_positions(row_lens, patterns.decode).to(device)
-    return {"sink_positions": positions, "sink_rope": rotary(positions)}
+    return LongInputs(patterns, positions, rotary(positions))

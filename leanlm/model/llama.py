@@ -1,4 +1,4 @@
-"""The one decoder every architecture runs (leanlm.model.architectures declares how each differs from Llama: norms,
+"""The one decoder every architecture runs (leanlm.config.architectures declares how each differs from Llama: norms,
 q/k norms, embedding scale, activations, soft-caps, rotary), over flat token batches.
 
 Module and weight names follow HF's, so HF state dicts load as they are (fused files are split on read).
@@ -83,7 +83,9 @@ class LlamaAttention(nn.Module):
         q = self._project(x, self.q_proj, self.q_norm, self.num_heads)  # [T, H, D]
         k = self._project(x, self.k_proj, self.k_norm, self.num_kv_heads)  # [T, Hkv, D]
         v = self._project(x, self.v_proj, None, self.num_kv_heads)
-        q_sink = None if ctx.sink_rope is None else apply_rotary(q, *ctx.sink_rope)  # the re-based sinks' query
+        q_sink = (
+            None if ctx.long_inputs.sink_rope is None else apply_rotary(q, *ctx.long_inputs.sink_rope)
+        )  # the re-based sinks' query
         rope = self.layer_rope(rope)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         kv = ctx.kv_cache.layer(self.layer_idx)

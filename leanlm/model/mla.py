@@ -82,7 +82,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         ctx = get_forward_context()
-        if ctx.sink_rope is not None:
+        if ctx.long_inputs.sink_rope is not None:
             raise ValueError("attention sinks re-rotate queries, which MLA's shared rotary key does not support")
         q_nope, q_rot = self._queries(x, rope)  # [T, H, nope], [T, H, R]
         rows = self.store(self.latent(x, rope), ctx)  # [T, W] as stored
@@ -99,7 +99,7 @@ class LatentAttention(nn.Module):
                 continue
             seq_len, span = int(ctx.seq_lens[b]), spans.get(start)
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=x.device)
-            pattern = ctx.patterns.decode if span is None else ctx.patterns.prefill
+            pattern = ctx.long_inputs.patterns.decode if span is None else ctx.long_inputs.patterns.prefill
             mask = allowed(q_pos, torch.arange(seq_len, device=x.device), pattern)  # [n, S]
             if span is not None and seq_len == end - start:
                 keys, values = step_kv[0][start:end], step_kv[1][start:end]

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.config.model import ModelConfig
-from leanlm.config.moe import MoEConfig, RoutingPolicy
+from leanlm.config.moe import MoEConfig
 from leanlm.kernels import cpu_rows
-from leanlm.model.context import current_expert_mask
+from leanlm.model.context import ExpertRouting, current_routing
 from leanlm.model.mlp import LlamaMLP
 
 
@@ -166,30 +166,34 @@ class SparseMoeBlock(nn.Module):
             LlamaMLP(hidden, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
         )
         self.shared_expert_gate = Router(hidden, 1) if moe.shared_expert_gate else None
-        self.policy = RoutingPolicy()  # the engine's capacity / priority options (LlamaForCausalLM.set_routing_policy)
         self.stats = ExpertLoad(moe.num_experts)
         self.last_routing: Routing | None = None  # kept while autograd records: the trainer's balancing loss reads it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        out = self.dispatch(x, *self.choose(x))
+    def forward(self, x: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:  # [T, hidden]
+        """`routing`: the engine's options for this call; None: the forward context's (the plain default outside
+        one)."""
+        out = self.dispatch(x, *self.choose(x, routing))
         shared = self.shared_output(x)
         return out if shared is None else out + shared
 
-    def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Each row's experts [T, k] and weights [T, k] float32, and which assignments fit the policy's capacity
-        ([T, k] bool; None: every one), under the forward context's expert mask."""
-        mask = current_expert_mask(x.shape[0])
-        capacity = self.policy.capacity(x.shape[0], self.moe.top_k, self.moe.num_experts)
+    def choose(
+        self, x: torch.Tensor, routing: ExpertRouting | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each row's experts [T, k] and weights [T, k] float32, and which assignments fit the routing policy's
+        capacity ([T, k] bool; None: every one), under its expert mask; `routing` None: the forward context's."""
+        routing = current_routing(x.shape[0]) if routing is None else routing
+        mask, policy = routing.mask, routing.policy
+        capacity = policy.capacity(x.shape[0], self.moe.top_k, self.moe.num_experts)
         if mask is None and capacity is None and self.moe.is_plain and self.native_routing(x):
             # bf16 CPU rows: the native decode loop's routing, so a step's bits do not depend on which path ran it
             return (*cpu_rows.moe_route(x, self.gate.weight, self.moe.top_k, self.moe.scoring), None)
-        routing = route(self.gate(x), self.moe, mask, getattr(self.gate, "e_score_correction_bias", None))
-        self.last_routing = routing if torch.is_grad_enabled() else None
+        routed = route(self.gate(x), self.moe, mask, getattr(self.gate, "e_score_correction_bias", None))
+        self.last_routing = routed if torch.is_grad_enabled() else None
         if capacity is None:
-            return routing.experts, routing.weights, None
-        priority = routing.probs.max(dim=-1).values if self.policy.batch_priority else None
-        keep = capacity_keep(routing.experts, capacity, self.moe.num_experts, priority)
-        return routing.experts, routing.weights, keep
+            return routed.experts, routed.weights, None
+        priority = routed.probs.max(dim=-1).values if policy.batch_priority else None
+        keep = capacity_keep(routed.experts, capacity, self.moe.num_experts, priority)
+        return routed.experts, routed.weights, keep
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's rows [T, hidden] (gated where the model gates it); None without one."""
@@ -255,11 +259,6 @@ class MoEStats:
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-
-
-def set_routing_policy(model: nn.Module, policy: RoutingPolicy) -> None:
-    for block in moe_blocks(model):
-        block.policy = policy
 
 
 def module_bytes(module: nn.Module) -> int:

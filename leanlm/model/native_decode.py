@@ -235,15 +235,13 @@ class NativeDecodePlan:
         None when no loop takes this model, this many rows or this forward's cache."""
         if ctx.lora is not None:
             return None  # the loop runs plain layers: adapter products run on the PyTorch path
-        if self._moe_blocks and (
-            ctx.expert_mask is not None or any(b.policy.capacity_factor for b in self._moe_blocks)
-        ):
+        if self._moe_blocks and not ctx.routing.is_plain:
             return None  # pinned experts and capacities route on the PyTorch path
         bound = self._for_rows(x.shape[0])
         if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]):
             return None
         bounds = self._layer_bounds(ctx)
-        if bound.loop.dtype is torch.float32 and (bounds is not None or ctx.sink_positions is not None):
+        if bound.loop.dtype is torch.float32 and (bounds is not None or ctx.long_inputs.sink_positions is not None):
             return None  # the float32 loop reads every key: windows and sinks stay on the PyTorch path
         return bound.loop(
             x,
@@ -253,14 +251,14 @@ class NativeDecodePlan:
             ctx.decode_seq_lens,
             ctx.decode_max_seq_len,
             bounds,
-            ctx.sink_positions,
+            ctx.long_inputs.sink_positions,
         )
 
     def _layer_bounds(self, ctx: ForwardContext) -> torch.Tensor | None:
         """[L, M, 3] long: each layer's (lo, sinks, stride) per decode row; None when every layer reads every key."""
-        if ctx.patterns.decode is None and not self._has_windows:  # every step of a full-attention model
+        if ctx.long_inputs.patterns.decode is None and not self._has_windows:  # every step of a full-attention model
             return None
-        patterns = [layer_pattern(ctx.patterns.decode, w) for w in self._windows]
+        patterns = [layer_pattern(ctx.long_inputs.patterns.decode, w) for w in self._windows]
         rows = ctx.decode_seq_lens.shape[0]
         full = torch.zeros(rows, 3, dtype=torch.long)  # lo 0: every key
         per_layer = [ctx.decode_bounds(p) for p in patterns]

@@ -1,3 +1,3 @@
-"""Beyond one process: tensor and pipeline parallelism on torch.distributed (gloo on CPU, NCCL on GPU), the
-step broadcast from the scheduler's rank, and data-parallel replicas behind a cache-aware router (plain HTTP
-between ordinary `leanlm serve` processes)."""
+"""Beyond one process, inside one engine: tensor, pipeline and expert parallelism on torch.distributed (gloo on
+CPU, NCCL on GPU), each rank loading only its slices, and the step broadcast from the scheduler's rank. Serving
+replicas behind a router is the fleet's job (leanlm/fleet/)."""

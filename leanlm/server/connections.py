@@ -142,7 +142,7 @@ async def _health_only(app, scope, receive, send) -> None:
     """A reserved connection's app: /health as usual, anything else a 503 that closes the connection."""
     if scope["type"] != "http" or scope["path"] == HEALTH_PATH:
         return await app(scope, receive, send)
-    from leanlm.server.errors import error_response  # the one shape of every error body
+    from leanlm.server.error_body import error_response  # the one shape of every error body
 
     response = error_response(
         503,

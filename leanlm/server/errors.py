@@ -1,5 +1,4 @@
-"""The one shape of every error the server answers, OpenAI's {"error": {"message", "type", "param", "code"}}, and
-the mapping from what accepting a request can raise to its HTTP status."""
+"""The mapping from what accepting a request can raise to its HTTP status, in the one error shape (error_body.py)."""
 
 from __future__ import annotations
 
@@ -10,23 +9,12 @@ from pydantic import ValidationError
 
 from leanlm.engine import EngineStoppedError, QueueFullError, RequestFailedError
 from leanlm.loading.chat_encoding import ControlTokenError
+from leanlm.server.error_body import error_response
 from leanlm.server.protocol import InvalidParameterError, LimitExceededError, UnsupportedParameterError
 from leanlm.server.served_models import ModelNotFoundError
 from leanlm.server.serving import ContextLengthError
 
 logger = logging.getLogger(__name__)
-
-
-def error_response(
-    status: int,
-    message: str,
-    err_type: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:

@@ -15,7 +15,7 @@ from leanlm.config import ServeConfig
 from leanlm.engine import AsyncLLMEngine
 from leanlm.llm import LLM
 from leanlm.server.api import build_app
-from leanlm.server.connections import ConnectionLimits, connection_limits, guarded_protocol
+from leanlm.server.http_config import uvicorn_config
 
 logger = logging.getLogger("leanlm.serve")
 
@@ -41,36 +41,6 @@ def build_server(llm: LLM, model_name: str, config: ServeConfig) -> tuple[uvicor
         max_pending_prepares=config.max_pending_prepares,
     )
     return uvicorn.Server(uvicorn_config(app, config)), engine
-
-
-def serve_limits(config: ServeConfig) -> ConnectionLimits:
-    """The connection limits `config` asks for, checked against the open-file limit (a ValueError otherwise)."""
-    return connection_limits(
-        config.max_connections, config.reserved_connections, config.header_timeout_s, config.body_timeout_s
-    )
-
-
-def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
-    """uvicorn's settings for `app`. X-Forwarded-For is read only from the proxies the config names: uvicorn
-    trusts it from loopback by default, which would let any local client pick the address the per-client
-    limit counts against. Connections go through the guarded h11 protocol (leanlm/server/connections.py), not
-    uvicorn's limit_concurrency: that one answers 503 to /health too once the limit is reached, and never closes
-    a connection that sends nothing."""
-    proxies = config.trusted_proxy_ips
-    limits = serve_limits(config)
-    return uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=config.shutdown_timeout_s,
-        timeout_keep_alive=config.keep_alive_timeout_s,
-        http=guarded_protocol(limits),
-        backlog=limits.backlog,
-        access_log=False,
-        proxy_headers=bool(proxies),
-        forwarded_allow_ips=list(proxies) if proxies else None,
-    )
 
 
 def check_port_free(host: str, port: int) -> None:

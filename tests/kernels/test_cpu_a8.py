@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leanlm.kernels import cpu_a8
-from leanlm.model.quantized.numerics import fake_quantize_act_int8, quantize_act_int8
+from leanlm.kernels.act_int8 import fake_quantize_act_int8, quantize_act_int8
 
 pytestmark = pytest.mark.skipif(not cpu_a8.is_available(), reason=f"gemm_a8: {cpu_a8._KERNEL.unavailable_reason}")
 

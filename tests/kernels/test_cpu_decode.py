@@ -21,7 +21,7 @@ from leanlm.config import ModelConfig
 from leanlm.config.moe import MoEConfig, RoutingPolicy
 from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
-from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.context import ExpertRouting, build_forward_context, forward_context
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.linear.bitmask import BitmaskSparseLinear, to_bitmask
@@ -30,7 +30,7 @@ from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.linear.sparse24 import Sparse24Linear, to_sparse24
 from leanlm.model.linear.sparse24_quant import Sparse24Int4Linear, Sparse24Int8Linear
 from leanlm.model.llama import build_model
-from leanlm.model.moe import moe_blocks, set_routing_policy
+from leanlm.model.moe import moe_blocks
 from leanlm.model.paged_kv import PagedKVCache
 from tests.conftest import tiny_state_dict
 
@@ -153,8 +153,10 @@ def _decode(
     seed: int = 3,
     kv_dtype=torch.bfloat16,
     cache: PagedKVCache | None = None,
+    routing: ExpertRouting = ExpertRouting(),
 ) -> torch.Tensor:
-    """Prefill `batch` prompts one by one (PyTorch path), then decode them together: hidden [steps, B, hidden]."""
+    """Prefill `batch` prompts one by one (PyTorch path), then decode them together under `routing`: hidden
+    [steps, B, hidden]."""
     cache = cache if cache is not None else _cache(model, kv_dtype, num_blocks=max(64, 16 * batch))
     assert model.native_decode_plan().accepts(cache)
     model.allow_native_decode = native
@@ -170,7 +172,7 @@ def _decode(
     for _ in range(steps):
         ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
         tables = [blocks[b][: math.ceil((lens[b] + 1) / BLOCK)] for b in range(batch)]
-        ctx = build_forward_context([1] * batch, [n + 1 for n in lens], tables, cache)
+        ctx = build_forward_context([1] * batch, [n + 1 for n in lens], tables, cache, routing=routing)
         with forward_context(ctx):
             out.append(model(ids, torch.tensor(lens)))
         lens = [n + 1 for n in lens]
@@ -486,8 +488,7 @@ def test_moe_layers_in_the_native_loop_are_bit_identical_to_the_pytorch_path(cas
 
 def test_moe_capacity_and_gated_shared_experts_stay_on_pytorch():
     model = _moe_model(MOE_CASES["top2-renorm"])
-    set_routing_policy(model, RoutingPolicy(capacity_factor=1.0))
-    _decode(model, native=True, batch=2)
+    _decode(model, native=True, batch=2, routing=ExpertRouting(RoutingPolicy(capacity_factor=1.0)))
     assert all(int(b.stats.native.sum()) == 0 for b in moe_blocks(model))  # the plan stepped aside
     gated = dataclasses.replace(MOE_CASES["top1-shared"], shared_expert_gate=True)
     assert _moe_model(gated).native_decode_plan().loop is None

@@ -150,7 +150,7 @@ def _check_a8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Ten
     differ (well below one activation code's worth)."""
     ref = _a8_reference(x, w, bias)
     assert y.dtype == torch.float32 and y.shape == ref.shape
-    from leanlm.model.quantized.numerics import fake_quantize_act_int8
+    from leanlm.kernels.act_int8 import fake_quantize_act_int8
 
     slack = (x.shape[-1] // 4 + 16) * EPS32 * (fake_quantize_act_int8(x).double().abs() @ w.double().abs().T)
     err = (y.double() - ref).abs()

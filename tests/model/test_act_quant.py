@@ -11,11 +11,12 @@ import torch
 from leanlm.compress import RTNConfig, compress
 from leanlm.config import EngineConfig
 from leanlm.kernels import cpu_a8, cpu_qgemv_avx2, isa
+from leanlm.kernels.act_int8 import fake_quantize_act_int8
 from leanlm.model.linear.act_quant import set_activation_quant
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
-from leanlm.model.quantized.numerics import fake_quantize_act_int8, pack_int4
+from leanlm.model.quantized.numerics import pack_int4
 from tests.conftest import tiny_config, tiny_state_dict
 
 

@@ -11,9 +11,9 @@ import torch
 from leanlm.analysis.estimate import param_counts
 from leanlm.analysis.model_shape import load_shape
 from leanlm.config import EngineConfig, ModelConfig
+from leanlm.config.architectures import SUPPORTED_ARCHITECTURES
 from leanlm.engine import LLMEngine
 from leanlm.formats.hf_dir import load_hf_dir, save_hf_dir
-from leanlm.model.architectures import SUPPORTED_ARCHITECTURES
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import hf_tiny, run_to_completion

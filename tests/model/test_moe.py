@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from leanlm.config.moe import MoEConfig, RoutingPolicy
-from leanlm.model.context import build_forward_context, forward_context
+from leanlm.model.context import ExpertRouting, build_forward_context, forward_context
 from leanlm.model.llama import build_model
 from leanlm.model.moe import capacity_keep, load_balancing_loss, moe_stats, route
 from leanlm.model.paged_kv import PagedKVCache
@@ -83,9 +83,8 @@ def test_capacity_factor_drops_are_counted_and_fall_to_the_residual():
     block = block_of(model)
     x = torch.randn(32, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     full = block(x)
-    block.policy = RoutingPolicy(capacity_factor=0.5)
     dropped_before = block.stats.dropped
-    limited = block(x)
+    limited = block(x, ExpertRouting(RoutingPolicy(capacity_factor=0.5)))
     dropped = block.stats.dropped - dropped_before
     assert dropped > 0 and max(block.stats.load) <= 2 * 32 * 2  # counters accumulate over both calls
     assert (limited - full).abs().amax(dim=1).gt(0).sum() > 0
@@ -120,7 +119,7 @@ def test_expert_mask_from_the_forward_context_limits_experts_and_stats():
     ctx = build_forward_context([6], [6], [[0, 1]], cache)
     mask = torch.zeros(6, 4, dtype=torch.bool)
     mask[:, [1, 3]] = True
-    with forward_context(dataclasses.replace(ctx, expert_mask=mask)):
+    with forward_context(dataclasses.replace(ctx, routing=ExpertRouting(mask=mask))):
         model(torch.arange(6), torch.arange(6))
     stats = moe_stats(model)
     assert all(load[0] == 0 and load[2] == 0 for load in stats.expert_load)

@@ -13,7 +13,7 @@ from leanlm.config.serve import ServeConfig
 from leanlm.engine.async_engine import AsyncLLMEngine
 from leanlm.loading.registry import DEFAULT_MODEL
 from leanlm.server.api import build_app
-from leanlm.server.launcher import uvicorn_config
+from leanlm.server.http_config import uvicorn_config
 
 MODEL = DEFAULT_MODEL
 CONNECTION_OPTIONS = (

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 
 from leanlm.config import ModelConfig, RopeScaling
+from leanlm.config.architectures import get_architecture
 from leanlm.config.values import check_float, to_int
 from leanlm.formats.gguf.moe import gguf_moe_config, moe_architecture, moe_config_fields
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile
 from leanlm.loading.tokenizer import END_OF_TURN_TOKENS
-from leanlm.model.architectures import get_architecture
 
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from leanlm.config import ModelConfig
+from leanlm.config.architectures import ARCHITECTURES, by_gguf_name
 from leanlm.config.moe import MoEConfig
 from leanlm.config.values import check_bool, check_float, to_int
 from leanlm.loading.errors import ModelLoadError
-from leanlm.model.architectures import ARCHITECTURES, by_gguf_name
 
 # llama.cpp's layout (gguf-py constants.py / tensor_mapping.py; convert_hf_to_gguf.py stacks the HF experts):
 #   blk.N.ffn_gate_inp      router [E, hidden]                   -> model.layers.N.mlp.gate

@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from leanlm.config import ModelConfig
+from leanlm.config.architectures import Architecture
 from leanlm.formats.gguf.codes import CODE_TYPES, runtime_linear
 from leanlm.formats.gguf.moe import (
     MOE_LAYER_NAMES,
@@ -25,7 +26,6 @@ from leanlm.formats.gguf.moe import (
 )
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile, GGUFTensor
-from leanlm.model.architectures import Architecture
 from leanlm.model.linear.base import RuntimeLinear
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from leanlm.model.architectures.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
-from leanlm.model.architectures.gemma import GEMMA2, GEMMA3
-from leanlm.model.architectures.llama import LLAMA, MISTRAL
-from leanlm.model.architectures.mixtral import MIXTRAL
-from leanlm.model.architectures.olmoe import OLMOE
-from leanlm.model.architectures.phi3 import PHI3
-from leanlm.model.architectures.qwen2 import QWEN2, QWEN2_MOE
-from leanlm.model.architectures.qwen3 import QWEN3, QWEN3_MOE
-from leanlm.model.architectures.spec import Architecture
+from leanlm.config.architectures.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
+from leanlm.config.architectures.gemma import GEMMA2, GEMMA3
+from leanlm.config.architectures.llama import LLAMA, MISTRAL
+from leanlm.config.architectures.mixtral import MIXTRAL
+from leanlm.config.architectures.olmoe import OLMOE
+from leanlm.config.architectures.phi3 import PHI3
+from leanlm.config.architectures.qwen2 import QWEN2, QWEN2_MOE
+from leanlm.config.architectures.qwen3 import QWEN3, QWEN3_MOE
+from leanlm.config.architectures.spec import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.model_type: arch

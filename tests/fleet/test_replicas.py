@@ -8,8 +8,8 @@ import os
 import aiohttp
 import pytest
 
+from leanlm.fleet.replicas import HealthMonitor, Replica, wait_until_ready
 from leanlm.parallel.machine import cores_per_process, free_port
-from leanlm.parallel.replicas import HealthMonitor, Replica, wait_until_ready
 from tests.server.conftest import serve_engine
 
 

@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5: Llama with q/k/v biases; Qwen2-MoE: its experts plus a gated shared expert."""
 
-from leanlm.model.architectures.spec import Architecture
+from leanlm.config.architectures.spec import Architecture
 
 
 def _write_moe(config) -> dict:

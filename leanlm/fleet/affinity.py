@@ -7,8 +7,8 @@ from typing import Any
 
 import pydantic_core
 
+from leanlm.fleet.router import prefix_block_hashes
 from leanlm.loading.tokenizer import Tokenizer
-from leanlm.parallel.router import prefix_block_hashes
 
 # Characters read per token wanted: BPE tokens of text average 3-5 characters; 16 leaves room for odd text.
 CHARS_PER_TOKEN_BOUND = 16

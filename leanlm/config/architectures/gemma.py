@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from leanlm.config.architectures.spec import Architecture, Field
 from leanlm.config.values import check_bool, check_dict, check_float, optional, to_int
-from leanlm.model.architectures.spec import Architecture, Field
 
 # GGUF tensor names of the sandwich norms (llama.cpp's ffn_norm is the norm *before* the MLP here)
 _GGUF_NAMES = {

@@ -2,6 +2,6 @@
 `block_sparse_moe.experts.{e}.w1|w3|w2` (leanlm.formats.moe_names maps them). llama.cpp writes it as a llama file
 with `llama.expert_count` (leanlm.formats.gguf.moe)."""
 
-from leanlm.model.architectures.spec import Architecture
+from leanlm.config.architectures.spec import Architecture
 
 MIXTRAL = Architecture("mixtral", "MixtralForCausalLM", gguf_permutes_qk=True, moe="mixtral", window_every_layer=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from leanlm.config.architectures.spec import Architecture
 from leanlm.config.values import check_bool, check_float, optional, required, to_int
-from leanlm.model.architectures.spec import Architecture
 
 _SHARED_FILE = re.compile(r"(model\.layers\.\d+\.mlp\.)shared_experts\.")
 _SHARED_MODEL = re.compile(r"(model\.layers\.\d+\.mlp\.)shared_expert\.")

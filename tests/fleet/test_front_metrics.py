@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from leanlm.parallel.front_metrics import FrontMetrics, render
-from leanlm.parallel.replicas import Replica
+from leanlm.fleet.front_metrics import FrontMetrics, render
+from leanlm.fleet.replicas import Replica
 
 PAGE = """# HELP leanlm_request_success_total Finished sequences by finish reason.
 # TYPE leanlm_request_success_total counter

@@ -1,6 +1,6 @@
 """Llama (1-3.x, SmolLM2) and Mistral: the plain pre-norm SwiGLU block every other family is a variation of."""
 
-from leanlm.model.architectures.spec import Architecture
+from leanlm.config.architectures.spec import Architecture
 
 
 def _write(config) -> dict:

@@ -25,12 +25,12 @@ import pytest
 
 from leanlm.analysis.peers import ServerProcess, leanlm_server
 from leanlm.config import ServeConfig
+from leanlm.fleet.affinity import PromptKeyer
+from leanlm.fleet.front import Front, build_front_app
+from leanlm.fleet.replicas import Replica, wait_until_ready
+from leanlm.fleet.router import Router
 from leanlm.loading.registry import DEFAULT_MODEL
-from leanlm.parallel.affinity import PromptKeyer
-from leanlm.parallel.front import Front, build_front_app
 from leanlm.parallel.machine import free_port
-from leanlm.parallel.replicas import Replica, wait_until_ready
-from leanlm.parallel.router import Router
 from tests.server.conftest import MODEL, LiveServer, serve_engine
 
 KEY = "front-test-key"
@@ -215,9 +215,9 @@ def test_a_replica_breaking_mid_answer_fails_that_request_clearly(tokenizer):
 
 @contextlib.contextmanager
 def stub_replicas(*names: str):
-    """Stub replica processes (tests/parallel/stub_replica.py), one per name; yields (processes, urls)."""
+    """Stub replica processes (tests/fleet/stub_replica.py), one per name; yields (processes, urls)."""
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "tests.parallel.stub_replica"]
+    command = [sys.executable, "-m", "tests.fleet.stub_replica"]
     processes = [subprocess.Popen([*command, name], cwd=root, stdout=subprocess.PIPE, text=True) for name in names]
     try:
         yield processes, [f"http://127.0.0.1:{int(p.stdout.readline())}" for p in processes]

@@ -1,4 +1,4 @@
-"""`python -m tests.parallel.stub_replica NAME`: a stand-in for a `leanlm serve` replica, as its own process (so a
+"""`python -m tests.fleet.stub_replica NAME`: a stand-in for a `leanlm serve` replica, as its own process (so a
 test can SIGSTOP it: alive, silent). It prints its port, answers /health, and answers completions with its NAME as
 the text: whole, or streamed as two events. A prompt holding "hold:NAME" gets nothing for a minute (streamed: after
 its status and first event), as from a replica deep in a long generation."""

@@ -1,7 +1,7 @@
 """Qwen3: Llama with an RMSNorm over each head's q and k (head_dim wide, shared by the heads) before rotary, and no
 q/k/v bias; Qwen3-MoE: that attention with Qwen2-MoE's experts, without the shared one."""
 
-from leanlm.model.architectures.spec import Architecture
+from leanlm.config.architectures.spec import Architecture
 
 
 def _write(config) -> dict:

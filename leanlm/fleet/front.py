@@ -23,11 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from leanlm.config import RouterConfig, ServeConfig
-from leanlm.loading.tokenizer import Tokenizer
-from leanlm.parallel import front_metrics
-from leanlm.parallel.affinity import PromptKeyer
-from leanlm.parallel.machine import cores_per_process, free_port
-from leanlm.parallel.replicas import (
+from leanlm.fleet import front_metrics
+from leanlm.fleet.affinity import PromptKeyer
+from leanlm.fleet.replicas import (
     HEALTH_TIMEOUT_S,
     HealthMonitor,
     Replica,
@@ -35,11 +33,10 @@ from leanlm.parallel.replicas import (
     stop_local,
     wait_until_ready,
 )
-from leanlm.parallel.router import NoReplicaError, Router
-from leanlm.server.api import GuardMiddleware
-from leanlm.server.errors import error_response
-from leanlm.server.launcher import uvicorn_config
-from leanlm.server.protocol import MAX_MESSAGES, MAX_PROMPTS
+from leanlm.fleet.router import NoReplicaError, Router
+from leanlm.loading.tokenizer import Tokenizer
+from leanlm.parallel.machine import cores_per_process, free_port
+from leanlm.server import MAX_MESSAGES, MAX_PROMPTS, GuardMiddleware, error_response, uvicorn_config
 
 logger = logging.getLogger("leanlm.router")
 

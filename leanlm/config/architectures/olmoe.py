@@ -1,6 +1,6 @@
 """OLMoE: one RMSNorm over every head's q (and k) at once, q/k/v optionally clamped (`clip_qkv`), softmax experts."""
 
-from leanlm.model.architectures.spec import Architecture
+from leanlm.config.architectures.spec import Architecture
 
 
 def _write(config) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from leanlm.parallel.router import NoReplicaError, PrefixIndex, Route, Router, prefix_block_hashes
+from leanlm.fleet.router import NoReplicaError, PrefixIndex, Route, Router, prefix_block_hashes
 
 A, B, C = "http://a", "http://b", "http://c"
 

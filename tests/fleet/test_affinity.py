@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from leanlm.parallel.affinity import PromptKeyer
-from leanlm.parallel.router import prefix_block_hashes
+from leanlm.fleet.affinity import PromptKeyer
+from leanlm.fleet.router import prefix_block_hashes
 
 SHARED = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from leanlm.config.architectures.spec import Architecture
 from leanlm.config.values import check_dict, check_float, optional
-from leanlm.model.architectures.spec import Architecture
 
 _QKV = re.compile(r"(model\.layers\.\d+\.)self_attn\.qkv_proj\.(weight|bias)")
 _GATE_UP = re.compile(r"(model\.layers\.\d+\.)mlp\.gate_up_proj\.(weight|bias)")

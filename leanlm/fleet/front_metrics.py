@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from leanlm.parallel.replicas import Replica
+from leanlm.fleet.replicas import Replica
 
 logger = logging.getLogger("leanlm.router")
 
