@@ -30,7 +30,7 @@ from leanlm.engine.swap_space import HostKVPool
 from leanlm.model.attention_pattern import StepPatterns
 from leanlm.model.context import ExpertRouting, ForwardContext, build_forward_context, forward_context
 from leanlm.model.kv_quant import SCALE_DTYPE, is_quantized, kv_storage_dtype
-from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.act_quant import activation_quant, resolve_activation_quant
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.lora import LoRAMapping
 from leanlm.model.paged_kv import PagedKVCache
@@ -83,7 +83,8 @@ class ModelRunner:
         self.model = model
         self.config: ModelConfig = model.config
         _check_long_context(self.config, engine_config)
-        self.act_quant_layers = set_activation_quant(model, engine_config.act_quant)  # W4A8 / W8A8-dynamic
+        # W4A8 / W8A8-dynamic: the mode every step runs in (the layers hold none), and how many layers it changes
+        self.act_quant, self.act_quant_layers = resolve_activation_quant(model, engine_config.act_quant)
         self.block_size = engine_config.block_size
         self.model_dtype = model_dtype  # the compute dtype (a pipeline stage past the first has no embeddings)
         self.device = device
@@ -140,6 +141,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with activation_quant(self.act_quant):  # every forward of the step: the target's, a draft's, a pipeline's
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         requests = scheduler_output.scheduled_requests
         if self.kv_evictor is not None:  # evictions before anything else moves or writes KV
             self.kv_evictor.compact(scheduler_output.kv_compactions, self.kv_cache)
@@ -218,7 +223,7 @@ class ModelRunner:
         if self.kv_evictor is not None:
             ctx = self.kv_evictor.attach(ctx)
         started = time.perf_counter()
-        with forward_context(ctx):
+        with forward_context(ctx), activation_quant(self.act_quant):  # a rank runs forward() alone
             if self.early_exit is not None and ctx.is_all_decode and not plan.pool_segments:
                 hidden, exit_logits = self.early_exit.forward(plan.input_ids, plan.positions, ctx)  # [T, V] or None
                 if exit_logits is not None:

@@ -18,6 +18,7 @@ from leanlm.model.context import get_forward_context
 from leanlm.model.exit_head import build_exits
 from leanlm.model.kv_quant import store_kv
 from leanlm.model.layers import Linear, RMSNorm, Rope, RotaryEmbedding, apply_rotary
+from leanlm.model.linear.act_quant import current_activation_quant
 from leanlm.model.linear_groups import LinearGroup, layer_groups, mlp_groups, mlp_norm_name  # noqa: F401 (API)
 from leanlm.model.mla import LatentAttention
 from leanlm.model.mlp import LlamaMLP
@@ -186,8 +187,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb: RotaryEmbedding | None = None  # built on the real device by build_model
         # an early-exit draft's adapter, between its norm and the head (first_layers); None on a whole model
         self.head_adapter: nn.Module | None = None
-        # Every layer in one native call for all-decode steps, rebuilt when the weights change.
-        self._native_plan: NativeDecodePlan | None = None
+        # Every layer in one native call for all-decode steps, per activation mode (the layers' calls differ),
+        # rebuilt when the weights change.
+        self._native_plans: dict[str, NativeDecodePlan] = {}
         self.allow_native_decode = True  # False keeps every step on the PyTorch path (tests compare the two)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -203,18 +205,21 @@ class LlamaForCausalLM(nn.Module):
         """Keep every step on the per-layer path from now on, and drop a plan built before: for a model whose layers
         the one native call cannot run (a tensor shard needs all-reduces between them, offloaded layers come and go)."""
         self.allow_native_decode = False
-        self._native_plan = None
+        self.drop_native_plan()
 
     def drop_native_plan(self) -> None:
-        """Forget the native loop's plan: its layers' calls changed without a tensor changing (act_quant)."""
-        self._native_plan = None
+        """Forget the native loops' plans: a module they read was replaced without a tensor changing (LoRA
+        training wraps linears)."""
+        self._native_plans.clear()
 
     def native_decode_plan(self) -> NativeDecodePlan:
-        """The native decode loop over the current weights: the one built before while nothing it read has
-        changed (leanlm.model.native_decode), else a new one."""
-        plan = self._native_plan
+        """The native decode loop over the current weights, for the step's activation mode (leanlm.model.linear.
+        act_quant): the one built before while nothing it read has changed (leanlm.model.native_decode), else a new
+        one."""
+        mode = current_activation_quant()
+        plan = self._native_plans.get(mode)
         if plan is None or not plan.is_current():
-            plan = self._native_plan = NativeDecodePlan(self)
+            plan = self._native_plans[mode] = NativeDecodePlan(self)
         return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from leanlm.kernels import cpu_decode, paged_attention
 from leanlm.model.attention_pattern import layer_pattern
 from leanlm.model.context import ForwardContext
+from leanlm.model.linear.act_quant import activation_quant, current_activation_quant
 from leanlm.model.moe import Router, SparseMoeBlock
 from leanlm.model.paged_kv import PagedKVCache
 
@@ -204,6 +205,7 @@ class NativeDecodePlan:
         self._windows = [layer.self_attn.window for layer in model.model.layers]  # trained sliding windows
         self._has_windows = any(w is not None for w in self._windows)
         self._moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.act_quant = current_activation_quant()  # the layers' calls are this mode's: a later loop is built in it
         self._few = _BoundLoop(_build_loop(model, packed=False), self._layer_ids)
         self._many: _BoundLoop | None = None
 
@@ -227,7 +229,8 @@ class NativeDecodePlan:
         if self._few.loop is None or rows <= max(cpu_decode.MAX_ROWS, self._few.loop.max_rows or 0):
             return self._few
         if self._many is None:
-            self._many = _BoundLoop(_build_loop(self._model(), packed=True), self._layer_ids)
+            with activation_quant(self.act_quant):
+                self._many = _BoundLoop(_build_loop(self._model(), packed=True), self._layer_ids)
         return self._many
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from leanlm.engine import ModelRunner, StepOutput, StepPlan
 from leanlm.model.context import forward_context
+from leanlm.model.linear.act_quant import activation_quant
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.parallel.world import DRIVER_RANK, RankContext
 
@@ -63,7 +64,7 @@ def stage_forward(
     model = runner.model
     runner.move_blocks(plan)
     ctx = runner.context_for(plan)
-    with forward_context(ctx):
+    with forward_context(ctx), activation_quant(runner.act_quant):
         if rank.is_first_stage:
             x = model.model.embed(plan.input_ids)  # [T, hidden]
         rope = model.rotary_emb(plan.positions, x.dtype)

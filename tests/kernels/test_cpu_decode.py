@@ -22,7 +22,7 @@ from leanlm.config.moe import MoEConfig, RoutingPolicy
 from leanlm.kernels import cpu_bitmask, cpu_decode, cpu_rows, cpu_sparse, cpu_w8a8
 from leanlm.kernels.build import NativeKernel
 from leanlm.model.context import ExpertRouting, build_forward_context, forward_context
-from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.act_quant import activation_quant, resolve_activation_quant
 from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.linear.bitmask import BitmaskSparseLinear, to_bitmask
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
@@ -119,7 +119,7 @@ def _model(kind: str = "bf16", architecture: str = "llama"):
             if isinstance(module, IntGroupWeightOnlyLinear):
                 module.perm = torch.randperm(module.in_features, generator=gen)
     if kind.endswith("-a8"):  # int8 activations in groups of 32 (W4A8 / W8A8-dynamic) on gemm_a8
-        assert set_activation_quant(model, "int8") == 14  # 7 linears a layer; the head stays bf16
+        assert resolve_activation_quant(model, "int8") == ("int8", 14)  # 7 linears a layer; the head stays bf16
     return _to_bf16(model)
 
 
@@ -213,6 +213,11 @@ def test_native_loop_is_bit_identical_to_the_pytorch_path(kind, architecture, ba
     if kind.startswith("bitmask") and not cpu_bitmask.is_available():
         pytest.skip(f"CPU bitmask sparse kernel: {cpu_bitmask.unavailable_reason()}")
     model = _model(kind, architecture)
+    with activation_quant("int8" if kind.endswith("-a8") else "none"):  # as the engine runs each step
+        _check_native_loop(model, kind, batch)
+
+
+def _check_native_loop(model, kind: str, batch: int) -> None:
     native = _decode(model, native=True, batch=batch)
     reference = _decode(model, native=False, batch=batch)
     assert native.abs().max() > 0

@@ -10,7 +10,7 @@ import torch
 
 from leanlm.compress import RTNConfig, compress
 from leanlm.kernels import cpu_decode, cpu_qgemv_avx2
-from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.act_quant import activation_quant
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
 from tests.conftest import tiny_state_dict
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _model(group: int = 64, perm: bool = False, act_int8: bool = False, architecture: str = "llama"):
+def _model(group: int = 64, perm: bool = False, architecture: str = "llama"):
     cfg = _config(architecture)
     model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
     compress(model, [RTNConfig(bits=4, group_size=group)], None, progress=False)
@@ -30,8 +30,6 @@ def _model(group: int = 64, perm: bool = False, act_int8: bool = False, architec
         for module in model.modules():
             if isinstance(module, IntGroupWeightOnlyLinear):
                 module.perm = torch.randperm(module.in_features, generator=gen)
-    if act_int8:
-        set_activation_quant(model, "int8")
     return model
 
 
@@ -48,12 +46,13 @@ def _model(group: int = 64, perm: bool = False, act_int8: bool = False, architec
 )
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_the_loop_matches_the_pytorch_path(group, perm, act_int8, architecture, batch):
-    model = _model(group, perm, act_int8, architecture)
-    plan = model.native_decode_plan()
-    assert plan.loop is not None and plan.loop.dtype is torch.float32
-    cache = _cache(model, torch.float32, num_blocks=max(64, 16 * batch))
-    native = _decode(model, True, batch, cache=cache)
-    reference = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=max(64, 16 * batch)))
+    model = _model(group, perm, architecture)
+    with activation_quant("int8" if act_int8 else "none"):  # as the engine runs each step
+        plan = model.native_decode_plan()
+        assert plan.loop is not None and plan.loop.dtype is torch.float32
+        cache = _cache(model, torch.float32, num_blocks=max(64, 16 * batch))
+        native = _decode(model, True, batch, cache=cache)
+        reference = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=max(64, 16 * batch)))
     if not act_int8:
         torch.testing.assert_close(native, reference, rtol=2e-4, atol=2e-4)
         return
@@ -61,7 +60,6 @@ def test_the_loop_matches_the_pytorch_path(group, perm, act_int8, architecture, 
     # move an input across a rounding boundary, one code apart, and the model carries that on (the PyTorch path on
     # embeddings changed by one part in 1e6 moves as far). So: well within the int8 activations' own distance from
     # float32 ones (1.5e-2 here; a wrong scale or order would be far beyond it), not equal.
-    set_activation_quant(model, "none")
     float_path = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=max(64, 16 * batch)))
     distance = ((native - reference).norm() / reference.norm()).item()
     quantization = ((reference - float_path).norm() / float_path.norm()).item()

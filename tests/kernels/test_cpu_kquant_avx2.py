@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from leanlm.compress import RTNConfig, compress
 from leanlm.formats.gguf.codes import runtime_linear
 from leanlm.kernels import cpu_a8, cpu_decode, cpu_kquant_avx2
-from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.act_quant import activation_quant, resolve_activation_quant
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
@@ -130,11 +130,11 @@ def test_gguf_k_quant_layers_run_on_them(qtype):
         assert isinstance(layer, Int8WeightOnlyLinear) and layer.six_bit_weight() is not None
         # groups of 16: int8 activations only for float32 models (the one kernel that takes them is float32)
         assert layer.supports_act_quant(torch.float32) and not layer.supports_act_quant(torch.bfloat16)
-    layer.act_quant = "int8"
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
     ref = cpu_a8.reference(x, layer.dequantized_weight(), layer.bias)
-    torch.testing.assert_close(layer(x), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
-    assert layer.native_linear_f32().name == ("int4k_a8_f32" if qtype == Q.Q4_K else "int6_a8_f32")
+    with activation_quant("int8"):
+        torch.testing.assert_close(layer(x), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+        assert layer.native_linear_f32().name == ("int4k_a8_f32" if qtype == Q.Q4_K else "int6_a8_f32")
 
 
 def _k_quant_model():
@@ -157,7 +157,6 @@ def _k_quant_model():
                 setattr(
                     parent, name, IntGroupWeightOnlyLinear(qweight, scales, mins, module.bias, bits=4, group_size=32)
                 )
-    model.drop_native_plan()
     return model
 
 
@@ -166,13 +165,14 @@ def _k_quant_model():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_float32_loop_runs_them(batch):
     model = _k_quant_model()
-    assert set_activation_quant(model, "int8") == 2 * 7
-    plan = model.native_decode_plan()
-    assert {linear.name for layer in plan.loop._keep[0] for linear in layer.linears} == {"int4k_a8_f32", "int6_a8_f32"}
+    assert resolve_activation_quant(model, "int8") == ("int8", 2 * 7)
     blocks = max(64, 16 * batch)
-    native = _decode(model, True, batch, cache=_cache(model, torch.float32, num_blocks=blocks))
-    reference = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=blocks))
-    set_activation_quant(model, "none")
+    with activation_quant("int8"):
+        plan = model.native_decode_plan()
+        kinds = {linear.name for layer in plan.loop._keep[0] for linear in layer.linears}
+        assert kinds == {"int4k_a8_f32", "int6_a8_f32"}
+        native = _decode(model, True, batch, cache=_cache(model, torch.float32, num_blocks=blocks))
+        reference = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=blocks))
     float_path = _decode(model, False, batch, cache=_cache(model, torch.float32, num_blocks=blocks))
     # as test_cpu_decode_f32's int8 case: well within the int8 activations' own distance from float32 ones
     distance = ((native - reference).norm() / reference.norm()).item()

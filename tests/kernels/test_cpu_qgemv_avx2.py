@@ -198,16 +198,18 @@ def test_int8_activation_kernels_do_not_depend_on_the_thread_count():
 
 
 def test_layers_with_int8_activations_take_the_kernels():
-    from leanlm.model.linear.act_quant import set_activation_quant
+    from leanlm.model.linear.act_quant import activation_quant, resolve_activation_quant
 
     g = torch.Generator().manual_seed(8)
     qweight, scales, mins, w = _int4(96, 128, 32, g)
     layer = IntGroupWeightOnlyLinear(qweight, scales, mins, bits=4, group_size=32)
     wrapper = torch.nn.Sequential(layer)
-    assert set_activation_quant(wrapper, "int8") == 1
+    assert resolve_activation_quant(wrapper, "int8") == ("int8", 1)
     for rows in (1, 8, 20):  # 20 rows: the fake-quantized reference on the AVX2 dequantization
         x = torch.randn(rows, 128, generator=g)
-        torch.testing.assert_close(layer(x).double(), _a8_reference(x, w, None), rtol=1e-5, atol=1e-5)
+        with activation_quant("int8"):
+            y = layer(x)
+        torch.testing.assert_close(y.double(), _a8_reference(x, w, None), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("K", "G"), [(576, 32), (1536, 64), (256, 128)])
@@ -228,7 +230,7 @@ def test_half_scales_give_the_same_result(K, G, M):
 
 def test_int8_activations_outside_the_64_code_steps_take_the_reference():
     """K = 96 (or groups of 96): the W4A8 kernel refuses with a clear error, and a layer runs the reference."""
-    from leanlm.model.linear.act_quant import set_activation_quant
+    from leanlm.model.linear.act_quant import activation_quant, resolve_activation_quant
 
     g = torch.Generator().manual_seed(9)
     qweight, scales, mins, w = _int4(16, 96, 32, g)
@@ -236,6 +238,8 @@ def test_int8_activations_outside_the_64_code_steps_take_the_reference():
         avx2.linear_int4_a8(torch.randn(1, 96), qweight, scales, mins, 32)
     assert not avx2.should_use_int4_a8(torch.randn(1, 96), qweight, 32)
     layer = IntGroupWeightOnlyLinear(qweight, scales, mins, bits=4, group_size=32)
-    assert set_activation_quant(torch.nn.Sequential(layer), "int8") == 1
+    assert resolve_activation_quant(torch.nn.Sequential(layer), "int8") == ("int8", 1)
     x = torch.randn(2, 96, generator=g)
-    torch.testing.assert_close(layer(x).double(), _a8_reference(x, w, None), rtol=1e-5, atol=1e-5)
+    with activation_quant("int8"):
+        y = layer(x)
+    torch.testing.assert_close(y.double(), _a8_reference(x, w, None), rtol=1e-5, atol=1e-5)

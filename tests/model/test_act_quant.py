@@ -12,7 +12,7 @@ from leanlm.compress import RTNConfig, compress
 from leanlm.config import EngineConfig
 from leanlm.kernels import cpu_a8, cpu_qgemv_avx2, isa
 from leanlm.kernels.act_int8 import fake_quantize_act_int8
-from leanlm.model.linear.act_quant import set_activation_quant
+from leanlm.model.linear.act_quant import activation_quant, current_activation_quant, resolve_activation_quant
 from leanlm.model.linear.int8 import Int8WeightOnlyLinear
 from leanlm.model.linear.int_group import IntGroupWeightOnlyLinear
 from leanlm.model.llama import build_model
@@ -52,12 +52,12 @@ LAYERS = [_int4_layer, lambda: _int4_layer(perm=True), _int8_layer, lambda: _int
 @pytest.mark.parametrize("rows", [1, 5, 12])
 def test_kernel_and_reference_paths_agree(make, rows, monkeypatch):
     layer = make()
-    layer.act_quant = "int8"
     x = (torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
     expected = _expected(layer, x)
-    fast = layer(x)
-    monkeypatch.setattr(cpu_a8, "is_available", lambda: False)  # a CPU without VNNI: the float reference path
-    slow = layer(x)
+    with activation_quant("int8"):
+        fast = layer(x)
+        monkeypatch.setattr(cpu_a8, "is_available", lambda: False)  # a CPU without VNNI: the float reference path
+        slow = layer(x)
     for y in (fast, slow):
         assert y.dtype is torch.bfloat16 and y.shape == (rows, layer.out_features)
         assert ((y.double() - expected).abs() - expected.abs() * 2.0**-8).max() <= 1e-5 * expected.abs().max()
@@ -69,9 +69,9 @@ def test_int8_activations_differ_from_bf16_ones_by_the_activation_rounding():
     layer = _int4_layer()
     x = torch.randn(3, layer.in_features).to(torch.bfloat16)
     bf16 = layer(x)
-    layer.act_quant = "int8"
-    int8 = layer(x)
-    assert not torch.equal(bf16, int8)
+    with activation_quant("int8"):
+        int8 = layer(x)
+    assert not torch.equal(bf16, int8) and torch.equal(layer(x), bf16)  # the mode ends with its block
     assert (int8.float() - bf16.float()).abs().max() < 0.05 * bf16.float().abs().max()
 
 
@@ -80,15 +80,23 @@ def test_which_layers_take_it():
     model = build_model(cfg, tiny_state_dict(cfg, seed=1), torch.float32)
     compress(model, [RTNConfig(bits=4, group_size=32)], None, progress=False)
     linears = [m for m in model.modules() if isinstance(m, IntGroupWeightOnlyLinear)]
-    on = set_activation_quant(model, "int8")
-    assert on == sum(m.in_features % 32 == 0 for m in linears) > 0
-    assert all(m.act_quant == ("int8" if m.in_features % 32 == 0 else "none") for m in linears)
-    assert set_activation_quant(model, "none") == 0 and all(m.act_quant == "none" for m in linears)
+    mode, on = resolve_activation_quant(model, "int8")
+    assert mode == "int8" and on == sum(m.in_features % 32 == 0 for m in linears) > 0
+    with activation_quant(mode):
+        assert all(m.act_int8(torch.float32) == (m.in_features % 32 == 0) for m in linears)
+        with activation_quant("none"):  # nested: the inner mode, then the outer one again
+            assert not any(m.act_int8(torch.float32) for m in linears)
+        assert current_activation_quant() == "int8"
+    assert current_activation_quant() == "none" and not any(m.act_int8(torch.float32) for m in linears)
+    assert resolve_activation_quant(model, "none") == ("none", 0)
     q6k_like = _int8_layer(K=128, group=32)
     q6k_like.group_size = 16  # groups of 16 (Q6_K): an act group would span two weight scales
     assert not q6k_like.supports_act_quant()
     with pytest.raises(ValueError, match="act_quant must be one of"):
-        set_activation_quant(model, "int4")
+        resolve_activation_quant(model, "int4")
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        with activation_quant("auto"):
+            pass
 
 
 def test_auto_takes_int8_where_our_kernels_run_the_layer(monkeypatch):
@@ -98,12 +106,12 @@ def test_auto_takes_int8_where_our_kernels_run_the_layer(monkeypatch):
     total = sum(isinstance(m, IntGroupWeightOnlyLinear) for m in model.modules())
     # a float32 model: int8 activations where float32 is the fast dtype (the AVX2 level) and the W4A8 GEMV runs
     at_avx2 = isa.active_level() == "avx2" and cpu_qgemv_avx2.act_int8_is_available()
-    assert set_activation_quant(model, "auto") == (total if at_avx2 else 0)
+    assert resolve_activation_quant(model, "auto")[1] == (total if at_avx2 else 0)
     model.to(torch.bfloat16)
-    assert set_activation_quant(model, "auto") == (total if cpu_a8.is_available() else 0)
+    assert resolve_activation_quant(model, "auto")[1] == (total if cpu_a8.is_available() else 0)
     monkeypatch.setattr(cpu_a8, "is_available", lambda: False)  # no VNNI: the float reference would only cost time
-    assert set_activation_quant(model, "auto") == 0
-    assert set_activation_quant(model, "int8") == total  # asked for: the reference path runs it
+    assert resolve_activation_quant(model, "auto") == ("none", 0)
+    assert resolve_activation_quant(model, "int8") == ("int8", total)  # asked for: the reference path runs it
 
 
 def test_engine_option_is_validated():

@@ -1,13 +1,17 @@
 """DynamicActQuant: the runtime option that quantizes a weight-only int layer's activations to int8 on the fly, in
 groups of 32 inputs (W4A8 / W8A8-dynamic, `--act-quant int8`), so its products run as int8 dot products on VNNI.
 
-It is a way of running the layer, not part of its checkpoint: the codes and scales stay as saved, and the option is
-set per layer by `set_activation_quant` (the engine does it from EngineConfig.act_quant).
+It is a way of running the layer, not part of its checkpoint: the codes and scales stay as saved. It is an engine's
+option, so it never lives on the layer: the engine resolves EngineConfig.act_quant once (`resolve_activation_quant`)
+and runs each step inside `activation_quant(mode)`, which the layers read; two engines can share one model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import abstractmethod
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -17,12 +21,35 @@ from leanlm.kernels import cpu_a8, cpu_qgemv_avx2, isa
 from leanlm.kernels.native_linear import NativeLinear, describe
 from leanlm.model.packed_cache import PackedCache
 
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def activation_quant(mode: str) -> Iterator[None]:
+    """Run what is inside with `mode` activations ("int8" or "none") in every weight-only int layer that can take
+    them (per thread; nestable: the mode before comes back after)."""
+    if mode not in ("int8", "none"):
+        raise ValueError(f"activation_quant takes 'int8' or 'none' (resolve 'auto' first), not {mode!r}")
+    previous = current_activation_quant()
+    _state.mode = mode
+    try:
+        yield
+    finally:
+        _state.mode = previous
+
+
+def current_activation_quant() -> str:
+    """The mode of the step running on this thread; "none" outside `activation_quant`."""
+    return getattr(_state, "mode", "none")
+
 
 class DynamicActQuant:
-    """Mixin for a RuntimeLinear whose int weights the gemm_a8 kernel reads: int8 activations when `act_quant` is
-    "int8", else the layer's own bf16-activation paths."""
+    """Mixin for a RuntimeLinear whose int weights the gemm_a8 kernel reads: int8 activations inside
+    `activation_quant("int8")` where the layer can take them, else the layer's own 16-bit-activation paths."""
 
-    act_quant: str = "none"
+    def act_int8(self, dtype: torch.dtype) -> bool:
+        """Whether this call runs int8 activations, for activations (or a native loop) of `dtype`."""
+        return current_activation_quant() == "int8" and self.supports_act_quant(dtype)
 
     def _init_act_quant(self) -> None:
         self.act_packed = PackedCache()  # the codes in gemm_a8's panels, made on first use
@@ -79,7 +106,7 @@ class DynamicActQuant:
         return w if perm is None else w[:, perm]  # stored column j is input column perm[j]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant == "int8":
+        if self.act_int8(x.dtype):
             return self._act_quant_forward(x)
         return super().forward(x)
 
@@ -104,21 +131,15 @@ def _auto(reference: torch.Tensor) -> bool:
     return reference.dtype is torch.float32 and at_avx2 and cpu_qgemv_avx2.act_int8_is_available()
 
 
-def set_activation_quant(model: nn.Module, mode: str) -> int:
-    """Run every weight-only int linear of `model` with `mode` activations: "int8", "none", or "auto" (int8 where
-    the VNNI kernel runs the layer, see _auto); returns how many layers now quantize their activations (a layer
-    whose K or groups gemm_a8 cannot take keeps 16-bit ones)."""
+def resolve_activation_quant(model: nn.Module, mode: str) -> tuple[str, int]:
+    """EngineConfig.act_quant for `model`: "int8", "none", or "auto" (int8 where the VNNI kernel runs the layers, see
+    _auto) -> (the mode its steps run with, "int8" or "none"; how many layers then quantize their activations: a
+    layer whose K or groups gemm_a8 cannot take keeps 16-bit ones)."""
     if mode not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, not {mode!r}")
     reference = next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
-    wanted = mode == "int8" or (mode == "auto" and _auto(reference))
-    count = 0
-    for module in model.modules():
-        if isinstance(module, DynamicActQuant):
-            on = wanted and module.supports_act_quant(reference.dtype)
-            module.act_quant = "int8" if on else "none"
-            count += on
-    drop_plan = getattr(model, "drop_native_plan", None)
-    if drop_plan is not None:
-        drop_plan()  # the loop's calls depend on the mode
-    return count
+    resolved = "int8" if mode == "int8" or (mode == "auto" and _auto(reference)) else "none"
+    if resolved == "none":
+        return resolved, 0
+    layers = [m for m in model.modules() if isinstance(m, DynamicActQuant)]
+    return resolved, sum(1 for m in layers if m.supports_act_quant(reference.dtype))

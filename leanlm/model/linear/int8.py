@@ -121,7 +121,7 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return self.dense_forward(x)
 
     def native_linear(self, packed: bool = False) -> NativeLinear | None:
-        if self.act_quant == "int8":
+        if self.act_int8(torch.bfloat16):
             return self.act_quant_native(packed)
         few = cpu_qgemv.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed)
@@ -154,10 +154,11 @@ class Int8WeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return super().a8_stored_weight()
 
     def native_linear_f32(self) -> NativeLinear | None:
-        if self.act_quant == "int8" and self.group_size == 16:
+        int8_act = self.act_int8(torch.float32)
+        if int8_act and self.group_size == 16:
             six = self.six_bit_weight()
             few = None if six is None else cpu_kquant_avx2.int6_native_call(six, self.bias)
-        elif self.act_quant == "int8":
+        elif int8_act:
             few = cpu_qgemv_avx2.int8_native_call(self.qweight, self.scales, self.bias, self.group_size, act_int8=True)
         else:
             few = cpu_qgemv_avx2.int8_native_call(self.qweight, self.scales, self.bias, self.group_size)

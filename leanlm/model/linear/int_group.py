@@ -156,13 +156,13 @@ class IntGroupWeightOnlyLinear(DynamicActQuant, RuntimeLinear):
         return self.dense_forward(x)
 
     def native_linear(self, packed: bool = False) -> NativeLinear | None:
-        if self.act_quant == "int8":
+        if self.act_int8(torch.bfloat16):
             return self.act_quant_native(packed)
         few = cpu_qgemv.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
         return describe(self.out_features, self.in_features, few, self.many_rows_call(packed), packed, self.perm)
 
     def native_linear_f32(self) -> NativeLinear | None:
-        if self.act_quant != "int8":
+        if not self.act_int8(torch.float32):
             few = cpu_qgemv_avx2.int4_native_call(self.qweight, self.scales, self.mins, self.bias, self.group_size)
         elif isinstance(compact := self._compact(), cpu_kquant_avx2.SuperScales):
             few = cpu_kquant_avx2.int4k_native_call(self.qweight, compact, self.bias)
