@@ -40,7 +40,7 @@ def build_cut_model(
             raise CheckpointMismatchError(f"the checkpoint's layer {hf_module} has no place in this rank's network")
         _check_same_shape(hf_module, model.get_submodule(target), layer)
         model.set_submodule(target, layer.to(device).set_compute_dtype(dtype))
-    converted: dict[str, torch.Tensor] = {}  # by checkpoint name: a tied head shares the embedding's tensor
+    adopted: dict[tuple[str, str], torch.Tensor] = {}  # a tied head shares the embedding's one Parameter
     for module_name, module in model.named_modules(remove_duplicate=False):
         source = checkpoint_name(module_name)
         for kind in ("_parameters", "_buffers"):
@@ -48,13 +48,10 @@ def build_cut_model(
                 if t is None or not t.is_meta:
                     continue
                 name = _source_name(f"{source}.{leaf}" if source else leaf, config)
-                if name not in converted:
-                    converted[name] = _adopt(name, state_dict, t, dtype, device)
-                value = converted[name]
-                if kind == "_parameters":
-                    module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-                else:
-                    module._buffers[leaf] = value
+                if (kind, name) not in adopted:
+                    value = _adopt(name, state_dict, t, dtype, device)
+                    adopted[kind, name] = nn.Parameter(value, requires_grad=False) if kind == "_parameters" else value
+                getattr(module, kind)[leaf] = adopted[kind, name]
     model.rotary_emb = RotaryEmbedding(
         config.rope_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, config.rope_local_theta
     ).to(device)
