@@ -91,7 +91,8 @@ def make_moe(directory: Path) -> str:
 
 def table(rows: list[tuple[str, str, dict, dict]]) -> str:
     lines = [
-        "| model | layout | ranks' peak RSS (GB) | largest rank / one process | greedy tokens = one process | load (s) |",
+        "| model | layout | ranks' peak RSS (GB) | largest rank / one process | greedy tokens = one process "
+        "| load (s) |",
         "|---|---|---|---|---|---|",
     ]
     for model, layout, result, base in rows:

@@ -21,8 +21,8 @@ from leanlm.formats.gguf.tokenizer import gguf_tokenizer_metadata
 from leanlm.formats.gptq import gptq_layers, read_gptq_config
 from leanlm.formats.hf_dir import load_hf_dir
 from leanlm.formats.hf_slice import load_hf_dir_slice
-from leanlm.formats.load_slice import LoadSlice, own
 from leanlm.formats.inspect import ModelFormat, inspect
+from leanlm.formats.load_slice import LoadSlice, own
 from leanlm.formats.native import quantized_layers, read_quantization_config
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.registry import resolve_model

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.model.llama import CheckpointMismatchError, LlamaForCausalLM
 from leanlm.model.layers import RotaryEmbedding
+from leanlm.model.llama import CheckpointMismatchError, LlamaForCausalLM
 
 # (the meta network) -> the map from its module names to the checkpoint's (HF) module names
 Arrange = Callable[[LlamaForCausalLM], Callable[[str], str]]

@@ -19,8 +19,8 @@ from leanlm.engine import ModelRunner, StepOutput, StepPlan, kv_cache_bytes_per_
 from leanlm.formats.fingerprint import checkpoint_fingerprint, read_config
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.tokenizer import Tokenizer
-from leanlm.model.kv_quant import kv_storage_dtype
 from leanlm.model.device import resolve_dtype
+from leanlm.model.kv_quant import kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
 from leanlm.model.offload import OffloadedLayers, offload_layers
 from leanlm.parallel import wire
@@ -105,8 +105,9 @@ def all_gather_bytes(rank: RankContext, data: bytes) -> list[bytes]:
 def check_agreement(rank: RankContext, facts: dict[str, str]) -> None:
     """Every rank's facts (model, config, engine config, dtype, the checkpoint's fingerprint: its headers, sizes and
     a sample of its data, formats/fingerprint.py) must equal the driver's; otherwise every rank raises, naming what
-    differs where (a checkpoint changed on disk between loads, a different file on one host). In a local world each rank also proves it holds the secret: a process that reached the store first
-    and took a worker's place makes every rank refuse to start."""
+    differs where (a checkpoint changed on disk between loads, a different file on one host). In a local world each
+    rank also proves it holds the secret: a process that reached the store first and took a worker's place makes
+    every rank refuse to start."""
     facts = {**facts, "proof": rank.proof(f"rank/{rank.rank}")}
     gathered = []
     for r, data in enumerate(all_gather_bytes(rank, wire.encode_json(facts))):

@@ -42,9 +42,7 @@ def plan_slice(config: ModelConfig, rank: RankContext, expert_parallel: bool) ->
         if expert_parallel and config.moe is not None:
             bounds = expert_bounds(config.moe.num_experts, tp)
             experts = (bounds[r], bounds[r + 1])
-    return LoadSlice(
-        config.num_hidden_layers, start, stop, rank.is_first_stage, rank.is_last_stage, cuts, experts
-    )
+    return LoadSlice(config.num_hidden_layers, start, stop, rank.is_first_stage, rank.is_last_stage, cuts, experts)
 
 
 def _attention_cuts(config: ModelConfig, heads: list[HeadShard], r: int, prefix: str) -> dict[str, Cut]:

@@ -1,5 +1,6 @@
 """max_weight_memory under TP and PP: each rank offloads its own slice's layers beyond the budget (a per-rank
-budget), and the engine gives one process's greedy tokens and logprobs (float32, the bundled SmolLM2: 30 layers)."""
+budget), and the engine gives one process's greedy tokens and logprobs (the bundled SmolLM2 dequantized to float32: 30
+layers)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ BUDGET = 160 * 10**6
 def _run(**options):
     from tests.server.conftest import MODEL
 
-    with LLM(MODEL, dtype="float32", progress=False, **options) as llm:
+    with LLM(MODEL, dtype="float32", dequantize_gguf=True, progress=False, **options) as llm:
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         streamed = None if llm.offloaded is None else llm.offloaded.plan.streamed_idx
     results = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from leanlm.config import ModelConfig
-from leanlm.formats.gguf.config import gguf_model_config
 from leanlm.formats.gguf.codes import CODE_TYPES
+from leanlm.formats.gguf.config import gguf_model_config
 from leanlm.formats.gguf.tensors import gguf_state_dict
-from leanlm.formats.load_slice import LoadSlice
 from leanlm.formats.gguf.tokenizer import gguf_tokenizer_metadata
+from leanlm.formats.load_slice import LoadSlice
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile
 from leanlm.loading.gguf_file import read_gguf as read_gguf_file
