@@ -3,7 +3,10 @@ PP=2 stages (and, for an MoE, TP=2 with expert parallelism), each run in its own
 polls every process's VmHWM (/proc/PID/status: the high-water mark of its resident memory, mapped file pages
 included). Every layout's greedy tokens are checked against one process's. Writes a markdown table.
 
-    python benchmarks/sliced_load.py --out docs/parallelism_results_sliced.md
+    python benchmarks/sliced_load.py --results docs/parallelism_results.md
+
+It replaces (or appends) its own section of that file, from SECTION on; parallel_bench.py keeps it when it rewrites
+the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import psutil
 
 PROMPT = "def quicksort(xs):"
 MAX_TOKENS = 8
+SECTION = "## Each rank loads only its slice"
 KV_BYTES = 64 << 20  # a small KV pool on every rank: the table measures the weights
 LAYOUTS = {
     "one process": {},
@@ -107,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="write the markdown table here (and print it)")
+    parser.add_argument("--results", type=Path, help="replace this file's section (docs/parallelism_results.md)")
     parser.add_argument("--only", choices=["qwen-f32", "qwen-codes", "moe"], action="append")
     args = parser.parse_args()
     if args.child:
@@ -137,6 +142,10 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
+    if args.results:
+        old = args.results.read_text() if args.results.is_file() else ""
+        head = old[: old.index(SECTION)] if SECTION in old else old + "\n"
+        args.results.write_text(f"{head}{SECTION}\n\nMeasured on {text}")
 
 
 if __name__ == "__main__":
