@@ -5,6 +5,7 @@ each cut as it is read by positioned reads (loading/byte_slice.py), so the rank 
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,41 +82,51 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
 
 
 def load_hf_dir_slice(
-    path: Path, dtype: torch.dtype | None, keep: LoadSlice, progress: bool = False
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """load_hf_dir for one rank: (config, the held tensors in model names). Float checkpoints (`dtype` given) are
-    cut as read; a quantized one's tensors (`dtype` None) come whole (its layers are cut by their format's shard(),
-    stored.py), except the float ones of a cut module."""
+    path: Path, dtype: torch.dtype | None, keep: LoadSlice, progress: bool = False, layers: Collection[str] = ()
+) -> tuple[ModelConfig, dict[str, torch.Tensor], set[str]]:
+    """load_hf_dir for one rank: (config, the held tensors in model names, the modules read whole). Every float
+    linear is cut as it is read; the tensors of a quantized layer (a module with tensors other than weight and
+    bias, or one of `layers`: the native format's list) come whole, for its format's shard() (stored.py). `dtype`:
+    floats cast to it (None: kept as stored)."""
     path = Path(path)
     tensors = stored_tensors(path)
     config = read_hf_dir_config(path)
     keep.check(config.num_hidden_layers, path)
+    tied = config.tie_word_embeddings
+    names = {n: to_model_names(config, {n: torch.empty(t.shape, device="meta")}) for n, t in tensors.items()}
+    whole = set(layers) | {
+        m.rsplit(".", 1)[0] for renamed in names.values() for m in renamed if not m.endswith((".weight", ".bias"))
+    }
     state_dict: dict[str, torch.Tensor] = {}
     for name, stored in tqdm(tensors.items(), desc="loading this rank's slice", disable=not progress):
-        if config.tie_word_embeddings and name == "lm_head.weight":
+        if tied and name == "lm_head.weight":
             continue  # the same tensor as the embedding; the model ties it
-        renamed = to_model_names(config, {name: torch.empty(stored.shape, device="meta")})
+        renamed = names[name]
         if len(renamed) != 1:  # a fused tensor (Phi-3's qkv, transformers 5's experts): read whole, then split
-            if any(keep.holds(n, config.tie_word_embeddings) for n in renamed):
+            if any(keep.holds(n, tied) for n in renamed):
                 parts = to_model_names(config, {name: stored.read()})
-                cut = keep.cut_tensor if dtype is not None else (lambda _, t: t)
-                state_dict |= {n: cut(n, t) for n, t in parts.items() if keep.holds(n, config.tie_word_embeddings)}
+                state_dict |= {n: _cut(keep, n, t, whole) for n, t in parts.items() if keep.holds(n, tied)}
             continue
         (model_name,) = renamed
-        if keep.holds(model_name, config.tie_word_embeddings):
+        if keep.holds(model_name, tied):
             _check_shape(config, model_name, stored.shape, path)
-            state_dict[model_name] = _read_cut(keep, model_name, stored, cut_floats=dtype is not None)
+            is_whole = model_name.rsplit(".", 1)[0] in whole
+            state_dict[model_name] = stored.read() if is_whole else _read_cut(keep, model_name, stored)
     state_dict = {n: t for n, t in state_dict.items() if t is not None}
     if dtype is not None:
         state_dict = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state_dict.items()}
-    return config, state_dict
+    return config, state_dict, whole
 
 
-def _read_cut(keep: LoadSlice, name: str, stored: StoredTensor, cut_floats: bool) -> torch.Tensor | None:
+def _cut(keep: LoadSlice, name: str, t: torch.Tensor, whole: set[str]) -> torch.Tensor | None:
+    return t if name.rsplit(".", 1)[0] in whole else keep.cut_tensor(name, t)
+
+
+def _read_cut(keep: LoadSlice, name: str, stored: StoredTensor) -> torch.Tensor | None:
     """Tensor `name` read as this rank keeps it: only its slice when the module is cut (and the file holds it as
     the weight [out, in] or bias [out] of a plain linear); a row-parallel bias off the first rank: None."""
     cut = keep.cut_of(name)
-    if cut is None or not cut_floats or not name.endswith((".weight", ".bias")):
+    if cut is None or not name.endswith((".weight", ".bias")):
         return stored.read()
     if name.endswith(".bias"):
         return keep.cut_tensor(name, stored.read())

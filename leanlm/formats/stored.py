@@ -82,10 +82,11 @@ def _read_hf_dir(
     if keep is None:
         config, state_dict = load_hf_dir(path, dtype=None if is_quantized else dtype, progress=progress)
     else:  # float tensors cut as they are read; a quantized checkpoint's held layers are cut once built (below)
-        config, state_dict = load_hf_dir_slice(path, None if is_quantized else dtype, keep, progress)
-        if fmt is ModelFormat.LEANLM_CHECKPOINT and isinstance(meta.get("layers"), dict):  # the held layers only
-            held = {n: m for n, m in meta["layers"].items() if keep.holds(n + ".weight", config.tie_word_embeddings)}
-            meta = {**meta, "layers": held}
+        listed = meta.get("layers") if fmt is ModelFormat.LEANLM_CHECKPOINT else None
+        listed = listed if isinstance(listed, dict) else {}
+        config, state_dict, whole = load_hf_dir_slice(path, None if is_quantized else dtype, keep, progress, listed)
+        if listed:  # the held layers only
+            meta = {**meta, "layers": {n: m for n, m in listed.items() if keep.holds(n + ".weight")}}
     build_layers = {
         ModelFormat.LEANLM_CHECKPOINT: quantized_layers,
         ModelFormat.GPTQ: gptq_layers,
@@ -97,13 +98,13 @@ def _read_hf_dir(
         raise
     except (ValueError, KeyError, TypeError) as e:  # TypeError: a metadata value of the wrong kind
         raise ModelLoadError(f"quantized checkpoint {path} is inconsistent ({e}); re-quantize or re-download it") from e
-    # a rank's float tensors were checked from the header before they were cut; its quantized layers (still whole)
-    # are checked here, but for an expert-parallel rank, which holds not all E experts
-    if keep is None or (is_quantized and keep.experts is None):
-        check_checkpoint_shapes(config, state_dict, quantized, path)
+    if keep is None:  # a rank's float tensors were checked from the header before they were read (and cut), its
+        check_checkpoint_shapes(config, state_dict, quantized, path)  # layers by their format against the config
     if keep is not None and is_quantized:  # each layer by its own format's shard(); float modules sliced alike
         quantized = {m: _cut_layer(keep, m, layer) for m, layer in quantized.items()}
-        state_dict = {n: t for n, t in ((n, keep.cut_tensor(n, t)) for n, t in state_dict.items()) if t is not None}
+        # a layer's format may hand back dense tensors (compressed-tensors' unstructured weights): cut them too
+        cut = {n: keep.cut_tensor(n, t) if n.rsplit(".", 1)[0] in whole else t for n, t in state_dict.items()}
+        state_dict = {n: t for n, t in cut.items() if t is not None}
     if is_quantized:  # the float tensors (norms, embedding, unquantized linears) in the requested dtype
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     recipe = _recipe(meta, path) if fmt is ModelFormat.LEANLM_CHECKPOINT else ()

@@ -29,6 +29,7 @@ from leanlm.loading.gguf_file import GGUFFile, GGUFTensor
 from leanlm.model.architectures import Architecture
 from leanlm.model.linear.base import RuntimeLinear
 from leanlm.model.linear.shard import COLUMN
+from leanlm.model.offload import return_freed_memory
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -138,8 +139,13 @@ def gguf_state_dict(
     row_cut: dict[str, Cut] = {}  # coded modules cut along in_features: built whole, then their format's shard()
     skipped = _SKIPPED_TENSORS + config.arch.gguf_skipped
     tensors = [t for t in reader.tensors if not any(t.name.endswith(n) for n in skipped)]
+    # a coded layer is built once its bias is read (or at once: it has none), so its codes are not held till the end
+    biased = {hf_tensor_name(t.name, config.arch).removesuffix(".bias") for t in tensors if t.name.endswith(".bias")}
+    seen: set[str] = set()
+    quantized: dict[str, RuntimeLinear] = {}
     for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
         for name, data, expected in _tensor_parts(tensor, config):
+            seen.add(name)
             if keep is not None and not keep.holds(name, config.tie_word_embeddings):
                 continue  # another rank's layer or expert: never read
             heads = None
@@ -169,21 +175,18 @@ def gguf_state_dict(
                 weight = keep.cut_tensor(name, weight)  # along in_features: cut after dequantizing (blocks)
             if weight is not None:
                 state_dict[name] = weight.to(dtype).contiguous()
+        for m in [m for m in coded if m not in biased or m + ".bias" in seen]:
+            quantized[m] = _runtime_layer(coded.pop(m), state_dict.pop(m + ".bias", None), row_cut.get(m))
         reader.release_pages()  # what was read is copied: this process keeps no page of the file
+        return_freed_memory()  # a cut tensor's whole temporaries, freed into the heap: back to the OS, now
     if config.arch.to_model_names is not None:  # Phi-3's fused projections, apart
         fused = set(state_dict)
         state_dict = config.arch.to_model_names(config, state_dict)
         if keep is not None:  # the split parts are the model's linears: cut them now
             parts = {n: keep.cut_tensor(n, t) for n, t in state_dict.items() if n not in fused}
             state_dict = {n: t for n, t in (state_dict | parts).items() if t is not None}
-    # a bias (qwen2's q/k/v) stays float, on the runtime layer
-    quantized = {}
-    for m, args in coded.items():
-        quantized[m] = runtime_linear(*args, bias=state_dict.pop(m + ".bias", None))
-        if m in row_cut:
-            cut = row_cut[m]
-            quantized[m] = own(quantized[m].shard(cut.axis, cut.rank, cut.world, cut.sizes))
-        reader.release_pages()
+    for m in list(coded):  # a bias (qwen2's q/k/v) stays float, on the runtime layer
+        quantized[m] = _runtime_layer(coded.pop(m), state_dict.pop(m + ".bias", None), row_cut.get(m))
     return state_dict, quantized
 
 
@@ -206,6 +209,12 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, expected: tuple[int, ...]
     weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
     weight = weight.reshape(expected)
     return weight if heads is None else unpermute_rotary(weight, heads)
+
+
+def _runtime_layer(args: tuple, bias: torch.Tensor | None, cut: Cut | None) -> RuntimeLinear:
+    """A coded linear, cut by its format's shard() when this rank holds a slice of its in_features."""
+    layer = runtime_linear(*args, bias=bias)
+    return layer if cut is None else own(layer.shard(cut.axis, cut.rank, cut.world, cut.sizes))
 
 
 def _rows_of(
