@@ -145,7 +145,13 @@ def main() -> None:
     if args.results:
         old = args.results.read_text() if args.results.is_file() else ""
         head = old[: old.index(SECTION)] if SECTION in old else old + "\n"
-        args.results.write_text(f"{head}{SECTION}\n\nMeasured on {text}")
+        command = "python benchmarks/sliced_load.py " + " ".join(sys.argv[1:])
+        intro = (
+            f"Written by `{command}` on {time.strftime('%Y-%m-%d')}: peak resident memory (VmHWM, polled) of "
+            "every rank, each layout in a fresh process tree, 8 greedy tokens each; what the numbers mean is in "
+            "[parallelism.md](parallelism.md#peak-memory-per-rank-sliced-loading).\n\nMachine: "
+        )
+        args.results.write_text(f"{head}{SECTION}\n\n{intro}{text}")
 
 
 if __name__ == "__main__":
