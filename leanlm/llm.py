@@ -110,7 +110,11 @@ class LLM:
         rank = self.parallel.rank_model
         self.engine_config, self.device, self.dtype = rank.engine_config, rank.rank.device, rank.dtype
         self.model_config, self.tokenizer = rank.config, rank.tokenizer
-        self.llm_engine = LLMEngine(rank.model, self.tokenizer, self.engine_config, self.device, self.dtype)
+        self.offloaded = rank.offloaded  # rank 0's own slice's layers beyond max_weight_memory (each rank has its own)
+        plan = self.offloaded.plan if self.offloaded is not None else None
+        self.llm_engine = LLMEngine(
+            rank.model, self.tokenizer, self.engine_config, self.device, self.dtype, offload_plan=plan
+        )
         self.parallel.attach(self.llm_engine)
 
     def close(self) -> None:

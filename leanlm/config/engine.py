@@ -100,13 +100,14 @@ class EngineConfig:
         },
     )
     # weight offloading (leanlm.model.offload): decoder layers beyond this many bytes of resident weights stream
-    # in from a file (CPU) or pinned host memory (GPU) one at a time; None keeps every weight resident
+    # in from a file (CPU) or pinned host memory (GPU) one at a time; None keeps every weight resident. A parallel
+    # engine's budget is per rank: each offloads its own slice's layers
     max_weight_memory: int | None = dataclasses.field(
         default=None,
         metadata={
             "parse": byte_count,
-            "help": "bytes of weights kept resident (e.g. 800000000 or 1.5GB); decoder layers beyond it stream in "
-            "one at a time, the next prefetched (default: every weight resident)",
+            "help": "bytes of weights kept resident (e.g. 800000000 or 1.5GB), per rank of a parallel engine; "
+            "decoder layers beyond it stream in one at a time, the next prefetched (default: every weight resident)",
         },
     )
     # mixture-of-experts routing (leanlm.model.moe): Switch's expert capacity and V-MoE's batch priority routing
@@ -225,11 +226,6 @@ class EngineConfig:
             raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         if not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be > 0, got {self.parallel_timeout_s}")
-        if self.world_size > 1 and self.max_weight_memory is not None:
-            raise ValueError(
-                "weight offloading streams one process's layers; a parallel engine already splits the weights over "
-                "its ranks: drop --max-weight-memory, or set tensor_parallel_size and pipeline_parallel_size to 1"
-            )
         if self.world_size > 1 and (self.speculative is not None or self.early_exit is not None):
             raise ValueError(
                 "speculative decoding and early exit run in one process: drop them, or set tensor_parallel_size "

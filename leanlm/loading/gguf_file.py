@@ -8,6 +8,7 @@ first). Big-endian files, which no llama.cpp build writes, go through `gguf.GGUF
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,14 @@ class GGUFFile:
     path: Path
     fields: dict[str, Any]  # metadata key -> value (lists for arrays)
     tensors: list[GGUFTensor]
+    mapped: np.memmap | None = None  # the map the tensors view (None: GGUFReader's copy of a big-endian file)
+
+    def release_pages(self) -> None:
+        """Drop the map's pages from this process's resident memory (they stay in the page cache; a later read
+        of a view faults them in again: the map is read-only, so nothing is lost). A loader calls it after each
+        tensor, so that reading a file costs the slices it copies, not every page it looked at."""
+        if self.mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapped._mmap.madvise(mmap.MADV_DONTNEED)
 
 
 def _tensor(mapped: np.ndarray, header: GGUFHeader, info) -> GGUFTensor:
@@ -64,7 +73,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if header.byte_order != "<":
         return _through_gguf_reader(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    return GGUFFile(path, header.fields, [_tensor(mapped, header, t) for t in header.tensors])
+    return GGUFFile(path, header.fields, [_tensor(mapped, header, t) for t in header.tensors], mapped)
 
 
 def _through_gguf_reader(path: Path) -> GGUFFile:

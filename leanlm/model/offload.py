@@ -258,7 +258,7 @@ def offload_layers(model: nn.Module, max_weight_memory: int, directory: str | No
     plan = plan_offload(model, max_weight_memory)
     if not plan.streamed_idx:
         return None
-    device = model.model.norm.weight.device
+    device = next(model.parameters()).device  # a pipeline stage but the last holds no final norm
     offloaded = OffloadedLayers(model, plan, make_store(device, directory))
     return_freed_memory()
     logger.info(offloaded.describe())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +16,17 @@ from torch.distributed import DistStoreError
 
 from leanlm.config import EngineConfig, LongContextConfig, ModelConfig
 from leanlm.engine import ModelRunner, StepOutput, StepPlan, kv_cache_bytes_per_block
+from leanlm.formats.fingerprint import checkpoint_fingerprint, read_config
 from leanlm.formats.loader import load_checkpoint
 from leanlm.loading.tokenizer import Tokenizer
+from leanlm.model.device import resolve_dtype
 from leanlm.model.kv_quant import kv_storage_dtype
 from leanlm.model.llama import LlamaForCausalLM
+from leanlm.model.offload import OffloadedLayers, offload_layers
 from leanlm.parallel import wire
-from leanlm.parallel.pipeline import cut_stage, run_pipeline, stage_bounds
-from leanlm.parallel.tensor import kv_heads_per_rank, shard_model
+from leanlm.parallel.pipeline import run_pipeline, stage_bounds
+from leanlm.parallel.slicing import arrange_rank, plan_slice
+from leanlm.parallel.tensor import kv_heads_per_rank
 from leanlm.parallel.world import DRIVER_RANK, Layout, RankContext, init_rank, join_store, wait_for_ranks
 
 _TYPED = ("speculative", "early_exit")  # EngineConfig fields that are not JSON (refused with parallelism anyway)
@@ -80,16 +83,7 @@ class RankModel:
     tokenizer: Tokenizer
     engine_config: EngineConfig  # num_kv_blocks fixed: the same on every rank
     dtype: torch.dtype  # the compute dtype the loader resolved
-
-
-def weights_digest(model: LlamaForCausalLM) -> str:
-    """BLAKE2b of every tensor of the (whole, unsharded) model, names and bytes, in name order."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(str((t.dtype, tuple(t.shape))).encode())
-        digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    offloaded: OffloadedLayers | None = None  # this rank's layers beyond max_weight_memory (None: all resident)
 
 
 def all_gather_bytes(rank: RankContext, data: bytes) -> list[bytes]:
@@ -109,10 +103,11 @@ def all_gather_bytes(rank: RankContext, data: bytes) -> list[bytes]:
 
 
 def check_agreement(rank: RankContext, facts: dict[str, str]) -> None:
-    """Every rank's facts (model, config, engine config, dtype, weights' digest) must equal the driver's; otherwise
-    every rank raises, naming what differs where (a checkpoint changed on disk between loads, a different file on
-    one host). In a local world each rank also proves it holds the secret: a process that reached the store first
-    and took a worker's place makes every rank refuse to start."""
+    """Every rank's facts (model, config, engine config, dtype, the checkpoint's fingerprint: its headers, sizes and
+    a sample of its data, formats/fingerprint.py) must equal the driver's; otherwise every rank raises, naming what
+    differs where (a checkpoint changed on disk between loads, a different file on one host). In a local world each
+    rank also proves it holds the secret: a process that reached the store first and took a worker's place makes
+    every rank refuse to start."""
     facts = {**facts, "proof": rank.proof(f"rank/{rank.rank}")}
     gathered = []
     for r, data in enumerate(all_gather_bytes(rank, wire.encode_json(facts))):
@@ -161,10 +156,12 @@ def build_rank(
     store: dist.Store | None = None,
     check_peers: Callable[[], None] | None = None,
 ) -> RankModel:
-    """Join the world, load the checkpoint, check that every rank loaded the same one, keep this rank's slice. The
-    driver of a local world passes the store it serves (world.serve_store) and `check_peers` (raises if a worker
-    exited); a worker joins the store at spec.init_method. Ranks wait for each other before forming the groups and
-    before comparing what they loaded for world.START_TIMEOUT_S, not parallel_timeout_s (which bounds steps)."""
+    """Join the world, check that every rank is about to load the same checkpoint (from its headers), then read only
+    this rank's slice of it into a network built at the slice's size (formats/load_slice.py, parallel/slicing.py),
+    and offload its layers beyond max_weight_memory. The driver of a local world passes the store it serves
+    (world.serve_store) and `check_peers` (raises if a worker exited); a worker joins the store at spec.init_method.
+    Ranks wait for each other before forming the groups and after loading for world.START_TIMEOUT_S, not
+    parallel_timeout_s (which bounds steps)."""
     layout = spec.layout
     engine_config = spec.engine_config()
     timeout_s = engine_config.parallel_timeout_s
@@ -173,28 +170,34 @@ def build_rank(
     if store is not None:  # under torchrun (env://) its rendezvous waits for the ranks
         wait_for_ranks(store, rank_idx, layout.world_size, "joined", spec.secret, check_peers)
     rank = init_rank(rank_idx, layout, torch.device(spec.device), timeout_s, store, spec.secret)
-    options = dict(attention_backend=spec.attention_backend, progress=progress, dequantize_gguf=spec.dequantize_gguf)
-    checkpoint = load_checkpoint(spec.model, spec.dtype, rank.device, **options)
-    if rank.store is not None:
-        wait_for_ranks(rank.store, rank_idx, layout.world_size, "loaded", spec.secret, check_peers)
-    model, config = checkpoint.model, checkpoint.model.config  # the whole model's: sharding replaces model.config
-    dtype = model.model.norm.weight.dtype
+    config = read_config(spec.model)  # the headers only: the slice is planned, and the ranks agree, before any read
+    dtype = resolve_dtype(spec.dtype, rank.device, config)
+    expert_parallel = engine_config.enable_expert_parallel
+    keep = plan_slice(config, rank, expert_parallel)
+    fingerprint = checkpoint_fingerprint(spec.model)
     facts = {
         "model": spec.model,
         "config": repr(config),
         "engine config": repr(engine_config),
         "dtype": str(dtype),
-        "weights": weights_digest(model),
+        "checkpoint": fingerprint,
     }
     check_agreement(rank, facts)
-    shard_model(model, rank.tp, engine_config.enable_expert_parallel)
-    if layout.pipeline_parallel_size > 1:
-        start, stop = stage_bounds(config.num_hidden_layers, layout.pipeline_parallel_size)[rank.stage]
-        cut_stage(model, start, stop, rank.is_first_stage, rank.is_last_stage)
+    options = dict(attention_backend=spec.attention_backend, progress=progress, dequantize_gguf=spec.dequantize_gguf)
+    whole: list[ModelConfig] = []  # the whole model's config, as the loader built it (sharding replaces it)
+    arrange = arrange_rank(rank, keep, expert_parallel, whole)
+    checkpoint = load_checkpoint(spec.model, dtype, rank.device, keep=keep, arrange=arrange, **options)
+    if checkpoint_fingerprint(spec.model) != fingerprint:
+        raise ValueError(f"rank {rank_idx}: {spec.model} changed on disk while it was read; load it again")
+    if rank.store is not None:
+        wait_for_ranks(rank.store, rank_idx, layout.world_size, "loaded", spec.secret, check_peers)
+    model, config = checkpoint.model, whole[0]
+    limit = engine_config.max_weight_memory  # this rank's budget for its own slice's weights
+    offloaded = None if limit is None else offload_layers(model, limit)
     kv_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, dtype)
     blocks = parallel_num_kv_blocks(config, engine_config, kv_dtype)
     engine_config = dataclasses.replace(engine_config, num_kv_blocks=blocks)
-    return RankModel(rank, config, model, checkpoint.tokenizer, engine_config, dtype)
+    return RankModel(rank, config, model, checkpoint.tokenizer, engine_config, dtype, offloaded)
 
 
 def run_plans(rank_model: RankModel, runner: ModelRunner, plans: list[StepPlan]) -> list[StepOutput]:

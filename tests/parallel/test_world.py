@@ -158,3 +158,41 @@ def test_a_process_without_the_secret_cannot_take_a_ranks_place():
                 process.kill()
     assert "rank(s) [1] did not prove the engine's secret" in got[0]
     assert "rank(s) [0] did not prove the engine's secret" in got[1]
+
+
+def _rank_with_facts(rank: int, fingerprint: str, ports, answers) -> None:
+    layout = Layout(2, 1)
+    if rank == 0:
+        store, port = serve_store(2, 20)
+        ports.put(port)
+    else:
+        store = join_store(f"tcp://127.0.0.1:{ports.get(timeout=60)}", 2, 20)
+    context = init_rank(rank, layout, torch.device("cpu"), 20, store, "cc" * 32)
+    from leanlm.parallel.rank import check_agreement
+
+    try:
+        check_agreement(context, {"model": "same", "checkpoint": fingerprint})
+        answers.put((rank, "joined"))
+    except ValueError as exc:
+        answers.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_checkpoint_fingerprint_differs_makes_every_rank_refuse():
+    """A different file on one host (formats/fingerprint.py: headers, sizes, sampled data): both ranks refuse before
+    reading a weight, naming rank 1's checkpoint."""
+    spawn = multiprocessing.get_context("spawn")
+    ports, answers = spawn.Queue(), spawn.Queue()
+    ranks = [spawn.Process(target=_rank_with_facts, args=(r, fp, ports, answers)) for r, fp in ((0, "ab"), (1, "cd"))]
+    for process in ranks:
+        process.start()
+    try:
+        got = dict(answers.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    for r in (0, 1):
+        assert "did not load the same model: rank 1's checkpoint differ" in got[r]

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from leanlm.config import ModelConfig
+from leanlm.formats.gguf.codes import CODE_TYPES
 from leanlm.formats.gguf.config import gguf_model_config
 from leanlm.formats.gguf.tensors import gguf_state_dict
 from leanlm.formats.gguf.tokenizer import gguf_tokenizer_metadata
+from leanlm.formats.load_slice import LoadSlice
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile
 from leanlm.loading.gguf_file import read_gguf as read_gguf_file
@@ -55,18 +57,23 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def read_gguf(
-    path: Path, dtype: torch.dtype, progress: bool, dequantize_gguf: bool
+    path: Path, dtype: torch.dtype, progress: bool, dequantize_gguf: bool, keep: LoadSlice | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, nn.Module], Tokenizer]:
     """(config, float tensors, quantized layers, tokenizer) of a GGUF file; unless `dequantize_gguf` its Q4_0 / Q4_1 /
-    Q4_K / Q5_0 / Q8_0 linears stay codes in runtime layers, else everything is dequantized to `dtype`."""
+    Q4_K / Q5_0 / Q8_0 linears stay codes in runtime layers, else everything is dequantized to `dtype`. `keep`: one
+    rank's part only (every tensor's header shape is checked against the metadata before its bytes are read)."""
     reader = open_gguf(path)
     config = gguf_model_config(reader)
+    if keep is not None:
+        keep.check(config.num_hidden_layers, path)
     state_dict, quantized = gguf_state_dict(
-        reader, config, dtype=dtype, progress=progress, dequantize_gguf=dequantize_gguf
+        reader, config, dtype=dtype, progress=progress, dequantize_gguf=dequantize_gguf, keep=keep
     )
-    if "lm_head" in quantized:  # the tied head runs on its own copy of the embedding's codes
+    if config.tie_word_embeddings and not dequantize_gguf and _embedding_is_coded(reader):
+        # the tied head runs on its own copy of the embedding's codes (on every rank, held or not)
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    check_checkpoint_shapes(config, state_dict, quantized, path)
+    if keep is None:  # a rank's part was checked tensor by tensor, from the header, before it was read
+        check_checkpoint_shapes(config, state_dict, quantized, path)
     return config, state_dict, quantized, Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(reader))
 
 
@@ -78,3 +85,8 @@ def load_gguf(
     config = gguf_model_config(reader)
     state_dict, _ = gguf_state_dict(reader, config, dtype=dtype, progress=progress)
     return config, state_dict, gguf_tokenizer_metadata(reader)
+
+
+def _embedding_is_coded(reader: GGUFFile) -> bool:
+    """Whether the embedding is stored in a block format the kernels compute on (a tied head then runs on codes)."""
+    return any(t.name == "token_embd.weight" and t.tensor_type in CODE_TYPES for t in reader.tensors)

@@ -133,13 +133,34 @@ def runtime_linear(
     `bias` [out] is already in that order."""
     rows, cols = shape
     if tensor_type in INT8_TYPES:
-        codes, scales = (torch.from_numpy(a) for a in signed_codes(tensor_type, data, rows, cols))
+        codes, scales = (torch.from_numpy(a) for a in by_rows(signed_codes, tensor_type, data, rows, cols))
         if row_order is not None:
             codes, scales = codes[row_order], scales[row_order]
         return Int8WeightOnlyLinear(codes, scales, bias, group_size=INT8_GROUP[tensor_type])
-    codes, scales, mins = group_codes(tensor_type, data, rows, cols)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # pack_int4's layout; codes are 0..15 by construction
-    packed, scales, mins = torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(mins)
+    packed, scales, mins = (torch.from_numpy(a) for a in by_rows(_packed_codes, tensor_type, data, rows, cols))
     if row_order is not None:
         packed, scales, mins = packed[row_order], scales[row_order], mins[row_order]
     return IntGroupWeightOnlyLinear(packed, scales, mins, bias, bits=4, group_size=GROUP)
+
+
+def _packed_codes(tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int):
+    codes, scales, mins = group_codes(tensor_type, data, rows, cols)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scales, mins  # pack_int4's layout; codes are 0..15
+
+
+ROWS_PER_CALL = 4096  # bounds a conversion's temporaries (int16 / uint8 intermediates) to this many rows
+
+
+def by_rows(convert, tensor_type: GGMLQuantizationType, data: np.ndarray, rows: int, cols: int) -> tuple:
+    """convert(tensor_type, data, rows, cols) -> arrays [rows, ...], run on ROWS_PER_CALL rows at a time into
+    arrays allocated once: a 151k-row tied head no longer needs its whole intermediates at once."""
+    if rows <= ROWS_PER_CALL:
+        return convert(tensor_type, data, rows, cols)
+    first = convert(tensor_type, data[:ROWS_PER_CALL], ROWS_PER_CALL, cols)
+    out = tuple(np.empty((rows, *a.shape[1:]), dtype=a.dtype) for a in first)
+    for start in range(0, rows, ROWS_PER_CALL):
+        n = min(ROWS_PER_CALL, rows - start)
+        part = first if start == 0 else convert(tensor_type, data[start : start + n], n, cols)
+        for o, a in zip(out, part, strict=True):
+            o[start : start + n] = a
+    return out

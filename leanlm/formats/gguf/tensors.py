@@ -24,9 +24,12 @@ from leanlm.formats.gguf.moe import (
     legacy_expert_name,
     moe_stored_shape,
 )
+from leanlm.formats.load_slice import Cut, LoadSlice, own
 from leanlm.loading.errors import ModelLoadError
 from leanlm.loading.gguf_file import GGUFFile, GGUFTensor
 from leanlm.model.linear.base import RuntimeLinear
+from leanlm.model.linear.shard import COLUMN
+from leanlm.model.offload import return_freed_memory
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -123,37 +126,67 @@ def gguf_state_dict(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     dequantize_gguf: bool = True,
+    keep: LoadSlice | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, RuntimeLinear]]:
     """Every tensor under its HF name, in HF's [out, in] layout (a layer's [E, out, in] expert tensor as E
     per-expert weights): dequantized to `dtype`, except, unless `dequantize_gguf`, linears in a block format the
     kernels compute on (codes.CODE_TYPES), which come back as runtime layers by module name. The embedding is a
     lookup table and always dequantized; a tied head in such a format comes back as an "lm_head" layer on the
-    embedding's codes (the caller unties the config). Routers stay float: they are no linear layer."""
+    embedding's codes (the caller unties the config). Routers stay float: they are no linear layer. `keep`: only
+    one rank's part (formats/load_slice.py), each tensor cut as it is read."""
     state_dict: dict[str, torch.Tensor] = {}
     coded: dict[str, tuple] = {}  # module name -> runtime_linear's arguments, built once the biases are read
+    row_cut: dict[str, Cut] = {}  # coded modules cut along in_features: built whole, then their format's shard()
     skipped = _SKIPPED_TENSORS + config.arch.gguf_skipped
     tensors = [t for t in reader.tensors if not any(t.name.endswith(n) for n in skipped)]
+    # a coded layer is built once its bias is read (or at once: it has none), so its codes are not held till the end
+    biased = {hf_tensor_name(t.name, config.arch).removesuffix(".bias") for t in tensors if t.name.endswith(".bias")}
+    seen: set[str] = set()
+    quantized: dict[str, RuntimeLinear] = {}
     for tensor in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", disable=not progress):
         for name, data, expected in _tensor_parts(tensor, config):
+            seen.add(name)
+            if keep is not None and not keep.holds(name, config.tie_word_embeddings):
+                continue  # another rank's layer or expert: never read
             heads = None
             if config.arch.gguf_permutes_qk and (".q_proj." in name or ".k_proj." in name):
                 heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            cut = None if keep is None else keep.cut_of(name)
+            if cut is not None and cut.axis == COLUMN:  # this rank's rows only: the other rows' pages stay unread
+                data, expected, heads = _rows_of(data, expected, heads, cut)
+                cut = None
             if not dequantize_gguf and tensor.tensor_type in CODE_TYPES and _is_linear_weight(name):
                 if name == "model.embed_tokens.weight":  # a lookup table: dequantized below; as the tied head, codes
-                    if config.tie_word_embeddings:
+                    if config.tie_word_embeddings and (keep is None or keep.has_head):
                         coded["lm_head"] = (tensor.tensor_type, data, expected, None)
+                    if keep is not None and not keep.has_embedding:
+                        continue  # read for the head alone
                 else:
                     row_order = None if heads is None else unpermute_rotary(torch.arange(expected[0]), heads)
-                    coded[name.removesuffix(".weight")] = (tensor.tensor_type, data, expected, row_order)
+                    module = name.removesuffix(".weight")
+                    coded[module] = (tensor.tensor_type, data, expected, row_order)
+                    if cut is not None:
+                        row_cut[module] = cut
                     continue
             weight = _dequantized(tensor, data, expected, heads)
             if config.arch.gguf_norm_offset and name.endswith("norm.weight"):  # llama.cpp folded Gemma's +1 in
                 weight = weight - config.arch.gguf_norm_offset
-            state_dict[name] = weight.to(dtype).contiguous()
+            if cut is not None:
+                weight = keep.cut_tensor(name, weight)  # along in_features: cut after dequantizing (blocks)
+            if weight is not None:
+                state_dict[name] = weight.to(dtype).contiguous()
+        for m in [m for m in coded if m not in biased or m + ".bias" in seen]:
+            quantized[m] = _runtime_layer(coded.pop(m), state_dict.pop(m + ".bias", None), row_cut.get(m))
+        reader.release_pages()  # what was read is copied: this process keeps no page of the file
+        return_freed_memory()  # a cut tensor's whole temporaries, freed into the heap: back to the OS, now
     if config.arch.to_model_names is not None:  # Phi-3's fused projections, apart
+        fused = set(state_dict)
         state_dict = config.arch.to_model_names(config, state_dict)
-    # a bias (qwen2's q/k/v) stays float, on the runtime layer
-    quantized = {m: runtime_linear(*args, bias=state_dict.pop(m + ".bias", None)) for m, args in coded.items()}
+        if keep is not None:  # the split parts are the model's linears: cut them now
+            parts = {n: keep.cut_tensor(n, t) for n, t in state_dict.items() if n not in fused}
+            state_dict = {n: t for n, t in (state_dict | parts).items() if t is not None}
+    for m in list(coded):  # a bias (qwen2's q/k/v) stays float, on the runtime layer
+        quantized[m] = _runtime_layer(coded.pop(m), state_dict.pop(m + ".bias", None), row_cut.get(m))
     return state_dict, quantized
 
 
@@ -176,3 +209,20 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, expected: tuple[int, ...]
     weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # memmapped F32 is read-only: copy
     weight = weight.reshape(expected)
     return weight if heads is None else unpermute_rotary(weight, heads)
+
+
+def _runtime_layer(args: tuple, bias: torch.Tensor | None, cut: Cut | None) -> RuntimeLinear:
+    """A coded linear, cut by its format's shard() when this rank holds a slice of its in_features."""
+    layer = runtime_linear(*args, bias=bias)
+    return layer if cut is None else own(layer.shard(cut.axis, cut.rank, cut.world, cut.sizes))
+
+
+def _rows_of(
+    data: np.ndarray, expected: tuple[int, ...], heads: int | None, cut: Cut
+) -> tuple[np.ndarray, tuple[int, ...], int | None]:
+    """A column cut's rows of a tensor's data (a copy of those rows' bytes), its shape, and the heads they hold
+    (llama.cpp permutes Q/K rows within each head, so whole heads un-permute on their own)."""
+    rows = cut.features(expected[0])
+    part = np.array(data[rows.start : rows.stop])  # [rows, row bytes or in]
+    held = None if heads is None else heads * (rows.stop - rows.start) // expected[0]
+    return part, (rows.stop - rows.start, *expected[1:]), held

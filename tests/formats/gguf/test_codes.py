@@ -49,6 +49,17 @@ def test_layers_dequantize_exactly_as_gguf(qtype):
     assert torch.equal(layer.dequantized_weight(), expected)
 
 
+@pytest.mark.parametrize("qtype", sorted(CODE_TYPES, key=int))
+def test_layers_built_a_few_rows_at_a_time_equal_one_call(qtype, monkeypatch):
+    """Large tensors (a tied head of 151k rows) convert ROWS_PER_CALL rows at a time: the same layer, row for row."""
+    from leanlm.formats.gguf import codes
+
+    data = _random_blocks(qtype, 11, 512, seed=3)
+    whole = runtime_linear(qtype, data, (11, 512)).dequantized_weight()
+    monkeypatch.setattr(codes, "ROWS_PER_CALL", 4)  # 4 + 4 + 3 rows
+    assert torch.equal(runtime_linear(qtype, data, (11, 512)).dequantized_weight(), whole)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_row_order_and_bias(qtype):
     data = _random_blocks(qtype, 8, 64)
