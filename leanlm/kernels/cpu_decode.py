@@ -1,5 +1,6 @@
 """All decoder layers of a decode step in one native call: decode_layers.c (bf16 activations, AVX512-BF16 CPUs) or
-decode_layers_f32.c (float32 activations, AVX2 CPUs: dense layers, a float32 or int8 cache, every key read).
+decode_layers_f32.c (float32 activations, AVX2 CPUs: dense and MoE layers, a float32 or int8 cache, every key
+read).
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
@@ -70,7 +71,7 @@ class NativeMoE:
     """A sparse MLP as the loop runs it: the router, each expert's (gate, up, down), an ungated shared expert, and
     the counters the loop adds its routing to ([E + 2] int64: assignments per expert, tokens, experts run)."""
 
-    router: torch.Tensor  # bf16 [E, hidden]
+    router: torch.Tensor  # [E, hidden] in the loop's activation dtype (bf16, or float32 for the AVX2 loop)
     top_k: int
     scoring: str
     experts: tuple[tuple[NativeLinear, NativeLinear, NativeLinear], ...]
@@ -80,10 +81,10 @@ class NativeMoE:
     def linears(self) -> list[NativeLinear]:
         return [lin for mlp in self.experts + ((self.shared,) if self.shared else ()) for lin in mlp]
 
-    def is_supported(self) -> bool:
+    def is_supported(self, dtype: torch.dtype = _BF16) -> bool:
         r = self.router
         return (
-            r.dtype == _BF16 and r.is_cpu and r.is_contiguous() and r.shape[0] == len(self.experts)
+            r.dtype == dtype and r.is_cpu and r.is_contiguous() and r.shape[0] == len(self.experts)
             and r.shape[0] <= MAX_EXPERTS and self.scoring in SCORINGS
             and self.counts.dtype == torch.int64 and self.counts.shape == (r.shape[0] + 2,)
             and all(lin.is_supported() for lin in self.linears())
@@ -140,13 +141,13 @@ class NativeLayer:
         return tuple((s.out_features, s.in_features) for s in self.linears)
 
     def is_supported(self, dtype: torch.dtype = _BF16) -> bool:
-        """Contiguous CPU norms of the loop's activation dtype, and linears the kernels take (the float32 loop: no
-        MoE)."""
+        """Contiguous CPU norms (and a MoE layer's router) of the loop's activation dtype, and linears the kernels
+        take."""
         norms = (self.input_norm, self.post_norm)
         return (
             all(t.is_cpu and t.is_contiguous() and t.dtype == dtype for t in norms)
             and all(s.is_supported() for s in self.linears)
-            and (self.moe is None or (dtype is _BF16 and self.moe.is_supported()))
+            and (self.moe is None or self.moe.is_supported(dtype))
         )
 
     def all_linears(self) -> list[NativeLinear]:
