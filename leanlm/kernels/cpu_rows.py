@@ -99,9 +99,7 @@ _ROUTE_F32 = NativeKernel(
 )
 
 
-def moe_route_f32(
-    x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_f32(x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts [M, k] int64 in ascending index order, weights [M, k] float32) of float32 rows x [M, hidden] under a
     float32 router [E, hidden], as the float32 decode loop routes (route()'s math: fp32 logits and softmax, the k
     largest probabilities; ties to the lower index). hidden must be a multiple of 8."""

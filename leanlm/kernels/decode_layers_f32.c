@@ -341,6 +341,48 @@ static int run_mlp(const decode_model *m, const decode_linear *mlp, const float 
     return run_linear(m, mlp + 2, gate, y, n, threads, permuted);
 }
 
+/* The grouped product over experts: rows [A, hidden] sorted by expert (expert e's at [offs[e], offs[e + 1])), each
+ * used expert's SwiGLU MLP (experts [E * 3]: gate, up, down) once over its rows into y [A, hidden]; gate, up
+ * [A, intermediate] and permuted [A, max(hidden, intermediate)] scratch at the same places. The experts run side by
+ * side on the threads (a small expert's GEMV is too short to split). Returns 0 or -32 when a kernel failed. */
+static int run_experts(const decode_model *m, const decode_linear *experts, const int64_t *used, int64_t num_used,
+                       const int64_t *offs, const float *rows, float *y, float *gate, float *up, float *permuted,
+                       int threads) {
+    const int64_t hid = m->hidden, I = m->intermediate, K = hid > I ? hid : I;
+    const int outer = num_used < threads ? (int)num_used : threads, inner = threads / (outer ? outer : 1);
+    int failed = 0;
+#pragma omp parallel for num_threads(outer) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t u = 0; u < num_used; u++) {
+        const int64_t e = used[u], base = offs[e], n = offs[e + 1] - base;
+        failed |= run_mlp(m, experts + 3 * e, rows + base * hid, y + base * hid, n, gate + base * I, up + base * I,
+                          permuted + base * K, inner) != 0;
+    }
+    return failed ? -32 : 0;
+}
+
+/* The PyTorch path's grouped dispatch on float32 CPU rows (moe.py, GroupedExperts), one call for every expert of a
+ * layer, as llama.cpp's mul_mat_id: rows x [A, hidden] sorted by expert with per-expert offsets [E + 1], y [A, hidden]
+ * each row through its expert's SwiGLU MLP on the expert's own few-row kernels (experts [E * 3]: gate, up, down; at
+ * most the kernels' row limit per expert: the caller checks). Returns 0, -31 when memory runs out, -32 when a kernel
+ * failed, -30 for more than MOE_MAX_EXPERTS experts. */
+int leanlm_moe_experts_f32(const decode_linear *experts, int64_t E, const float *x, const int64_t *offsets, float *y,
+                           int64_t hidden, int64_t intermediate, int64_t min_parallel_bytes, int threads) {
+    if (E < 1 || E > MOE_MAX_EXPERTS) return -30;
+    int64_t used[MOE_MAX_EXPERTS], num_used = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e + 1] > offsets[e]) used[num_used++] = e;
+    const int64_t A = offsets[E], K = hidden > intermediate ? hidden : intermediate;
+    float *work = malloc((size_t)(A ? A : 1) * (size_t)(2 * intermediate + K) * sizeof(float));
+    if (work == NULL) return -31;
+    decode_model m;
+    memset(&m, 0, sizeof(m));
+    m.hidden = hidden, m.intermediate = intermediate, m.min_parallel_bytes = min_parallel_bytes;
+    const int rc = run_experts(&m, experts, used, num_used, offsets, x, y, work, work + A * intermediate,
+                               work + 2 * A * intermediate, threads);
+    free(work);
+    return rc;
+}
+
 /* Work space of the MoE layers for M rows of top-k, allocated once per call: each expert's rows, outputs and
  * intermediates at its place in the assignments grouped by expert, so experts can run side by side. */
 typedef struct {
@@ -356,8 +398,7 @@ typedef struct {
  * GEMV is too short to split); then the weighted rows go to each token in ascending expert order. */
 static int moe_mlp(const decode_model *m, const decode_moe *moe, const float *h, float *out, int64_t M,
                    const moe_work *w, int threads) {
-    const int64_t hid = m->hidden, k = moe->top_k, E = moe->num_experts, I = m->intermediate;
-    const int64_t K = hid > I ? hid : I;
+    const int64_t hid = m->hidden, k = moe->top_k, E = moe->num_experts;
     int rc = leanlm_moe_route_f32(h, (const float *)moe->router, M, hid, E, k, moe->scoring, w->experts, w->weights);
     if (rc) return rc;
     int64_t offs[MOE_MAX_EXPERTS + 1], used[MOE_MAX_EXPERTS], fill[MOE_MAX_EXPERTS], num_used = 0;
@@ -372,18 +413,9 @@ static int moe_mlp(const decode_model *m, const decode_moe *moe, const float *h,
     moe->counts[E + 1] += num_used;
     memcpy(fill, offs, (size_t)E * sizeof(int64_t));
     for (int64_t a = 0; a < M * k; a++) w->members[fill[w->experts[a]]++] = a; /* stable: tokens in order */
-    const int outer = num_used < threads ? (int)num_used : threads, inner = threads / (outer ? outer : 1);
-    int failed = 0;
-#pragma omp parallel for num_threads(outer) schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t u = 0; u < num_used; u++) {
-        const int64_t e = used[u], base = offs[e], n = offs[e + 1] - base;
-        float *rows = w->rows + base * hid;
-        for (int64_t i = 0; i < n; i++)
-            memcpy(rows + i * hid, h + (w->members[base + i] / k) * hid, (size_t)hid * sizeof(float));
-        failed |= run_mlp(m, moe->experts + 3 * e, rows, w->y + base * hid, n, w->gate + base * I, w->up + base * I,
-                          w->permuted + base * K, inner) != 0;
-    }
-    if (failed) return -32;
+    for (int64_t a = 0; a < M * k; a++) memcpy(w->rows + a * hid, h + (w->members[a] / k) * hid, (size_t)hid * sizeof(float));
+    if ((rc = run_experts(m, moe->experts, used, num_used, offs, w->rows, w->y, w->gate, w->up, w->permuted, threads)))
+        return rc;
     memset(out, 0, (size_t)(M * hid) * sizeof(float));
     for (int64_t u = 0; u < num_used; u++) {
         const int64_t e = used[u];
