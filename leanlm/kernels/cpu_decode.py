@@ -35,6 +35,7 @@ _KERNEL_F32 = NativeKernel(
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
 MAX_EXPERTS = 1024  # experts per MoE layer the loop routes (MOE_MAX_EXPERTS)
+F32_MAX_ROWS = 64  # decode tokens per call of the float32 loop (decode_layers_f32.c's MAX_ROWS)
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -124,6 +125,7 @@ class _Model(ctypes.Structure):
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
+        ("max_few_rows", _I64),
     ]
 
 
@@ -265,6 +267,7 @@ class DecodeLayers:
             MIN_PARALLEL_BYTES,
             eps,
             head_dim**-0.5,
+            0,  # set below for the float32 loop
         )
         self.hidden = hidden
         # Sized from the largest linear of any layer (not layer 0's): the C loop writes out_features rows of each.
@@ -278,10 +281,13 @@ class DecodeLayers:
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=dtype)  # grown for larger batches
         packed = dtype is _BF16 and all(linear.many_rows is not None for linear in every)
         self.max_rows: int | None = None if packed else MAX_ROWS
-        if dtype is _F32:  # the AVX2 GEMVs beat dequantize + sgemm to 16 rows, to 64 with int8 activations;
-            # the dense float32 GEMV is level with sgemm to 64 rows, and the loop saves PyTorch's per-op steps
+        if dtype is _F32:  # the AVX2 GEMVs take 16 rows a call, 64 with int8 activations; the dense float32 GEMV
+            # is level with sgemm to 64 rows. The loop takes F32_MAX_ROWS, splitting each product into calls of its
+            # kernels' rows: a MoE layer's experts (a few rows each) then read their weights once, and the loop saves
+            # PyTorch's per-op steps
             wide = all(linear.name.endswith("a8_f32") or linear.name == "f32" for linear in every)
-            self.max_rows = cpu_qgemv_avx2.MAX_ROWS_A8 if wide else cpu_qgemv_avx2.MAX_ROWS
+            self._model.max_few_rows = cpu_qgemv_avx2.MAX_ROWS_A8 if wide else cpu_qgemv_avx2.MAX_ROWS
+            self.max_rows = F32_MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 
     def bind_kv(self, caches: list) -> bool:

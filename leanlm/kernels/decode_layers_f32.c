@@ -24,7 +24,7 @@
 #include "avx2.h"
 #include "decode_model.h"
 
-#define MAX_ROWS 64 /* decode tokens per call (cpu_decode.py caps it per model: 16, or 64 on int8 activations) */
+#define MAX_ROWS 64 /* decode tokens per call (linears past their kernels' rows run in several calls: run_linear) */
 
 /* The float32 form of linear_call.h's entry (same ABI: pointers and integers). */
 typedef int (*f32_linear_fn)(const leanlm_linear_call *call, const float *x, float *y, int64_t M, int64_t N,
@@ -43,18 +43,26 @@ ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {
     return hsum(_mm256_add_ps(s0, s1));
 }
 
-/* y [M, N] = x [M, K] W^T + b with the linear's few-row call; permuted: [M, K] scratch for an act-order input. */
+/* y [M, N] = x [M, K] W^T + b with the linear's few-row call, in calls of at most m->max_few_rows rows (each call
+ * reads the weight once: a MoE expert's few rows take one, a 32-row attention product two); permuted: [M, K]
+ * scratch for an act-order input. */
 static int run_linear(const decode_model *m, const decode_linear *l, const float *x, float *y, int64_t M, int threads,
                       float *permuted) {
+    const int64_t K = l->in_features, N = l->out_features;
     if (l->perm != NULL) {
-        const int64_t K = l->in_features;
         for (int64_t t = 0; t < M; t++)
             for (int64_t j = 0; j < K; j++) permuted[t * K + j] = x[t * K + l->perm[j]];
         x = permuted;
     }
     const leanlm_linear_call *call = &l->few_rows;
     if (call->fn == NULL) return -11;
-    return ((f32_linear_fn)call->fn)(call, x, y, M, l->out_features, l->in_features, threads, m->min_parallel_bytes);
+    const int64_t step = m->max_few_rows > 0 ? m->max_few_rows : M;
+    for (int64_t r = 0; r < M; r += step) {
+        const int rc = ((f32_linear_fn)call->fn)(call, x + r * K, y + r * N, M - r < step ? M - r : step, N, K, threads,
+                                                 m->min_parallel_bytes);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) per row, as the PyTorch path's float32 RMSNorm. */

@@ -23,10 +23,6 @@ from leanlm.model.moe import Router, SparseMoeBlock
 from leanlm.model.paged_kv import PagedKVCache
 
 logger = logging.getLogger(__name__)
-# The float32 loop (no packed GEMM) takes a batch past its rows in up to this many slices, each re-reading the weights
-# on the few-row kernels: at 2 slices those still beat dequantize + sgemm and PyTorch's per-op steps
-# (benchmarks/moe_decode.py, batch 32 on Q4_1 codes), at many the single sgemm of the PyTorch path wins.
-MAX_SLICES = 4
 
 
 class ModuleSnapshot:
@@ -226,11 +222,8 @@ class NativeDecodePlan:
         return self._few.accepts(cache)
 
     def _for_rows(self, rows: int) -> _BoundLoop:
-        few = self._few.loop
-        if few is None or rows <= max(cpu_decode.MAX_ROWS, few.max_rows or 0):
+        if self._few.loop is None or rows <= max(cpu_decode.MAX_ROWS, self._few.loop.max_rows or 0):
             return self._few
-        if few.dtype is torch.float32 and rows <= MAX_SLICES * few.max_rows:
-            return self._few  # the float32 loop has no packed GEMM: it takes the rows in slices (run)
         if self._many is None:
             self._many = _BoundLoop(_build_loop(self._model(), packed=True), self._layer_ids)
         return self._many
@@ -245,18 +238,21 @@ class NativeDecodePlan:
         ):
             return None  # pinned experts and capacities route on the PyTorch path
         bound = self._for_rows(x.shape[0])
-        if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]) * MAX_SLICES:
+        if not bound.accepts(ctx.kv_cache) or x.shape[0] > (bound.loop.max_rows or x.shape[0]):
             return None
         bounds = self._layer_bounds(ctx)
         if bound.loop.dtype is torch.float32 and (bounds is not None or ctx.sink_positions is not None):
             return None  # the float32 loop reads every key: windows and sinks stay on the PyTorch path
-        index = (positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_seq_lens)
-        step = bound.loop.max_rows or x.shape[0]
-        if x.shape[0] <= step:
-            return bound.loop(x, *index, ctx.decode_max_seq_len, bounds, ctx.sink_positions)
-        # each decode row is its own request (its own cache blocks and keys): slices of rows run alone alike
-        slices = [slice(a, a + step) for a in range(0, x.shape[0], step)]
-        return torch.cat([bound.loop(x[s], *(t[s] for t in index), ctx.decode_max_seq_len) for s in slices])
+        return bound.loop(
+            x,
+            positions,
+            ctx.slot_mapping,
+            ctx.decode_block_tables,
+            ctx.decode_seq_lens,
+            ctx.decode_max_seq_len,
+            bounds,
+            ctx.sink_positions,
+        )
 
     def _layer_bounds(self, ctx: ForwardContext) -> torch.Tensor | None:
         """[L, M, 3] long: each layer's (lo, sinks, stride) per decode row; None when every layer reads every key."""

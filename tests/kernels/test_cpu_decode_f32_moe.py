@@ -1,7 +1,7 @@
 """Mixture-of-experts layers in the float32 native decode loop (decode_layers_f32.c) against the PyTorch path: the
 routing (route()'s top-k and scorings, in float32), each chosen expert on its own AVX2 GEMV (float32 and int4
 experts), an ungated shared expert, and the loop's counters; hidden states over several decode steps within fp32
-rounding at batch 1, 5, 16 and 24 (slices of the loop's rows)."""
+rounding at batch 1, 5, 16 and 24."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _moe_model(case: str, kind: str):
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
 @pytest.mark.parametrize("kind", ["f32", "int4"])
-@pytest.mark.parametrize("batch", [1, 5, 16, 24])  # 24: two slices of the int4 loop's 16 rows
+@pytest.mark.parametrize("batch", [1, 5, 16, 24])  # 24: attention's int4 products in two calls of 16 rows
 def test_moe_layers_in_the_float32_loop_match_the_pytorch_path(case, kind, batch):
     model = _moe_model(case, kind)
     plan = model.native_decode_plan()
