@@ -160,14 +160,15 @@ def run_leanlm(args) -> None:
 
 def run_llama_cpp(args) -> None:
     """llama-bench, batch-1 decode (-p 0 -n 32) on the same GGUF, its own timing; its repetitions' shares here."""
-    for key in ("moe-q4_1", "dense-q4_1"):
-        command = [str(LLAMA_BENCH), "-m", str(args.out / MODELS[key][0]), "-t", str(torch.get_num_threads())]
+    for key in args.llama_models:
+        threads = args.llama_threads or torch.get_num_threads()
+        command = [str(LLAMA_BENCH), "-m", str(args.out / MODELS[key][0]), "-t", str(threads)]
         command += ["-p", "0", "-n", "32", "-r", str(args.reps), "-o", "jsonl"]
         with CpuMonitor() as mon:
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
         share = round(mon.sample.other_share, 3)
-        print(json.dumps({"label": "llama.cpp", "model": key, "batch": 1, "tok_s": round(row["avg_ts"], 2),
+        print(json.dumps({"label": f"llama.cpp -t {threads}", "model": key, "batch": 1, "tok_s": round(row["avg_ts"], 2),
                           "stdev": round(row["stddev_ts"], 2), "other_cpu": [share]}), flush=True)  # fmt: skip
 
 
@@ -195,6 +196,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-other-cpu", type=float, default=0.10)
+    parser.add_argument("--llama-threads", type=int, default=0, help="llama-bench -t (0: torch's thread count)")
+    parser.add_argument("--llama-models", nargs="+", default=["moe-q4_1", "dense-q4_1"])
     args = parser.parse_args()
     print(json.dumps({"machine": describe_machine(), "threads": torch.get_num_threads()}), flush=True)
     {"build": lambda: build(args.out), "leanlm": lambda: run_leanlm(args), "llama-cpp": lambda: run_llama_cpp(args),
