@@ -168,7 +168,8 @@ def run_llama_cpp(args) -> None:
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
         share = round(mon.sample.other_share, 3)
-        print(json.dumps({"label": f"llama.cpp -t {threads}", "model": key, "batch": 1, "tok_s": round(row["avg_ts"], 2),
+        label = f"llama.cpp -t {threads}"
+        print(json.dumps({"label": label, "model": key, "batch": 1, "tok_s": round(row["avg_ts"], 2),
                           "stdev": round(row["stddev_ts"], 2), "other_cpu": [share]}), flush=True)  # fmt: skip
 
 
