@@ -6,7 +6,8 @@ The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers int
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
 linears and attention run on the same kernels as the PyTorch path: each linear brings its own as calls
 (`NativeLinear.few_rows` to 8 rows, `many_rows` from 9: native_linear.py), attention is passed as function
-pointers. A loop whose linears all carry a many-row call takes any number of rows; otherwise at most MAX_ROWS.
+pointers. A bf16 loop whose linears all carry a many-row call takes any number of rows, otherwise at most MAX_ROWS;
+the float32 loop takes F32_MAX_ROWS, splitting each product into calls of its kernel's rows.
 """
 
 from __future__ import annotations
