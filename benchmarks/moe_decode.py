@@ -13,6 +13,8 @@ Models (`build`):
   are copies of the dense MLP, so each expert's codes are the dense MLP's), its tokenizer and Q/K layout as they are;
 - dense-f32 / dense-q4_1.gguf: the dense model whose MLP is two experts side by side (intermediate 2 x 1536 = 3072):
   the active parameters of one top-2 token.
+LeanLM runs dtype float32 (float32 activations), or with --dtype auto what LLM() picks here: float32 with int8
+activations for the GGUF codes (W4A8, as llama.cpp quantizes its activations to Q8).
 Decode tokens/s: B prompts of 8 tokens generating 33 tokens minus the same generating 1 (prefill and set-up cancel),
 best of --reps clean repetitions (other-process CPU share above --max-other-cpu discarded, and printed).
 """
@@ -151,9 +153,10 @@ def run_leanlm(args) -> None:
     for key in args.models:
         name, _ = MODELS[key]
         for batch in args.batches:
-            llm = LLM(str(args.out / name), dtype="float32", progress=False, max_num_seqs=batch,
+            llm = LLM(str(args.out / name), dtype=args.dtype, progress=False, max_num_seqs=batch,
                       enable_prefix_caching=False)  # fmt: skip
-            row = {"label": args.label, "model": key, **decode_rate(llm, batch, args.reps, args.max_other_cpu)}
+            row = {"label": args.label, "model": key, "dtype": args.dtype}
+            row |= decode_rate(llm, batch, args.reps, args.max_other_cpu)
             print(json.dumps(row), flush=True)
             del llm
 
@@ -193,6 +196,9 @@ def main() -> None:
     parser.add_argument("command", choices=("build", "leanlm", "llama-cpp", "check"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/moe-bench"))
     parser.add_argument("--label", default="ours")
+    # float32: float32 activations (exact products); auto: at AVX2 float32 with int8 activations for int4 / int8
+    # codes (W4A8, llama.cpp's Q8 activations), what LLM() picks by default there
+    parser.add_argument("--dtype", default="float32", choices=("float32", "auto"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--reps", type=int, default=3)
