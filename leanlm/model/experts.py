@@ -136,6 +136,7 @@ class GroupedExperts:
     def __init__(self) -> None:
         self._snapshot = None  # native_decode.ModuleSnapshot of the experts the forms below were made from
         self._modules: list[nn.Module] = []
+        self._modes: tuple = ()  # each module's act_quant when the forms were made (set_activation_quant)
         self._native: NativeExperts | None = None
         self._stacks: tuple[StackedLinear, ...] | None = None
         self._tried: set[str] = set()  # the forms tried since the snapshot ("native", "stacked")
@@ -175,7 +176,7 @@ class GroupedExperts:
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
 
     def _check(self, experts: nn.ModuleList) -> None:
-        if self._snapshot is None or not self._snapshot.is_current():
+        if self._snapshot is None or not self._snapshot.is_current() or self._modes != _act_modes(self._modules):
             self._reset(experts)
 
     def _reset(self, experts: nn.ModuleList) -> None:
@@ -183,6 +184,7 @@ class GroupedExperts:
 
         self._modules = list(experts.modules())
         self._snapshot = ModuleSnapshot(self._modules)
+        self._modes = _act_modes(self._modules)  # a layer's kernels follow its activation mode too
         self._native, self._stacks, self._tried = None, None, set()
 
     def _form(self, experts: nn.ModuleList, kind: str):
@@ -196,3 +198,7 @@ class GroupedExperts:
                 self._stacks = stacks
             self._tried.add(kind)
         return self._native if kind == "native" else self._stacks
+
+
+def _act_modes(modules: list[nn.Module]) -> tuple:
+    return tuple(getattr(m, "act_quant", None) for m in modules)

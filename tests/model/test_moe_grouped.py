@@ -125,3 +125,19 @@ def test_the_block_output_is_unchanged_by_grouping():
         block.experts[0].gate_proj.register_forward_pre_hook(lambda m, i: None)  # forces the per-expert loop
         looped = block(x)
     torch.testing.assert_close(grouped, looped, rtol=0, atol=2e-5 * looped.abs().max())
+
+
+@has_native
+def test_the_grouped_form_follows_the_activation_mode():
+    """set_activation_quant changes which kernels a layer runs: the native grouped call is remade with them."""
+    from leanlm.model.linear.act_quant import set_activation_quant
+
+    block = _block("int4-g32")
+    rows, counts, _ = _routed(13, 64, MOE.num_experts)
+    block.grouped.forward(block.experts, rows, counts)
+    assert not any(lin.name.endswith("a8_f32") for lin in block.grouped._native.linears)
+    set_activation_quant(block, "int8")
+    looped = per_expert_forward(block.experts, rows, counts)
+    grouped = block.grouped.forward(block.experts, rows, counts)
+    assert all(lin.name.endswith("a8_f32") for lin in block.grouped._native.linears)
+    torch.testing.assert_close(grouped, looped, rtol=0, atol=1e-4 * looped.abs().max())
