@@ -1,11 +1,13 @@
 """All decoder layers of a decode step in one native call: decode_layers.c (bf16 activations, AVX512-BF16 CPUs) or
-decode_layers_f32.c (float32 activations, AVX2 CPUs: dense layers, a float32 or int8 cache, every key read).
+decode_layers_f32.c (float32 activations, AVX2 CPUs: dense and MoE layers, a float32 or int8 cache, every key
+read).
 
 The model describes itself once (`NativeLayer`s of `NativeLinear`s: pointers into its own tensors, which the
 plan keeps alive); each decode step is then a single ctypes call instead of ~40 PyTorch ops per layer. The
 linears and attention run on the same kernels as the PyTorch path: each linear brings its own as calls
 (`NativeLinear.few_rows` to 8 rows, `many_rows` from 9: native_linear.py), attention is passed as function
-pointers. A loop whose linears all carry a many-row call takes any number of rows; otherwise at most MAX_ROWS.
+pointers. A bf16 loop whose linears all carry a many-row call takes any number of rows, otherwise at most MAX_ROWS;
+the float32 loop takes F32_MAX_ROWS, splitting each product into calls of its kernel's rows.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _KERNEL_F32 = NativeKernel(
 )
 MAX_ROWS = 8  # decode tokens per call without packed weights: the GEMV kernels' one-pass limit
 MAX_EXPERTS = 1024  # experts per MoE layer the loop routes (MOE_MAX_EXPERTS)
+F32_MAX_ROWS = 64  # decode tokens per call of the float32 loop (decode_layers_f32.c's MAX_ROWS)
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -70,7 +73,7 @@ class NativeMoE:
     """A sparse MLP as the loop runs it: the router, each expert's (gate, up, down), an ungated shared expert, and
     the counters the loop adds its routing to ([E + 2] int64: assignments per expert, tokens, experts run)."""
 
-    router: torch.Tensor  # bf16 [E, hidden]
+    router: torch.Tensor  # [E, hidden] in the loop's activation dtype (bf16, or float32 for the AVX2 loop)
     top_k: int
     scoring: str
     experts: tuple[tuple[NativeLinear, NativeLinear, NativeLinear], ...]
@@ -80,10 +83,10 @@ class NativeMoE:
     def linears(self) -> list[NativeLinear]:
         return [lin for mlp in self.experts + ((self.shared,) if self.shared else ()) for lin in mlp]
 
-    def is_supported(self) -> bool:
+    def is_supported(self, dtype: torch.dtype = _BF16) -> bool:
         r = self.router
         return (
-            r.dtype == _BF16 and r.is_cpu and r.is_contiguous() and r.shape[0] == len(self.experts)
+            r.dtype == dtype and r.is_cpu and r.is_contiguous() and r.shape[0] == len(self.experts)
             and r.shape[0] <= MAX_EXPERTS and self.scoring in SCORINGS
             and self.counts.dtype == torch.int64 and self.counts.shape == (r.shape[0] + 2,)
             and all(lin.is_supported() for lin in self.linears())
@@ -123,6 +126,7 @@ class _Model(ctypes.Structure):
         ("min_parallel_bytes", _I64),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
+        ("max_few_rows", _I64),
     ]
 
 
@@ -140,13 +144,13 @@ class NativeLayer:
         return tuple((s.out_features, s.in_features) for s in self.linears)
 
     def is_supported(self, dtype: torch.dtype = _BF16) -> bool:
-        """Contiguous CPU norms of the loop's activation dtype, and linears the kernels take (the float32 loop: no
-        MoE)."""
+        """Contiguous CPU norms (and a MoE layer's router) of the loop's activation dtype, and linears the kernels
+        take."""
         norms = (self.input_norm, self.post_norm)
         return (
             all(t.is_cpu and t.is_contiguous() and t.dtype == dtype for t in norms)
             and all(s.is_supported() for s in self.linears)
-            and (self.moe is None or (dtype is _BF16 and self.moe.is_supported()))
+            and (self.moe is None or self.moe.is_supported(dtype))
         )
 
     def all_linears(self) -> list[NativeLinear]:
@@ -264,6 +268,7 @@ class DecodeLayers:
             MIN_PARALLEL_BYTES,
             eps,
             head_dim**-0.5,
+            0,  # set below for the float32 loop
         )
         self.hidden = hidden
         # Sized from the largest linear of any layer (not layer 0's): the C loop writes out_features rows of each.
@@ -277,10 +282,13 @@ class DecodeLayers:
         self._scratch = torch.empty(MAX_ROWS * self._per_row, dtype=dtype)  # grown for larger batches
         packed = dtype is _BF16 and all(linear.many_rows is not None for linear in every)
         self.max_rows: int | None = None if packed else MAX_ROWS
-        if dtype is _F32:  # the AVX2 GEMVs beat dequantize + sgemm to 16 rows, to 64 with int8 activations;
-            # the dense float32 GEMV is level with sgemm to 64 rows, and the loop saves PyTorch's per-op steps
+        if dtype is _F32:  # the AVX2 GEMVs take 16 rows a call, 64 with int8 activations; the dense float32 GEMV
+            # is level with sgemm to 64 rows. The loop takes F32_MAX_ROWS, splitting each product into calls of its
+            # kernels' rows: a MoE layer's experts (a few rows each) then read their weights once, and the loop saves
+            # PyTorch's per-op steps
             wide = all(linear.name.endswith("a8_f32") or linear.name == "f32" for linear in every)
-            self.max_rows = cpu_qgemv_avx2.MAX_ROWS_A8 if wide else cpu_qgemv_avx2.MAX_ROWS
+            self._model.max_few_rows = cpu_qgemv_avx2.MAX_ROWS_A8 if wide else cpu_qgemv_avx2.MAX_ROWS
+            self.max_rows = F32_MAX_ROWS
         self._kv_heads_dim = (num_kv_heads, head_dim)
 
     def bind_kv(self, caches: list) -> bool:

@@ -87,3 +87,29 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str) -
     if rc != 0:
         raise ValueError(f"moe_route failed (code {rc}): at most 1024 experts and 1 <= top_k <= experts")
     return experts, weights
+
+
+_ROUTE_F32 = NativeKernel(
+    source=Path(__file__).with_name("decode_layers_f32.c"),
+    symbol="leanlm_moe_route_f32",
+    argtypes=[_P] * 2 + [_I64] * 5 + [_P] * 2,
+    restype=_INT,
+    cpu_needs=(),
+    level="avx2",
+)
+
+
+def moe_route_f32(x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [M, k] int64 in ascending index order, weights [M, k] float32) of float32 rows x [M, hidden] under a
+    float32 router [E, hidden], as the float32 decode loop routes (route()'s math: fp32 logits and softmax, the k
+    largest probabilities; ties to the lower index). hidden must be a multiple of 8."""
+    ok = x.dtype is router.dtype is torch.float32 and x.is_cpu and router.is_cpu and x.dim() == 2
+    if not (ok and x.is_contiguous() and router.is_contiguous() and router.shape[1] == x.shape[1]):
+        raise ValueError("moe_route_f32 takes contiguous float32 CPU rows [M, hidden] and a router [E, hidden]")
+    experts = torch.empty(x.shape[0], top_k, dtype=torch.int64)
+    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32)
+    rc = _ROUTE_F32.fn()(x.data_ptr(), router.data_ptr(), x.shape[0], x.shape[1], router.shape[0], top_k,
+                         ROUTE_SCORINGS.index(scoring), experts.data_ptr(), weights.data_ptr())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"moe_route_f32 failed (code {rc}): at most 1024 experts, 1 <= top_k <= experts, hidden % 8")
+    return experts, weights

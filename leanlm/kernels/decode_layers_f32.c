@@ -5,8 +5,9 @@
  * attention over a float32 cache, SiLU-and-multiply and the residual adds run in C, and the products call each
  * linear's own kernel (linear_call.h, the float32 entries of gemv_quant_avx2.c) through its function pointer.
  *
- * It runs dense layers over a float32 KV cache, or an int8 one (a float32 scale per token and KV head, as
- * kv_quant.py: a quarter of the bytes attention reads), where every key is read (no sliding window, sinks or MoE):
+ * It runs dense and mixture-of-experts layers (the router, each chosen expert once over its rows on its own GEMV,
+ * an ungated shared expert) over a float32 KV cache, or an int8 one (a float32 scale per token and KV head, as
+ * kv_quant.py: a quarter of the bytes attention reads), where every key is read (no sliding window or sinks):
  * cpu_decode.py only builds it for such models, and it returns -32 for anything else rather than guess.
  * Numerics follow the PyTorch path's float32 ops (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, rotate-half rotary
  * with separate products and sums, softmax(q k^T * scale) v); sums run in another order, so results agree to fp32
@@ -23,7 +24,7 @@
 #include "avx2.h"
 #include "decode_model.h"
 
-#define MAX_ROWS 64 /* decode tokens per call (cpu_decode.py caps it per model: 16, or 64 on int8 activations) */
+#define MAX_ROWS 64 /* decode tokens per call (linears past their kernels' rows run in several calls: run_linear) */
 
 /* The float32 form of linear_call.h's entry (same ABI: pointers and integers). */
 typedef int (*f32_linear_fn)(const leanlm_linear_call *call, const float *x, float *y, int64_t M, int64_t N,
@@ -42,18 +43,26 @@ ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {
     return hsum(_mm256_add_ps(s0, s1));
 }
 
-/* y [M, N] = x [M, K] W^T + b with the linear's few-row call; permuted: [M, K] scratch for an act-order input. */
+/* y [M, N] = x [M, K] W^T + b with the linear's few-row call, in calls of at most m->max_few_rows rows (each call
+ * reads the weight once: a MoE expert's few rows take one, a 32-row attention product two); permuted: [M, K]
+ * scratch for an act-order input. */
 static int run_linear(const decode_model *m, const decode_linear *l, const float *x, float *y, int64_t M, int threads,
                       float *permuted) {
+    const int64_t K = l->in_features, N = l->out_features;
     if (l->perm != NULL) {
-        const int64_t K = l->in_features;
         for (int64_t t = 0; t < M; t++)
             for (int64_t j = 0; j < K; j++) permuted[t * K + j] = x[t * K + l->perm[j]];
         x = permuted;
     }
     const leanlm_linear_call *call = &l->few_rows;
     if (call->fn == NULL) return -11;
-    return ((f32_linear_fn)call->fn)(call, x, y, M, l->out_features, l->in_features, threads, m->min_parallel_bytes);
+    const int64_t step = m->max_few_rows > 0 ? m->max_few_rows : M;
+    for (int64_t r = 0; r < M; r += step) {
+        const int rc = ((f32_linear_fn)call->fn)(call, x + r * K, y + r * N, M - r < step ? M - r : step, N, K, threads,
+                                                 m->min_parallel_bytes);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) per row, as the PyTorch path's float32 RMSNorm. */
@@ -285,22 +294,182 @@ static int attention(const decode_model *m, const decode_layer *layer, const flo
     return 0;
 }
 
-/* M decode tokens through every layer and the final norm. x [M, hidden] float32 embeddings (overwritten with the
- * residual stream), out [M, hidden] the final-normed hidden; positions, slots, seq_lens [M]; block_tables
- * [M, max_blocks] int64. scratch: float32, M * (hidden + 2 * H * D + 2 * Hkv * D + 2 * intermediate + the widest
- * linear input) elements. layer_bounds and sink_positions must be NULL (every key read). Returns 0, a negative
- * kernel status, -20 for a position outside the rotary table, -21 for a bad sequence length, -31 when memory runs
- * out, -32 for a layer or request this loop does not run (MoE, sliding windows or sinks). */
-int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_t M, const int64_t *positions,
-                             const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens,
-                             int64_t max_blocks, int64_t max_seq_len, float *scratch, int threads,
-                             const int64_t *layer_bounds, const int64_t *sink_positions) {
-    const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, hid = m->hidden, I = m->intermediate;
-    if (M < 1 || M > MAX_ROWS || layer_bounds != NULL || sink_positions != NULL || D % 8 != 0) return -32;
+/* ---------------------------------------------------------------- mixture of experts
+ * As decode_layers.c's, in float32: the routing is route()'s in moe.py (logits x W^T in fp32, softmax in fp32, the k
+ * largest probabilities, weighted by the scoring), and each expert's weighted rows are added to a zeroed sum in
+ * ascending expert order, as the PyTorch dispatch's index_add_ does. Sums run in another order than torch's, so the
+ * two paths agree to fp32 rounding, not bit for bit. */
+
+#define MOE_MAX_EXPERTS 1024
+
+/* Top-k experts and weights of M rows h [M, hidden] under a float32 router [E, hidden]: experts [M, k] in ascending
+ * index order with their weights [M, k] (scoring 0: the probability; 1: renormalised over the k; 2: one). Ties go to
+ * the lower index. Returns 0, or -30 for more than MOE_MAX_EXPERTS experts or k outside [1, E]. */
+int leanlm_moe_route_f32(const float *h, const float *router, int64_t M, int64_t hidden, int64_t E, int64_t k,
+                         int64_t scoring, int64_t *experts, float *weights) {
+    if (E > MOE_MAX_EXPERTS || k > E || k < 1 || hidden % 8 != 0) return -30;
+    float p[MOE_MAX_EXPERTS];
+    unsigned char taken[MOE_MAX_EXPERTS];
+    for (int64_t t = 0; t < M; t++) {
+        const float *x = h + t * hidden;
+        float top = -FLT_MAX, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = dot(x, router + e * hidden, hidden);
+            top = p[e] > top ? p[e] : top;
+            taken[e] = 0;
+        }
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - top));
+        float chosen = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
+            chosen += p[best] / sum;
+        }
+        for (int64_t e = 0, j = 0; e < E; e++) {
+            if (!taken[e]) continue;
+            const float prob = p[e] / sum;
+            experts[t * k + j] = e;
+            weights[t * k + j] = scoring == 2 ? 1.0f : scoring == 1 ? prob / chosen : prob;
+            j++;
+        }
+    }
+    return 0;
+}
+
+/* y [n, hidden] = one SwiGLU MLP (gate, up, down) of rows x [n, hidden]; gate, up: [n, I] scratch. */
+static int run_mlp(const decode_model *m, const decode_linear *mlp, const float *x, float *y, int64_t n, float *gate,
+                   float *up, float *permuted, int threads) {
+    int rc;
+    if ((rc = run_linear(m, mlp + 0, x, gate, n, threads, permuted)) ||
+        (rc = run_linear(m, mlp + 1, x, up, n, threads, permuted)))
+        return rc;
+    silu_mul(gate, up, n * mlp[0].out_features);
+    return run_linear(m, mlp + 2, gate, y, n, threads, permuted);
+}
+
+/* The grouped product over experts: rows [A, hidden] sorted by expert (expert e's at [offs[e], offs[e + 1])), each
+ * used expert's SwiGLU MLP (experts [E * 3]: gate, up, down) once over its rows into y [A, hidden]; gate, up
+ * [A, intermediate] and permuted [A, max(hidden, intermediate)] scratch at the same places. The experts run side by
+ * side on the threads (a small expert's GEMV is too short to split). Returns 0 or -32 when a kernel failed. */
+static int run_experts(const decode_model *m, const decode_linear *experts, const int64_t *used, int64_t num_used,
+                       const int64_t *offs, const float *rows, float *y, float *gate, float *up, float *permuted,
+                       int threads) {
+    const int64_t hid = m->hidden, I = m->intermediate, K = hid > I ? hid : I;
+    const int outer = num_used < threads ? (int)num_used : threads, inner = threads / (outer ? outer : 1);
+    int failed = 0;
+#pragma omp parallel for num_threads(outer) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t u = 0; u < num_used; u++) {
+        const int64_t e = used[u], base = offs[e], n = offs[e + 1] - base;
+        failed |= run_mlp(m, experts + 3 * e, rows + base * hid, y + base * hid, n, gate + base * I, up + base * I,
+                          permuted + base * K, inner) != 0;
+    }
+    return failed ? -32 : 0;
+}
+
+/* The PyTorch path's grouped dispatch on float32 CPU rows (moe.py, GroupedExperts), one call for every expert of a
+ * layer, as llama.cpp's mul_mat_id: rows x [A, hidden] sorted by expert with per-expert offsets [E + 1], y [A, hidden]
+ * each row through its expert's SwiGLU MLP on the expert's own few-row kernels (experts [E * 3]: gate, up, down; at
+ * most the kernels' row limit per expert: the caller checks). Returns 0, -31 when memory runs out, -32 when a kernel
+ * failed, -30 for more than MOE_MAX_EXPERTS experts. */
+int leanlm_moe_experts_f32(const decode_linear *experts, int64_t E, const float *x, const int64_t *offsets, float *y,
+                           int64_t hidden, int64_t intermediate, int64_t min_parallel_bytes, int threads) {
+    if (E < 1 || E > MOE_MAX_EXPERTS) return -30;
+    int64_t used[MOE_MAX_EXPERTS], num_used = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e + 1] > offsets[e]) used[num_used++] = e;
+    const int64_t A = offsets[E], K = hidden > intermediate ? hidden : intermediate;
+    float *work = malloc((size_t)(A ? A : 1) * (size_t)(2 * intermediate + K) * sizeof(float));
+    if (work == NULL) return -31;
+    decode_model m;
+    memset(&m, 0, sizeof(m));
+    m.hidden = hidden, m.intermediate = intermediate, m.min_parallel_bytes = min_parallel_bytes;
+    const int rc = run_experts(&m, experts, used, num_used, offsets, x, y, work, work + A * intermediate,
+                               work + 2 * A * intermediate, threads);
+    free(work);
+    return rc;
+}
+
+/* Work space of the MoE layers for M rows of top-k, allocated once per call: each expert's rows, outputs and
+ * intermediates at its place in the assignments grouped by expert, so experts can run side by side. */
+typedef struct {
+    int64_t *experts, *members; /* [M * k]: routed experts; assignment indices grouped by expert */
+    float *weights;             /* [M * k] */
+    float *rows, *y;            /* [M * k, hidden] */
+    float *gate, *up;           /* [M * k, intermediate] */
+    float *permuted;            /* [M * k, max(hidden, intermediate)] */
+} moe_work;
+
+/* out [M, hidden] = the MoE MLP of normed rows h [M, hidden]. Each chosen expert runs once over its rows (the grouped
+ * product: rows sorted by expert, per-expert offsets), the experts side by side on the threads (a small expert's
+ * GEMV is too short to split); then the weighted rows go to each token in ascending expert order. */
+static int moe_mlp(const decode_model *m, const decode_moe *moe, const float *h, float *out, int64_t M,
+                   const moe_work *w, int threads) {
+    const int64_t hid = m->hidden, k = moe->top_k, E = moe->num_experts;
+    int rc = leanlm_moe_route_f32(h, (const float *)moe->router, M, hid, E, k, moe->scoring, w->experts, w->weights);
+    if (rc) return rc;
+    int64_t offs[MOE_MAX_EXPERTS + 1], used[MOE_MAX_EXPERTS], fill[MOE_MAX_EXPERTS], num_used = 0;
+    memset(offs, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t a = 0; a < M * k; a++) offs[w->experts[a] + 1]++;
+    for (int64_t e = 0; e < E; e++) {
+        if (offs[e + 1]) used[num_used++] = e;
+        moe->counts[e] += offs[e + 1];
+        offs[e + 1] += offs[e];
+    }
+    moe->counts[E] += M;
+    moe->counts[E + 1] += num_used;
+    memcpy(fill, offs, (size_t)E * sizeof(int64_t));
+    for (int64_t a = 0; a < M * k; a++) w->members[fill[w->experts[a]]++] = a; /* stable: tokens in order */
+    for (int64_t a = 0; a < M * k; a++) memcpy(w->rows + a * hid, h + (w->members[a] / k) * hid, (size_t)hid * sizeof(float));
+    if ((rc = run_experts(m, moe->experts, used, num_used, offs, w->rows, w->y, w->gate, w->up, w->permuted, threads)))
+        return rc;
+    memset(out, 0, (size_t)(M * hid) * sizeof(float));
+    for (int64_t u = 0; u < num_used; u++) {
+        const int64_t e = used[u];
+        for (int64_t i = offs[e]; i < offs[e + 1]; i++) {
+            float *o = out + (w->members[i] / k) * hid;
+            const float *yi = w->y + i * hid;
+            const __m256 wt = _mm256_set1_ps(w->weights[w->members[i]]);
+            for (int64_t c = 0; c < hid; c += 8)
+                _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_loadu_ps(o + c), _mm256_mul_ps(_mm256_loadu_ps(yi + c), wt)));
+        }
+    }
+    if (moe->shared != NULL) {
+        if ((rc = run_mlp(m, moe->shared, h, w->y, M, w->gate, w->up, w->permuted, threads))) return rc;
+        add_rows(out, w->y, M * hid);
+    }
+    return 0;
+}
+
+/* The MoE work space for M rows at the largest top-k of any layer (experts NULL, nothing allocated, when no layer is
+ * MoE); *block is what to free. Returns 0, or -31 when memory runs out. */
+static int moe_work_alloc(const decode_model *m, int64_t M, moe_work *work, void **block) {
+    int64_t k = 0;
     for (int64_t li = 0; li < m->num_layers; li++)
-        if (m->layers[li].moe.router != NULL) return -32;
-    for (int64_t t = 0; t < M; t++)
-        if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
+        if (m->layers[li].moe.router != NULL && m->layers[li].moe.top_k > k) k = m->layers[li].moe.top_k;
+    memset(work, 0, sizeof(*work));
+    *block = NULL;
+    if (!k) return 0;
+    const int64_t a = M * k, hid = m->hidden, I = m->intermediate, K = hid > I ? hid : I;
+    const size_t ints = (size_t)a * (2 * sizeof(int64_t) + sizeof(float));
+    if ((*block = malloc(ints + (size_t)a * (2 * hid + 2 * I + K) * sizeof(float))) == NULL) return -31;
+    work->experts = *block;
+    work->members = work->experts + a;
+    work->weights = (float *)(work->members + a);
+    work->rows = (float *)((char *)*block + ints);
+    work->y = work->rows + a * hid;
+    work->gate = work->y + a * hid;
+    work->up = work->gate + a * I;
+    work->permuted = work->up + a * I;
+    return 0;
+}
+
+/* M decode tokens through every layer and the final norm (see leanlm_decode_layers_f32); work: the MoE layers'. */
+static int run_layers(const decode_model *m, float *x, float *out, int64_t M, const int64_t *positions,
+                      const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
+                      int64_t max_seq_len, float *scratch, int threads, const moe_work *work) {
+    const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, hid = m->hidden, I = m->intermediate;
     float *h = scratch;              /* [M, hidden]: normed input, then o_proj / down_proj output */
     float *q = h + M * hid;          /* [M, H, D] */
     float *k = q + M * H * D;        /* [M, Hkv, D] */
@@ -308,7 +477,8 @@ int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_
     float *attn = v + M * Hkv * D;   /* [M, H, D] */
     float *gate = attn + M * H * D;  /* [M, I] */
     float *up = gate + M * I;        /* [M, I] */
-    float *permuted = up + M * I;    /* [M, K] of a permuted linear */
+    float *acc = up + M * I;         /* [M, hidden]: a MoE layer's output (only a model with MoE layers has it) */
+    float *permuted = acc + (work->experts != NULL ? M * hid : 0); /* [M, K] of a permuted linear */
     for (int64_t li = 0; li < m->num_layers; li++) {
         const decode_layer *layer = m->layers + li;
         const decode_linear *lin = layer->linears;
@@ -329,6 +499,11 @@ int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_
         if ((rc = run_linear(m, lin + O_PROJ, attn, h, M, threads, permuted))) return rc;
         add_rows(x, h, M * hid);
         rms_norm_rows(x, (const float *)layer->post_norm, h, M, hid, m->eps);
+        if (layer->moe.router != NULL) {
+            if ((rc = moe_mlp(m, &layer->moe, h, acc, M, work, threads))) return rc;
+            add_rows(x, acc, M * hid);
+            continue;
+        }
         if ((rc = run_linear(m, lin + GATE_PROJ, h, gate, M, threads, permuted)) ||
             (rc = run_linear(m, lin + UP_PROJ, h, up, M, threads, permuted)))
             return rc;
@@ -338,4 +513,28 @@ int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_
     }
     rms_norm_rows(x, (const float *)m->final_norm, out, M, hid, m->eps);
     return 0;
+}
+
+/* M decode tokens through every layer and the final norm. x [M, hidden] float32 embeddings (overwritten with the
+ * residual stream), out [M, hidden] the final-normed hidden; positions, slots, seq_lens [M]; block_tables
+ * [M, max_blocks] int64. scratch: float32, M * (hidden + 2 * H * D + 2 * Hkv * D + 2 * intermediate + the widest
+ * linear input, + hidden when a layer is MoE) elements; MoE layers' routing and expert rows are allocated here, once
+ * per call. layer_bounds and sink_positions must be NULL (every key read). Returns 0, a negative kernel status, -20
+ * for a position outside the rotary table, -21 for a bad sequence length, -30 for a router the loop cannot take,
+ * -31 when memory runs out, -32 for a request this loop does not run (sliding windows or sinks). */
+int leanlm_decode_layers_f32(const decode_model *m, float *x, float *out, int64_t M, const int64_t *positions,
+                             const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens,
+                             int64_t max_blocks, int64_t max_seq_len, float *scratch, int threads,
+                             const int64_t *layer_bounds, const int64_t *sink_positions) {
+    if (M < 1 || M > MAX_ROWS || layer_bounds != NULL || sink_positions != NULL || m->head_dim % 8 != 0) return -32;
+    for (int64_t t = 0; t < M; t++)
+        if (positions[t] < 0 || positions[t] >= m->rope_positions) return -20;
+    moe_work work;
+    void *block;
+    int rc = moe_work_alloc(m, M, &work, &block);
+    if (rc) return rc;
+    rc = run_layers(m, x, out, M, positions, slots, block_tables, seq_lens, max_blocks, max_seq_len, scratch, threads,
+                    &work);
+    free(block);
+    return rc;
 }

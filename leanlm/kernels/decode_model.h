@@ -53,6 +53,7 @@ typedef struct {
     int64_t min_gemm_rows; /* from this many rows on, the packed GEMM */
     int64_t min_parallel_bytes;
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
+    int64_t max_few_rows; /* the float32 loop: rows per few-row call, more split into such calls (0: no split) */
 } decode_model;
 
 #endif

@@ -20,6 +20,7 @@ from leanlm.config.model import ModelConfig
 from leanlm.config.moe import MoEConfig
 from leanlm.kernels import cpu_rows
 from leanlm.model.context import ExpertRouting, current_routing
+from leanlm.model.experts import GroupedExperts
 from leanlm.model.mlp import LlamaMLP
 
 
@@ -168,6 +169,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Router(hidden, 1) if moe.shared_expert_gate else None
         self.stats = ExpertLoad(moe.num_experts)
         self.last_routing: Routing | None = None  # kept while autograd records: the trainer's balancing loss reads it
+        self.grouped = GroupedExperts()  # the experts' grouped forms (experts.py), made from self.experts on use
 
     def forward(self, x: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:  # [T, hidden]
         """`routing`: the engine's options for this call; None: the forward context's (the plain default outside
@@ -212,8 +214,9 @@ class SparseMoeBlock(nn.Module):
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
     ) -> torch.Tensor:
-        """Group the kept (token, expert) assignments by expert; each expert runs once over its rows (a GEMV or GEMM
-        on its format's kernels), and its weighted rows are added back to their tokens."""
+        """Group the kept (token, expert) assignments by expert and run them as one grouped product (experts.py:
+        each expert once over its rows, on its format's kernels); the weighted rows are added back to their tokens
+        in ascending expert order."""
         num_tokens, k = experts.shape
         flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1)  # [T*k]
         flat_tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(k)
@@ -223,15 +226,9 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()
         rows, row_weights = flat_tokens[order], flat_weights[order]  # [A]
-        grouped = x[rows]  # [A, hidden], expert by expert
+        y = self.grouped.forward(self.experts, x[rows], counts)  # [A, hidden], expert by expert
         out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                y = self.experts[e](grouped[start : start + n])  # [n, hidden]
-                y = (y * row_weights[start : start + n, None]).to(x.dtype)
-                out.index_add_(0, rows[start : start + n], y)
-            start += n
+        out.index_add_(0, rows, (y * row_weights[:, None]).to(x.dtype))  # in row order: ascending expert
         self.stats.add(counts, num_tokens, num_tokens * k)
         return out
 

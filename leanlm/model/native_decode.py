@@ -91,7 +91,7 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     takes any number of rows."""
     layers, rotary, cfg = model.model.layers, model.rotary_emb, model.config
     norm = model.model.norm.weight
-    dtype = norm.dtype  # the activations': bf16 (AVX512 loop) or float32 (AVX2 loop: dense layers, at most 8 rows)
+    dtype = norm.dtype  # the activations': bf16 (AVX512 loop) or float32 (AVX2 loop: 16 rows, 64 on some formats)
     if (
         not len(layers)
         or not _is_plain_block(cfg)
@@ -110,9 +110,7 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
     native: list[cpu_decode.NativeLayer] = []
     for layer in layers:
         sparse = isinstance(layer.mlp, SparseMoeBlock)
-        if sparse and dtype is torch.float32:
-            return None
-        moe = _native_moe(layer.mlp, packed) if sparse else None
+        moe = _native_moe(layer.mlp, packed, dtype) if sparse else None
         mlp = layer.mlp.experts[0] if moe is not None else layer.mlp
         modules = {**dict(layer.self_attn.named_children()), **dict(mlp.named_children())}
         specs = tuple(_native_linear(modules.get(n), packed, dtype) for n in cpu_decode.LINEAR_ORDER)
@@ -141,19 +139,19 @@ def _build_loop(model: nn.Module, packed: bool) -> cpu_decode.DecodeLayers | Non
         return None
 
 
-def _native_mlp(mlp: nn.Module, packed: bool) -> tuple | None:
+def _native_mlp(mlp: nn.Module, packed: bool, dtype: torch.dtype) -> tuple | None:
     """(gate, up, down) of a SwiGLU MLP as the loop runs them; None where one has no native path."""
-    specs = tuple(_native_linear(getattr(mlp, n, None), packed) for n in ("gate_proj", "up_proj", "down_proj"))
+    specs = tuple(_native_linear(getattr(mlp, n, None), packed, dtype) for n in ("gate_proj", "up_proj", "down_proj"))
     return None if any(s is None or (packed and s.many_rows is None) for s in specs) else specs
 
 
-def _native_moe(block: SparseMoeBlock, packed: bool) -> cpu_decode.NativeMoE | None:
+def _native_moe(block: SparseMoeBlock, packed: bool, dtype: torch.dtype) -> cpu_decode.NativeMoE | None:
     """The block as the loop runs it; None where it cannot: a gated shared expert, or an expert off the kernels. The
     loop counts its routing into the block's own counters."""
     if block.shared_expert_gate is not None or not isinstance(block.gate, Router) or not block.moe.is_plain:
         return None
-    experts = tuple(_native_mlp(e, packed) for e in block.experts)
-    shared = None if block.shared_expert is None else _native_mlp(block.shared_expert, packed)
+    experts = tuple(_native_mlp(e, packed, dtype) for e in block.experts)
+    shared = None if block.shared_expert is None else _native_mlp(block.shared_expert, packed, dtype)
     if any(e is None for e in experts) or (block.shared_expert is not None and shared is None):
         return None
     router = block.gate.weight.detach()

@@ -8,6 +8,7 @@ import torch
 from leanlm.compress import UpcycleConfig, compress
 from leanlm.config import EngineConfig
 from leanlm.engine import LLMEngine
+from leanlm.kernels import cpu_decode
 from leanlm.model.llama import build_model
 from leanlm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
@@ -64,3 +65,24 @@ def test_pinned_experts_and_a_capacity(moe_net, real_tokenizer):
     dropped = capped.moe_stats().dropped
     run_to_completion(capped)
     assert capped.moe_stats().dropped > dropped and capped.kv_cache_manager.num_free_blocks == capped.num_kv_blocks
+
+
+def test_the_float32_loop_gives_the_per_layer_paths_tokens(smollm, real_tokenizer):
+    """float32 activations (the AVX2 loop, decode_layers_f32.c): the same greedy tokens, routing counted there."""
+    net = build_model(smollm.config, smollm.state_dict, torch.float32)
+    compress(net, [UpcycleConfig(num_experts=4, top_k=2, layers=(1, 3, 5), router_std=0.2, seed=1)], progress=False)
+
+    def run(native: bool):
+        net.allow_native_decode = native
+        engine = LLMEngine(net, real_tokenizer, EngineConfig(), torch.device("cpu"), torch.float32)
+        ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+        final = run_to_completion(engine)
+        return [final[i].outputs[0].token_ids for i in ids]
+
+    before = [b.stats.native.clone() for b in net.modules() if hasattr(b, "stats")]
+    native = run(True)
+    after = [b.stats.native.clone() for b in net.modules() if hasattr(b, "stats")]
+    assert native == run(False)
+    if cpu_decode.is_available(torch.float32):  # the float32 loop ran the MoE layers and counted their routing
+        assert net.native_decode_plan().loop.dtype is torch.float32
+        assert all(int((a - b)[:4].sum()) > 0 for a, b in zip(after, before))

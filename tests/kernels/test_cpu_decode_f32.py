@@ -1,7 +1,7 @@
 """The float32 native decode loop (decode_layers_f32.c, the AVX2 level) against the PyTorch path it replaces: hidden
 states over several decode steps within fp32 rounding, for int4 layers (groups of 32 and 64, act-order, q/k/v
-biases) with float32 and int8 activations, batch 1, 3 and 8; when it steps aside (a bf16 cache, more than 8 rows,
-more rows than its GEMVs take); and greedy SmolLM2 output unchanged by it."""
+biases) with float32 and int8 activations, batch 1, 3 and 8; 17 rows (each product in two calls of its 16-row
+kernel); when it steps aside (a bf16 cache, more than 64 rows); and greedy SmolLM2 output unchanged by it."""
 
 from __future__ import annotations
 
@@ -98,14 +98,21 @@ def test_an_int8_kv_cache_matches_the_pytorch_path_on_it(batch, block, monkeypat
     assert distance < 0.1 * quantization and quantization < 0.05, (distance, quantization)
 
 
-def test_it_steps_aside_where_it_does_not_apply():
+def test_it_steps_aside_where_it_does_not_apply(monkeypatch):
+    from tests.kernels import test_cpu_decode
+
+    monkeypatch.setattr(test_cpu_decode, "BLOCK", 16)  # room for the longest of 65 prompts in 16 blocks
     model = _model()
     assert not model.native_decode_plan().accepts(_cache(model, torch.bfloat16))  # float32 or int8 caches only
     assert not model.native_decode_plan().accepts(_cache(model, torch.float8_e4m3fn))
-    rows = cpu_qgemv_avx2.MAX_ROWS + 1  # float32 activations: the loop takes 16 rows (64 with int8 ones)
-    assert model.native_decode_plan().loop.max_rows == rows - 1
-    cache = _cache(model, torch.float32, num_blocks=16 * rows)
-    native = _decode(model, True, rows, steps=2, cache=cache)  # one row more: the PyTorch path runs them
+    assert model.native_decode_plan().loop.max_rows == cpu_decode.F32_MAX_ROWS
+    rows = cpu_qgemv_avx2.MAX_ROWS + 1  # past the int4 GEMV's 16 rows: each product in two calls of the kernel
+    native = _decode(model, True, rows, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * rows))
+    reference = _decode(model, False, rows, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * rows))
+    torch.testing.assert_close(native, reference, rtol=2e-4, atol=2e-4)
+    assert not torch.equal(native, reference)  # (the loop ran: its sums differ from torch's in the last bits)
+    rows = cpu_decode.F32_MAX_ROWS + 1  # one row more than the loop takes: the PyTorch path runs them
+    native = _decode(model, True, rows, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * rows))
     reference = _decode(model, False, rows, steps=2, cache=_cache(model, torch.float32, num_blocks=16 * rows))
     torch.testing.assert_close(native, reference, rtol=0, atol=0)
     cfg = _config()
