@@ -215,7 +215,6 @@ static void store_kv(const decode_model *m, const decode_layer *layer, const uin
  * (each expert's rows weighted in fp32, rounded, then added to the token's bf16 sum in ascending expert order), so
  * both paths agree bit for bit. */
 
-#define MOE_MAX_EXPERTS 1024
 
 /* Top-k experts and weights of M bf16 rows h [M, hidden] under a bf16 router [E, hidden]: logits are fp32 dot
  * products rounded to bf16 (a bf16 linear's output), softmax in fp32; experts [M, k] in ascending index order with
@@ -228,7 +227,6 @@ int leanlm_moe_route_bf16(const uint16_t *h, const uint16_t *router, int64_t M, 
     unsigned char taken[MOE_MAX_EXPERTS];
     for (int64_t t = 0; t < M; t++) {
         const uint16_t *x = h + t * hidden;
-        float top = -FLT_MAX, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) {
             const uint16_t *w = router + e * hidden;
             __m512 acc = _mm512_setzero_ps();
@@ -237,25 +235,8 @@ int leanlm_moe_route_bf16(const uint16_t *h, const uint16_t *router, int64_t M, 
                 acc = _mm512_fmadd_ps(load16(x + i, m), load16(w + i, m), acc);
             }
             p[e] = bf16_to_f32(f32_to_bf16(_mm512_reduce_add_ps(acc)));
-            top = p[e] > top ? p[e] : top;
-            taken[e] = 0;
         }
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - top));
-        float chosen = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-            taken[best] = 1;
-            chosen += p[best] / sum;
-        }
-        for (int64_t e = 0, j = 0; e < E; e++) {
-            if (!taken[e]) continue;
-            const float prob = p[e] / sum;
-            experts[t * k + j] = e;
-            weights[t * k + j] = scoring == 2 ? 1.0f : scoring == 1 ? prob / chosen : prob;
-            j++;
-        }
+        moe_pick(p, taken, E, k, scoring, experts + t * k, weights + t * k);
     }
     return 0;
 }

@@ -300,8 +300,6 @@ static int attention(const decode_model *m, const decode_layer *layer, const flo
  * ascending expert order, as the PyTorch dispatch's index_add_ does. Sums run in another order than torch's, so the
  * two paths agree to fp32 rounding, not bit for bit. */
 
-#define MOE_MAX_EXPERTS 1024
-
 /* Top-k experts and weights of M rows h [M, hidden] under a float32 router [E, hidden]: experts [M, k] in ascending
  * index order with their weights [M, k] (scoring 0: the probability; 1: renormalised over the k; 2: one). Ties go to
  * the lower index. Returns 0, or -30 for more than MOE_MAX_EXPERTS experts or k outside [1, E]. */
@@ -312,28 +310,8 @@ int leanlm_moe_route_f32(const float *h, const float *router, int64_t M, int64_t
     unsigned char taken[MOE_MAX_EXPERTS];
     for (int64_t t = 0; t < M; t++) {
         const float *x = h + t * hidden;
-        float top = -FLT_MAX, sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) {
-            p[e] = dot(x, router + e * hidden, hidden);
-            top = p[e] > top ? p[e] : top;
-            taken[e] = 0;
-        }
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - top));
-        float chosen = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-            taken[best] = 1;
-            chosen += p[best] / sum;
-        }
-        for (int64_t e = 0, j = 0; e < E; e++) {
-            if (!taken[e]) continue;
-            const float prob = p[e] / sum;
-            experts[t * k + j] = e;
-            weights[t * k + j] = scoring == 2 ? 1.0f : scoring == 1 ? prob / chosen : prob;
-            j++;
-        }
+        for (int64_t e = 0; e < E; e++) p[e] = dot(x, router + e * hidden, hidden);
+        moe_pick(p, taken, E, k, scoring, experts + t * k, weights + t * k);
     }
     return 0;
 }

@@ -4,6 +4,9 @@
 #ifndef LEANLM_DECODE_MODEL_H
 #define LEANLM_DECODE_MODEL_H
 
+#include <float.h>
+#include <math.h>
+
 #include <stdint.h>
 
 #include "linear_call.h"
@@ -55,5 +58,35 @@ typedef struct {
     double eps, scale; /* RMSNorm epsilon; attention softmax scale */
     int64_t max_few_rows; /* the float32 loop: rows per few-row call, more split into such calls (0: no split) */
 } decode_model;
+
+#define MOE_MAX_EXPERTS 1024
+
+/* One row's routing from its router logits p [E] (overwritten with exp(p - max)): the k best experts in ascending
+ * index order with their weights (scoring 0: the probability; 1: renormalised over the k; 2: one). Ties go to the
+ * lower index. Both decode loops route through it, so their choices differ only by the logits' rounding. */
+static inline void moe_pick(float *p, unsigned char *taken, int64_t E, int64_t k, int64_t scoring, int64_t *experts,
+                            float *weights) {
+    float top = -FLT_MAX, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        top = p[e] > top ? p[e] : top;
+        taken[e] = 0;
+    }
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - top));
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        taken[best] = 1;
+        chosen += p[best] / sum;
+    }
+    for (int64_t e = 0, j = 0; e < E; e++) {
+        if (!taken[e]) continue;
+        const float prob = p[e] / sum;
+        experts[j] = e;
+        weights[j] = scoring == 2 ? 1.0f : scoring == 1 ? prob / chosen : prob;
+        j++;
+    }
+}
 
 #endif

@@ -140,22 +140,26 @@ def _rank(rank: int, secret: str, ports, answers) -> None:
         dist.destroy_process_group()
 
 
-def test_a_process_without_the_secret_cannot_take_a_ranks_place():
-    """Rank 1 reached the store first but holds another secret: both ranks refuse to start, each naming the other
-    (rank 1 cannot tell the impostor from the driver: it only knows that they differ)."""
+def _two_ranks(target, args: tuple) -> dict:
+    """Spawn ranks 0 and 1 running target(rank, args[rank], ports, answers); each rank's answer, by rank."""
     spawn = multiprocessing.get_context("spawn")
     ports, answers = spawn.Queue(), spawn.Queue()
-    ranks = [spawn.Process(target=_rank, args=(r, secret, ports, answers)) for r, secret in ((0, "aa" * 32),
-             (1, "bb" * 32))]  # fmt: skip
+    ranks = [spawn.Process(target=target, args=(r, arg, ports, answers)) for r, arg in enumerate(args)]
     for process in ranks:
         process.start()
     try:
-        got = dict(answers.get(timeout=120) for _ in ranks)
+        return dict(answers.get(timeout=120) for _ in ranks)
     finally:
         for process in ranks:
             process.join(30)
             if process.is_alive():
                 process.kill()
+
+
+def test_a_process_without_the_secret_cannot_take_a_ranks_place():
+    """Rank 1 reached the store first but holds another secret: both ranks refuse to start, each naming the other
+    (rank 1 cannot tell the impostor from the driver: it only knows that they differ)."""
+    got = _two_ranks(_rank, ("aa" * 32, "bb" * 32))
     assert "rank(s) [1] did not prove the engine's secret" in got[0]
     assert "rank(s) [0] did not prove the engine's secret" in got[1]
 
@@ -182,17 +186,6 @@ def _rank_with_facts(rank: int, fingerprint: str, ports, answers) -> None:
 def test_a_rank_whose_checkpoint_fingerprint_differs_makes_every_rank_refuse():
     """A different file on one host (formats/fingerprint.py: headers, sizes, sampled data): both ranks refuse before
     reading a weight, naming rank 1's checkpoint."""
-    spawn = multiprocessing.get_context("spawn")
-    ports, answers = spawn.Queue(), spawn.Queue()
-    ranks = [spawn.Process(target=_rank_with_facts, args=(r, fp, ports, answers)) for r, fp in ((0, "ab"), (1, "cd"))]
-    for process in ranks:
-        process.start()
-    try:
-        got = dict(answers.get(timeout=120) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
+    got = _two_ranks(_rank_with_facts, ("ab", "cd"))
     for r in (0, 1):
         assert "did not load the same model: rank 1's checkpoint differ" in got[r]
