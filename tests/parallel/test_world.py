@@ -121,7 +121,10 @@ def test_a_tp2_server_on_every_interface_listens_beyond_loopback_on_its_http_por
         server.stdout.close()
 
 
-def _rank(rank: int, secret: str, ports, answers) -> None:
+def _rank(rank: int, given: tuple[str, dict], ports, answers) -> None:
+    """Join a two-rank world with secret `given[0]`, check agreement on facts `given[1]`; answer "joined" or the
+    refusal."""
+    secret, facts = given
     layout = Layout(2, 1)
     if rank == 0:
         store, port = serve_store(2, 20)
@@ -132,9 +135,9 @@ def _rank(rank: int, secret: str, ports, answers) -> None:
     from leanlm.parallel.rank import check_agreement
 
     try:
-        check_agreement(context, {"model": "same"})
+        check_agreement(context, facts)
         answers.put((rank, "joined"))
-    except PermissionError as exc:
+    except (PermissionError, ValueError) as exc:
         answers.put((rank, str(exc)))
     finally:
         dist.destroy_process_group()
@@ -159,33 +162,15 @@ def _two_ranks(target, args: tuple) -> dict:
 def test_a_process_without_the_secret_cannot_take_a_ranks_place():
     """Rank 1 reached the store first but holds another secret: both ranks refuse to start, each naming the other
     (rank 1 cannot tell the impostor from the driver: it only knows that they differ)."""
-    got = _two_ranks(_rank, ("aa" * 32, "bb" * 32))
+    got = _two_ranks(_rank, (("aa" * 32, {"model": "same"}), ("bb" * 32, {"model": "same"})))
     assert "rank(s) [1] did not prove the engine's secret" in got[0]
     assert "rank(s) [0] did not prove the engine's secret" in got[1]
-
-
-def _rank_with_facts(rank: int, fingerprint: str, ports, answers) -> None:
-    layout = Layout(2, 1)
-    if rank == 0:
-        store, port = serve_store(2, 20)
-        ports.put(port)
-    else:
-        store = join_store(f"tcp://127.0.0.1:{ports.get(timeout=60)}", 2, 20)
-    context = init_rank(rank, layout, torch.device("cpu"), 20, store, "cc" * 32)
-    from leanlm.parallel.rank import check_agreement
-
-    try:
-        check_agreement(context, {"model": "same", "checkpoint": fingerprint})
-        answers.put((rank, "joined"))
-    except ValueError as exc:
-        answers.put((rank, str(exc)))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_rank_whose_checkpoint_fingerprint_differs_makes_every_rank_refuse():
     """A different file on one host (formats/fingerprint.py: headers, sizes, sampled data): both ranks refuse before
     reading a weight, naming rank 1's checkpoint."""
-    got = _two_ranks(_rank_with_facts, ("ab", "cd"))
+    facts = ({"model": "same", "checkpoint": "ab"}, {"model": "same", "checkpoint": "cd"})
+    got = _two_ranks(_rank, tuple(("cc" * 32, f) for f in facts))
     for r in (0, 1):
         assert "did not load the same model: rank 1's checkpoint differ" in got[r]
