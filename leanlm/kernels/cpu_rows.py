@@ -80,13 +80,7 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str) -
     index."""
     if not can_route(x, router) or router.shape[1] != x.shape[1]:
         raise ValueError("moe_route takes contiguous bf16 CPU rows [M, hidden] and a bf16 router [E, hidden]")
-    experts = torch.empty(x.shape[0], top_k, dtype=torch.int64)
-    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32)
-    rc = _ROUTE.fn()(x.data_ptr(), router.data_ptr(), x.shape[0], x.shape[1], router.shape[0], top_k,
-                     ROUTE_SCORINGS.index(scoring), experts.data_ptr(), weights.data_ptr())  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"moe_route failed (code {rc}): at most 1024 experts and 1 <= top_k <= experts")
-    return experts, weights
+    return _route(_ROUTE, "moe_route", x, router, top_k, scoring, "at most 1024 experts and 1 <= top_k <= experts")
 
 
 _ROUTE_F32 = NativeKernel(
@@ -106,10 +100,25 @@ def moe_route_f32(x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: st
     ok = x.dtype is router.dtype is torch.float32 and x.is_cpu and router.is_cpu and x.dim() == 2
     if not (ok and x.is_contiguous() and router.is_contiguous() and router.shape[1] == x.shape[1]):
         raise ValueError("moe_route_f32 takes contiguous float32 CPU rows [M, hidden] and a router [E, hidden]")
+    return _route(
+        _ROUTE_F32,
+        "moe_route_f32",
+        x,
+        router,
+        top_k,
+        scoring,
+        "at most 1024 experts, 1 <= top_k <= experts, hidden % 8",
+    )
+
+
+def _route(
+    kernel: NativeKernel, name: str, x: torch.Tensor, router: torch.Tensor, top_k: int, scoring: str, limits: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a checked routing kernel over rows x [M, hidden]: (experts [M, k] int64, weights [M, k] float32)."""
     experts = torch.empty(x.shape[0], top_k, dtype=torch.int64)
     weights = torch.empty(x.shape[0], top_k, dtype=torch.float32)
-    rc = _ROUTE_F32.fn()(x.data_ptr(), router.data_ptr(), x.shape[0], x.shape[1], router.shape[0], top_k,
-                         ROUTE_SCORINGS.index(scoring), experts.data_ptr(), weights.data_ptr())  # fmt: skip
+    rc = kernel.fn()(x.data_ptr(), router.data_ptr(), x.shape[0], x.shape[1], router.shape[0], top_k,
+                     ROUTE_SCORINGS.index(scoring), experts.data_ptr(), weights.data_ptr())  # fmt: skip
     if rc != 0:
-        raise ValueError(f"moe_route_f32 failed (code {rc}): at most 1024 experts, 1 <= top_k <= experts, hidden % 8")
+        raise ValueError(f"{name} failed (code {rc}): {limits}")
     return experts, weights
